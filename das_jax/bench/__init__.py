@@ -1,0 +1,1 @@
+"""das_jax.bench"""
