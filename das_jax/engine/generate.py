@@ -1,0 +1,435 @@
+"""Continuous-batching generation with speculative verification: `Engine.generate`.
+
+The host loop owns the bookkeeping (which request is in which cache row, its pending token, its
+cache length); the device runs `step.prefill_insert` and `step.verify` on a donated KV cache.
+
+* Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
+  refilled from the queue; when the queue is empty and the live rows fit a smaller bucket, they
+  are compacted into it, so the long tail runs a small, cheap batch.
+* Shapes: W from `draft_widths`, B from batch buckets, the attended cache length from
+  power-of-two buckets, prompt lengths from power-of-two buckets. Each distinct shape is compiled
+  once (ahead of time, timed separately as `compile_s`).
+* Exactness: every token is sampled with the position-keyed rule of `sampling.py`, seeded by the
+  request's own seed, so outputs do not depend on drafts, slots, buckets or batch neighbours
+  (up to float rounding of the logits across shapes: see ../shared/DESIGN.md).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from das_jax.engine import step as step_lib
+from das_jax.engine.policy import FixedPolicy, RowView, SpeculationPolicy, StepRecord
+from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
+from das_jax.models.config import ModelConfig
+from das_jax.models.transformer import KVCache, Params
+
+
+class GenerateError(ValueError):
+    """Bad generation input, raised before anything is compiled (names the request and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One rollout to generate.
+
+    prompt_ids: token ids of the rendered prompt (non-empty).
+    problem_id: the problem it samples (drafters share history per problem; seeds derive from it).
+    sample_index: index within the problem's group (GRPO `num_generations`).
+    seed: explicit request seed; default `request_seed(run seed, problem_id, sample_index)`.
+    """
+
+    prompt_ids: tuple[int, ...]
+    problem_id: Hashable = 0
+    sample_index: int = 0
+    seed: int | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """token_ids / logprobs: generated tokens and their log-probs under the sampling distribution;
+    finish_reason: "stop" (a stop token, included) or "length" (max_new_tokens)."""
+
+    request: Request
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    forward_passes: int = 0
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+@dataclasses.dataclass
+class GenerateStats:
+    """Counters and timers of one `generate` call (seconds of wall time; compile time excluded
+    from the phase timers and reported as `compile_s`)."""
+
+    forward_passes: int = 0
+    generated_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    policy_s: float = 0.0
+    wall_s: float = 0.0
+    compile_s: float = 0.0
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per verify step per row (1.0 without speculation)."""
+        rows = sum(s.active for s in self.steps)
+        return sum(s.emitted for s in self.steps) / rows if rows else 0.0
+
+    def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
+        d["acceptance_length"] = self.acceptance_length
+        if with_steps:
+            d["steps"] = [dataclasses.asdict(s) for s in self.steps]
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine settings.
+
+    max_slots: most concurrent rows (largest batch bucket).
+    max_cache_len: most positions per row (prompt + completion + draft width); the cache of one
+      `generate` call is sized to what its requests need, up to this.
+    draft_widths: compiled W values (1 + draft tokens); must contain 1.
+    min_prompt_bucket: smallest prompt-length bucket.
+    """
+
+    max_slots: int = 16
+    max_cache_len: int = 2048
+    draft_widths: tuple[int, ...] = (1, 4, 8)
+    min_prompt_bucket: int = 16
+
+    def __post_init__(self):
+        if self.max_slots < 1:
+            raise GenerateError(f"max_slots must be >= 1, got {self.max_slots}")
+        widths = tuple(sorted(set(int(w) for w in self.draft_widths)))
+        if not widths or widths[0] != 1:
+            raise GenerateError(f"draft_widths must include 1 (plain decoding), got "
+                                f"{self.draft_widths}")
+        object.__setattr__(self, "draft_widths", widths)
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        out, b = [], 1
+        while b < self.max_slots:
+            out.append(b)
+            b *= 2
+        return tuple(out) + (self.max_slots,)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    b = floor
+    while b < n:
+        b *= 2
+    return b
+
+
+class _Compiled:
+    """Ahead-of-time compiled variants, keyed by static shape; time spent compiling is counted."""
+
+    def __init__(self):
+        self._cache: dict[tuple, Any] = {}
+        self.compile_s = 0.0
+
+    def get(self, key: tuple, fn, *args, **static):
+        compiled = self._cache.get(key)
+        if compiled is None:
+            t0 = time.perf_counter()
+            compiled = fn.lower(*args, **static).compile()
+            self.compile_s += time.perf_counter() - t0
+            self._cache[key] = compiled
+        return compiled
+
+
+class Engine:
+    """The rollout engine for one model.
+
+    Args:
+      config: model config; params: model params (the engine reads whatever params it is given at
+      each `generate` call, so a trainer passes its freshly updated params).
+      eos_token_ids: the tokenizer's end-of-sequence ids (always stop tokens).
+      engine_config: `EngineConfig`.
+    """
+
+    def __init__(self, config: ModelConfig, params: Params, eos_token_ids: Sequence[int] = (),
+                 engine_config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.params = params
+        self.eos_token_ids = validate_stop_ids(eos_token_ids, config.vocab_size)
+        self.engine_config = engine_config
+        self._compiled = _Compiled()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, requests: Sequence[Request], sampling: SamplingParams) -> None:
+        if not isinstance(sampling, SamplingParams):
+            raise SamplingError("sampling must be a SamplingParams")
+        validate_stop_ids(sampling.stop_token_ids, self.config.vocab_size)
+        if not requests:
+            raise GenerateError("no requests to generate (num_samples must be >= 1)")
+        max_w = max(self.engine_config.draft_widths)
+        limit = self.engine_config.max_cache_len
+        for i, r in enumerate(requests):
+            if len(r.prompt_ids) == 0:
+                raise GenerateError(f"request {i} (problem {r.problem_id!r}) has an empty prompt; "
+                                    "every prompt needs at least one token")
+            need = len(r.prompt_ids) + sampling.max_new_tokens + max_w
+            if need > limit:
+                raise GenerateError(
+                    f"request {i} (problem {r.problem_id!r}): prompt of {len(r.prompt_ids)} tokens + "
+                    f"max_new_tokens={sampling.max_new_tokens} + draft width {max_w} needs {need} "
+                    f"cache positions but max_cache_len={limit}; shorten the prompt, lower "
+                    f"max_new_tokens, or raise max_cache_len")
+            bad = [t for t in r.prompt_ids if not 0 <= int(t) < self.config.vocab_size]
+            if bad:
+                raise GenerateError(f"request {i}: token ids {bad[:5]} outside the vocabulary "
+                                    f"[0, {self.config.vocab_size})")
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        requests: Sequence[Request],
+        sampling: SamplingParams,
+        drafter=None,
+        policy: SpeculationPolicy | None = None,
+        params: Params | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[list[RequestOutput], GenerateStats]:
+        """Generates every request with continuous batching and (optional) speculation.
+
+        Args:
+          requests: the rollouts; outputs come back in the same order.
+          sampling: `SamplingParams` shared by all requests.
+          drafter: None (plain decoding) or an object implementing the Drafter protocol of
+            `das_jax.drafter` (begin / propose / append / end).
+          policy: speculation policy (default `FixedPolicy()`, i.e. draft up to max width - 1).
+          params: params to sample from (default: the engine's).
+          progress: optional callback(finished_requests, total).
+
+        Returns:
+          (outputs, stats).
+
+        Raises:
+          GenerateError / SamplingError: bad input, before any compilation.
+        """
+        self._validate(requests, sampling)
+        params = self.params if params is None else params
+        ec = self.engine_config
+        policy = policy or FixedPolicy()
+        widths = ec.draft_widths if drafter is not None else (1,)
+        max_w = max(widths)
+        stop_ids = set(self.eos_token_ids) | set(sampling.stop_token_ids)
+        skey = sampling.static_key()
+        stats = GenerateStats()
+        compile_before = self._compiled.compile_s
+        t_start = time.perf_counter()
+
+        n = len(requests)
+        seeds = np.array([r.seed if r.seed is not None else
+                          request_seed(sampling.seed, r.problem_id, r.sample_index)
+                          for r in requests], np.int64).astype(np.int32)
+        outputs = [RequestOutput(r, [], [], "") for r in requests]
+        order = policy.admission_order([r.problem_id for r in requests])
+        queue = collections.deque(order)
+        max_prompt = max(len(r.prompt_ids) for r in requests)
+        S = min(_pow2_at_least(max_prompt + sampling.max_new_tokens + max_w, 128), ec.max_cache_len)
+        S = max(S, max_prompt + sampling.max_new_tokens + max_w)
+
+        B = _bucket(min(n, ec.max_slots), ec.batch_buckets)
+        cache = KVCache.zeros(self.config, B, S, params["embed"].dtype)
+        row_req = np.full(B, -1, np.int64)      # request index in each row, -1 = free
+        cache_len = np.zeros(B, np.int32)       # tokens in the cache per row
+        pending = np.zeros(B, np.int32)         # sampled, not yet fed token per row
+        row_seed = np.zeros(B, np.int32)
+        finished = 0
+
+        def finish(row: int, reason: str):
+            nonlocal finished
+            ri = row_req[row]
+            outputs[ri].finish_reason = reason
+            if drafter is not None:
+                drafter.end(int(ri))
+            policy.end(int(ri), len(outputs[ri].token_ids))
+            row_req[row] = -1
+            finished += 1
+            if progress:
+                progress(finished, n)
+
+        def emit(row: int, toks: Sequence[int], logps: Sequence[float]) -> bool:
+            """Appends emitted tokens to the row's output; returns True when the row finished."""
+            out = outputs[row_req[row]]
+            room = sampling.max_new_tokens - len(out.token_ids)
+            toks, logps = list(toks[:room]), list(logps[:room])
+            reason = ""
+            for j, t in enumerate(toks):
+                if t in stop_ids:
+                    toks, logps, reason = toks[:j + 1], logps[:j + 1], "stop"
+                    break
+            if not reason and len(out.token_ids) + len(toks) >= sampling.max_new_tokens:
+                reason = "length"
+            out.token_ids.extend(int(t) for t in toks)
+            out.logprobs.extend(float(x) for x in logps)
+            stats.generated_tokens += len(toks)
+            if drafter is not None and toks:
+                t0 = time.perf_counter()
+                drafter.append(int(row_req[row]), toks)
+                stats.draft_s += time.perf_counter() - t0
+            if reason:
+                finish(row, reason)
+                return True
+            return False
+
+        while queue or (row_req >= 0).any():
+            # ---- admit queued requests into free rows (prefill) ----
+            free = np.flatnonzero(row_req < 0)
+            if queue and len(free):
+                t0 = time.perf_counter()
+                take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+                rows = free[:len(take)]
+                uniq: dict[tuple, int] = {}
+                src = [uniq.setdefault(tuple(requests[i].prompt_ids), len(uniq)) for i in take]
+                prompts = list(uniq)
+                T = _pow2_at_least(max(len(p) for p in prompts), ec.min_prompt_bucket)
+                T = min(T, S)
+                U = _bucket(len(prompts), ec.batch_buckets)
+                R = _bucket(len(take), ec.batch_buckets)
+                toks_UxT = np.zeros((U, T), np.int32)
+                lens_U = np.ones(U, np.int32)
+                for u, p in enumerate(prompts):
+                    toks_UxT[u, :len(p)] = p
+                    lens_U[u] = len(p)
+                slots_R = np.full(R, B, np.int32)          # out of range: dropped
+                slots_R[:len(take)] = rows
+                src_R = np.zeros(R, np.int32)
+                src_R[:len(take)] = src
+                seeds_R = np.zeros(R, np.int32)
+                seeds_R[:len(take)] = seeds[take]
+                args = (self.config, skey, params, cache, toks_UxT, lens_U, slots_R, src_R, seeds_R)
+                fn = self._compiled.get(("prefill", B, S, U, T, R, skey, self.config),
+                                        step_lib.prefill_insert, *args)
+                cache, first_R, first_logp_R = fn(*args[2:])
+                first_R, first_logp_R = np.asarray(first_R), np.asarray(first_logp_R)
+                for k, (ri, row) in enumerate(zip(take, rows)):
+                    row_req[row] = ri
+                    cache_len[row] = len(requests[ri].prompt_ids)
+                    pending[row] = first_R[k]
+                    row_seed[row] = seeds[ri]
+                    policy.begin(int(ri), requests[ri].problem_id, len(requests[ri].prompt_ids))
+                    if drafter is not None:
+                        drafter.begin(int(ri), requests[ri].problem_id, list(requests[ri].prompt_ids))
+                stats.prefill_s += time.perf_counter() - t0
+                for k, row in enumerate(rows):
+                    emit(row, [int(first_R[k])], [float(first_logp_R[k])])
+                continue  # rows may have finished at once: refill before decoding
+
+            live = np.flatnonzero(row_req >= 0)
+            if not len(live):
+                continue
+            # ---- compaction into a smaller bucket for the tail ----
+            if not queue:
+                nb = _bucket(len(live), ec.batch_buckets)
+                if nb < B:
+                    rows_nb = np.zeros(nb, np.int32)
+                    rows_nb[:len(live)] = live
+                    fn = self._compiled.get(("gather", B, nb, S), step_lib.gather_rows, cache, rows_nb)
+                    cache = fn(cache, rows_nb)
+                    row_req = np.concatenate([row_req[live], np.full(nb - len(live), -1)])
+                    cache_len = np.concatenate([cache_len[live], np.zeros(nb - len(live), np.int32)])
+                    pending = np.concatenate([pending[live], np.zeros(nb - len(live), np.int32)])
+                    row_seed = np.concatenate([row_seed[live], np.zeros(nb - len(live), np.int32)])
+                    B = nb
+                    live = np.arange(len(live))
+
+            # ---- draft ----
+            views = [RowView(int(row_req[r]), requests[row_req[r]].problem_id,
+                             len(outputs[row_req[r]].token_ids),
+                             sampling.max_new_tokens - len(outputs[row_req[r]].token_ids))
+                     for r in live]
+            drafts_tok: list[np.ndarray] = []
+            drafts_prob: list[np.ndarray] = []
+            if drafter is not None:
+                t0 = time.perf_counter()
+                budgets = policy.draft_budgets(views, B, max_w)
+                stats.policy_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for v, k in zip(views, budgets):
+                    k = int(min(k, max_w - 1, v.remaining - 1))
+                    d = drafter.propose(v.request_id, k) if k > 0 else None
+                    if d is None or len(d.tokens) == 0:
+                        drafts_tok.append(np.zeros(0, np.int32))
+                        drafts_prob.append(np.zeros(0, np.float32))
+                    else:
+                        drafts_tok.append(np.asarray(d.tokens[:k], np.int32))
+                        drafts_prob.append(np.asarray(d.probs[:k], np.float32))
+                stats.draft_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                W, n_draft, predicted = policy.choose(views, drafts_prob, B, widths, 0)
+                stats.policy_s += time.perf_counter() - t0
+            else:
+                W, n_draft, predicted = 1, np.zeros(len(live), np.int32), None
+
+            # ---- verify ----
+            kv_len = min(_pow2_at_least(int(cache_len[live].max()), 128), S)
+            tokens_BxW = np.zeros((B, W), np.int32)
+            n_draft_B = np.zeros(B, np.int32)
+            tokens_BxW[:, 0] = pending
+            for j, r in enumerate(live):
+                k = int(min(n_draft[j], W - 1)) if drafter is not None else 0
+                if k:
+                    tokens_BxW[r, 1:1 + k] = drafts_tok[j][:k]
+                n_draft_B[r] = k
+            args = (self.config, skey, kv_len, params, cache, cache_len, tokens_BxW, n_draft_B,
+                    row_seed)
+            fn = self._compiled.get(("verify", B, W, S, kv_len, skey, self.config),
+                                    step_lib.verify, *args)
+            t0 = time.perf_counter()
+            cache, y_BxW, logp_BxW, n_emit_B = fn(*args[3:])
+            y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)
+            seconds = time.perf_counter() - t0
+            stats.decode_s += seconds
+            stats.forward_passes += 1
+            drafted = int(n_draft_B.sum())
+            accepted = int((n_emit_B[live] - 1).sum())
+            stats.drafted_tokens += drafted
+            stats.accepted_draft_tokens += accepted
+            emitted_total = 0
+            classes = policy.step_classes(views)
+            for r in live:
+                ne = int(n_emit_B[r])
+                out = outputs[row_req[r]]
+                out.forward_passes += 1
+                out.drafted_tokens += int(n_draft_B[r])
+                out.accepted_draft_tokens += ne - 1
+                before = len(out.token_ids)
+                cache_len[r] += ne
+                pending[r] = y_BxW[r, ne - 1]
+                emit(r, y_BxW[r, :ne], logp_BxW[r, :ne])
+                emitted_total += len(out.token_ids) - before
+            record = StepRecord(batch=B, active=len(live), width=W, kv_len=kv_len, drafted=drafted,
+                                accepted=accepted, emitted=emitted_total, seconds=seconds,
+                                predicted_seconds=predicted, classes=classes)
+            stats.steps.append(record)
+            policy.observe(record)
+
+        stats.compile_s = self._compiled.compile_s - compile_before
+        stats.wall_s = time.perf_counter() - t_start - stats.compile_s
+        return outputs, stats

@@ -1,0 +1,173 @@
+"""Position-keyed sampling: the rule that makes speculative decoding token-exact.
+
+For a request seed `s` and the absolute index `t` of the token being sampled, the draw is one
+uniform `u = U(s, t)` derived from `jax.random.fold_in(PRNGKey(s), t)`, and the token is the
+inverse CDF of the processed distribution (temperature, then top-k, then top-p, in token-id
+order) at `u`. The token is therefore a pure function of (processed logits at t, s, t): it never
+depends on a draft, a batch position or a slot, so speculation changes only the number of forward
+passes (see ../shared/DESIGN.md, "The sampling rule"). For a point-mass draft, accepting while the
+draft equals the sampled token accepts draft token d with probability p(d), the same acceptance
+probability as speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
+
+Temperature 0 is greedy (argmax, lowest id on ties) and its returned log-prob is the model's
+temperature-1 log-prob of the chosen token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters (names the parameter and its valid range)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are sampled and when a rollout stops.
+
+    Attributes:
+      temperature: >= 0; 0 means greedy.
+      top_k: keep the k most likely tokens (ties at the k-th value are kept); 0 disables.
+      top_p: nucleus mass in (0, 1]; 1 disables. Keeps the smallest set of most likely tokens whose
+        mass reaches top_p (ties at the threshold are kept).
+      max_new_tokens: >= 1, generated tokens per rollout (the stop token counts).
+      stop_token_ids: extra stop ids besides the tokenizer's eos ids; the stop token is emitted.
+      seed: run seed; request seeds derive from (seed, problem id, sample index).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise SamplingError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                                f"{self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise SamplingError(f"top_p must be in (0, 1] (1 disables), got {self.top_p!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens must be an integer >= 1, got "
+                                f"{self.max_new_tokens!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def static_key(self) -> tuple:
+        """The part of the params that shapes the compiled sampling code."""
+        return (float(self.temperature), int(self.top_k), float(self.top_p))
+
+
+def request_seed(run_seed: int, problem_id: str | int, sample_index: int) -> int:
+    """A 31-bit request seed from (run seed, problem id, sample index) only (stable across runs).
+
+    Never derived from a slot, batch position or device, so none of them can change a rollout.
+    """
+    import hashlib
+    digest = hashlib.blake2b(f"{run_seed}\x1f{problem_id}\x1f{sample_index}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def _float_bits(x):
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _top_p_threshold(probs_NxV: jax.Array, top_p: float) -> jax.Array:
+    """Exact nucleus threshold per row: the largest tau with sum(p[p >= tau]) >= top_p.
+
+    Bisection over the int32 bit patterns of non-negative float32 values (order-preserving), so
+    31 masked sums find tau exactly, without a sort. Returns float32 `[N, 1]`.
+    """
+    lo = jnp.zeros(probs_NxV.shape[:1], jnp.int32)           # bits(0.0): mass(>= 0) = 1 >= p
+    hi = _float_bits(jnp.max(probs_NxV, axis=-1)) + 1        # mass(>= above max) = 0 < p
+
+    def body(_, carry):
+        lo, hi = carry
+        mid = lo + (hi - lo) // 2
+        tau = jax.lax.bitcast_convert_type(mid, jnp.float32)[:, None]
+        mass = jnp.sum(jnp.where(probs_NxV >= tau, probs_NxV, 0.0), axis=-1)
+        ok = mass >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)[:, None]
+
+
+def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, top_p: float):
+    """Log-probabilities of the sampling distribution: float32 `[N, V]`, -inf outside the support.
+
+    temperature must be > 0 here (greedy is handled by the caller).
+    """
+    logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32) / temperature, axis=-1)
+    if top_k and top_k < logits_NxV.shape[-1]:
+        kth = jax.lax.top_k(logp, top_k)[0][:, -1:]
+        logp = jnp.where(logp >= kth, logp, -jnp.inf)
+        logp = logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
+    if top_p < 1.0:
+        probs = jnp.exp(logp)
+        tau = _top_p_threshold(probs, top_p)
+        logp = jnp.where(probs >= tau, logp, -jnp.inf)
+        logp = logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
+    return logp
+
+
+def uniforms(seeds_N: jax.Array, index_N: jax.Array) -> jax.Array:
+    """u = U(seed, t) in (0, 1], float32 `[N]`: one draw per (request seed, absolute token index)."""
+    def one(seed, t):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), t)
+        return 1.0 - jax.random.uniform(key, (), jnp.float32)
+    return jax.vmap(one)(seeds_N, index_N)
+
+
+def sample(
+    logits_NxV: jax.Array,
+    seeds_N: jax.Array,
+    index_N: jax.Array,
+    sampling: SamplingParams | tuple,
+) -> tuple[jax.Array, jax.Array]:
+    """Samples one token per row with the position-keyed rule.
+
+    Args:
+      logits_NxV: float32 logits.
+      seeds_N: int32 request seeds.
+      index_N: int32 absolute index (in prompt + completion) of the token being sampled.
+      sampling: `SamplingParams` or its `static_key()` (temperature, top_k, top_p).
+
+    Returns:
+      (tokens_N int32, logprobs_N float32 under the sampling distribution).
+    """
+    temperature, top_k, top_p = (sampling.static_key() if isinstance(sampling, SamplingParams)
+                                 else sampling)
+    if temperature == 0:
+        tokens = jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32), axis=-1)
+        return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    logp = processed_logprobs(logits_NxV, temperature, top_k, top_p)
+    cdf_NxV = jnp.cumsum(jnp.exp(logp), axis=-1)
+    u_N = uniforms(seeds_N, index_N)
+    target = u_N * cdf_NxV[:, -1]
+    # Inverse CDF in token-id order: the first token whose cumulative mass reaches u.
+    tokens = jnp.sum(cdf_NxV < target[:, None], axis=-1).astype(jnp.int32)
+    tokens = jnp.minimum(tokens, logits_NxV.shape[-1] - 1)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def validate_stop_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    out = tuple(int(i) for i in ids)
+    bad = [i for i in out if not 0 <= i < vocab_size]
+    if bad:
+        raise SamplingError(f"stop token ids {bad} are outside the vocabulary [0, {vocab_size})")
+    return out

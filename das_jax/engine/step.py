@@ -1,0 +1,112 @@
+"""The two jitted device functions of the engine: prefill-and-insert, and the verify step.
+
+Both are pure functions of (params, KV cache, small int arrays). The cache is donated, so its
+update is in place. Shapes are static per compiled variant:
+
+* prefill: `U` unique prompts padded to `T` tokens (a prompt-length bucket), inserted into `R`
+  slots (GRPO's `num_generations` samples of one prompt share one prefill).
+* verify: `tokens[B, W]`, W = 1 + draft width from a small compiled set, B from batch buckets,
+  attending to the first `kv_len` cache positions (a bucket of the longest live row).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from das_jax.engine import sampling as sampling_lib
+from das_jax.models.config import ModelConfig
+from das_jax.models.transformer import KVCache, Params, forward, forward_hidden, lm_head
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling_key"), donate_argnames=("cache",))
+def prefill_insert(
+    config: ModelConfig,
+    sampling_key: tuple,
+    params: Params,
+    cache: KVCache,
+    tokens_UxT: jax.Array,
+    lengths_U: jax.Array,
+    slots_R: jax.Array,
+    src_R: jax.Array,
+    seeds_R: jax.Array,
+):
+    """Prefills U prompts and writes their KV into R cache rows; samples each row's first token.
+
+    Args:
+      tokens_UxT: int32 right-padded prompts; lengths_U: int32 prompt lengths (>= 1).
+      slots_R: int32 cache rows to fill (a row index >= B is dropped: padding of the R bucket).
+      src_R: int32 index into U of the prompt each slot receives.
+      seeds_R: int32 request seeds.
+
+    Returns:
+      (cache, first_tokens_R int32, first_logprobs_R float32); the first token of slot r is
+      sampled at absolute index lengths_U[src_R[r]].
+    """
+    U, T = tokens_UxT.shape
+    positions_UxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (U, T))
+    valid_UxT = positions_UxT < lengths_U[:, None]
+    scratch = KVCache.zeros(config, U, T, cache.k.dtype)
+    hidden, scratch = forward_hidden(config, params, tokens_UxT, positions_UxT, scratch,
+                                     jnp.zeros((U,), jnp.int32), valid_BxT=valid_UxT, kv_len=0)
+    last_Ux1xD = jnp.take_along_axis(hidden, (lengths_U - 1)[:, None, None], axis=1)
+    logits_UxV = lm_head(config, params, last_Ux1xD)[:, 0]
+    new_cache = KVCache(
+        k=cache.k.at[:, slots_R, :T].set(scratch.k[:, src_R], mode="drop"),
+        v=cache.v.at[:, slots_R, :T].set(scratch.v[:, src_R], mode="drop"),
+    )
+    tokens_R, logprobs_R = sampling_lib.sample(logits_UxV[src_R], seeds_R, lengths_U[src_R],
+                                               sampling_key)
+    return new_cache, tokens_R, logprobs_R
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling_key", "kv_len"),
+                   donate_argnames=("cache",))
+def verify(
+    config: ModelConfig,
+    sampling_key: tuple,
+    kv_len: int,
+    params: Params,
+    cache: KVCache,
+    cache_len_B: jax.Array,
+    tokens_BxW: jax.Array,
+    n_draft_B: jax.Array,
+    seeds_B: jax.Array,
+):
+    """One speculative decode step: writes KV for `tokens_BxW`, samples, accepts, emits.
+
+    Column 0 of `tokens_BxW` is each row's pending token (sampled last step, not yet in the
+    cache); columns 1..n_draft_B[b] are draft tokens d_1..d_k, the rest padding. At every column
+    i the target token y_i (for absolute index cache_len + i + 1) is sampled with the
+    position-keyed rule. Draft d_j is accepted while d_j == y_{j-1} for all j' <= j; with n_acc
+    accepted, the step emits y_0..y_{n_acc} (the accepted drafts and the correction or bonus token).
+    Rejected positions are rolled back by the caller advancing cache_len by n_emit only.
+
+    Returns:
+      (cache, y_BxW int32, logprobs_BxW float32, n_emit_B int32 in [1, n_draft + 1]).
+    """
+    B, W = tokens_BxW.shape
+    positions_BxW = cache_len_B[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
+    logits_BxWxV, cache = forward(config, params, tokens_BxW, positions_BxW, cache, cache_len_B,
+                                  kv_len=kv_len)
+    y_N, logp_N = sampling_lib.sample(
+        logits_BxWxV.reshape(B * W, -1), jnp.repeat(seeds_B, W), (positions_BxW + 1).reshape(-1),
+        sampling_key)
+    y_BxW, logp_BxW = y_N.reshape(B, W), logp_N.reshape(B, W)
+    if W > 1:
+        match_Bx = (tokens_BxW[:, 1:] == y_BxW[:, :-1]) & (
+            jnp.arange(1, W)[None, :] <= n_draft_B[:, None])
+        n_acc_B = jnp.sum(jnp.cumprod(match_Bx.astype(jnp.int32), axis=1), axis=1)
+    else:
+        n_acc_B = jnp.zeros((B,), jnp.int32)
+    return cache, y_BxW, logp_BxW, (n_acc_B + 1).astype(jnp.int32)
+
+
+@jax.jit
+def gather_rows(cache: KVCache, rows_B: jax.Array) -> KVCache:
+    """A cache of `len(rows_B)` rows taken from `cache` (compaction into a smaller bucket).
+
+    rows_B may repeat (padding rows).
+    """
+    return KVCache(k=cache.k[:, rows_B], v=cache.v[:, rows_B])
