@@ -144,11 +144,18 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return b
 
 
+_COMPILED_EXECUTABLES: dict[tuple, Any] = {}
+
+
 class _Compiled:
-    """Ahead-of-time compiled variants, keyed by static shape; time spent compiling is counted."""
+    """Ahead-of-time compiled variants, keyed by static shape; time spent compiling is counted.
+
+    The executables are shared by every engine of the process (`_COMPILED_EXECUTABLES`): the key
+    holds the model config, the param dtype and every static shape, never the param values.
+    """
 
     def __init__(self):
-        self._cache: dict[tuple, Any] = {}
+        self._cache = _COMPILED_EXECUTABLES
         self.compile_s = 0.0
 
     def get(self, key: tuple, fn, *args, **static):
@@ -255,7 +262,8 @@ class Engine:
         S = max(S, max_prompt + sampling.max_new_tokens + max_w)
 
         B = _bucket(min(n, ec.max_slots), ec.batch_buckets)
-        cache = KVCache.zeros(self.config, B, S, params["embed"].dtype)
+        dtype = jnp.dtype(params["embed"].dtype).name
+        cache = KVCache.zeros(self.config, B, S, dtype)
         row_req = np.full(B, -1, np.int64)      # request index in each row, -1 = free
         cache_len = np.zeros(B, np.int32)       # tokens in the cache per row
         pending = np.zeros(B, np.int32)         # sampled, not yet fed token per row
@@ -324,7 +332,7 @@ class Engine:
                 seeds_R = np.zeros(R, np.int32)
                 seeds_R[:len(take)] = seeds[take]
                 args = (self.config, skey, params, cache, toks_UxT, lens_U, slots_R, src_R, seeds_R)
-                fn = self._compiled.get(("prefill", B, S, U, T, R, skey, self.config),
+                fn = self._compiled.get(("prefill", B, S, U, T, R, skey, self.config, dtype),
                                         step_lib.prefill_insert, *args)
                 cache, first_R, first_logp_R = fn(*args[2:])
                 first_R, first_logp_R = np.asarray(first_R), np.asarray(first_logp_R)
@@ -350,7 +358,8 @@ class Engine:
                 if nb < B:
                     rows_nb = np.zeros(nb, np.int32)
                     rows_nb[:len(live)] = live
-                    fn = self._compiled.get(("gather", B, nb, S), step_lib.gather_rows, cache, rows_nb)
+                    fn = self._compiled.get(("gather", B, nb, S, self.config, dtype), step_lib.gather_rows,
+                                            cache, rows_nb)
                     cache = fn(cache, rows_nb)
                     row_req = np.concatenate([row_req[live], np.full(nb - len(live), -1)])
                     cache_len = np.concatenate([cache_len[live], np.zeros(nb - len(live), np.int32)])
@@ -399,7 +408,7 @@ class Engine:
                 n_draft_B[r] = k
             args = (self.config, skey, kv_len, params, cache, cache_len, tokens_BxW, n_draft_B,
                     row_seed)
-            fn = self._compiled.get(("verify", B, W, S, kv_len, skey, self.config),
+            fn = self._compiled.get(("verify", B, W, S, kv_len, skey, self.config, dtype),
                                     step_lib.verify, *args)
             t0 = time.perf_counter()
             cache, y_BxW, logp_BxW, n_emit_B = fn(*args[3:])
