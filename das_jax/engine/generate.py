@@ -368,6 +368,7 @@ class Engine:
                     B = nb
                     live = np.arange(len(live))
 
+            kv_len = min(_pow2_at_least(int(cache_len[live].max()), 128), S)
             # ---- draft ----
             views = [RowView(int(row_req[r]), requests[row_req[r]].problem_id,
                              len(outputs[row_req[r]].token_ids),
@@ -391,13 +392,12 @@ class Engine:
                         drafts_prob.append(np.asarray(d.probs[:k], np.float32))
                 stats.draft_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                W, n_draft, predicted = policy.choose(views, drafts_prob, B, widths, 0)
+                W, n_draft, predicted = policy.choose(views, drafts_prob, B, widths, kv_len)
                 stats.policy_s += time.perf_counter() - t0
             else:
                 W, n_draft, predicted = 1, np.zeros(len(live), np.int32), None
 
             # ---- verify ----
-            kv_len = min(_pow2_at_least(int(cache_len[live].max()), 128), S)
             tokens_BxW = np.zeros((B, W), np.int32)
             n_draft_B = np.zeros(B, np.int32)
             tokens_BxW[:, 0] = pending

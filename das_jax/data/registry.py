@@ -1,0 +1,59 @@
+"""`load_dataset_from_config`: one entry point for every dataset kind (used by configs / CLI)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from das_jax.data.problems import DatasetError, Problem, load_gsm8k, load_hf_dataset, load_humaneval, load_math
+from das_jax.data.synthetic import synthetic_arithmetic
+
+__all__ = ["DATASET_KINDS", "load_dataset_from_config"]
+
+DATASET_KINDS = ("arithmetic", "gsm8k", "math", "humaneval", "hf")
+
+
+def load_dataset_from_config(kind: str, path: str | os.PathLike | None = None, **kw: Any) -> list[Problem]:
+    """Load problems of a given kind.
+
+    Args:
+        kind: ``arithmetic`` (built-in synthetic; kwargs ``num_problems`` (default 256), ``seed``
+            (default 0), ``min_steps``, ``max_steps``, ``templates``; ``path`` must be None),
+            ``gsm8k`` (kwargs ``split``, ``limit``), ``math`` (``limit``), ``humaneval``
+            (``limit``), or ``hf`` (``path`` or kwarg ``name`` = hub dataset name; kwargs of
+            :func:`load_hf_dataset`).
+        path: the local jsonl(.gz) file for ``gsm8k``/``math``/``humaneval``.
+        **kw: passed to the loader. So that one config section serves every kind, ``limit``
+            also applies to ``arithmetic`` (truncates), and ``num_problems`` / ``seed`` are
+            ignored by the file kinds; other unknown keywords raise ``TypeError``.
+
+    Raises:
+        DatasetError (a ``ValueError``): unknown kind (the message lists the valid kinds), a
+            file kind without a path, a missing file (the message names the path), or a loader
+            error.
+        TypeError: a keyword the loader does not accept.
+    """
+    k = str(kind).lower().strip()
+    if k not in DATASET_KINDS:
+        raise DatasetError(f"unknown dataset kind {kind!r}; valid kinds: {', '.join(DATASET_KINDS)}")
+    if k == "arithmetic":
+        if path is not None:
+            raise DatasetError("dataset kind 'arithmetic' is generated in memory and takes no path")
+        kw.setdefault("num_problems", 256)
+        limit = kw.pop("limit", None)
+        if limit is not None:
+            kw["num_problems"] = min(int(kw["num_problems"]), int(limit))
+        return synthetic_arithmetic(**kw)
+    kw.pop("num_problems", None)
+    kw.pop("seed", None)
+    if k == "hf":
+        name = kw.pop("name", None) or path
+        if not name:
+            raise DatasetError("dataset kind 'hf' needs a hub dataset name (path=... or name=...)")
+        return load_hf_dataset(str(name), **kw)
+    if path is None:
+        raise DatasetError(f"dataset kind {k!r} needs a path to a local jsonl file (got path=None)")
+    if not os.path.exists(os.fspath(path)):
+        raise DatasetError(f"dataset kind {k!r}: file not found: {os.path.abspath(os.fspath(path))!r}")
+    loader = {"gsm8k": load_gsm8k, "math": load_math, "humaneval": load_humaneval}[k]
+    return loader(path, **kw)

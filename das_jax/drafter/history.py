@@ -1,0 +1,202 @@
+"""Per-problem rollout history: one suffix trie per problem over a sliding window of epochs.
+
+What is indexed per rollout: the last `prompt_tail` prompt tokens (default max_depth) followed by
+the generated tokens. The prompt tail lets the first output tokens be drafted from how earlier
+rollouts of the problem began, without storing the full prompt once per rollout.
+
+Window: an epoch is one visit of the problem (all rollouts it got between two `advance_epoch`
+calls). The trie holds the problem's last `window` visited epochs plus the rollouts of the
+current epoch, live ones included (their verified tokens are indexed as they are generated, so
+siblings of a GRPO group draft from each other within a step). A problem not visited in an
+epoch keeps its history, so with a finite problem set memory is bounded by
+problems x window x rollouts; `max_problems` additionally evicts the least recently visited
+problems for unbounded problem streams.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from .base import Draft
+from .suffix_tree import ScoredDraft, SuffixForest, SuffixTreeConfig
+
+
+@dataclasses.dataclass
+class _Rollout:
+    sid: int              # sequence id in the forest, -1 once un-indexed
+    prefix_len: int       # prompt-tail tokens indexed before the output
+    out_len: int = 0      # generated tokens so far
+    live: bool = True
+
+
+@dataclasses.dataclass
+class _Problem:
+    root: int
+    history: collections.deque          # of list[_Rollout], oldest first
+    current: list
+    last_epoch: int
+
+
+class ProblemHistory:
+    """Suffix tries of recent rollouts, one per problem id.
+
+    Args:
+      config: trie parameters (max_depth, draft rule).
+      window: past epochs kept per problem (>= 0; 0 keeps only the current epoch).
+      prompt_tail: prompt tokens indexed in front of each output (default config.max_depth).
+      max_problems: keep at most this many problems (least recently visited dropped at
+        `advance_epoch`); None = unbounded.
+      forest: share an existing node pool (its config wins).
+    """
+
+    def __init__(self, config: SuffixTreeConfig = SuffixTreeConfig(), window: int = 16,
+                 prompt_tail: int | None = None, max_problems: int | None = None,
+                 forest: SuffixForest | None = None):
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self.forest = forest if forest is not None else SuffixForest(config)
+        self.config = self.forest.config
+        self.window = window
+        self.prompt_tail = self.config.max_depth if prompt_tail is None else prompt_tail
+        self.max_problems = max_problems
+        self.epoch = 0
+        self._problems: dict[Hashable, _Problem] = {}
+        self._rollouts: dict[int, tuple[Hashable, _Rollout]] = {}   # live, by handle
+        self._next_handle = 0
+
+    # ------------------------------------------------------------------ rollouts
+    def start_rollout(self, problem_id: Hashable, prompt_ids: Sequence[int]) -> int:
+        """A rollout of `problem_id` begins; returns a handle for extend/finish."""
+        prob = self._problems.get(problem_id)
+        if prob is None:
+            prob = _Problem(self.forest.new_tree(), collections.deque(), [], self.epoch)
+            self._problems[problem_id] = prob
+        prob.last_epoch = self.epoch
+        prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
+        tail = prompt[max(0, prompt.size - self.prompt_tail):] if self.prompt_tail else prompt[:0]
+        sid = self.forest.new_seq(prob.root)
+        self.forest.append(sid, tail)
+        ro = _Rollout(sid, int(tail.size))
+        prob.current.append(ro)
+        handle = self._next_handle
+        self._next_handle += 1
+        self._rollouts[handle] = (problem_id, ro)
+        return handle
+
+    def extend_rollout(self, handle: int, token_ids: Sequence[int]) -> None:
+        """Index verified tokens of a live rollout. KeyError for an unknown/finished handle."""
+        _, ro = self._rollouts[handle]
+        n = len(token_ids)
+        ro.out_len += n
+        if ro.sid >= 0 and n:
+            self.forest.append(ro.sid, token_ids)
+
+    def finish_rollout(self, handle: int) -> None:
+        """The rollout ended; it stays indexed in its epoch. KeyError for an unknown handle."""
+        _, ro = self._rollouts.pop(handle)
+        ro.live = False
+        if ro.sid >= 0:
+            self.forest.freeze(ro.sid)
+
+    # ------------------------------------------------------------------ epochs
+    def advance_epoch(self) -> None:
+        """Close the current epoch: visited problems push it into their window and slide it."""
+        self.epoch += 1
+        for pid in list(self._problems):
+            prob = self._problems[pid]
+            if prob.current:
+                prob.history.append(prob.current)
+                prob.current = []
+                while len(prob.history) > self.window:
+                    for ro in prob.history.popleft():
+                        self._unindex(ro)
+            if not prob.history and not prob.current:
+                self._drop(pid)
+        if self.max_problems is not None and len(self._problems) > self.max_problems:
+            order = sorted(self._problems, key=lambda p: self._problems[p].last_epoch)
+            for pid in order[: len(self._problems) - self.max_problems]:
+                prob = self._problems[pid]
+                for ep in list(prob.history) + [prob.current]:
+                    for ro in ep:
+                        self._unindex(ro)
+                self._drop(pid)
+
+    def _unindex(self, ro: _Rollout):
+        if ro.sid >= 0:
+            self.forest.remove(ro.sid)     # a still-live rollout keeps drafting, unindexed
+            ro.sid = -1
+
+    def _drop(self, pid):
+        prob = self._problems.pop(pid)
+        self.forest.drop_tree(prob.root)
+
+    # ------------------------------------------------------------------ queries
+    def propose(self, problem_id: Hashable, context: np.ndarray, max_tokens: int,
+                handle: int | None = None) -> ScoredDraft:
+        """Draft for `context` (int32 [n]) from `problem_id`'s trie (empty for unknown ids).
+
+        `handle`: the live rollout whose context this is; its own trailing occurrences are not
+        counted (KeyError if unknown).
+        """
+        prob = self._problems.get(problem_id)
+        if prob is None:
+            return ScoredDraft(Draft.empty(), 0, 0.0)
+        own = -1 if handle is None else self._rollouts[handle][1].sid
+        return self.forest.propose(prob.root, context, max_tokens, own)
+
+    def lengths(self, problem_id: Hashable) -> list[int]:
+        """Output lengths (generated tokens) of the problem's finished rollouts in the window,
+        oldest epoch first."""
+        prob = self._problems.get(problem_id)
+        if prob is None:
+            return []
+        return [ro.out_len for ep in list(prob.history) + [prob.current] for ro in ep
+                if not ro.live]
+
+    def problems(self) -> list:
+        return list(self._problems)
+
+    def num_rollouts(self, problem_id: Hashable) -> int:
+        """Rollouts of the problem currently indexed (window + current epoch)."""
+        prob = self._problems.get(problem_id)
+        if prob is None:
+            return 0
+        return sum(ro.sid >= 0 for ep in list(prob.history) + [prob.current] for ro in ep)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        def ro_state(ro):
+            return [ro.sid, ro.prefix_len, ro.out_len, ro.live]
+        live = {id(ro): h for h, (_, ro) in self._rollouts.items()}
+        return {
+            "forest": self.forest.state_dict(), "window": self.window,
+            "prompt_tail": self.prompt_tail, "max_problems": self.max_problems,
+            "epoch": self.epoch, "next_handle": self._next_handle,
+            "problems": [
+                [pid, p.root, p.last_epoch,
+                 [[ro_state(ro) + [live.get(id(ro), -1)] for ro in ep]
+                  for ep in list(p.history) + [p.current]]]
+                for pid, p in self._problems.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.forest.load_state_dict(state["forest"])
+        self.window, self.prompt_tail = state["window"], state["prompt_tail"]
+        self.max_problems, self.epoch = state["max_problems"], state["epoch"]
+        self._next_handle = state["next_handle"]
+        self._problems, self._rollouts = {}, {}
+        for pid, root, last_epoch, epochs in state["problems"]:
+            eps = []
+            for ep in epochs:
+                rows = []
+                for sid, prefix_len, out_len, live, handle in ep:
+                    ro = _Rollout(sid, prefix_len, out_len, live)
+                    rows.append(ro)
+                    if handle >= 0:
+                        self._rollouts[handle] = (pid, ro)
+                eps.append(rows)
+            self._problems[pid] = _Problem(root, collections.deque(eps[:-1]), eps[-1],
+                                           last_epoch)

@@ -1,0 +1,135 @@
+"""The decode-step cost model the DAS policy plans with, fitted from the engine's own timings.
+
+    t(B, W, S) = c_base + c_tok * B * W + c_kv * B * S          [seconds]
+
+c_base is the per-step cost independent of batch (reading the weights once, launch and host
+overhead), c_tok the cost of each verified token row (matmul FLOPs, logits, sampling), c_kv the
+cost of reading one cached position of one row (attention). This is the cost decomposition of DAS
+(arXiv 2511.13841, §4: "base and token-level costs") with an attention term added, since on a
+CPU at long contexts the cache read is not negligible. The coefficients are fitted by
+non-negative least squares over recent (B, W, S, seconds) observations: first at warm-up
+(`calibrate`), then refined with every step the engine runs.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Iterable
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class CostModel:
+    """t(B, W, S) = c_base + c_tok * B * W + c_kv * B * S, seconds.
+
+    Attributes:
+      c_base, c_tok, c_kv: coefficients (seconds, seconds per token row, seconds per cached
+        position per row). The defaults are a neutral prior (a step costs about as much as 16
+        extra token rows) used until observations arrive.
+      history: how many recent observations the fit uses (older ones are dropped, so the model
+        follows drift such as thermal throttling or a co-tenant).
+    """
+
+    c_base: float = 0.05
+    c_tok: float = 0.003
+    c_kv: float = 0.0
+    history: int = 512
+    observations: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+    def predict(self, batch: int, width: int, kv_len: int = 0) -> float:
+        return self.c_base + self.c_tok * batch * width + self.c_kv * batch * kv_len
+
+    def observe(self, batch: int, width: int, kv_len: int, seconds: float, refit: bool = True):
+        self.observations.append((batch, width, kv_len, seconds))
+        while len(self.observations) > self.history:
+            self.observations.popleft()
+        if refit:
+            self.fit()
+
+    def fit(self) -> None:
+        """Non-negative least squares over the observations. Terms the observations cannot
+        identify (e.g. every step at one width) keep their ratio to the identified ones."""
+        if len(self.observations) < 3:
+            return
+        # One point per shape, its median time: robust to stray slow steps (first runs, GC).
+        by_shape: dict[tuple, list[float]] = {}
+        for b, w, s, t in self.observations:
+            by_shape.setdefault((b, w, s), []).append(t)
+        obs = np.array([(b, w, s, np.median(ts)) for (b, w, s), ts in by_shape.items()], np.float64)
+        X = np.stack([np.ones(len(obs)), obs[:, 0] * obs[:, 1], obs[:, 0] * obs[:, 2]], axis=1)
+        y = obs[:, 3]
+        cols = [0] + [j for j in (1, 2) if np.ptp(X[:, j]) > 0]
+        if len(cols) == 1:
+            # One shape cannot separate the terms: keep the current ratios, match the level.
+            scale = float(np.median(y)) / max(float(np.median(X @ self._coef())), 1e-12)
+            self.c_base, self.c_tok, self.c_kv = (c * scale for c in self._coef())
+            return
+        coef = _nnls(X[:, cols], y)
+        full = dict(zip(cols, coef))
+        self.c_base = float(full.get(0, 0.0))
+        if 1 in full:
+            self.c_tok = float(full[1])
+        if 2 in full:
+            self.c_kv = float(full[2])
+
+    def _coef(self) -> np.ndarray:
+        return np.array([self.c_base, self.c_tok, self.c_kv])
+
+    def to_dict(self) -> dict:
+        return {"c_base": self.c_base, "c_tok": self.c_tok, "c_kv": self.c_kv}
+
+
+def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
+    """Least squares with x >= 0 by active-set elimination (few columns, so this is exact enough)."""
+    active = list(range(X.shape[1]))
+    coef = np.zeros(X.shape[1])
+    for _ in range(iters):
+        sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+        if not active:
+            break
+    return coef
+
+
+def calibrate(engine, cost_model: CostModel, batches: Iterable[int] | None = None,
+              widths: Iterable[int] | None = None, kv_lens: Iterable[int] = (128, 512),
+              repeats: int = 3) -> CostModel:
+    """Times the engine's verify step at several (B, W, S) shapes and fits `cost_model`.
+
+    Runs on dummy tokens (compiling each shape once, not timed); the median of `repeats` timed
+    calls per shape is one observation. Returns the fitted model.
+    """
+    import jax.numpy as jnp
+    from das_jax.engine import step as step_lib
+    from das_jax.models.transformer import KVCache
+
+    ec = engine.engine_config
+    batches = tuple(batches or sorted({1, ec.max_slots // 2 or 1, ec.max_slots}))
+    widths = tuple(widths or ec.draft_widths)
+    dtype = engine.params["embed"].dtype
+    skey = (1.0, 0, 1.0)
+    for B in batches:
+        for S in kv_lens:
+            S = min(S, ec.max_cache_len)
+            cache = KVCache.zeros(engine.config, B, S + max(widths), dtype)
+            for W in widths:
+                args = (engine.config, skey, S, engine.params, cache, jnp.full((B,), S - 1, jnp.int32),
+                        jnp.zeros((B, W), jnp.int32), jnp.zeros((B,), jnp.int32),
+                        jnp.zeros((B,), jnp.int32))
+                fn = engine._compiled.get(("verify", B, W, S + max(widths), S, skey, engine.config,
+                                           jnp.dtype(dtype).name), step_lib.verify, *args)
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    cache, y, *_ = fn(*args[3:4], cache, *args[5:])
+                    np.asarray(y)
+                    times.append(time.perf_counter() - t0)
+                cost_model.observe(B, W, S, float(np.median(times)), refit=False)
+    cost_model.fit()
+    return cost_model

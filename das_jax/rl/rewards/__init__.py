@@ -1,0 +1,60 @@
+"""das_jax.rl.rewards: reward functions with TRL's signature.
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+``columns`` are dataset columns, one value per completion (``answer``, ``problem_id``; for code
+``test``, ``entry_point``, ``code_prompt``); ``das_jax.data.reward_kwargs(problems)`` builds them.
+
+Public surface:
+    math_accuracy_reward(prompts, completions, *, answer, **kw) -> list[float]   1.0 / 0.0
+        math-verify (main thread, bounded by signal timeouts) + numeric fallback (#### N or the
+        last number; commas, $, trailing .0 normalised); off the main thread only the fallback.
+    format_reward(prompts, completions, **kw) -> list[float]     1.0 if "#### <number>" or \\boxed{}
+    code_reward(prompts, completions, *, test, entry_point | answer, code_prompt=None, **kw)
+        -> list[float]                                           1.0 if the tests pass in the sandbox
+    make_code_reward(*, timeout_s=5.0, memory_mb=1024, num_workers=2, max_procs=16)
+    run_in_sandbox(program, *, timeout_s=5.0, memory_mb=1024, max_procs=16, max_file_mb=16,
+                   guard=True) -> SandboxResult
+    sandbox_capabilities(refresh=False) -> SandboxCapabilities
+    safe_reward(fn, name=None) -> fn        exceptions / wrong length -> zeros + logged error;
+                                            None / NaN per sample -> 0.0
+    combine_rewards(fns, weights=None, *, names=None) -> fn   weighted sum of safe rewards;
+                                            fn.breakdown(...) -> (total, {name: values})
+    get_reward_fn(name) -> fn               names: math_accuracy, format, code (KeyError otherwise)
+    register_reward_fn(name, fn, *, overwrite=False)
+    math_answer_correct(completion, answer, *, use_math_verify=True, timeout_s=3) -> bool
+    extract_final_number(completion) -> str | None
+"""
+
+from das_jax.rl.rewards.code_reward import build_program, code_reward, extract_code, make_code_reward
+from das_jax.rl.rewards.math_reward import (
+    extract_final_number,
+    format_reward,
+    math_accuracy_reward,
+    math_answer_correct,
+)
+from das_jax.rl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, register_reward_fn
+from das_jax.rl.rewards.safety import RewardFn, combine_rewards, reward_name, safe_reward
+from das_jax.rl.rewards.sandbox import SandboxCapabilities, SandboxResult, run_in_sandbox, sandbox_capabilities
+
+__all__ = [
+    "RewardFn",
+    "math_accuracy_reward",
+    "format_reward",
+    "code_reward",
+    "make_code_reward",
+    "build_program",
+    "extract_code",
+    "run_in_sandbox",
+    "sandbox_capabilities",
+    "SandboxResult",
+    "SandboxCapabilities",
+    "safe_reward",
+    "combine_rewards",
+    "reward_name",
+    "get_reward_fn",
+    "register_reward_fn",
+    "REWARD_FUNCTIONS",
+    "math_answer_correct",
+    "extract_final_number",
+]

@@ -1,0 +1,43 @@
+"""Reward functions by name (for configs): ``math_accuracy``, ``format``, ``code``."""
+
+from __future__ import annotations
+
+from das_jax.rl.rewards.code_reward import code_reward
+from das_jax.rl.rewards.math_reward import format_reward, math_accuracy_reward
+from das_jax.rl.rewards.safety import RewardFn
+
+__all__ = ["REWARD_FUNCTIONS", "get_reward_fn", "register_reward_fn"]
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "math_accuracy": math_accuracy_reward,
+    "format": format_reward,
+    "code": code_reward,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The reward function registered under ``name``.
+
+    Raises:
+        KeyError: unknown name (the message lists the valid names).
+    """
+    try:
+        return REWARD_FUNCTIONS[name]
+    except KeyError:
+        raise KeyError(f"unknown reward function {name!r}; valid names: {', '.join(sorted(REWARD_FUNCTIONS))}") from None
+
+
+def register_reward_fn(name: str, fn: RewardFn, *, overwrite: bool = False) -> None:
+    """Register a reward function under ``name``.
+
+    Raises:
+        ValueError: ``name`` is taken and ``overwrite`` is False.
+        TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"reward function {name!r} is not callable")
+    if name in REWARD_FUNCTIONS and not overwrite:
+        raise ValueError(f"reward function {name!r} is already registered (pass overwrite=True)")
+    REWARD_FUNCTIONS[name] = fn
+
+

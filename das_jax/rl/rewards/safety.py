@@ -1,0 +1,143 @@
+"""Make user reward functions safe to call from the training loop.
+
+A reward function that raises, returns the wrong number of values, or returns None / NaN for a
+sample must never crash a run: the error is logged (``logging``, logger
+``das_jax.rl.rewards.safety``, naming the function and the exception) and the affected samples
+get 0.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any, Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RewardFn", "safe_reward", "combine_rewards", "reward_name"]
+
+#: TRL signature: ``fn(prompts, completions, **columns) -> list[float | None]``.
+RewardFn = Callable[..., Sequence[Any]]
+
+
+def reward_name(fn: Any) -> str:
+    """A readable name for a reward function (``__name__``, or the wrapped function's)."""
+    for obj in (fn, getattr(fn, "func", None)):
+        name = getattr(obj, "__name__", None)
+        if name:
+            return name
+    return type(fn).__name__
+
+
+def _sanitize(name: str, values: Any, n: int) -> list[float]:
+    if values is None:
+        raise TypeError(f"returned None instead of a list of {n} rewards")
+    try:
+        vals = list(values)
+    except TypeError as e:
+        raise TypeError(f"returned {type(values).__name__}, expected a list of {n} rewards") from e
+    if len(vals) != n:
+        raise ValueError(f"returned {len(vals)} rewards for {n} completions")
+    out = []
+    bad = 0
+    for v in vals:
+        if v is None:
+            out.append(0.0)
+            continue
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = math.nan
+        if not math.isfinite(f):
+            bad += 1
+            f = 0.0
+        out.append(f)
+    if bad:
+        logger.warning("reward function %r returned %d non-finite/non-numeric value(s); using 0.0", name, bad)
+    return out
+
+
+def safe_reward(fn: RewardFn, name: str | None = None) -> Callable[..., list[float]]:
+    """Wrap a reward function so that it never raises.
+
+    The wrapper calls ``fn(prompts, completions, **kwargs)`` and returns ``list[float]`` of
+    length ``len(completions)``:
+      * ``None`` for a sample -> 0.0 (TRL's "not applicable"); NaN/inf/non-numeric -> 0.0 with
+        a warning;
+      * an exception, a non-list result or a result of the wrong length -> all 0.0, and an
+        ERROR log record naming the function and the exception (with traceback).
+
+    Args:
+        fn: the reward function.
+        name: name used in logs (default: ``fn.__name__``).
+    """
+    fname = name or reward_name(fn)
+
+    @functools.wraps(fn)
+    def wrapper(prompts: Sequence[str], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        n = len(completions)
+        try:
+            return _sanitize(fname, fn(prompts, completions, **kwargs), n)
+        except Exception as e:  # noqa: BLE001 - the whole point
+            logger.error("reward function %r failed (%s: %s); giving 0.0 to %d sample(s)",
+                         fname, type(e).__name__, e, n, exc_info=True)
+            return [0.0] * n
+
+    wrapper.__name__ = fname
+    wrapper.__das_safe__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def combine_rewards(
+    fns: Sequence[RewardFn], weights: Sequence[float] | None = None, *, names: Sequence[str] | None = None
+) -> Callable[..., list[float]]:
+    """Weighted sum of several reward functions, each wrapped with :func:`safe_reward`.
+
+    Args:
+        fns: reward functions (TRL signature).
+        weights: one weight per function (default all 1.0).
+        names: names for logs (default the functions' names).
+
+    Returns:
+        ``fn(prompts, completions, **kwargs) -> list[float]``; it also has
+        ``.breakdown(prompts, completions, **kwargs) -> (total, {name: per-sample rewards})``
+        for logging each component.
+
+    Raises:
+        ValueError: empty ``fns`` or mismatched ``weights``/``names`` lengths.
+    """
+    fns = list(fns)
+    if not fns:
+        raise ValueError("combine_rewards needs at least one reward function")
+    w = [1.0] * len(fns) if weights is None else [float(x) for x in weights]
+    if len(w) != len(fns):
+        raise ValueError(f"combine_rewards: {len(w)} weights for {len(fns)} reward functions")
+    nm = [reward_name(f) for f in fns] if names is None else list(names)
+    if len(nm) != len(fns):
+        raise ValueError(f"combine_rewards: {len(nm)} names for {len(fns)} reward functions")
+    # disambiguate duplicate names: format, format_1, ...
+    seen: dict[str, int] = {}
+    uniq = []
+    for x in nm:
+        k = seen.get(x, 0)
+        seen[x] = k + 1
+        uniq.append(x if k == 0 else f"{x}_{k}")
+    safe = [safe_reward(f, n) for f, n in zip(fns, uniq)]
+
+    def breakdown(prompts: Sequence[str], completions: Sequence[Any], **kwargs: Any):
+        parts = {n: f(prompts, completions, **kwargs) for n, f in zip(uniq, safe)}
+        total = [0.0] * len(completions)
+        for wi, n in zip(w, uniq):
+            for j, v in enumerate(parts[n]):
+                total[j] += wi * v
+        return total, parts
+
+    def combined(prompts: Sequence[str], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        return breakdown(prompts, completions, **kwargs)[0]
+
+    combined.__name__ = "combined(" + ",".join(uniq) + ")"
+    combined.breakdown = breakdown  # type: ignore[attr-defined]
+    combined.names = tuple(uniq)  # type: ignore[attr-defined]
+    combined.weights = tuple(w)  # type: ignore[attr-defined]
+    return combined
