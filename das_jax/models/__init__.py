@@ -1,6 +1,43 @@
-"""Decoder-only transformer family (Llama, Qwen2, Qwen3, SmolLM2) and its loaders."""
-from das_jax.models.config import ModelConfig, ModelConfigError, RopeScaling
-from das_jax.models.transformer import KVCache, forward, forward_hidden, init_params, lm_head, token_logprobs
+"""Decoder-only transformer family (Llama, Qwen2, Qwen3, SmolLM2) and its loaders.
 
-__all__ = ["ModelConfig", "ModelConfigError", "RopeScaling", "KVCache", "forward", "forward_hidden",
-           "init_params", "lm_head", "token_logprobs"]
+Public surface:
+  load(source, dtype=jnp.float32) -> (ModelConfig, params, Tokenizer)
+  Tokenizer; ModelConfig; forward / forward_hidden / lm_head / token_logprobs; KVCache; init_params
+  errors: ModelLoadError (base of loader errors), WeightsError (a ModelLoadError), ModelConfigError
+  LOAD_ERRORS: the tuple of all three, for `except LOAD_ERRORS`.
+
+Names are imported lazily (PEP 562), so importing a submodule such as `das_jax.models.cli` or
+`das_jax.models.sources` does not import jax.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ModelConfig": "config", "ModelConfigError": "config", "RopeScaling": "config",
+    "WeightsError": "convert", "params_from_hf_tensors": "convert",
+    "ModelLoadError": "errors",
+    "load": "load", "params_size": "load",
+    "SOURCES": "sources", "NamedSource": "sources",
+    "Tokenizer": "tokenizer",
+    "KVCache": "transformer", "forward": "transformer", "forward_hidden": "transformer",
+    "init_params": "transformer", "lm_head": "transformer", "token_logprobs": "transformer",
+}
+
+__all__ = sorted(_EXPORTS) + ["LOAD_ERRORS"]
+
+
+def __getattr__(name: str):
+    if name == "LOAD_ERRORS":
+        return (__getattr__("ModelLoadError"), __getattr__("WeightsError"),
+                __getattr__("ModelConfigError"))
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"das_jax.models.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'das_jax.models' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
+

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from das_jax.models.config import ModelConfig
+from das_jax.models.errors import ModelLoadError
 from das_jax.models.transformer import Params
 
 
-class WeightsError(ValueError):
+class WeightsError(ModelLoadError):
     """Weights missing or of the wrong shape (names the tensor, the file and the fix)."""
 
 

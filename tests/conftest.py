@@ -1,0 +1,81 @@
+"""Shared fixtures.
+
+SmolLM2-135M-Instruct (session scope; tests using them should be marked `slow`):
+  smollm2_gguf_path         local path of the named source's GGUF (fetched once into the cache)
+  smollm2_das               das-jax `load("smollm2-135m-instruct")` -> (config, params, Tokenizer)
+  smollm2_hf                transformers (tokenizer, model) loaded from the same GGUF, float32
+  smollm2_greedy_reference  [(prompt_ids, continuation_ids)] for SMOLLM2_PROMPTS: transformers'
+                            greedy continuation (max 64 new tokens, stops at eos)
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SMOLLM2_PROMPTS = (
+    "Explain why the sky is blue in a few sentences.",
+    "Write a short story about a robot who learns to paint.",
+    "List five tips for staying productive when working from home.",
+)
+SMOLLM2_MAX_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    from das_jax.models import sources
+    return sources.fetch("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_das(smollm2_gguf_path):
+    from das_jax.models import load
+    return load("smollm2-135m-instruct")
+
+
+def _hf_model_from_gguf(directory: str, filename: str):
+    """transformers' own GGUF loading (needs `accelerate` in transformers 5); without accelerate,
+    the same dequantization through transformers' legacy GGUF checkpoint reader."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        import accelerate  # noqa: F401
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    except ImportError:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        config = AutoConfig.from_pretrained(directory, gguf_file=filename)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(os.path.join(directory, filename), return_tensors=True,
+                                       model_to_load=model)["tensors"]
+        model.load_state_dict(tensors, strict=False)
+        model.tie_weights()
+        return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf_path):
+    import torch
+    from transformers import AutoTokenizer
+    torch.set_num_threads(2)
+    directory, filename = os.path.split(smollm2_gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    model = _hf_model_from_gguf(directory, filename).eval()
+    return tokenizer, model
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy_reference(smollm2_hf):
+    import torch
+    tokenizer, model = smollm2_hf
+    out = []
+    for prompt in SMOLLM2_PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=SMOLLM2_MAX_NEW_TOKENS, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        out.append((list(ids), gen[0, len(ids):].tolist()))
+    return out
