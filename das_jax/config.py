@@ -1,0 +1,438 @@
+"""Run configuration: frozen, nested dataclasses loaded from YAML plus `--set a.b=v` overrides.
+
+    cfg = load_config("configs/gsm8k.yaml", ["grpo.beta=0.04", "rollout.draft_widths=[1,8]"])
+    save_config(cfg, "runs/x/config.yaml")
+
+Every YAML key is validated: unknown keys are rejected with the list of valid keys (and a "did you
+mean"), values are type-checked against the field's annotation (ints are accepted for floats,
+lists become tuples, `null` only where the field is optional), enum-like fields are checked
+against their choices, and cross-field constraints are checked once the whole config is built.
+This module does not import JAX (so `platform` can still be applied before JAX initialises; see
+`apply_platform`). GRPO field names follow TRL's `GRPOConfig` where one exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid config (names the offending key and what would be accepted)."""
+
+
+def _choices(*values, default):
+    return dataclasses.field(default=default, metadata={"choices": tuple(values)})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """source: a named model source (e.g. "smollm2-135m-instruct") or a path (HF dir / GGUF).
+    dtype: parameter dtype (float32 on CPU; bfloat16 on GPU/TPU)."""
+
+    source: str = "smollm2-135m-instruct"
+    dtype: str = _choices("float32", "bfloat16", "float16", default="float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """kind: dataset kind ("arithmetic" built-in synthetic, "gsm8k", ...); path: file for file-based
+    kinds; num_problems: size of a synthetic set; limit: keep the first `limit` problems;
+    instruction: prompt instruction (None: the kind's default); chat: apply the chat template."""
+
+    kind: str = "arithmetic"
+    path: Optional[str] = None
+    num_problems: int = 64
+    limit: Optional[int] = None
+    seed: int = 0
+    instruction: Optional[str] = None
+    chat: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """Sampling and engine settings. draft_widths: compiled draft widths of the verify step."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_slots: int = 16
+    max_cache_len: int = 1024
+    draft_widths: tuple[int, ...] = (1, 4, 8)
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSection:
+    """GRPO hyper-parameters (TRL `GRPOConfig` names).
+
+    num_generations: G completions per prompt; prompts_per_step: prompts per optimizer step (the
+    batch has prompts_per_step * num_generations sequences); beta: KL coefficient (0: no reference
+    model); epsilon / epsilon_high: clip range [1 - epsilon, 1 + epsilon_high] (DAPO clip-higher);
+    loss_type: grpo | dr_grpo | dapo; scale_rewards: group | batch | none; num_iterations: optimizer
+    steps per generation batch (PPO epochs, mu in GRPO Alg. 1); micro_batch_size: sequences per
+    gradient-accumulation micro-batch; max_completion_length: the Dr. GRPO normaliser, None means
+    rollout.max_new_tokens (the resolved config always holds the number); lr_schedule: constant |
+    linear | cosine after linear warm-up.
+    """
+
+    num_generations: int = 8
+    prompts_per_step: int = 4
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    loss_type: str = _choices("grpo", "dr_grpo", "dapo", default="dapo")
+    scale_rewards: str = _choices("group", "batch", "none", default="group")
+    num_iterations: int = 1
+    learning_rate: float = 1e-6
+    lr_schedule: str = _choices("constant", "linear", "cosine", default="constant")
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    warmup_steps: int = 0
+    max_grad_norm: Optional[float] = 1.0
+    micro_batch_size: int = 4
+    max_completion_length: Optional[int] = None
+    reward_funcs: tuple[str, ...] = ("math_accuracy",)
+    reward_weights: Optional[tuple[float, ...]] = None
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per generation batch (prompts_per_step * num_generations)."""
+        return self.prompts_per_step * self.num_generations
+
+
+@dataclasses.dataclass(frozen=True)
+class DASSection:
+    """Distribution-aware speculation. window: epochs of history per problem; max_depth: suffix
+    tree depth; min_token_prob: stop a draft when the path probability drops below this."""
+
+    enabled: bool = True
+    window: int = 16
+    max_depth: int = 32
+    min_token_prob: float = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    """steps: optimizer steps; save_every / log_every: in steps (0 disables saving);
+    keep_checkpoints: checkpoints kept on disk; resume: a run dir / checkpoint dir to resume from,
+    or "latest" to resume from output_dir."""
+
+    steps: int = 20
+    seed: int = 0
+    save_every: int = 10
+    log_every: int = 1
+    keep_checkpoints: int = 3
+    resume: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run. drafter: none | ngram | suffix | suffix-global | das; platform: cpu | gpu | tpu
+    (sets JAX_PLATFORMS before JAX initialises; None leaves JAX's own choice)."""
+
+    output_dir: str = "runs/default"
+    drafter: str = _choices("none", "ngram", "suffix", "suffix-global", "das", default="das")
+    platform: Optional[str] = _choices("cpu", "gpu", "tpu", default=None)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)
+    das: DASSection = dataclasses.field(default_factory=DASSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+
+
+# ----- generic dataclass <-> dict with validation ------------------------------------------------
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is tuple:
+        args = typing.get_args(tp)
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks `value` against annotation `tp` (converting int -> float, list -> tuple)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            try:
+                return _coerce(value, inner[0], key)
+            except ConfigError:
+                raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} "
+                                  f"({type(value).__name__})") from None
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _from_dict(tp, value, key + ".")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} "
+                              f"({type(value).__name__})")
+        (item_tp, *_) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads `1e-6` (no dot) as a string: accept numeric strings.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected float, got {value!r} ({type(value).__name__})")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected int, got {value!r} ({type(value).__name__})")
+        return value
+    if tp is bool or tp is str:
+        if not isinstance(value, tp):
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} "
+                              f"({type(value).__name__})")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _unknown_key_error(cls, name: str, prefix: str) -> ConfigError:
+    valid = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+    where = f"section {prefix[:-1]!r}" if prefix else "the top level"
+    return ConfigError(f"unknown key {prefix + name!r}{hint}; valid keys in {where}: "
+                       f"{', '.join(valid)}")
+
+
+def _from_dict(cls, raw: Mapping[str, Any], prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in raw.items():
+        if not isinstance(name, str) or name not in fields:
+            raise _unknown_key_error(cls, str(name), prefix)
+        key = prefix + name
+        value = _coerce(value, hints[name], key)
+        choices = fields[name].metadata.get("choices")
+        if choices is not None and value is not None and value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}: invalid value {value!r}{hint}; choices: "
+                              f"{', '.join(map(str, choices))}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _to_plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+# ----- cross-field validation ---------------------------------------------------------------------
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> Config:
+    """Checks cross-field constraints and resolves defaults that depend on other sections
+    (`grpo.max_completion_length`). Returns the resolved config."""
+    r, g, t, d, das = cfg.rollout, cfg.grpo, cfg.train, cfg.data, cfg.das
+    _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+    _check(r.temperature >= 0, f"rollout.temperature must be >= 0, got {r.temperature}")
+    _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    _check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 disables), got {r.top_k}")
+    _check(r.max_slots >= 1, f"rollout.max_slots must be >= 1, got {r.max_slots}")
+    _check(r.max_cache_len > r.max_new_tokens,
+           f"rollout.max_cache_len={r.max_cache_len} must exceed rollout.max_new_tokens="
+           f"{r.max_new_tokens} (the cache holds prompt + completion)")
+    _check(len(r.draft_widths) >= 1 and all(w >= 1 for w in r.draft_widths),
+           "rollout.draft_widths must be a non-empty list of positive ints, got "
+           f"{list(r.draft_widths)}")
+    _check(all(s >= 0 for s in r.stop_token_ids), "rollout.stop_token_ids must be >= 0")
+
+    _check(g.num_generations >= 2,
+           f"grpo.num_generations must be >= 2 (group-relative advantages need a group), got "
+           f"{g.num_generations}")
+    _check(g.prompts_per_step >= 1, f"grpo.prompts_per_step must be >= 1, got {g.prompts_per_step}")
+    _check(g.beta >= 0, f"grpo.beta must be >= 0, got {g.beta}")
+    _check(0 <= g.epsilon < 1, f"grpo.epsilon must be in [0, 1), got {g.epsilon}")
+    _check(g.epsilon_high >= g.epsilon,
+           f"grpo.epsilon_high={g.epsilon_high} must be >= grpo.epsilon={g.epsilon} (clip-higher)")
+    _check(g.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {g.num_iterations}")
+    _check(g.learning_rate >= 0, f"grpo.learning_rate must be >= 0, got {g.learning_rate}")
+    _check(g.weight_decay >= 0, f"grpo.weight_decay must be >= 0, got {g.weight_decay}")
+    _check(g.warmup_steps >= 0, f"grpo.warmup_steps must be >= 0, got {g.warmup_steps}")
+    _check(g.max_grad_norm is None or g.max_grad_norm >= 0,
+           f"grpo.max_grad_norm must be >= 0 or null, got {g.max_grad_norm}")
+    _check(g.micro_batch_size >= 1, f"grpo.micro_batch_size must be >= 1, got {g.micro_batch_size}")
+    # A batch that is not a multiple of micro_batch_size is handled (padded with zero-weight rows),
+    # but a micro-batch larger than the batch is only wasted work.
+    _check(g.micro_batch_size <= g.batch_size,
+           f"grpo.micro_batch_size={g.micro_batch_size} exceeds the batch of prompts_per_step * "
+           f"num_generations = {g.batch_size} sequences")
+    _check(len(g.reward_funcs) >= 1, "grpo.reward_funcs must name at least one reward function")
+    _check(g.reward_weights is None or len(g.reward_weights) == len(g.reward_funcs),
+           f"grpo.reward_weights has {len(g.reward_weights or ())} entries but grpo.reward_funcs "
+           f"has {len(g.reward_funcs)}")
+    if g.max_completion_length is None:
+        g = dataclasses.replace(g, max_completion_length=r.max_new_tokens)
+    _check(g.max_completion_length == r.max_new_tokens,
+           f"grpo.max_completion_length={g.max_completion_length} differs from "
+           f"rollout.max_new_tokens={r.max_new_tokens}; completions are generated up to "
+           "rollout.max_new_tokens, so set that one (or both to the same value)")
+
+    _check(d.num_problems >= 1, f"data.num_problems must be >= 1, got {d.num_problems}")
+    _check(d.limit is None or d.limit >= 1, f"data.limit must be >= 1 or null, got {d.limit}")
+    _check(das.window >= 1, f"das.window must be >= 1, got {das.window}")
+    _check(das.max_depth >= 1, f"das.max_depth must be >= 1, got {das.max_depth}")
+    _check(0 <= das.min_token_prob <= 1, f"das.min_token_prob must be in [0, 1], got "
+           f"{das.min_token_prob}")
+    _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
+    _check(t.save_every >= 0, f"train.save_every must be >= 0 (0 disables), got {t.save_every}")
+    _check(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
+    _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+    return dataclasses.replace(cfg, grpo=g)
+
+
+# ----- public API ---------------------------------------------------------------------------------
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"a.b=v"` -> (["a", "b"], yaml.safe_load("v")). An empty value is the empty string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.path=value "
+                          "(e.g. grpo.beta=0.04)")
+    key, _, raw = text.partition("=")
+    path = [p.strip() for p in key.strip().split(".")]
+    if not all(path):
+        raise ConfigError(f"override {text!r}: empty key component in {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
+    return path, value
+
+
+def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
+    """Applies `a.b=v` overrides to a raw (unvalidated) nested dict; returns a new dict."""
+    out = _deep_copy(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        node, cls, prefix = out, Config, ""
+        for i, name in enumerate(path):
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            if name not in fields:
+                raise _unknown_key_error(cls, name, prefix)
+            sub = typing.get_type_hints(cls)[name]
+            if i == len(path) - 1:
+                node[name] = value
+            else:
+                if not dataclasses.is_dataclass(sub):
+                    raise ConfigError(f"override {text!r}: {prefix}{name} is not a section")
+                node = node.setdefault(name, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {text!r}: {prefix}{name} is not a mapping")
+                cls, prefix = sub, prefix + name + "."
+    return out
+
+
+def _deep_copy(x):
+    if isinstance(x, dict):
+        return {k: _deep_copy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deep_copy(v) for v in x]
+    return x
+
+
+def config_from_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> Config:
+    """Validates a raw nested dict (as read from YAML), applies overrides, returns a `Config`."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a config must be a mapping at the top level, got {type(raw).__name__}")
+    raw = apply_overrides(dict(raw), overrides)
+    return validate(_from_dict(Config, raw))
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
+    """Loads a YAML config file (None: all defaults), applies `--set` overrides, validates.
+
+    Raises:
+      ConfigError: unreadable/invalid YAML, unknown keys, wrong types, invalid choices or
+        cross-field constraint violations; the message names the file and the key.
+    """
+    raw: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    try:
+        return config_from_dict(raw, overrides)
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists), suitable for YAML/JSON; round-trips through
+    `config_from_dict`."""
+    return _to_plain(cfg)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Writes the resolved config as YAML (creating parent directories)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+_PLATFORM_ENV = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}
+
+
+def apply_platform(cfg: Config) -> None:
+    """Sets `JAX_PLATFORMS` from `cfg.platform` (no-op when None). Must run before JAX creates
+    its backends; raises `ConfigError` if JAX is already initialised on another platform."""
+    if cfg.platform is None:
+        return
+    want = _PLATFORM_ENV[cfg.platform]
+    if "jax" in sys.modules:
+        try:
+            from jax._src import xla_bridge
+            initialised = bool(getattr(xla_bridge, "_backends", {}))
+        except Exception:  # pragma: no cover - private API moved
+            initialised = False
+        if initialised:
+            import jax
+            current = jax.default_backend()
+            if current != want and not (want == "gpu" and current in ("cuda", "rocm")):
+                raise ConfigError(
+                    f"platform={cfg.platform!r} but JAX is already initialised on {current!r}; "
+                    "set the platform before anything touches JAX (or export JAX_PLATFORMS)")
+            return
+    os.environ["JAX_PLATFORMS"] = want

@@ -1,0 +1,278 @@
+"""Training checkpoints with orbax: params, optimizer state, step, RNG, data position, drafter state.
+
+Layout (one orbax step directory per saved step, under `<run_dir>/checkpoints/`):
+
+    <step>/state/     params + optimizer state (orbax `StandardSave`, OCDBT/Tensorstore arrays)
+    <step>/meta/      JSON: the caller's meta dict (data position, seeds, ...) + step + RNG key
+    <step>/drafter/   pickle of the opaque drafter state dict (absent state pickles `None`)
+
+Atomicity: orbax writes every item of a step into a temporary directory and renames it to
+`<step>` only after all items are committed (`commit_success.txt`), so a run killed mid-save
+leaves no half-written `<step>`; the previous checkpoint stays the latest, and leftover
+temporary directories are removed when the next `CheckpointManager` opens the run.
+`max_to_keep` old steps are kept (older ones deleted after a successful save).
+
+Restoring into `params_like` / `opt_state_like` checks the saved tree against them first and
+raises `CheckpointError` naming the checkpoint directory and the first mismatching keys (missing,
+unexpected, or a different shape), instead of orbax's lower-level errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+DRAFTER_FILE = "drafter_state.pkl"
+_RNG_META_KEY = "_rng_key"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, or does not match the model being restored."""
+
+
+# ----- an orbax item for the opaque, picklable drafter state ---------------------------------------
+
+class PickleCheckpointHandler(ocp.CheckpointHandler):
+    """Saves any picklable object as one file in the item directory (synchronous)."""
+
+    def save(self, directory: epath.Path, args: "PickleSave"):
+        (directory / DRAFTER_FILE).write_bytes(
+            pickle.dumps(args.item, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def restore(self, directory: epath.Path, args: "PickleRestore | None" = None):
+        path = directory / DRAFTER_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found")
+        return pickle.loads(path.read_bytes())
+
+    def metadata(self, directory: epath.Path):
+        return None
+
+
+@ocp.args.register_with_handler(PickleCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class PickleSave(ocp.args.CheckpointArgs):
+    item: Any
+
+
+@ocp.args.register_with_handler(PickleCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class PickleRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+# ----- tree comparison ------------------------------------------------------------------------------
+
+def _key_str(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _flat_shapes(tree, is_leaf=None) -> dict[str, tuple]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return {"/".join(_key_str(k) for k in path): tuple(np.shape(leaf)) if not hasattr(leaf, "shape")
+            else tuple(leaf.shape) for path, leaf in flat}
+
+
+def _is_array_metadata(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (jax.Array, np.ndarray))
+
+
+def _compare_trees(saved_meta_tree, target, ckpt_dir: Path) -> None:
+    saved = _flat_shapes(saved_meta_tree, is_leaf=_is_array_metadata)
+    want = _flat_shapes(target)
+    order = lambda k: (not k.startswith("params/"), k)  # noqa: E731 - params first
+    missing = sorted(set(want) - set(saved), key=order)
+    extra = sorted(set(saved) - set(want), key=order)
+    shape = sorted((k for k in set(want) & set(saved) if want[k] != saved[k]), key=order)
+    if not (missing or extra or shape):
+        return
+    lines = [f"checkpoint {ckpt_dir} does not match the model/optimizer being restored:"]
+    if shape:
+        lines += [f"  shape mismatch at {k!r}: checkpoint {saved[k]}, expected {want[k]}"
+                  for k in shape[:5]]
+    if missing:
+        lines.append(f"  missing in checkpoint: {', '.join(repr(k) for k in missing[:5])}"
+                     + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+    if extra:
+        lines.append(f"  unexpected in checkpoint: {', '.join(repr(k) for k in extra[:5])}"
+                     + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""))
+    lines.append("  (was it written for a different model config, optimizer or dtype layout?)")
+    raise CheckpointError("\n".join(lines))
+
+
+def _rng_to_json(key) -> dict:
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return {"typed": True, "impl": str(jax.random.key_impl(key)),
+                "data": np.asarray(jax.random.key_data(key)).tolist()}
+    return {"typed": False, "dtype": str(key.dtype), "data": np.asarray(key).tolist()}
+
+
+def _rng_from_json(d: dict):
+    if d["typed"]:
+        return jax.random.wrap_key_data(jnp.asarray(d["data"], jnp.uint32), impl=d["impl"])
+    return jnp.asarray(d["data"], d["dtype"])
+
+
+# ----- manager ------------------------------------------------------------------------------------
+
+class CheckpointManager:
+    """Saves and restores GRPO training state under `<run_dir>/checkpoints`.
+
+    Args:
+      run_dir: the run's output directory (created if needed).
+      max_to_keep: number of most recent checkpoints kept on disk.
+      subdir: checkpoint folder inside run_dir.
+    """
+
+    def __init__(self, run_dir: str | Path, *, max_to_keep: int = 3, subdir: str = "checkpoints"):
+        self.directory = Path(run_dir).absolute() / subdir
+        self.max_to_keep = max_to_keep
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True,
+            cleanup_tmp_directories=True)
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add("state", ocp.args.StandardSave)
+        registry.add("state", ocp.args.StandardRestore)
+        registry.add("meta", ocp.args.JsonSave)
+        registry.add("meta", ocp.args.JsonRestore)
+        registry.add("drafter", PickleSave, PickleCheckpointHandler)
+        registry.add("drafter", PickleRestore, PickleCheckpointHandler)
+        self._mngr = ocp.CheckpointManager(self.directory, options=options,
+                                           handler_registry=registry)
+
+    # -- queries
+    def all_steps(self) -> list[int]:
+        """Committed steps on disk, ascending (re-reads the directory)."""
+        self._mngr.reload()
+        return sorted(self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    # -- save / restore
+    def save(self, step: int, params, opt_state, meta: dict | None = None,
+             drafter_state: dict | None = None, *, rng_key=None) -> Path:
+        """Writes one checkpoint atomically (blocks until committed); returns its directory.
+
+        Args:
+          step: the training step (number of optimizer updates applied to `params`).
+          params, opt_state: pytrees of arrays.
+          meta: small JSON-serialisable dict (data position, seeds, metrics, ...).
+          drafter_state: opaque picklable dict (e.g. suffix-tree history) or None.
+          rng_key: optional JAX PRNG key (typed or raw uint32) restored into `meta["rng_key"]`.
+        """
+        step = int(step)
+        if step in self.all_steps():
+            raise CheckpointError(f"checkpoint for step {step} already exists at "
+                                  f"{self.step_dir(step)}; refusing to overwrite it")
+        meta = dict(meta or {})
+        meta["step"] = step
+        if rng_key is not None:
+            meta[_RNG_META_KEY] = _rng_to_json(rng_key)
+        try:
+            json.dumps(meta)
+        except TypeError as e:
+            raise CheckpointError(f"checkpoint meta must be JSON-serialisable: {e}") from None
+        self._mngr.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            meta=ocp.args.JsonSave(meta),
+            drafter=PickleSave(drafter_state),
+        ))
+        self._mngr.wait_until_finished()
+        return self.step_dir(step)
+
+    def restore(self, step: int | None = None, params_like=None, opt_state_like=None
+                ) -> tuple[Any, Any, dict, dict | None]:
+        """Restores (params, opt_state, meta, drafter_state) of `step` (default: the latest).
+
+        `params_like` / `opt_state_like` give the target trees (arrays or `jax.ShapeDtypeStruct`;
+        restored arrays take their dtypes). They are checked against the checkpoint first: a
+        different tree or shape raises `CheckpointError` naming the directory and the keys. When
+        omitted, the saved trees come back as nested dicts/lists of numpy arrays.
+
+        Raises:
+          CheckpointError: no checkpoint / unknown step / unreadable or corrupt step directory /
+            mismatching trees.
+        """
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint found in {self.directory}")
+            step = steps[-1]
+        step = int(step)
+        ckpt_dir = self.step_dir(step)
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                  f"(available steps: {steps or 'none'})")
+        try:
+            item_meta = self._mngr.item_metadata(step)
+            state_meta = item_meta["state"]
+            saved_tree = state_meta.tree if hasattr(state_meta, "tree") else state_meta
+        except Exception as e:  # noqa: BLE001 - orbax raises many types on a damaged directory
+            raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt or unreadable: "
+                                  f"{type(e).__name__}: {e}") from e
+        if saved_tree is None:
+            raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt or unreadable: no state "
+                                  "metadata")
+        target = None
+        if params_like is not None or opt_state_like is not None:
+            target = {"params": params_like if params_like is not None else saved_tree["params"],
+                      "opt_state": (opt_state_like if opt_state_like is not None
+                                    else saved_tree["opt_state"])}
+            _compare_trees({"params": saved_tree.get("params"),
+                            "opt_state": saved_tree.get("opt_state")},
+                           _abstract(target), ckpt_dir)
+        try:
+            restored = self._mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(target) if target is not None else None),
+                meta=ocp.args.JsonRestore(),
+                drafter=PickleRestore(),
+            ))
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"failed to restore checkpoint {ckpt_dir}: "
+                                  f"{type(e).__name__}: {e}") from e
+        state, meta = restored["state"], dict(restored["meta"])
+        if _RNG_META_KEY in meta:
+            meta["rng_key"] = _rng_from_json(meta.pop(_RNG_META_KEY))
+        state = jax.tree_util.tree_map(jnp.asarray, state)
+        return state["params"], state["opt_state"], meta, restored["drafter"]
+
+    def close(self) -> None:
+        self._mngr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _abstract(tree):
+    """Array leaves -> ShapeDtypeStruct (keeps the tree structure; metadata leaves pass through)."""
+    def f(x):
+        if _is_array_metadata(x) and not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return jax.tree_util.tree_map(f, tree, is_leaf=_is_array_metadata)

@@ -1,0 +1,180 @@
+"""GRPO policy losses: clipped surrogate, clip-higher, k3 KL, and the three aggregations.
+
+All definitions follow TRL's `GRPOTrainer._compute_loss` (trl >= 0.22), token-level importance
+sampling:
+
+  ratio_t     = exp(logp_t - old_logp_t)                               (PPO, Schulman et al. 2017)
+  clipped_t   = clip(ratio_t, 1 - epsilon, 1 + epsilon_high)           (clip-higher: DAPO, Yu et
+                                                                         al. 2025, eq. 10)
+  loss_t      = -min(ratio_t * A, clipped_t * A) + beta * kl_t         (GRPO, Shao et al. 2024,
+                                                                         eq. 3)
+  kl_t        = exp(ref_t - logp_t) - (ref_t - logp_t) - 1             (k3 estimator, Schulman
+                                                                         2020 "Approximating KL
+                                                                         divergence"; GRPO eq. 4)
+
+and the per-token losses of the completion tokens (mask m) are aggregated by `loss_type`:
+
+  "grpo":     mean_b [ sum_t m_bt loss_bt / max(1, sum_t m_bt) ]       (GRPO eq. 3: 1/G sum_i
+                                                                         1/|o_i| sum_t)
+  "dr_grpo":  sum_bt m_bt loss_bt / (B * max_completion_length)        (Dr. GRPO, Liu et al. 2025,
+                                                                         eq. 2: constant normaliser)
+  "dapo":     sum_bt m_bt loss_bt / max(1, sum_bt m_bt)                 (DAPO eq. 8, token-level:
+                                                                         TRL normalises by
+                                                                         `num_items_in_batch`, all
+                                                                         completion tokens of the
+                                                                         generation batch)
+
+Every aggregation is linear in the per-token loss, `loss = sum_bt w_bt * loss_bt`, with weights
+that depend only on the completion mask of the *whole* batch (`token_loss_weights`). Computing
+the weights once from the full batch and summing `w * loss` over micro-batches therefore gives the
+full-batch loss (and gradient) exactly, whatever the micro-batch split.
+
+Clip metrics follow TRL: a token is "low clipped" when `ratio < 1 - epsilon` and `A < 0`, "high
+clipped" when `ratio > 1 + epsilon_high` and `A > 0` (the cases where the clipped branch is the
+active one and the gradient is zero); "region" is their union. Metrics are token means over the
+completion tokens of the batch.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+
+
+class PerTokenTerms(NamedTuple):
+    """Per-token quantities, all float32 `[B, T]` (zero where the completion mask is False)."""
+
+    loss_BxT: jax.Array        # -min(r A, clip(r) A) + beta * kl
+    kl_BxT: jax.Array          # k3 estimate of KL(pi || pi_ref); zeros when beta == 0
+    low_clip_BxT: jax.Array    # 1.0 where low-clipped
+    high_clip_BxT: jax.Array   # 1.0 where high-clipped
+    ratio_BxT: jax.Array       # importance ratio (1 off the mask)
+
+
+def token_loss_weights(completion_mask_BxT, loss_type: str, max_completion_length: int | None = None,
+                       num_sequences: int | None = None) -> jax.Array:
+    """Weights `w_BxT` such that the batch loss is `sum(w_BxT * per_token_loss_BxT)`.
+
+    Args:
+      completion_mask_BxT: bool/float `[B, T]`, 1 on trained completion tokens.
+      loss_type: "grpo", "dr_grpo" or "dapo" (module docstring).
+      max_completion_length: the constant of Dr. GRPO (required for "dr_grpo").
+      num_sequences: number of real sequences to average over (defaults to B); pass it when the
+        batch carries padding rows (all-False mask) that must not count in "grpo"/"dr_grpo".
+
+    Returns:
+      float32 `[B, T]`, zero off the mask.
+    """
+    m = jnp.asarray(completion_mask_BxT).astype(jnp.float32)
+    B = m.shape[0] if num_sequences is None else num_sequences
+    if loss_type == "grpo":
+        per_seq_B1 = jnp.maximum(m.sum(axis=1, keepdims=True), 1.0)
+        return m / (per_seq_B1 * B)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None or max_completion_length <= 0:
+            raise ValueError("loss_type='dr_grpo' needs a positive max_completion_length "
+                             f"(got {max_completion_length!r})")
+        return m / float(B * max_completion_length)
+    if loss_type == "dapo":
+        return m / jnp.maximum(m.sum(), 1.0)
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def per_token_terms(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT, *, epsilon: float,
+                    epsilon_high: float | None = None, beta: float = 0.0,
+                    ref_logp_BxT=None) -> PerTokenTerms:
+    """Clipped-surrogate + KL loss per token (TRL `_compute_loss`, token-level sampling).
+
+    Args:
+      logp_BxT: float32 log-probs of the completion tokens under the current policy (carries the
+        gradient).
+      old_logp_BxT: float32 log-probs under the policy that sampled them (the rollout engine's).
+      advantages_B: float32 `[B]`, one advantage per sequence (broadcast over tokens).
+      completion_mask_BxT: bool `[B, T]`; everything off the mask is zeroed *before* `exp`, so
+        garbage log-probs at pad positions cannot produce inf/NaN values or gradients.
+      epsilon: lower clip, ratio >= 1 - epsilon.
+      epsilon_high: upper clip, ratio <= 1 + epsilon_high (defaults to epsilon; DAPO clip-higher
+        when larger).
+      beta: KL coefficient; 0 disables the KL term (ref_logp_BxT is then ignored).
+      ref_logp_BxT: float32 log-probs under the frozen reference policy (needed when beta > 0).
+    """
+    if epsilon_high is None:
+        epsilon_high = epsilon
+    mask = jnp.asarray(completion_mask_BxT).astype(bool)
+    maskf = mask.astype(jnp.float32)
+    logp_BxT = logp_BxT.astype(jnp.float32)
+    log_ratio_BxT = jnp.where(mask, logp_BxT - old_logp_BxT.astype(jnp.float32), 0.0)
+    ratio_BxT = jnp.exp(log_ratio_BxT)
+    clipped_BxT = jnp.clip(ratio_BxT, 1.0 - epsilon, 1.0 + epsilon_high)
+    adv_Bx1 = jnp.asarray(advantages_B, jnp.float32)[:, None]
+    loss_BxT = -jnp.minimum(ratio_BxT * adv_Bx1, clipped_BxT * adv_Bx1)
+    if beta != 0.0:
+        if ref_logp_BxT is None:
+            raise ValueError("beta > 0 needs ref_logp_BxT (log-probs of the reference policy)")
+        delta_BxT = jnp.where(mask, ref_logp_BxT.astype(jnp.float32) - logp_BxT, 0.0)
+        kl_BxT = jnp.exp(delta_BxT) - delta_BxT - 1.0
+        loss_BxT = loss_BxT + beta * kl_BxT
+    else:
+        kl_BxT = jnp.zeros_like(loss_BxT)
+    ratio_ng = jax.lax.stop_gradient(ratio_BxT)
+    low_BxT = ((ratio_ng < 1.0 - epsilon) & (adv_Bx1 < 0) & mask).astype(jnp.float32)
+    high_BxT = ((ratio_ng > 1.0 + epsilon_high) & (adv_Bx1 > 0) & mask).astype(jnp.float32)
+    return PerTokenTerms(loss_BxT * maskf, kl_BxT * maskf, low_BxT, high_BxT, ratio_BxT)
+
+
+def entropy_from_logits(logits_BxTxV, temperature: float = 1.0) -> jax.Array:
+    """Entropy (nats) of softmax(logits / temperature) per position: float32 `[B, T]`."""
+    logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def metric_sums(terms: PerTokenTerms, completion_mask_BxT, entropy_BxT=None) -> dict[str, jax.Array]:
+    """Un-normalised metric sums over completion tokens (add across micro-batches, then call
+    `finalize_metrics`)."""
+    m = jnp.asarray(completion_mask_BxT).astype(jnp.float32)
+    sums = {
+        "num_tokens": m.sum(),
+        "kl": jnp.sum(jax.lax.stop_gradient(terms.kl_BxT) * m),
+        "clip_low": jnp.sum(terms.low_clip_BxT),
+        "clip_high": jnp.sum(terms.high_clip_BxT),
+        "clip_region": jnp.sum(jnp.maximum(terms.low_clip_BxT, terms.high_clip_BxT)),
+    }
+    if entropy_BxT is not None:
+        sums["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * m)
+    return sums
+
+
+def finalize_metrics(sums: dict[str, jax.Array], beta: float) -> dict[str, jax.Array]:
+    """Token means from `metric_sums` (TRL `masked_batch_mean`); "kl" only when beta != 0."""
+    denom = jnp.maximum(sums["num_tokens"], 1.0)
+    out = {"num_completion_tokens": sums["num_tokens"]}
+    for name in ("clip_low", "clip_high", "clip_region", "entropy") + (("kl",) if beta else ()):
+        if name in sums:
+            out[name] = sums[name] / denom
+    return out
+
+
+def grpo_loss(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT, *, loss_type: str = "dapo",
+              epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
+              ref_logp_BxT=None, max_completion_length: int | None = None,
+              entropy_BxT=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Full-batch GRPO loss (module docstring) and its metrics.
+
+    Args: as `per_token_terms` plus `loss_type`, `max_completion_length` (for "dr_grpo") and an
+    optional `entropy_BxT` (float32 `[B, T]`, e.g. from `entropy_from_logits`) for the metric.
+
+    Returns:
+      (scalar float32 loss, metrics dict: "loss", "num_completion_tokens", "clip_low",
+      "clip_high", "clip_region", "kl" when beta != 0, "entropy" when given).
+    """
+    terms = per_token_terms(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT,
+                            epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
+                            ref_logp_BxT=ref_logp_BxT)
+    w_BxT = token_loss_weights(completion_mask_BxT, loss_type, max_completion_length)
+    loss = jnp.sum(w_BxT * terms.loss_BxT)
+    metrics = finalize_metrics(metric_sums(terms, completion_mask_BxT, entropy_BxT), beta)
+    metrics["loss"] = loss
+    return loss, metrics
