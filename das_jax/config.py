@@ -141,7 +141,8 @@ class Config:
     (sets JAX_PLATFORMS before JAX initialises; None leaves JAX's own choice)."""
 
     output_dir: str = "runs/default"
-    drafter: str = _choices("none", "ngram", "suffix", "suffix-global", "das", default="das")
+    drafter: str = _choices("none", "ngram", "suffix", "suffix-global", "das", "das-unlimited",
+                            default="das")
     platform: Optional[str] = _choices("cpu", "gpu", "tpu", default=None)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)

@@ -97,39 +97,41 @@ def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
     return coef
 
 
-def calibrate(engine, cost_model: CostModel, batches: Iterable[int] | None = None,
-              widths: Iterable[int] | None = None, kv_lens: Iterable[int] = (128, 512),
-              repeats: int = 3) -> CostModel:
+def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
+              batches: Iterable[int] | None = None, widths: Iterable[int] | None = None,
+              kv_lens: Iterable[int] = (128, 512), repeats: int = 3,
+              sampling_key: tuple = (1.0, 0, 1.0)) -> CostModel:
     """Times the engine's verify step at several (B, W, S) shapes and fits `cost_model`.
 
-    Runs on dummy tokens (compiling each shape once, not timed); the median of `repeats` timed
-    calls per shape is one observation. Returns the fitted model.
+    Runs on dummy tokens, compiling each shape once (not timed; with `cache_len` equal to what
+    `generate` will use, those executables are reused there). The median of `repeats` timed calls
+    per shape is one observation. Returns the fitted model.
     """
     import jax.numpy as jnp
     from das_jax.engine import step as step_lib
     from das_jax.models.transformer import KVCache
 
     ec = engine.engine_config
-    batches = tuple(batches or sorted({1, ec.max_slots // 2 or 1, ec.max_slots}))
+    batches = tuple(batches or sorted({1, ec.max_slots}))
     widths = tuple(widths or ec.draft_widths)
-    dtype = engine.params["embed"].dtype
-    skey = (1.0, 0, 1.0)
+    cache_len = cache_len or ec.max_cache_len
+    dtype = jnp.dtype(engine.params["embed"].dtype)
+    skey = tuple(sampling_key)
     for B in batches:
-        for S in kv_lens:
-            S = min(S, ec.max_cache_len)
-            cache = KVCache.zeros(engine.config, B, S + max(widths), dtype)
+        cache = KVCache.zeros(engine.config, B, cache_len, dtype)
+        for S in sorted({min(s, cache_len - max(widths)) for s in kv_lens}):
             for W in widths:
-                args = (engine.config, skey, S, engine.params, cache, jnp.full((B,), S - 1, jnp.int32),
+                args = (engine.config, skey, S, engine.params, cache, jnp.full((B,), S, jnp.int32),
                         jnp.zeros((B, W), jnp.int32), jnp.zeros((B,), jnp.int32),
                         jnp.zeros((B,), jnp.int32))
-                fn = engine._compiled.get(("verify", B, W, S + max(widths), S, skey, engine.config,
-                                           jnp.dtype(dtype).name), step_lib.verify, *args)
+                fn = engine._compiled.get(("verify", B, W, cache_len, S, skey, engine.config,
+                                           dtype.name), step_lib.verify, *args)
                 times = []
-                for _ in range(repeats):
+                for _ in range(repeats + 1):
                     t0 = time.perf_counter()
-                    cache, y, *_ = fn(*args[3:4], cache, *args[5:])
+                    cache, y, *_ = fn(engine.params, cache, *args[5:])
                     np.asarray(y)
                     times.append(time.perf_counter() - t0)
-                cost_model.observe(B, W, S, float(np.median(times)), refit=False)
+                cost_model.observe(B, W, S, float(np.median(times[1:])), refit=False)
     cost_model.fit()
     return cost_model

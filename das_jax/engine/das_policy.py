@@ -105,7 +105,11 @@ class DASPolicy:
     def classify_length(self, n: float, th: tuple[float, float] | None) -> str:
         if th is None:
             return MEDIUM
-        return SHORT if n <= th[0] else LONG if n > th[1] else MEDIUM
+        lo, hi = th
+        if n > hi:
+            return LONG
+        # A degenerate history (every rollout the same length) has no short class.
+        return SHORT if n <= lo and lo < hi else MEDIUM
 
     def initial_class(self, problem_id: Hashable) -> str:
         """The class most common among the problem's past rollouts (ties: the longer class)."""
