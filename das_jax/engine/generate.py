@@ -16,6 +16,7 @@ cache length); the device runs `step.prefill_insert` and `step.verify` on a dona
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from typing import Any, Callable, Hashable, Sequence
@@ -151,14 +152,19 @@ class _Compiled:
     """Ahead-of-time compiled variants, keyed by static shape; time spent compiling is counted.
 
     The executables are shared by every engine of the process (`_COMPILED_EXECUTABLES`): the key
-    holds the model config, the param dtype and every static shape, never the param values.
+    holds the model config, the param dtype and every static shape, never the param values; an
+    engine placed on a device (`Engine(device=...)`) adds the device to the key, since an
+    executable only accepts arguments on the device it was compiled for.
     """
 
-    def __init__(self):
+    def __init__(self, device: jax.Device | None = None):
         self._cache = _COMPILED_EXECUTABLES
+        self._device_key = None if device is None else (device.platform, device.id)
         self.compile_s = 0.0
 
     def get(self, key: tuple, fn, *args, **static):
+        if self._device_key is not None:
+            key = key + (self._device_key,)
         compiled = self._cache.get(key)
         if compiled is None:
             t0 = time.perf_counter()
@@ -176,15 +182,20 @@ class Engine:
       each `generate` call, so a trainer passes its freshly updated params).
       eos_token_ids: the tokenizer's end-of-sequence ids (always stop tokens).
       engine_config: `EngineConfig`.
+      device: optional `jax.Device` this engine runs on: its params, KV cache and compiled
+        executables live there (params passed to `generate` are copied there); None = JAX's
+        default placement. One engine per device gives data-parallel rollouts
+        (`das_jax.engine.multi_device`).
     """
 
     def __init__(self, config: ModelConfig, params: Params, eos_token_ids: Sequence[int] = (),
-                 engine_config: EngineConfig = EngineConfig()):
+                 engine_config: EngineConfig = EngineConfig(), device: jax.Device | None = None):
         self.config = config
-        self.params = params
+        self.device = device
+        self.params = params if device is None else jax.device_put(params, device)
         self.eos_token_ids = validate_stop_ids(eos_token_ids, config.vocab_size)
         self.engine_config = engine_config
-        self._compiled = _Compiled()
+        self._compiled = _Compiled(device)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, requests: Sequence[Request], sampling: SamplingParams) -> None:
@@ -210,6 +221,13 @@ class Engine:
             if bad:
                 raise GenerateError(f"request {i}: token ids {bad[:5]} outside the vocabulary "
                                     f"[0, {self.config.vocab_size})")
+
+    def cache_len_for(self, requests: Sequence[Request], sampling: SamplingParams) -> int:
+        """Cache positions per row for these requests: a power of two >= 128 that holds the
+        longest prompt + max_new_tokens + the widest draft, capped at max_cache_len."""
+        need = (max(len(r.prompt_ids) for r in requests) + sampling.max_new_tokens
+                + max(self.engine_config.draft_widths))
+        return max(min(_pow2_at_least(need, 128), self.engine_config.max_cache_len), need)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -240,6 +258,8 @@ class Engine:
         """
         self._validate(requests, sampling)
         params = self.params if params is None else params
+        if self.device is not None:
+            params = jax.device_put(params, self.device)  # no copy when already there
         ec = self.engine_config
         policy = policy or FixedPolicy()
         widths = ec.draft_widths if drafter is not None else (1,)
@@ -257,13 +277,13 @@ class Engine:
         outputs = [RequestOutput(r, [], [], "") for r in requests]
         order = policy.admission_order([r.problem_id for r in requests])
         queue = collections.deque(order)
-        max_prompt = max(len(r.prompt_ids) for r in requests)
-        S = min(_pow2_at_least(max_prompt + sampling.max_new_tokens + max_w, 128), ec.max_cache_len)
-        S = max(S, max_prompt + sampling.max_new_tokens + max_w)
+        S = self.cache_len_for(requests, sampling)
 
         B = _bucket(min(n, ec.max_slots), ec.batch_buckets)
         dtype = jnp.dtype(params["embed"].dtype).name
-        cache = KVCache.zeros(self.config, B, S, dtype)
+        with (jax.default_device(self.device) if self.device is not None
+              else contextlib.nullcontext()):
+            cache = KVCache.zeros(self.config, B, S, dtype)
         row_req = np.full(B, -1, np.int64)      # request index in each row, -1 = free
         cache_len = np.zeros(B, np.int32)       # tokens in the cache per row
         pending = np.zeros(B, np.int32)         # sampled, not yet fed token per row
