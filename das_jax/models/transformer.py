@@ -198,13 +198,14 @@ def forward_hidden(
         old_mask_BxS = jnp.arange(S)[None, :] < cache_len_B[:, None]
         mask_BxTxS = jnp.concatenate(
             [jnp.broadcast_to(old_mask_BxS[:, None, :], (B, T, S)), new_mask_BxTxT], axis=-1)
-        ck, cv = kv_cache.k[:, :, :S], kv_cache.v[:, :, :S]
-
         def body(x, inputs):
             lp, k_l, v_l = inputs
-            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT, k_l, v_l, mask_BxTxS)
+            # Slice the attended prefix per layer (slicing the stacked cache up front would copy
+            # every layer's cache each step).
+            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT, k_l[:, :S], v_l[:, :S],
+                             mask_BxTxS)
             return x, (k, v)
-        x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, ck, cv))
+        x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.k, kv_cache.v))
         # One scatter for all layers: rows b, cache positions cache_len[b] + t.
         rows_Bx1 = jnp.arange(B)[:, None]
         cols_BxT = cache_len_B[:, None] + jnp.arange(T)[None, :]
