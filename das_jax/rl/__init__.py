@@ -1,26 +1,45 @@
-"""das_jax.rl: GRPO math (advantages, losses, the pure train step) and checkpoints.
+"""das_jax.rl: GRPO math (advantages, losses, the pure train step), checkpoints, the trainer.
 
-Public surface (rewards live in `das_jax.rl.rewards` and the trainer loop in
-`das_jax.rl.trainer`; neither is imported here so this package imports without them):
+Public surface:
 
   advantages  group_advantages, group_stats, advantage_metrics, SCALE_REWARDS
   losses      grpo_loss, per_token_terms, token_loss_weights, entropy_from_logits, LOSS_TYPES
   train step  TrainBatch, make_batch, accumulate_grads, make_train_step, make_loss_and_grad,
               make_optimizer, make_lr_schedule, compute_logprobs
   checkpoint  CheckpointManager, CheckpointError
-"""
-from das_jax.rl.advantages import SCALE_REWARDS, advantage_metrics, group_advantages, group_stats
-from das_jax.rl.checkpoint import CheckpointError, CheckpointManager
-from das_jax.rl.losses import (LOSS_TYPES, entropy_from_logits, grpo_loss, per_token_terms,
-                               token_loss_weights)
-from das_jax.rl.train_step import (TrainBatch, accumulate_grads, compute_logprobs, make_batch,
-                                   make_loss_and_grad, make_lr_schedule, make_optimizer,
-                                   make_train_step)
+  trainer     GRPOTrainer, TrainError (the loop behind `das-jax train`)
+  rewards     the `das_jax.rl.rewards` subpackage (TRL-signature reward functions)
 
-__all__ = [
-    "SCALE_REWARDS", "advantage_metrics", "group_advantages", "group_stats",
-    "CheckpointError", "CheckpointManager",
-    "LOSS_TYPES", "entropy_from_logits", "grpo_loss", "per_token_terms", "token_loss_weights",
-    "TrainBatch", "accumulate_grads", "compute_logprobs", "make_batch", "make_loss_and_grad",
-    "make_lr_schedule", "make_optimizer", "make_train_step",
-]
+Names are imported lazily (PEP 562), so `das_jax.rl.cli` registers its command without
+importing jax.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "SCALE_REWARDS": "advantages", "advantage_metrics": "advantages",
+    "group_advantages": "advantages", "group_stats": "advantages",
+    "CheckpointError": "checkpoint", "CheckpointManager": "checkpoint",
+    "LOSS_TYPES": "losses", "entropy_from_logits": "losses", "grpo_loss": "losses",
+    "per_token_terms": "losses", "token_loss_weights": "losses",
+    "TrainBatch": "train_step", "accumulate_grads": "train_step",
+    "compute_logprobs": "train_step", "make_batch": "train_step",
+    "make_loss_and_grad": "train_step", "make_lr_schedule": "train_step",
+    "make_optimizer": "train_step", "make_train_step": "train_step",
+    "GRPOTrainer": "trainer", "TrainError": "trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"das_jax.rl.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'das_jax.rl' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
