@@ -1,1 +1,13 @@
-"""das_jax.bench"""
+"""das_jax.bench: benchmarks (`das-jax bench ...`, see `cli.py`).
+
+- `engine_bench`: decode throughput of the verify step and `Engine.generate` vs HF transformers,
+  and the memory-bandwidth floor of a step.
+- `drafter_bench`: drafter latency / acceptance / memory on synthetic RL traffic.
+- `rollout_bench`: rollout time per drafter over RL epochs on a real model (identity check,
+  trace recording, replay prediction, plots); its core `run_bench(BenchSetup)` takes an engine
+  and tokenized prompts.
+- `replay`: trace format (`write_trace` / `read_trace`), the scheduling simulator `simulate`
+  (mirrors `Engine.generate`), `replay_epochs`, `paper_workload`; `replay_cli` drives it.
+
+Modules here import jax lazily (registration in `cli.py` imports none).
+"""

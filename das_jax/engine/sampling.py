@@ -85,25 +85,37 @@ def _float_bits(x):
     return jax.lax.bitcast_convert_type(x, jnp.int32)
 
 
-def _top_p_threshold(probs_NxV: jax.Array, top_p: float) -> jax.Array:
-    """Exact nucleus threshold per row: the largest tau with sum(p[p >= tau]) >= top_p.
+def _bisect_threshold(probs_NxV: jax.Array, enough) -> jax.Array:
+    """Per row, the largest tau among the row's values with `enough(probs >= tau)` true.
 
+    `enough(mask_NxV) -> bool[N]` must be monotone (true at tau = 0, false above the max).
     Bisection over the int32 bit patterns of non-negative float32 values (order-preserving), so
-    31 masked sums find tau exactly, without a sort. Returns float32 `[N, 1]`.
+    32 masked reductions find tau exactly, without a sort (XLA's CPU sort and top_k cost
+    milliseconds per row at V = 49152). Returns float32 `[N, 1]`.
     """
-    lo = jnp.zeros(probs_NxV.shape[:1], jnp.int32)           # bits(0.0): mass(>= 0) = 1 >= p
-    hi = _float_bits(jnp.max(probs_NxV, axis=-1)) + 1        # mass(>= above max) = 0 < p
+    lo = jnp.zeros(probs_NxV.shape[:1], jnp.int32)           # bits(0.0): always enough
+    hi = _float_bits(jnp.max(probs_NxV, axis=-1)) + 1        # above the max: never enough
 
     def body(_, carry):
         lo, hi = carry
         mid = lo + (hi - lo) // 2
         tau = jax.lax.bitcast_convert_type(mid, jnp.float32)[:, None]
-        mass = jnp.sum(jnp.where(probs_NxV >= tau, probs_NxV, 0.0), axis=-1)
-        ok = mass >= top_p
+        ok = enough(probs_NxV >= tau)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
     lo, _ = jax.lax.fori_loop(0, 32, body, (lo, hi))
     return jax.lax.bitcast_convert_type(lo, jnp.float32)[:, None]
+
+
+def _top_p_threshold(probs_NxV: jax.Array, top_p: float) -> jax.Array:
+    """Exact nucleus threshold per row: the largest tau with sum(p[p >= tau]) >= top_p."""
+    return _bisect_threshold(
+        probs_NxV, lambda mask: jnp.sum(jnp.where(mask, probs_NxV, 0.0), axis=-1) >= top_p)
+
+
+def _top_k_threshold(probs_NxV: jax.Array, top_k: int) -> jax.Array:
+    """The k-th largest probability per row: the largest tau with #(p >= tau) >= k."""
+    return _bisect_threshold(probs_NxV, lambda mask: jnp.sum(mask, axis=-1) >= top_k)
 
 
 def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, top_p: float):
@@ -113,8 +125,8 @@ def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, to
     """
     logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32) / temperature, axis=-1)
     if top_k and top_k < logits_NxV.shape[-1]:
-        kth = jax.lax.top_k(logp, top_k)[0][:, -1:]
-        logp = jnp.where(logp >= kth, logp, -jnp.inf)
+        probs = jnp.exp(logp)
+        logp = jnp.where(probs >= _top_k_threshold(probs, top_k), logp, -jnp.inf)
         logp = logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
     if top_p < 1.0:
         probs = jnp.exp(logp)

@@ -83,5 +83,5 @@ def params_from_hf_tensors(
         "layers": {k: jnp.asarray(np.stack(v), dtype) for k, v in per_layer.items()},
     }
     if not c.tie_word_embeddings:
-        params["lm_head"] = jnp.asarray(fetch("lm_head.weight", (V, D)).T, dtype)
+        params["lm_head"] = jnp.asarray(fetch("lm_head.weight", (V, D)), dtype)
     return params

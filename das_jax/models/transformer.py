@@ -4,7 +4,7 @@ Params layout (layers stacked on a leading L axis so the layer loop is one `lax.
 
     embed            [V, D]
     final_norm       [D]
-    lm_head          [D, V]            (absent when tie_word_embeddings)
+    lm_head          [V, D]            (absent when tie_word_embeddings; HF's layout)
     layers:
       attn_norm      [L, D]
       wq             [L, D, H, K]      bq [L, H, K]     (biases only when attention_bias)
@@ -87,7 +87,7 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
         "layers": layers,
     }
     if not c.tie_word_embeddings:
-        params["lm_head"] = (scale * jax.random.normal(keys[1], (D, V))).astype(dtype)
+        params["lm_head"] = (scale * jax.random.normal(keys[1], (V, D))).astype(dtype)
     return params
 
 
@@ -218,12 +218,16 @@ def forward_hidden(
 
 
 def lm_head(config: ModelConfig, params: Params, hidden_BxTxD: jax.Array) -> jax.Array:
-    """Float32 logits `[B, T, V]` from final hidden states."""
-    if config.tie_word_embeddings:
-        return jnp.einsum("btd,vd->btv", hidden_BxTxD, params["embed"],
-                          preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", hidden_BxTxD, params["lm_head"],
-                      preferred_element_type=jnp.float32)
+    """Float32 logits `[B, T, V]` from final hidden states.
+
+    Computed as `(W_VxD @ h^T)^T` with the vocabulary as the long matmul dimension: XLA's CPU
+    GEMM is several times faster in that orientation than with B*T (a handful of rows) as M.
+    """
+    B, T, D = hidden_BxTxD.shape
+    w_VxD = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    logits_VxN = jnp.einsum("vd,nd->vn", w_VxD, hidden_BxTxD.reshape(B * T, D),
+                            preferred_element_type=jnp.float32)
+    return logits_VxN.T.reshape(B, T, -1)
 
 
 def forward(

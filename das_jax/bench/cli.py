@@ -1,0 +1,50 @@
+"""`das-jax bench {engine,drafter,rollout,replay}` (registration imports no jax).
+
+  das-jax bench engine --model smollm2-135m-instruct [--quick] [--json PATH]
+      decode tok/s of the verify step (B in {1,16}, W in {1,8}) and of Engine.generate, vs HF
+      transformers `generate`; memory-bandwidth floor of one step.
+  das-jax bench drafter [--quick]
+      drafter latency / acceptance / memory on synthetic RL traffic (no model).
+  das-jax bench rollout [--config CONFIG] --drafters none,ngram,suffix-global,das,das-unlimited
+      --epochs E [--update-policy] [--out DIR]
+      rollout time per epoch and drafter on a real model, with identity check and trace replay.
+  das-jax bench replay TRACE.jsonl [--drafters ...] [--scale paper]
+      predicted rollout time per drafter from a recorded trace (simulation + cost model).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks: engine, drafter, rollout, replay",
+                              description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
+
+    pe = sub.add_parser("engine", help="decode throughput of the engine vs HF transformers")
+    from das_jax.bench import arguments
+    arguments.add_engine_arguments(pe)
+    pe.set_defaults(func=_run("das_jax.bench.engine_bench"))
+
+    pd = sub.add_parser("drafter", help="drafter latency, acceptance and memory (no model)")
+    from das_jax.bench import drafter_bench
+    drafter_bench.add_arguments(pd)
+    pd.set_defaults(func=drafter_bench.main)
+
+    pr = sub.add_parser("rollout", help="rollout time per drafter over RL epochs (real model)")
+    from das_jax.bench import rollout_bench
+    rollout_bench.add_arguments(pr)
+    pr.set_defaults(func=_run("das_jax.bench.rollout_bench"))
+
+    pp = sub.add_parser("replay", help="predict rollout time per drafter from a recorded trace")
+    arguments.add_replay_arguments(pp)
+    pp.set_defaults(func=_run("das_jax.bench.replay_cli"))
+
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _run(module: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+        return importlib.import_module(module).main(args)
+    return run

@@ -1,0 +1,235 @@
+"""`das-jax bench engine`: decode throughput of the engine, against HF transformers and the
+memory-bandwidth floor, measured side by side in one process.
+
+1. Memory bandwidth: best of 3 copies of a 1 GB numpy array (bytes read + written per second).
+   The floor of a decode step is (bytes of the params) / bandwidth: every step reads every weight.
+2. The verify step (`step.verify`, the engine's jitted decode step) timed directly at B in {1, 16},
+   W in {1, 8}, with `--prompt-len` (~100) cached positions per row: median of repeats, compile
+   excluded. Decode tok/s = B / step time at W = 1; at W = 8 the step verifies 8 tokens per row
+   (what it yields depends on acceptance), so its cost is reported as the W8 / W1 ratio.
+3. End to end: `Engine.generate` at B = 1 and B = 16 (greedy, no drafter, max_new_tokens
+   tokens), tok/s = generated tokens / wall time (compile excluded; one warm-up run first).
+4. HF transformers `generate` on the same model (loaded from the same GGUF, float32,
+   `torch.set_num_threads(--threads)`), the same prompts (left-padded at B = 16), greedy, the same
+   max_new_tokens; tok/s counts tokens up to and including the first eos per row.
+
+Targets printed next to the numbers: plain decoding >= 2x HF tok/s at B = 1 and B = 16; the B = 1
+W = 1 step within 1.5x of the floor; the W = 8 step at B = 1 <= 1.5x the W = 1 step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes per second moved by a large numpy copy (read + write), best of `repeats`."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def _prompts(tokenizer, n: int, target_len: int) -> list[list[int]]:
+    """n chat prompts of about target_len tokens (GSM8K test questions when available)."""
+    texts = []
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k",
+                        "test.jsonl")
+    for cand in (path, "../shared/data/gsm8k/test.jsonl", "/work/shared/data/gsm8k/test.jsonl"):
+        if os.path.isfile(cand):
+            with open(cand) as f:
+                for line in f:
+                    texts.append(json.loads(line)["question"])
+                    if len(texts) >= 4 * n:
+                        break
+            break
+    if not texts:
+        texts = [f"Problem {i}: a farmer has {i + 3} cows and buys {2 * i + 1} more each week. "
+                 "How many cows does the farmer have after a month?" for i in range(4 * n)]
+    out = []
+    for t in texts:
+        ids = tokenizer.chat_prompt_ids("Solve the problem step by step. " + t)
+        if len(ids) < target_len // 2:   # short question: ask it twice to get a realistic length
+            ids = tokenizer.chat_prompt_ids("Solve the problem step by step. " + t + "\n" + t)
+        out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+def time_verify(engine, B: int, W: int, prompt_len: int, repeats: int) -> float:
+    """Median seconds of one verify step at (B, W) attending to ~prompt_len cached positions."""
+    import jax.numpy as jnp
+
+    from das_jax.engine import step as step_lib
+    from das_jax.engine.generate import _pow2_at_least
+    from das_jax.models.transformer import KVCache
+
+    kv_len = _pow2_at_least(prompt_len + W, 128)
+    S = kv_len + 16
+    dtype = jnp.dtype(engine.params["embed"].dtype)
+    cache = KVCache.zeros(engine.config, B, S, dtype)
+    skey = (0.0, 0, 1.0)
+    args = (engine.config, skey, kv_len, engine.params, cache,
+            np.full((B,), prompt_len, np.int32), np.full((B, W), 7, np.int32),
+            np.full((B,), W - 1, np.int32), np.arange(B, dtype=np.int32))
+    fn = engine._compiled.get(("verify", B, W, S, kv_len, skey, engine.config, dtype.name),
+                              step_lib.verify, *args)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        cache, y, *_ = fn(engine.params, cache, *args[5:])
+        np.asarray(y)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
+def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_ids) -> tuple:
+    import torch
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=list(eos_ids), pad_token_id=pad_id)
+    dt = time.perf_counter() - t0
+    gen = out[:, L:].tolist()
+    n = 0
+    toks = []
+    for row in gen:
+        cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
+        n += cut
+        toks.append(row[:cut])
+    return n, dt, toks
+
+
+def main(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from das_jax.engine.generate import Engine, EngineConfig, Request
+    from das_jax.engine.sampling import SamplingParams
+    from das_jax.models import load, params_size
+
+    quick = args.quick
+    max_new = args.max_new_tokens or (16 if quick else 64)
+    repeats = 3 if quick else 10
+    res: dict = {"model": args.model, "max_new_tokens": max_new, "prompt_len": args.prompt_len,
+                 "jax": jax.__version__, "backend": jax.default_backend()}
+    t0 = time.perf_counter()
+    config, params, tokenizer = load(args.model, dtype=jnp.float32)
+    n_params, n_bytes = params_size(params)
+    res.update(params=n_params, param_bytes=n_bytes, load_s=time.perf_counter() - t0)
+    print(f"{args.model}: {n_params / 1e6:.1f}M params, {n_bytes / 1e6:.0f} MB float32 "
+          f"(loaded in {res['load_s']:.1f}s)", flush=True)
+
+    bw = memory_bandwidth(1 << 28 if quick else 1 << 30)
+    res["bandwidth_Bps"] = bw
+    res["floor_s"] = n_bytes / bw
+    print(f"memory bandwidth (numpy copy, read+write): {bw / 1e9:.1f} GB/s -> step floor "
+          f"{res['floor_s'] * 1e3:.1f} ms", flush=True)
+
+    engine = Engine(config, params, eos_token_ids=tokenizer.eos_token_ids,
+                    engine_config=EngineConfig(max_slots=16, max_cache_len=2048,
+                                               draft_widths=(1, 8)))
+    steps = {}
+    for B in (1, 16):
+        for W in (1, 8):
+            s = time_verify(engine, B, W, args.prompt_len, repeats)
+            steps[f"B{B}_W{W}"] = s
+            print(f"verify step B={B:2d} W={W}: {s * 1e3:7.1f} ms  ({B / s:7.1f} tok/s at W=1 "
+                  f"rate, {B * W / s:7.1f} verified tok/s)", flush=True)
+    res["step_s"] = steps
+
+    prompts = _prompts(tokenizer, 16, args.prompt_len)
+    res["prompt_lens"] = [len(p) for p in prompts]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    e2e = {}
+    outs_das = {}
+    for B in (1, 16):
+        reqs = [Request(tuple(p), problem_id=i) for i, p in enumerate(prompts[:B])]
+        engine.generate(reqs, sampling)  # warm-up (compiles)
+        outs, st = engine.generate(reqs, sampling)
+        e2e[B] = {"tokens": st.generated_tokens, "wall_s": st.wall_s,
+                  "tok_s": st.generated_tokens / st.wall_s, "forward_passes": st.forward_passes}
+        outs_das[B] = [o.token_ids for o in outs]
+        print(f"Engine.generate B={B:2d}: {st.generated_tokens} tokens in {st.wall_s:.2f}s = "
+              f"{e2e[B]['tok_s']:.1f} tok/s", flush=True)
+    res["engine_generate"] = e2e
+
+    hf = None
+    if not args.no_hf:
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM
+        except ImportError as e:
+            print(f"HF comparison skipped: {e}", flush=True)
+        else:
+            from das_jax.models.load import resolve_source
+            kind, path = resolve_source(args.model)
+            torch.set_num_threads(args.threads)
+            t0 = time.perf_counter()
+            if kind == "gguf":
+                model = AutoModelForCausalLM.from_pretrained(
+                    os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model.eval()
+            print(f"HF model loaded in {time.perf_counter() - t0:.1f}s "
+                  f"(torch threads {torch.get_num_threads()})", flush=True)
+            hf = {}
+            eos = set(tokenizer.eos_token_ids)
+            hf_generate(model, prompts[:1], 4, tokenizer.pad_token_id, eos)  # warm-up
+            for B in (1, 16):
+                n, dt, toks = hf_generate(model, prompts[:B], max_new, tokenizer.pad_token_id, eos)
+                same = float(np.mean([a == b for a, b in zip(toks, outs_das[B])]))
+                hf[B] = {"tokens": n, "wall_s": dt, "tok_s": n / dt, "same_tokens_rate": same}
+                print(f"HF generate B={B:2d}: {n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s "
+                      f"(identical greedy outputs: {same:.0%})", flush=True)
+            res["hf_generate"] = hf
+
+    # ---- table ----
+    f1 = steps["B1_W1"] / res["floor_s"]
+    w_ratio = steps["B1_W8"] / steps["B1_W1"]
+    rows = ["| metric | value | target | met |", "|---|---|---|---|"]
+    for B in (1, 16):
+        rows.append(f"| verify step B={B} W=1 | {steps[f'B{B}_W1'] * 1e3:.1f} ms "
+                    f"({B / steps[f'B{B}_W1']:.1f} tok/s) | | |")
+        rows.append(f"| verify step B={B} W=8 | {steps[f'B{B}_W8'] * 1e3:.1f} ms | | |")
+    for B in (1, 16):
+        rows.append(f"| Engine.generate B={B} | {e2e[B]['tok_s']:.1f} tok/s | | |")
+        if hf:
+            r = e2e[B]["tok_s"] / hf[B]["tok_s"]
+            res[f"ratio_vs_hf_B{B}"] = r
+            rows.append(f"| HF generate B={B} | {hf[B]['tok_s']:.1f} tok/s | | |")
+            rows.append(f"| das-jax / HF at B={B} | {r:.2f}x | >= 2x | {'yes' if r >= 2 else 'no'} |")
+    rows.append(f"| memory bandwidth | {bw / 1e9:.1f} GB/s | | |")
+    rows.append(f"| floor = param bytes / bandwidth | {res['floor_s'] * 1e3:.1f} ms | | |")
+    rows.append(f"| B=1 W=1 step / floor | {f1:.2f}x | <= 1.5x | {'yes' if f1 <= 1.5 else 'no'} |")
+    rows.append(f"| W=8 / W=1 step at B=1 | {w_ratio:.2f}x | <= 1.5x | "
+                f"{'yes' if w_ratio <= 1.5 else 'no'} |")
+    res["floor_ratio"] = f1
+    res["w8_w1_ratio_B1"] = w_ratio
+    table = "\n".join(rows)
+    res["table"] = table
+    print()
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0

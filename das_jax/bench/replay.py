@@ -1,0 +1,442 @@
+"""Trace replay: predict rollout time per drafter by simulating the engine on recorded rollouts.
+
+A *trace* (JSON lines) holds recorded rollouts: a header line
+
+    {"type": "header", "model": ..., "cost_model": {"c_base", "c_tok", "c_kv"},
+     "engine": {"max_slots", "max_cache_len", "draft_widths"}, "max_new_tokens": ...,
+     "drafter_kwargs": {...}, "overheads": {"prefill_s_per_token", "host_s_per_step"}}
+
+then one line per rollout: {"epoch", "temperature", "problem_id", "sample_index", "prompt_ids",
+"token_ids", "finish_reason"}, in the order the engine received the requests.
+
+`simulate` runs the scheduling logic of `Engine.generate` without a model:
+
+* the same continuous batching: `max_slots` rows in batch buckets, free rows refilled from the
+  queue in the policy's `admission_order`, every admitted row emitting its first (prefill) token,
+  compaction of the live rows into the smallest bucket once the queue is empty (same row order),
+  the same cache-length and attended-length (`kv_len`) buckets;
+* per step, the real drafter objects (`build_speculation`) and the real policy are asked for
+  budgets, drafts and the width W exactly as the engine asks them, and are fed the emitted tokens
+  (`append`, `end`, `observe`, `advance_epoch` between epochs);
+* acceptance is exact: speculation never changes the sampled tokens, so the target token at every
+  position is the recorded one, and a draft is accepted up to its first disagreement with the
+  recorded continuation;
+* a step's time is the cost model t(B, W, S) = c_base + c_tok*B*W + c_kv*B*S (`CostModel`).
+
+Modelling assumptions (what the prediction leaves out or approximates):
+
+1. The cost model is linear in B*W and B*S; the real step cost on a CPU is not (different matmul
+   kernels per M), so the decode prediction is only as good as the fit (`bench rollout` prints
+   predicted / measured next to every measured time).
+2. Prefill is modelled as `prefill_s_per_token` per padded prompt token (U bucket x T bucket of
+   each admission call), and the host loop as `host_s_per_step` per forward pass; both are fitted
+   from the measured plain (`none`) run of the first epoch. Drafter and policy time are the real
+   host time of the simulated calls on this machine.
+3. Tokens past a recorded stop token are unknown, so a draft that runs past the end of a rollout
+   is accepted only up to the end; the engine may count such a draft's post-stop tokens as
+   accepted (they are never emitted). Forward passes and emitted tokens are unaffected.
+4. The simulated policy plans with a frozen cost model (the trace's coefficients); in the real
+   engine the DAS policy refines its cost model online from measured step times, so a real DAS run
+   may choose other widths than the replay (forward passes then differ slightly). With a frozen
+   cost model in both (the tests do this) they match exactly.
+5. Paper scale (`--scale paper`, `paper_workload`): the trace's rollouts are stretched into
+   long-tailed rollouts (see `paper_workload`); their token content is built from recorded
+   rollouts of the same problem, so it keeps the recorded redundancy between siblings and epochs,
+   which is what the drafters exploit. Absolute acceptance at 16K tokens is therefore an
+   extrapolation; the relative cost of speculation (the cost model) is given by flags.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import time
+from typing import Any, Hashable, Iterable, Sequence
+
+import numpy as np
+
+from das_jax.engine.cost_model import CostModel
+from das_jax.engine.policy import FixedPolicy, RowView, StepRecord
+
+# Shared with the engine (bucket helpers and slot settings) so that the simulation uses the
+# engine's own shapes. Importing generate imports jax; that is fine here (not at CLI parse time).
+from das_jax.engine.generate import EngineConfig, _bucket, _pow2_at_least
+
+
+class FrozenCostModel(CostModel):
+    """A cost model that ignores observations (the replay plans with fixed coefficients)."""
+
+    def observe(self, batch, width, kv_len, seconds, refit=True):
+        pass
+
+    @classmethod
+    def of(cls, coef: dict) -> "FrozenCostModel":
+        return cls(c_base=float(coef["c_base"]), c_tok=float(coef["c_tok"]),
+                   c_kv=float(coef.get("c_kv", 0.0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRollout:
+    """One recorded rollout."""
+
+    epoch: int
+    problem_id: Hashable
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: str = "stop"
+    temperature: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"epoch": self.epoch, "temperature": self.temperature, "problem_id": self.problem_id,
+                "sample_index": self.sample_index, "prompt_ids": list(self.prompt_ids),
+                "token_ids": list(self.token_ids), "finish_reason": self.finish_reason}
+
+
+@dataclasses.dataclass
+class Trace:
+    header: dict
+    rollouts: list[TraceRollout]
+
+    def groups(self) -> dict[float, dict[int, list[TraceRollout]]]:
+        """temperature -> epoch -> rollouts (in recorded request order)."""
+        out: dict[float, dict[int, list[TraceRollout]]] = {}
+        for r in self.rollouts:
+            out.setdefault(r.temperature, {}).setdefault(r.epoch, []).append(r)
+        return {t: dict(sorted(e.items())) for t, e in sorted(out.items())}
+
+
+def write_trace(path, header: dict, rollouts: Iterable[TraceRollout]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"type": "header", **header}) + "\n")
+        for r in rollouts:
+            f.write(json.dumps(r.to_json()) + "\n")
+
+
+def read_trace(path) -> Trace:
+    header: dict = {}
+    rollouts = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if obj.get("type") == "header":
+                header = {k: v for k, v in obj.items() if k != "type"}
+                continue
+            try:
+                rollouts.append(TraceRollout(
+                    epoch=int(obj["epoch"]), problem_id=obj["problem_id"],
+                    sample_index=int(obj["sample_index"]), prompt_ids=tuple(obj["prompt_ids"]),
+                    token_ids=tuple(obj["token_ids"]),
+                    finish_reason=obj.get("finish_reason", "stop"),
+                    temperature=float(obj.get("temperature", 0.0))))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{i + 1}: not a trace rollout line ({e})") from None
+    if not header:
+        raise ValueError(f"{path}: no header line (type=header) with the cost model")
+    return Trace(header, rollouts)
+
+
+@dataclasses.dataclass
+class SimStats:
+    """What one simulated `generate` call did; times in seconds."""
+
+    forward_passes: int = 0
+    generated_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    decode_s: float = 0.0             # predicted by the cost model
+    prefill_tokens: int = 0           # padded U x T tokens over admission calls
+    prefill_calls: int = 0
+    draft_s: float = 0.0              # measured host time of the drafter calls
+    policy_s: float = 0.0             # measured host time of the policy calls
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        rows = sum(s.active for s in self.steps)
+        return sum(s.emitted for s in self.steps) / rows if rows else 0.0
+
+    def predicted_s(self, overheads: dict | None = None) -> float:
+        """Predicted wall time: decode (cost model) + drafter/policy host time + prefill and host
+        loop overheads (if given)."""
+        o = overheads or {}
+        return (self.decode_s + self.draft_s + self.policy_s
+                + float(o.get("prefill_s_per_token", 0.0)) * self.prefill_tokens
+                + float(o.get("host_s_per_step", 0.0)) * self.forward_passes)
+
+    def summary(self, overheads: dict | None = None) -> dict:
+        return {"forward_passes": self.forward_passes, "generated_tokens": self.generated_tokens,
+                "drafted_tokens": self.drafted_tokens,
+                "accepted_draft_tokens": self.accepted_draft_tokens,
+                "acceptance_length": self.acceptance_length, "decode_s": self.decode_s,
+                "draft_s": self.draft_s, "policy_s": self.policy_s,
+                "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
+                "predicted_s": self.predicted_s(overheads)}
+
+
+def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_new_tokens: int,
+             cost_model: CostModel, drafter=None, policy=None, min_prompt_bucket: int | None = None,
+             progress=None) -> SimStats:
+    """Replays one `Engine.generate` call over recorded rollouts (see the module docstring).
+
+    Mirrors `Engine.generate` line by line for the scheduling: the same admission, emission,
+    compaction and kv-length bucketing, the same calls on `drafter` and `policy`. Request ids are
+    the indices into `rollouts`, as in the engine.
+    """
+    ec = engine_config
+    policy = policy or FixedPolicy()
+    widths = ec.draft_widths if drafter is not None else (1,)
+    max_w = max(widths)
+    min_prompt_bucket = min_prompt_bucket or ec.min_prompt_bucket
+    stats = SimStats()
+    n = len(rollouts)
+    recs = [r.token_ids for r in rollouts]
+    generated = [0] * n
+    order = policy.admission_order([r.problem_id for r in rollouts])
+    queue = collections.deque(order)
+    S = cache_len_for(ec, max(len(r.prompt_ids) for r in rollouts), max_new_tokens)
+    B = _bucket(min(n, ec.max_slots), ec.batch_buckets)
+    row_req = np.full(B, -1, np.int64)
+    cache_len = np.zeros(B, np.int64)
+    finished = 0
+
+    def finish(row: int):
+        nonlocal finished
+        ri = int(row_req[row])
+        if drafter is not None:
+            drafter.end(ri)
+        policy.end(ri, generated[ri])
+        row_req[row] = -1
+        finished += 1
+        if progress:
+            progress(finished, n)
+
+    def emit(row: int, count: int) -> bool:
+        ri = int(row_req[row])
+        g = generated[ri]
+        toks = recs[ri][g:g + count]
+        generated[ri] = g + len(toks)
+        stats.generated_tokens += len(toks)
+        if drafter is not None and toks:
+            t0 = time.perf_counter()
+            drafter.append(ri, list(toks))
+            stats.draft_s += time.perf_counter() - t0
+        if generated[ri] >= len(recs[ri]):
+            finish(row)
+            return True
+        return False
+
+    while queue or (row_req >= 0).any():
+        free = np.flatnonzero(row_req < 0)
+        if queue and len(free):
+            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+            rows = free[:len(take)]
+            uniq: dict[tuple, int] = {}
+            for i in take:
+                uniq.setdefault(tuple(rollouts[i].prompt_ids), len(uniq))
+            T = min(_pow2_at_least(max(len(p) for p in uniq), min_prompt_bucket), S)
+            U = _bucket(len(uniq), ec.batch_buckets)
+            stats.prefill_tokens += U * T
+            stats.prefill_calls += 1
+            for ri, row in zip(take, rows):
+                row_req[row] = ri
+                cache_len[row] = len(rollouts[ri].prompt_ids)
+                t0 = time.perf_counter()
+                policy.begin(int(ri), rollouts[ri].problem_id, len(rollouts[ri].prompt_ids))
+                stats.policy_s += time.perf_counter() - t0
+                if drafter is not None:
+                    t0 = time.perf_counter()
+                    drafter.begin(int(ri), rollouts[ri].problem_id, list(rollouts[ri].prompt_ids))
+                    stats.draft_s += time.perf_counter() - t0
+            for row in rows:
+                emit(int(row), 1)
+            continue
+
+        live = np.flatnonzero(row_req >= 0)
+        if not len(live):
+            continue
+        if not queue:
+            nb = _bucket(len(live), ec.batch_buckets)
+            if nb < B:
+                row_req = np.concatenate([row_req[live], np.full(nb - len(live), -1)])
+                cache_len = np.concatenate([cache_len[live], np.zeros(nb - len(live), np.int64)])
+                B = nb
+                live = np.arange(len(live))
+
+        kv_len = min(_pow2_at_least(int(cache_len[live].max()), 128), S)
+        views = [RowView(int(row_req[r]), rollouts[row_req[r]].problem_id,
+                         generated[row_req[r]], max_new_tokens - generated[row_req[r]])
+                 for r in live]
+        drafts_tok: list[np.ndarray] = []
+        drafts_prob: list[np.ndarray] = []
+        if drafter is not None:
+            t0 = time.perf_counter()
+            budgets = policy.draft_budgets(views, B, max_w)
+            stats.policy_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for v, k in zip(views, budgets):
+                k = int(min(k, max_w - 1, v.remaining - 1))
+                d = drafter.propose(v.request_id, k) if k > 0 else None
+                if d is None or len(d.tokens) == 0:
+                    drafts_tok.append(np.zeros(0, np.int32))
+                    drafts_prob.append(np.zeros(0, np.float32))
+                else:
+                    drafts_tok.append(np.asarray(d.tokens[:k], np.int32))
+                    drafts_prob.append(np.asarray(d.probs[:k], np.float32))
+            stats.draft_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            W, n_draft, _ = policy.choose(views, drafts_prob, B, widths, kv_len)
+            stats.policy_s += time.perf_counter() - t0
+        else:
+            W, n_draft = 1, np.zeros(len(live), np.int32)
+
+        seconds = float(cost_model.predict(B, W, kv_len))
+        stats.decode_s += seconds
+        stats.forward_passes += 1
+        drafted = accepted = emitted_total = 0
+        n_emit = []
+        for j, r in enumerate(live):
+            ri = int(row_req[r])
+            k = int(min(n_draft[j], W - 1)) if drafter is not None else 0
+            drafted += k
+            rec, g = recs[ri], generated[ri]
+            # The pending token is rec[g - 1]; the target token after it is rec[g], so draft token
+            # i is accepted while it equals rec[g + i] (and the prefix before it was accepted).
+            acc = 0
+            if k:
+                d = drafts_tok[j]
+                lim = min(k, len(rec) - g - 1)
+                while acc < lim and int(d[acc]) == rec[g + acc]:
+                    acc += 1
+            accepted += acc
+            n_emit.append(acc + 1)
+        classes = policy.step_classes(views)
+        for j, r in enumerate(live):
+            ri = int(row_req[r])
+            before = generated[ri]
+            cache_len[r] += n_emit[j]
+            emit(int(r), n_emit[j])
+            emitted_total += generated[ri] - before
+        stats.drafted_tokens += drafted
+        stats.accepted_draft_tokens += accepted
+        record = StepRecord(batch=B, active=len(live), width=W, kv_len=kv_len, drafted=drafted,
+                            accepted=accepted, emitted=emitted_total, seconds=seconds,
+                            predicted_seconds=seconds, classes=classes)
+        stats.steps.append(record)
+        t0 = time.perf_counter()
+        policy.observe(record)
+        stats.policy_s += time.perf_counter() - t0
+    return stats
+
+
+def cache_len_for(ec: EngineConfig, max_prompt: int, max_new_tokens: int) -> int:
+    """Cache positions per row, as `Engine.cache_len_for` computes them (the widest compiled draft
+    width counts even without a drafter)."""
+    need = max_prompt + max_new_tokens + max(ec.draft_widths)
+    return max(min(_pow2_at_least(need, 128), ec.max_cache_len), need)
+
+
+# ----------------------------------------------------------------------------- speculation setup
+
+def make_speculation(name: str, cost_model: CostModel | None, drafter_kwargs: dict | None = None,
+                     das_config=None):
+    """(drafter, policy) from `build_speculation`, with a DAS policy planning on `cost_model`."""
+    from das_jax.speculation import build_speculation
+    kw = dict(drafter_kwargs or {})
+    if name == "ngram":
+        kw = {}
+    elif name not in ("suffix", "suffix-global", "das", "das-unlimited"):
+        kw = {}
+    return build_speculation(name, das_config=das_config, cost_model=cost_model, **kw)
+
+
+def drafter_kwargs_from(window: int, max_depth: int, min_token_prob: float) -> dict:
+    return {"window": int(window), "max_depth": int(max_depth),
+            "min_token_prob": float(min_token_prob)}
+
+
+def replay_epochs(epochs: dict[int, list[TraceRollout]], names: Sequence[str],
+                  engine_config: EngineConfig, max_new_tokens: int, coef: dict,
+                  drafter_kwargs: dict | None = None, overheads: dict | None = None,
+                  log=None) -> dict[str, list[dict]]:
+    """Replays every epoch for every drafter name (each keeps its drafter/policy across epochs).
+
+    Returns name -> [per-epoch summary dicts].
+    """
+    out: dict[str, list[dict]] = {}
+    for name in names:
+        cm = FrozenCostModel.of(coef)
+        drafter, policy = make_speculation(name, cm, drafter_kwargs) if name != "none" else (None, None)
+        rows = []
+        for e, rolls in epochs.items():
+            st = simulate(rolls, engine_config, max_new_tokens, cm, drafter, policy)
+            if drafter is not None:
+                drafter.advance_epoch()
+            s = st.summary(overheads)
+            s["epoch"] = e
+            rows.append(s)
+            if log:
+                log(f"  replay {name:14} epoch {e}: predicted {s['predicted_s']:.2f}s "
+                    f"(decode {st.decode_s:.2f}s), {st.forward_passes} passes, "
+                    f"accept len {st.acceptance_length:.2f}")
+        out[name] = rows
+    return out
+
+
+# ----------------------------------------------------------------------------- paper scale
+
+def paper_workload(trace: Trace, problems: int = 128, samples: int = 16, max_tokens: int = 16384,
+                   epochs: int | None = None, median_len: float = 4000.0, sigma: float = 0.8,
+                   eos_id: int | None = None, seed: int = 0) -> dict[int, list[TraceRollout]]:
+    """A paper-scale workload (DAS paper: 16K max tokens, long tail) resampled from a trace.
+
+    * Problems: `problems` synthetic problems, problem q built from recorded problem
+      q mod (recorded problems) (prompts shared, ids distinct).
+    * Lengths: a per-problem factor f_q ~ LogNormal(log(median_len), sigma) (fixed over epochs:
+      a problem's rollouts are long every epoch, which is what DAS's length classes predict), times
+      a per-rollout jitter LogNormal(0, 0.3); clipped to [32, max_tokens]; rollouts that hit the
+      cap finish by "length" (the tail), the others end with the recorded stop token.
+    * Tokens: rollout (q, s) of epoch e concatenates recorded rollouts of the same recorded problem
+      and epoch (its own sample first, then siblings in a seeded random order, with replacement,
+      stop tokens dropped) until the target length. This keeps the recorded within-group and
+      across-epoch redundancy the drafters exploit (an approximation of real long rollouts).
+    """
+    rng = np.random.default_rng(seed)
+    groups = trace.groups()
+    temp = next(iter(groups))
+    by_epoch = groups[temp]
+    epoch_ids = list(by_epoch)[: epochs or len(by_epoch)]
+    src_pids = list(dict.fromkeys(r.problem_id for r in by_epoch[epoch_ids[0]]))
+    factor = np.exp(rng.normal(np.log(median_len), sigma, size=problems))
+    out: dict[int, list[TraceRollout]] = {}
+    for e in epoch_ids:
+        by_pid: dict[Any, list[TraceRollout]] = {}
+        for r in by_epoch[e]:
+            by_pid.setdefault(r.problem_id, []).append(r)
+        rolls = []
+        for q in range(problems):
+            src = by_pid[src_pids[q % len(src_pids)]]
+            for s in range(samples):
+                target = int(np.clip(factor[q] * np.exp(rng.normal(0, 0.3)), 32, max_tokens))
+                own = src[s % len(src)]
+                stop = own.token_ids[-1] if own.finish_reason == "stop" else eos_id
+                pieces, n = [], 0
+                cur = own
+                while n < target:
+                    body = list(cur.token_ids[:-1] if cur.finish_reason == "stop" else cur.token_ids)
+                    if not body:
+                        body = list(cur.token_ids)
+                    pieces.extend(body)
+                    n += len(body)
+                    cur = src[int(rng.integers(len(src)))]
+                toks = pieces[:target]
+                reason = "length"
+                if target < max_tokens and stop is not None:
+                    toks = toks[:target - 1] + [int(stop)]
+                    reason = "stop"
+                rolls.append(TraceRollout(e, f"paper-{q}", s, own.prompt_ids, tuple(toks), reason,
+                                          temp))
+        out[e] = rolls
+    return out

@@ -1,0 +1,120 @@
+"""`das-jax bench replay TRACE.jsonl`: predicted rollout time per drafter (see `replay.py`)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import numpy as np
+
+# Paper-scale defaults when no coefficients are given: a GPU-like, memory-bound decode step
+# (7B model in bf16 on one H100-class GPU): ~20 ms to stream the weights, ~30 us per verified
+# token row of compute, ~20 ns per cached position per row (KV read, GQA, bf16).
+PAPER_COST = {"c_base": 0.020, "c_tok": 3e-5, "c_kv": 2e-8}
+PAPER_SLOTS = 256
+PAPER_WIDTHS = (1, 4, 8, 16)
+
+
+def main(args: argparse.Namespace) -> int:
+    from das_jax.bench import replay as rp
+    from das_jax.engine.generate import EngineConfig
+
+    try:
+        trace = rp.read_trace(args.trace)
+    except (OSError, ValueError) as e:
+        print(f"das-jax bench replay: {e}", file=sys.stderr)
+        return 2
+    h = trace.header
+    names = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    if "none" not in names:
+        names = ["none"] + names
+    paper = args.scale == "paper"
+    coef = dict(PAPER_COST if paper else h["cost_model"])
+    for k in ("c_base", "c_tok", "c_kv"):
+        v = getattr(args, k)
+        if v is not None:
+            coef[k] = v
+    eng = h.get("engine", {})
+    widths = (tuple(int(w) for w in args.draft_widths.split(",")) if args.draft_widths else
+              (PAPER_WIDTHS if paper else tuple(eng.get("draft_widths", (1, 4, 8)))))
+    if args.slots:
+        slots = [int(s) for s in args.slots.split(",")]
+    elif args.batch:
+        slots = [args.batch]
+    else:
+        slots = [PAPER_SLOTS if paper else int(eng.get("max_slots", 16))]
+    overheads = None if (args.no_overheads or paper) else h.get("overheads")
+    dkw = h.get("drafter_kwargs", {})
+
+    if paper:
+        eos = None
+        t0 = time.perf_counter()
+        groups = {None: paper_groups(trace, args)}
+        max_new = args.paper_max_tokens
+        print(f"paper-scale workload built in {time.perf_counter() - t0:.1f}s "
+              f"({args.paper_problems} problems x {args.paper_samples} samples, max "
+              f"{max_new} tokens)", flush=True)
+    else:
+        groups = trace.groups()
+        if args.temperature is not None:
+            groups = {t: g for t, g in groups.items() if abs(t - args.temperature) < 1e-9}
+        max_new = int(h["max_new_tokens"])
+    print(f"cost model: c_base={coef['c_base'] * 1e3:.3f} ms, c_tok={coef['c_tok'] * 1e6:.3f} "
+          f"us/token-row, c_kv={coef['c_kv'] * 1e9:.3f} ns/pos-row; widths {widths}", flush=True)
+    results = []
+    for temp, epochs in groups.items():
+        lens = [len(r.token_ids) for rs in epochs.values() for r in rs]
+        print(f"\n{'paper-scale' if paper else f'T={temp}'}: {len(epochs)} epochs x "
+              f"{len(next(iter(epochs.values())))} rollouts; length mean {np.mean(lens):.0f}, "
+              f"p50 {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, max {max(lens)}",
+              flush=True)
+        for ms in slots:
+            ec = EngineConfig(max_slots=ms, max_cache_len=max(
+                int(eng.get("max_cache_len", 2048)),
+                rp.cache_len_for(EngineConfig(draft_widths=widths), max(
+                    len(r.prompt_ids) for rs in epochs.values() for r in rs), max_new)),
+                draft_widths=widths)
+            t0 = time.perf_counter()
+            pred = rp.replay_epochs(epochs, names, ec, max_new, coef, dkw, overheads,
+                                    log=lambda s: print(s, flush=True))
+            sim_s = time.perf_counter() - t0
+            results.append({"temperature": temp, "max_slots": ms, "widths": list(widths),
+                            "cost_model": coef, "predicted": pred, "sim_s": sim_s})
+            print(table(pred, temp, ms))
+            print(f"(simulated in {sim_s:.1f}s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trace": args.trace, "scale": args.scale, "results": results}, f, indent=1,
+                      default=str)
+    return 0
+
+
+def paper_groups(trace, args):
+    from das_jax.bench import replay as rp
+    return rp.paper_workload(trace, problems=args.paper_problems, samples=args.paper_samples,
+                             max_tokens=args.paper_max_tokens, epochs=args.paper_epochs,
+                             median_len=args.paper_median, sigma=args.paper_sigma)
+
+
+def table(pred: dict, temp, slots) -> str:
+    lines = [f"\n| T | slots | drafter | epoch | predicted s | decode s | draft s | passes | "
+             "accept len | speed-up vs none |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, rows in pred.items():
+        for r, n in zip(rows, pred["none"]):
+            lines.append(f"| {temp} | {slots} | {name} | {r['epoch']} | {r['predicted_s']:.2f} | "
+                         f"{r['decode_s']:.2f} | {r['draft_s']:.2f} | {r['forward_passes']} | "
+                         f"{r['acceptance_length']:.2f} | "
+                         f"{n['predicted_s'] / max(r['predicted_s'], 1e-9):.2f}x |")
+    lines.append("")
+    tot_none = sum(r["predicted_s"] for r in pred["none"])
+    later_none = sum(r["predicted_s"] for r in pred["none"][1:])
+    lines.append("| drafter | total predicted s | speed-up (all epochs) | speed-up (epochs >= 1) |")
+    lines.append("|---|---|---|---|")
+    for name, rows in pred.items():
+        tot = sum(r["predicted_s"] for r in rows)
+        later = sum(r["predicted_s"] for r in rows[1:])
+        lines.append(f"| {name} | {tot:.2f} | {tot_none / max(tot, 1e-9):.2f}x | "
+                     f"{(later_none / later) if later else float('nan'):.2f}x |")
+    return "\n".join(lines)
