@@ -56,7 +56,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 
 from das_jax.engine.cost_model import CostModel
-from das_jax.engine.policy import FixedPolicy, RowView, StepRecord
+from das_jax.engine.policy import FixedPolicy, RowView, StepRecord, plan_step
 
 # Shared with the engine (bucket helpers and slot settings) so that the simulation uses the
 # engine's own shapes. Importing generate imports jax; that is fine here (not at CLI parse time).
@@ -188,7 +188,6 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
     ec = engine_config
     policy = policy or FixedPolicy()
     widths = ec.draft_widths if drafter is not None else (1,)
-    max_w = max(widths)
     min_prompt_bucket = min_prompt_bucket or ec.min_prompt_bucket
     stats = SimStats()
     n = len(rollouts)
@@ -269,28 +268,10 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
         views = [RowView(int(row_req[r]), rollouts[row_req[r]].problem_id,
                          generated[row_req[r]], max_new_tokens - generated[row_req[r]])
                  for r in live]
-        drafts_tok: list[np.ndarray] = []
-        drafts_prob: list[np.ndarray] = []
-        if drafter is not None:
-            t0 = time.perf_counter()
-            budgets = policy.draft_budgets(views, B, max_w)
-            stats.policy_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for v, k in zip(views, budgets):
-                k = int(min(k, max_w - 1, v.remaining - 1))
-                d = drafter.propose(v.request_id, k) if k > 0 else None
-                if d is None or len(d.tokens) == 0:
-                    drafts_tok.append(np.zeros(0, np.int32))
-                    drafts_prob.append(np.zeros(0, np.float32))
-                else:
-                    drafts_tok.append(np.asarray(d.tokens[:k], np.int32))
-                    drafts_prob.append(np.asarray(d.probs[:k], np.float32))
-            stats.draft_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            W, n_draft, _ = policy.choose(views, drafts_prob, B, widths, kv_len)
-            stats.policy_s += time.perf_counter() - t0
-        else:
-            W, n_draft = 1, np.zeros(len(live), np.int32)
+        plan = plan_step(drafter, policy, views, B, widths, kv_len)
+        stats.draft_s += plan.draft_s
+        stats.policy_s += plan.policy_s
+        W = plan.width
 
         seconds = float(cost_model.predict(B, W, kv_len))
         stats.decode_s += seconds
@@ -299,14 +280,14 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
         n_emit = []
         for j, r in enumerate(live):
             ri = int(row_req[r])
-            k = int(min(n_draft[j], W - 1)) if drafter is not None else 0
+            k = len(plan.tokens[j])
             drafted += k
             rec, g = recs[ri], generated[ri]
             # The pending token is rec[g - 1]; the target token after it is rec[g], so draft token
             # i is accepted while it equals rec[g + i] (and the prefix before it was accepted).
             acc = 0
             if k:
-                d = drafts_tok[j]
+                d = plan.tokens[j]
                 lim = min(k, len(rec) - g - 1)
                 while acc < lim and int(d[acc]) == rec[g + acc]:
                     acc += 1

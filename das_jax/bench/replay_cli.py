@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -49,7 +48,6 @@ def main(args: argparse.Namespace) -> int:
     dkw = h.get("drafter_kwargs", {})
 
     if paper:
-        eos = None
         t0 = time.perf_counter()
         groups = {None: paper_groups(trace, args)}
         max_new = args.paper_max_tokens
@@ -99,7 +97,7 @@ def paper_groups(trace, args):
 
 
 def table(pred: dict, temp, slots) -> str:
-    lines = [f"\n| T | slots | drafter | epoch | predicted s | decode s | draft s | passes | "
+    lines = ["\n| T | slots | drafter | epoch | predicted s | decode s | draft s | passes | "
              "accept len | speed-up vs none |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in pred.items():
         for r, n in zip(rows, pred["none"]):

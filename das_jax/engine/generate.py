@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from das_jax.engine import step as step_lib
-from das_jax.engine.policy import FixedPolicy, RowView, SpeculationPolicy, StepRecord
+from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
+                                   plan_step)
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
 from das_jax.models.transformer import KVCache, Params
@@ -263,7 +264,6 @@ class Engine:
         ec = self.engine_config
         policy = policy or FixedPolicy()
         widths = ec.draft_widths if drafter is not None else (1,)
-        max_w = max(widths)
         stop_ids = set(self.eos_token_ids) | set(sampling.stop_token_ids)
         skey = sampling.static_key()
         stats = GenerateStats()
@@ -394,37 +394,18 @@ class Engine:
                              len(outputs[row_req[r]].token_ids),
                              sampling.max_new_tokens - len(outputs[row_req[r]].token_ids))
                      for r in live]
-            drafts_tok: list[np.ndarray] = []
-            drafts_prob: list[np.ndarray] = []
-            if drafter is not None:
-                t0 = time.perf_counter()
-                budgets = policy.draft_budgets(views, B, max_w)
-                stats.policy_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                for v, k in zip(views, budgets):
-                    k = int(min(k, max_w - 1, v.remaining - 1))
-                    d = drafter.propose(v.request_id, k) if k > 0 else None
-                    if d is None or len(d.tokens) == 0:
-                        drafts_tok.append(np.zeros(0, np.int32))
-                        drafts_prob.append(np.zeros(0, np.float32))
-                    else:
-                        drafts_tok.append(np.asarray(d.tokens[:k], np.int32))
-                        drafts_prob.append(np.asarray(d.probs[:k], np.float32))
-                stats.draft_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                W, n_draft, predicted = policy.choose(views, drafts_prob, B, widths, kv_len)
-                stats.policy_s += time.perf_counter() - t0
-            else:
-                W, n_draft, predicted = 1, np.zeros(len(live), np.int32), None
+            plan = plan_step(drafter, policy, views, B, widths, kv_len)
+            stats.draft_s += plan.draft_s
+            stats.policy_s += plan.policy_s
+            W, predicted = plan.width, plan.predicted_seconds
 
             # ---- verify ----
             tokens_BxW = np.zeros((B, W), np.int32)
             n_draft_B = np.zeros(B, np.int32)
             tokens_BxW[:, 0] = pending
             for j, r in enumerate(live):
-                k = int(min(n_draft[j], W - 1)) if drafter is not None else 0
-                if k:
-                    tokens_BxW[r, 1:1 + k] = drafts_tok[j][:k]
+                k = len(plan.tokens[j])
+                tokens_BxW[r, 1:1 + k] = plan.tokens[j]
                 n_draft_B[r] = k
             args = (self.config, skey, kv_len, params, cache, cache_len, tokens_BxW, n_draft_B,
                     row_seed)

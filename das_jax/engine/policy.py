@@ -9,6 +9,7 @@ the same protocol.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Hashable, Protocol, Sequence
 
 import numpy as np
@@ -108,3 +109,46 @@ class FixedPolicy:
 
     def step_classes(self, rows):
         return None
+
+
+@dataclasses.dataclass
+class DraftPlan:
+    """One step's speculation: width W, per-row draft tokens (int32, each <= W - 1 long, in the
+    order of the live rows), the policy's predicted step seconds, and host time spent."""
+
+    width: int
+    tokens: list[np.ndarray]
+    predicted_seconds: float | None
+    draft_s: float = 0.0
+    policy_s: float = 0.0
+
+
+def plan_step(drafter, policy: "SpeculationPolicy", rows: Sequence[RowView], batch: int,
+              widths: Sequence[int], kv_len: int) -> DraftPlan:
+    """Asks the policy for budgets, the drafter for drafts, the policy for W and n_draft.
+
+    Shared by `Engine.generate` and the trace-replay simulator, so both take exactly the same
+    decisions. With no drafter: W = 1 and no drafts.
+    """
+    if drafter is None:
+        return DraftPlan(1, [np.zeros(0, np.int32)] * len(rows), None)
+    max_w = max(widths)
+    t0 = time.perf_counter()
+    budgets = policy.draft_budgets(rows, batch, max_w)
+    t1 = time.perf_counter()
+    tokens: list[np.ndarray] = []
+    probs: list[np.ndarray] = []
+    for row, k in zip(rows, budgets):
+        k = int(min(k, max_w - 1, row.remaining - 1))
+        d = drafter.propose(row.request_id, k) if k > 0 else None
+        if d is None or len(d.tokens) == 0:
+            tokens.append(np.zeros(0, np.int32))
+            probs.append(np.zeros(0, np.float32))
+        else:
+            tokens.append(np.asarray(d.tokens[:k], np.int32))
+            probs.append(np.asarray(d.probs[:k], np.float32))
+    t2 = time.perf_counter()
+    width, n_draft, predicted = policy.choose(rows, probs, batch, widths, kv_len)
+    t3 = time.perf_counter()
+    tokens = [t[:int(min(n, width - 1))] for t, n in zip(tokens, n_draft)]
+    return DraftPlan(width, tokens, predicted, draft_s=t2 - t1, policy_s=(t1 - t0) + (t3 - t2))

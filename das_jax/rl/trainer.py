@@ -17,15 +17,12 @@ A run directory holds the resolved `config.yaml`, `metrics.jsonl`, TensorBoard e
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -195,7 +192,6 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_one_step(self) -> dict[str, Any]:
-        c = self.config
         step = self.step
         t0 = time.perf_counter()
         rb = self.rollout(step)

@@ -9,7 +9,6 @@ The config comes from the `<arch>.*` metadata, the tokenizer + chat template fro
 """
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Callable
 
