@@ -103,6 +103,10 @@ class GRPOSection:
     max_completion_length: Optional[int] = None
     reward_funcs: tuple[str, ...] = ("math_accuracy",)
     reward_weights: Optional[tuple[float, ...]] = None
+    # Where the importance ratio's old log-probs come from: "recompute" (a forward pass of the
+    # pre-update params over the rollouts, as verl does; a pure function of params and tokens,
+    # so training is reproducible bit for bit) or "rollout" (the engine's sampling log-probs).
+    old_logprobs: str = _choices("recompute", "rollout", default="recompute")
 
     @property
     def batch_size(self) -> int:

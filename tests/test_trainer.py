@@ -84,10 +84,9 @@ def test_training_is_lossless_with_das(tmp_path):
     (t0, r0, p0), (t1, r1, p1) = runs["none"], runs["das"]
     assert t0 == t1                                  # identical rollouts, every step
     assert [r["reward_mean"] for r in r0] == [r["reward_mean"] for r in r1]
-    # Losses use the engine's rollout log-probs, which a width-W verify step computes with
-    # float32 rounding that differs from width 1 at ~1e-7: equal to that precision.
-    np.testing.assert_allclose([r["loss"] for r in r0], [r["loss"] for r in r1], atol=1e-6)
-    np.testing.assert_allclose(p0, p1, atol=1e-6)    # identical parameters
+    assert [r["loss"] for r in r0] == [r["loss"] for r in r1]
+    assert all(r["rollout_logprob_gap"] < 1e-4 for r in r0 + r1)  # sampler agrees with trainer
+    np.testing.assert_array_equal(p0, p1)            # identical parameters, bit for bit
     assert any(r["loss"] != 0 for r in r0)           # the updates were real
     assert sum(r["accepted_draft_tokens"] for r in r1) > 0   # and DAS did speculate
     assert r1[-1]["epoch"] == 1                       # 2 steps per epoch over 4 problems

@@ -7,8 +7,13 @@ One training step (Shao et al. 2024, GRPO; TRL's GRPOTrainer semantics):
    params; request seeds derive from (run seed, step, problem id, sample index) only, so a rollout
    is a pure function of the params and the step, with or without speculation.
 3. Score them with the reward functions (a raising reward logs an error and scores 0).
-4. Group-normalised advantages; `num_iterations` optimizer updates on the batch, the importance
-   ratio taken against the log-probs the engine returned.
+4. Group-normalised advantages; `num_iterations` optimizer updates on the batch. The importance
+   ratio's old log-probs are, by default, recomputed by the trainer from the pre-update params
+   (`grpo.old_logprobs: recompute`, as verl does): a pure function of params and tokens, so a
+   run with DAS reproduces a run without it bit for bit. `old_logprobs: rollout` uses the
+   log-probs the engine returned instead; they differ from the trainer's at float-rounding level
+   (a verify step of width W rounds differently from width 1), which the metric
+   `rollout_logprob_gap` reports either way.
 5. At the end of each pass over the data, the drafter's history advances one epoch.
 
 A run directory holds the resolved `config.yaml`, `metrics.jsonl`, TensorBoard events under
@@ -120,6 +125,7 @@ class GRPOTrainer:
         self.step = 0
         self.run_dir = Path(c.output_dir)
         self._calibrated = False
+        self.last_logprob_gap: float | None = None
 
     # ------------------------------------------------------------------ data order
     def steps_per_epoch(self) -> int:
@@ -172,13 +178,24 @@ class GRPOTrainer:
             tokens[b, :len(p)] = p
             tokens[b, len(p):len(p) + len(o.token_ids)] = o.token_ids
             old[b, len(p):len(p) + len(o.token_ids)] = o.logprobs
-        ref = None
-        if self.ref_params is not None:
-            positions = np.broadcast_to(np.arange(T), tokens.shape)
-            valid = positions < (lens_p + lens_c)[:, None]
-            ref = np.asarray(compute_logprobs(
-                self.model_config, self.ref_params, jnp.asarray(tokens), jnp.asarray(positions),
+        positions = np.broadcast_to(np.arange(T), tokens.shape)
+        valid = positions < (lens_p + lens_c)[:, None]
+
+        def logprobs(params):
+            return np.asarray(compute_logprobs(
+                self.model_config, params, jnp.asarray(tokens), jnp.asarray(positions),
                 jnp.asarray(valid), c.rollout.temperature or 1.0, c.grpo.micro_batch_size))
+
+        ref = logprobs(self.ref_params) if self.ref_params is not None else None
+        self.last_logprob_gap = None
+        if c.grpo.old_logprobs == "recompute":
+            recomputed = logprobs(self.params)
+            cmask = (positions >= lens_p[:, None]) & valid
+            # How far the sampler's log-probs are from the trainer's (float rounding, plus the
+            # top-k / top-p truncation the sampler applies): a health check of the rollouts.
+            self.last_logprob_gap = float(np.abs(recomputed - old)[cmask].mean()) if cmask.any() \
+                else 0.0
+            old = recomputed
         return make_batch(tokens, lens_p, lens_c, old_logprobs_BxT=old, ref_logprobs_BxT=ref,
                           advantages_B=advantages), advantages
 
@@ -230,6 +247,7 @@ class GRPOTrainer:
             "acceptance_length": st.acceptance_length,
             "draft_s": st.draft_s,
             "train_s": train_s,
+            "rollout_logprob_gap": self.last_logprob_gap,
         }
         for k, v in rb.reward_parts.items():
             record[f"reward/{k}"] = float(np.mean(v))
