@@ -153,3 +153,30 @@ def test_full_speculation_stack_is_lossless_over_epochs(name):
 def test_unknown_speculation_name():
     with pytest.raises(ValueError, match="valid"):
         build_speculation("eagle")
+
+
+def test_short_drafts_can_use_a_wider_compiled_width():
+    # A 2-token draft fits only in W=4 of (1, 4, 8): it must be a candidate.
+    pol = DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0),
+                    cost_model=CostModel(c_base=0.05, c_tok=0.0001))
+    rows = [RowView(0, "p", 10, 100)]
+    W, n, _ = pol.choose(rows, [np.array([0.95, 0.9])], 1, (1, 4, 8), 0)
+    assert W == 4 and n.tolist() == [2]
+
+
+def test_acceptance_calibration_learns_overconfident_drafts():
+    pol = DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0, explore_every=4),
+                    cost_model=CostModel(c_base=0.05, c_tok=0.004))
+    rows = [RowView(i, "p", 10, 100) for i in range(4)]
+    overconfident = [np.full(7, 0.9)] * 4
+    widths = []
+    for _ in range(60):
+        W, n, t = pol.choose(rows, overconfident, 4, (1, 4, 8), 0)
+        widths.append(W)
+        # Verification accepts nothing: the drafter claims 90% but is always wrong.
+        pol.observe(StepRecord(batch=4, active=4, width=W, kv_len=0, drafted=int(n.sum()),
+                               accepted=0, emitted=4, seconds=t))
+    assert widths[0] == 8                      # trusts the drafter at first
+    assert pol.acceptance_scale < 0.1          # learns it is overconfident
+    assert widths[-8:].count(1) >= 6           # then mostly stops speculating ...
+    assert any(w > 1 for w in widths[-8:])     # ... but keeps exploring

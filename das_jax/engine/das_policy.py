@@ -15,6 +15,10 @@ Decides how much to speculate, for whom, at each decode step:
 
    i.e. expected emitted tokens per second under the fitted cost model t (`cost_model.py`).
    Rows share W (one static-shape step), so each row verifies min(len_b, W-1) of its tokens.
+   The path probabilities are calibrated online: they are scaled by the running ratio of
+   accepted to predicted draft tokens, and every `explore_every`-th step that would not
+   speculate verifies the next width anyway, so both the cost model and the calibration keep
+   learning.
    Because t grows with B * W, the argmax speculates little while the batch is large and
    compute-bound, and more as the batch shrinks to the memory-bound stragglers. This replaces the
    paper's closed-form per-class budget (its Eq. 7) with an argmax over the measured cost model;
@@ -48,6 +52,11 @@ class DASConfig:
     budget_short / budget_medium / budget_long: draft-token caps per class (None = widest).
     min_history: finished rollouts needed before quantile thresholds are trusted (before that
       every request is medium).
+    acceptance_ema: weight of each step in the running ratio of accepted to predicted draft
+      tokens, which rescales the drafter's path probabilities (calibration).
+    explore_every: every n-th step whose best choice is W = 1 although drafts exist verifies
+      the next width instead, so the cost model and the calibration keep seeing speculative
+      steps (0 disables).
     unlimited: the das-unlimited ablation (see module docstring).
     """
 
@@ -60,6 +69,8 @@ class DASConfig:
     budget_long: int | None = None
     min_history: int = 8
     length_history: int = 4096
+    acceptance_ema: float = 0.1
+    explore_every: int = 16
     unlimited: bool = False
 
     def __post_init__(self):
@@ -88,6 +99,9 @@ class DASPolicy:
         self.cost_model = cost_model or CostModel()
         self.finished_lengths: collections.deque = collections.deque(maxlen=config.length_history)
         self.classes: dict[int, str] = {}
+        self.acceptance_scale = 1.0
+        self._expected_accepted: float | None = None
+        self._steps = 0
 
     # ----- classes ------------------------------------------------------------------------------
     def thresholds(self) -> tuple[float, float] | None:
@@ -154,24 +168,42 @@ class DASPolicy:
     def choose(self, rows, draft_probs, batch, widths, kv_len):
         lens = np.array([len(p) for p in draft_probs], np.int32)
         longest = int(lens.max(initial=0))
+        self._expected_accepted = None
         if self.config.unlimited or longest == 0:
             need = 1 + longest
             width = next((w for w in sorted(widths) if w >= need), max(widths))
             return width, np.minimum(lens, width - 1), self.cost_model.predict(batch, width, kv_len)
-        best = None
+        # Candidate widths: every width up to the smallest one that holds the longest draft.
+        cands = []
         for w in sorted(widths):
-            if w > 1 + longest and w != min(widths):
+            cands.append(w)
+            if w >= 1 + longest:
                 break
-            expected = sum(1.0 + float(np.sum(p[:w - 1])) for p in draft_probs)
+        scale = self.acceptance_scale
+        scored = []
+        for w in cands:
+            raw = sum(float(np.sum(p[:w - 1])) for p in draft_probs)
+            expected = len(draft_probs) + float(sum(np.sum(np.minimum(p[:w - 1] * scale, 1.0))
+                                                    for p in draft_probs))
             t = self.cost_model.predict(batch, w, kv_len)
-            rate = expected / max(t, 1e-9)
-            if best is None or rate > best[0] * (1 + 1e-9):
-                best = (rate, w, t)
-        _, width, t = best
+            scored.append((expected / max(t, 1e-9), w, t, raw))
+        best = max(scored, key=lambda x: (x[0], -x[1]))
+        self._steps += 1
+        if (best[1] == cands[0] and len(cands) > 1 and self.config.explore_every
+                and self._steps % self.config.explore_every == 0):
+            best = scored[1]   # exploration: keep measuring a speculative width
+        _, width, t, raw = best
+        self._expected_accepted = raw if width > 1 else None
         return width, np.minimum(lens, width - 1), t
 
     def observe(self, record: StepRecord) -> None:
         self.cost_model.observe(record.batch, record.width, record.kv_len, record.seconds)
+        if self._expected_accepted and record.drafted:
+            # Calibrate the drafter's path probabilities against what verification accepted.
+            ratio = record.accepted / self._expected_accepted
+            a = self.config.acceptance_ema
+            self.acceptance_scale = float(np.clip((1 - a) * self.acceptance_scale + a * ratio,
+                                                  0.02, 2.0))
 
     def end(self, request_id: int, num_tokens: int) -> None:
         self.classes.pop(request_id, None)
@@ -186,10 +218,12 @@ class DASPolicy:
     # ----- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"finished_lengths": list(self.finished_lengths),
-                "cost_model": self.cost_model.to_dict()}
+                "cost_model": self.cost_model.to_dict(),
+                "acceptance_scale": self.acceptance_scale}
 
     def load_state_dict(self, state: dict) -> None:
         self.finished_lengths.clear()
         self.finished_lengths.extend(int(n) for n in state.get("finished_lengths", ()))
         for k, v in state.get("cost_model", {}).items():
             setattr(self.cost_model, k, float(v))
+        self.acceptance_scale = float(state.get("acceptance_scale", 1.0))
