@@ -68,30 +68,12 @@ def _prompts(tokenizer, n: int, target_len: int) -> list[list[int]]:
 
 
 def time_verify(engine, B: int, W: int, prompt_len: int, repeats: int) -> float:
-    """Median seconds of one verify step at (B, W) attending to ~prompt_len cached positions."""
-    import jax.numpy as jnp
-
-    from das_jax.engine import step as step_lib
+    """Median seconds of one greedy verify step at (B, W) attending to ~prompt_len positions."""
+    from das_jax.engine.cost_model import time_verify_step
     from das_jax.engine.generate import _pow2_at_least
-    from das_jax.models.transformer import KVCache
 
     kv_len = _pow2_at_least(prompt_len + W, 128)
-    S = kv_len + 16
-    dtype = jnp.dtype(engine.params["embed"].dtype)
-    cache = KVCache.zeros(engine.config, B, S, dtype)
-    skey = (0.0, 0, 1.0)
-    args = (engine.config, skey, kv_len, engine.params, cache,
-            np.full((B,), prompt_len, np.int32), np.full((B, W), 7, np.int32),
-            np.full((B,), W - 1, np.int32), np.arange(B, dtype=np.int32))
-    fn = engine._compiled.get(("verify", B, W, S, kv_len, skey, engine.config, dtype.name),
-                              step_lib.verify, *args)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        cache, y, *_ = fn(engine.params, cache, *args[5:])
-        np.asarray(y)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:]))
+    return time_verify_step(engine, B, W, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_ids) -> tuple:

@@ -13,7 +13,7 @@ lazily (PEP 562) so `das_jax.engine.cli` registers without importing jax.
 """
 from __future__ import annotations
 
-import importlib
+from das_jax._lazy import lazy_exports
 
 _EXPORTS = {
     "Engine": "generate", "EngineConfig": "generate", "Request": "generate",
@@ -25,16 +25,4 @@ _EXPORTS = {
     "OracleDrafter": "reference_drafters", "AdversaryDrafter": "reference_drafters",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"das_jax.engine.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'das_jax.engine' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -97,6 +97,34 @@ def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
     return coef
 
 
+def time_verify_step(engine, batch: int, width: int, kv_len: int, cache_len: int,
+                     repeats: int = 3, sampling_key: tuple = (1.0, 0, 1.0)) -> float:
+    """Median seconds of the engine's verify step at (B, W, attended length), on dummy tokens.
+
+    Compiles the shape once (not timed; keyed as `generate` keys it, so the executable is reused
+    there when `cache_len` and `sampling_key` match) and discards the first timed call.
+    """
+    import jax.numpy as jnp
+    from das_jax.engine import step as step_lib
+    from das_jax.models.transformer import KVCache
+
+    dtype = jnp.dtype(engine.params["embed"].dtype)
+    cache = KVCache.zeros(engine.config, batch, cache_len, dtype)
+    skey = tuple(sampling_key)
+    args = (engine.config, skey, kv_len, engine.params, cache, jnp.full((batch,), kv_len, jnp.int32),
+            jnp.full((batch, width), 7, jnp.int32), jnp.full((batch,), width - 1, jnp.int32),
+            jnp.arange(batch, dtype=jnp.int32))
+    fn = engine._compiled.get(("verify", batch, width, cache_len, kv_len, skey, engine.config,
+                               dtype.name), step_lib.verify, *args)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        cache, y, *_ = fn(engine.params, cache, *args[5:])
+        np.asarray(y)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
 def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
               batches: Iterable[int] | None = None, widths: Iterable[int] | None = None,
               kv_lens: Iterable[int] = (128, 512), repeats: int = 3,
@@ -107,31 +135,14 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     `generate` will use, those executables are reused there). The median of `repeats` timed calls
     per shape is one observation. Returns the fitted model.
     """
-    import jax.numpy as jnp
-    from das_jax.engine import step as step_lib
-    from das_jax.models.transformer import KVCache
-
     ec = engine.engine_config
     batches = tuple(batches or sorted({1, ec.max_slots}))
     widths = tuple(widths or ec.draft_widths)
     cache_len = cache_len or ec.max_cache_len
-    dtype = jnp.dtype(engine.params["embed"].dtype)
-    skey = tuple(sampling_key)
     for B in batches:
-        cache = KVCache.zeros(engine.config, B, cache_len, dtype)
         for S in sorted({min(s, cache_len - max(widths)) for s in kv_lens}):
             for W in widths:
-                args = (engine.config, skey, S, engine.params, cache, jnp.full((B,), S, jnp.int32),
-                        jnp.zeros((B, W), jnp.int32), jnp.zeros((B,), jnp.int32),
-                        jnp.zeros((B,), jnp.int32))
-                fn = engine._compiled.get(("verify", B, W, cache_len, S, skey, engine.config,
-                                           dtype.name), step_lib.verify, *args)
-                times = []
-                for _ in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    cache, y, *_ = fn(engine.params, cache, *args[5:])
-                    np.asarray(y)
-                    times.append(time.perf_counter() - t0)
-                cost_model.observe(B, W, S, float(np.median(times[1:])), refit=False)
+                seconds = time_verify_step(engine, B, W, S, cache_len, repeats, sampling_key)
+                cost_model.observe(B, W, S, seconds, refit=False)
     cost_model.fit()
     return cost_model

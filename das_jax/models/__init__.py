@@ -11,7 +11,7 @@ Names are imported lazily (PEP 562), so importing a submodule such as `das_jax.m
 """
 from __future__ import annotations
 
-import importlib
+from das_jax._lazy import lazy_exports
 
 _EXPORTS = {
     "ModelConfig": "config", "ModelConfigError": "config", "RopeScaling": "config",
@@ -24,20 +24,11 @@ _EXPORTS = {
     "init_params": "transformer", "lm_head": "transformer", "token_logprobs": "transformer",
 }
 
-__all__ = sorted(_EXPORTS) + ["LOAD_ERRORS"]
+_getattr, __dir__, _names = lazy_exports(__name__, _EXPORTS)
+__all__ = _names + ["LOAD_ERRORS"]
 
 
 def __getattr__(name: str):
     if name == "LOAD_ERRORS":
-        return (__getattr__("ModelLoadError"), __getattr__("WeightsError"),
-                __getattr__("ModelConfigError"))
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"das_jax.models.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'das_jax.models' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
-
+        return (_getattr("ModelLoadError"), _getattr("WeightsError"), _getattr("ModelConfigError"))
+    return _getattr(name)

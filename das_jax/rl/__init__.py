@@ -15,7 +15,7 @@ importing jax.
 """
 from __future__ import annotations
 
-import importlib
+from das_jax._lazy import lazy_exports
 
 _EXPORTS = {
     "SCALE_REWARDS": "advantages", "advantage_metrics": "advantages",
@@ -30,16 +30,4 @@ _EXPORTS = {
     "GRPOTrainer": "trainer", "TrainError": "trainer",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"das_jax.rl.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'das_jax.rl' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,26 @@
+"""Lazy public surfaces (PEP 562) for the subpackages, so that `das-jax --help` and the CLI
+registrations import no jax."""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable, Callable, list[str]]:
+    """(`__getattr__`, `__dir__`, `__all__`) for `package`, whose name `n` lives in the submodule
+    `exports[n]`; a name is imported on first use and then cached in the package namespace."""
+    import sys
+
+    names = sorted(exports)
+
+    def __getattr__(name: str):
+        if name in exports:
+            value = getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+            setattr(sys.modules[package], name, value)
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__():
+        return names
+
+    return __getattr__, __dir__, names
