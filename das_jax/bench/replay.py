@@ -60,7 +60,7 @@ from das_jax.engine.policy import FixedPolicy, RowView, StepRecord, plan_step
 
 # Shared with the engine (bucket helpers and slot settings) so that the simulation uses the
 # engine's own shapes. Importing generate imports jax; that is fine here (not at CLI parse time).
-from das_jax.engine.generate import EngineConfig, _bucket, _pow2_at_least
+from das_jax.engine.generate import EngineConfig, _bucket, _pow2_at_least, compact_rows
 
 
 class FrozenCostModel(CostModel):
@@ -259,8 +259,7 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
         if not queue:
             nb = _bucket(len(live), ec.batch_buckets)
             if nb < B:
-                row_req = np.concatenate([row_req[live], np.full(nb - len(live), -1)])
-                cache_len = np.concatenate([cache_len[live], np.zeros(nb - len(live), np.int64)])
+                row_req, cache_len = compact_rows(live, nb, row_req, -1, cache_len, 0)
                 B = nb
                 live = np.arange(len(live))
 

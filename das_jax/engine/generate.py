@@ -139,6 +139,18 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     return buckets[-1]
 
 
+def compact_rows(live, nb: int, *arrays_and_fills):
+    """Row state of the live rows packed into a bucket of `nb` rows (padding rows get the fill).
+
+    `arrays_and_fills` alternates host arrays `[B]` and their padding value; returns the new
+    arrays in order. Shared by `Engine.generate` and the replay simulator's tail compaction.
+    """
+    out = []
+    for arr, fill in zip(arrays_and_fills[::2], arrays_and_fills[1::2]):
+        out.append(np.concatenate([arr[live], np.full(nb - len(live), fill, arr.dtype)]))
+    return out
+
+
 def _pow2_at_least(n: int, floor: int) -> int:
     b = floor
     while b < n:
@@ -381,10 +393,8 @@ class Engine:
                     fn = self._compiled.get(("gather", B, nb, S, self.config, dtype), step_lib.gather_rows,
                                             cache, rows_nb)
                     cache = fn(cache, rows_nb)
-                    row_req = np.concatenate([row_req[live], np.full(nb - len(live), -1)])
-                    cache_len = np.concatenate([cache_len[live], np.zeros(nb - len(live), np.int32)])
-                    pending = np.concatenate([pending[live], np.zeros(nb - len(live), np.int32)])
-                    row_seed = np.concatenate([row_seed[live], np.zeros(nb - len(live), np.int32)])
+                    row_req, cache_len, pending, row_seed = compact_rows(
+                        live, nb, row_req, -1, cache_len, 0, pending, 0, row_seed, 0)
                     B = nb
                     live = np.arange(len(live))
 
