@@ -11,10 +11,11 @@ Public surface:
         last number; commas, $, trailing .0 normalised); off the main thread only the fallback.
     format_reward(prompts, completions, **kw) -> list[float]     1.0 if "#### <number>" or \\boxed{}
     code_reward(prompts, completions, *, test, entry_point | answer, code_prompt=None, **kw)
-        -> list[float]                                           1.0 if the tests pass in the sandbox
-    make_code_reward(*, timeout_s=5.0, memory_mb=1024, num_workers=2, max_procs=16)
-    run_in_sandbox(program, *, timeout_s=5.0, memory_mb=1024, max_procs=16, max_file_mb=16,
-                   guard=True) -> SandboxResult
+        -> list[float]                   1.0 if the tests pass; judged outside the solution's sandbox
+    make_code_reward(*, timeout_s=5.0, memory_mb=1024, num_workers=2, max_procs=1)
+    check_solution(solution, tests, *, prompt=None, functions=None, limits=None) -> CheckResult
+    run_in_sandbox(program, *, timeout_s=5.0, memory_mb=1024, max_procs=1, max_file_mb=16,
+                   guard=True) -> SandboxResult      (``passed`` is not a verdict on hostile code)
     sandbox_capabilities(refresh=False) -> SandboxCapabilities
     safe_reward(fn, name=None) -> fn        exceptions / wrong length -> zeros + logged error;
                                             None / NaN per sample -> 0.0
@@ -26,6 +27,7 @@ Public surface:
     extract_final_number(completion) -> str | None
 """
 
+from das_jax.rl.rewards.code_check import CheckResult, check_solution
 from das_jax.rl.rewards.code_reward import build_program, code_reward, extract_code, make_code_reward
 from das_jax.rl.rewards.math_reward import (
     extract_final_number,
@@ -35,7 +37,13 @@ from das_jax.rl.rewards.math_reward import (
 )
 from das_jax.rl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, register_reward_fn
 from das_jax.rl.rewards.safety import RewardFn, combine_rewards, reward_name, safe_reward
-from das_jax.rl.rewards.sandbox import SandboxCapabilities, SandboxResult, run_in_sandbox, sandbox_capabilities
+from das_jax.rl.rewards.sandbox import (
+    SandboxCapabilities,
+    SandboxLimits,
+    SandboxResult,
+    run_in_sandbox,
+    sandbox_capabilities,
+)
 
 __all__ = [
     "RewardFn",
@@ -46,6 +54,9 @@ __all__ = [
     "build_program",
     "extract_code",
     "run_in_sandbox",
+    "check_solution",
+    "CheckResult",
+    "SandboxLimits",
     "sandbox_capabilities",
     "SandboxResult",
     "SandboxCapabilities",
