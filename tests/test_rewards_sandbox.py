@@ -1,30 +1,74 @@
-"""Tests for the code reward and its sandbox. Every hostile program here must cost exactly one
-zero reward; the test process and the files it owns must be untouched."""
+"""Tests for the code reward and its sandbox.
 
+Every hostile completion here must cost exactly one zero reward, and the test process, its files
+and the host must be untouched. The forging attacks are written against both designs: the old
+launcher (verdict = a secret token written by the process that ran the untrusted code) and the
+current one (verdict from a separate tests sandbox; the solution sandbox returns plain data).
+"""
+
+import gzip
+import json
+import logging
 import os
 import threading
 import time
 
 import pytest
 
-from das_jax.data import load_humaneval, reward_kwargs
-from das_jax.rl.rewards import build_program, code_reward, make_code_reward, run_in_sandbox, sandbox_capabilities
+from das_jax.rl.rewards import (
+    CheckResult,
+    SandboxLimits,
+    build_program,
+    check_solution,
+    code_reward,
+    make_code_reward,
+    run_in_sandbox,
+    sandbox_capabilities,
+)
+from das_jax.rl.rewards import _sandbox_runner as wire
+from das_jax.rl.rewards import sandbox as sandbox_mod
+from das_jax.rl.rewards.code_check import free_names, stub_functions
 
 HUMANEVAL = "/work/shared/data/humaneval/HumanEval.jsonl.gz"
-SLACK_S = 3.0
+SLACK_S = 5.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-@pytest.fixture(scope="module")
-def he0():
-    return load_humaneval(HUMANEVAL, limit=1)[0]
+# Two small problems in HumanEval's format (prompt = signature + docstring; test = check(candidate)).
+CLOSE = {
+    "code_prompt": 'from typing import List\n\n\ndef has_close(numbers: List[float], threshold: float) -> bool:\n'
+                   '    """True if two numbers of the list are closer than threshold."""\n',
+    "test": "\n\ndef check(candidate):\n"
+            "    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True\n"
+            "    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.05) == False\n"
+            "    assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True\n"
+            "    assert candidate([1.1, 2.2, 3.1, 4.1, 5.1], 0.5) == False\n",
+    "entry_point": "has_close",
+    "canonical": "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])\n",
+}
+# The tests use a helper from the prompt (poly) and math.fabs, as HumanEval/32 does.
+ZERO = {
+    "code_prompt": "import math\n\n\ndef poly(xs: list, x: float):\n"
+                   "    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n\n\n"
+                   'def find_zero(xs: list):\n    """A zero of the polynomial with coefficients xs."""\n',
+    "test": "\n\ndef check(candidate):\n    import math\n"
+            "    for coeffs in ([1, 2], [-6, 11, -6, 1], [3, -1, 2, 5]):\n"
+            "        solution = candidate(list(coeffs))\n"
+            "        assert math.fabs(poly(coeffs, solution)) < 1e-4\n",
+    "entry_point": "find_zero",
+    "canonical": "    lo, hi = -1.0, 1.0\n    while poly(xs, lo) * poly(xs, hi) > 0:\n        lo, hi = 2 * lo, 2 * hi\n"
+                 "    while hi - lo > 1e-10:\n        mid = (lo + hi) / 2\n"
+                 "        if poly(xs, mid) * poly(xs, lo) > 0:\n            lo = mid\n        else:\n            hi = mid\n"
+                 "    return lo\n",
+}
 
 
 def _reward(problem, completion, fn=code_reward):
-    return fn([""], [completion], **reward_kwargs([problem]))[0]
+    cols = {k: [problem[k]] for k in ("code_prompt", "test", "entry_point")}
+    return fn([""], [completion], **cols)[0]
 
 
-def _uid_procs(uid):
-    """Live (non-zombie) processes owned by ``uid``."""
+def _host_procs_of(uid):
+    """Live (non-zombie) host processes owned by ``uid``."""
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -40,47 +84,338 @@ def _uid_procs(uid):
     return out
 
 
-def test_canonical_passes_wrong_fails(he0):
-    assert _reward(he0, he0.metadata["canonical_solution"]) == 1.0
-    assert _reward(he0, "    return False\n") == 0.0
-    assert _reward(he0, "    return (\n") == 0.0  # syntax error
-    # a chat-style answer: full function in a fenced block
-    full = "Here you go:\n```python\n" + he0.prompt + he0.metadata["canonical_solution"] + "```\nDone."
-    assert _reward(he0, full) == 1.0
-    # harness passed as `answer` only (Problem.answer of a code problem)
-    prog_answer = code_reward([""], [he0.metadata["canonical_solution"]], answer=[he0.answer],
-                              code_prompt=[he0.prompt])
-    assert prog_answer == [1.0]
+def _assert_no_procs_left(uid, wait_s=5.0):
+    deadline = time.monotonic() + wait_s
+    while _host_procs_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _host_procs_of(uid) == []
 
 
-def test_parallel_batch(he0):
-    comps = [he0.metadata["canonical_solution"], "    return True\n", he0.metadata["canonical_solution"], "    1/0\n"]
-    kw = reward_kwargs([he0] * 4)
-    assert code_reward([""] * 4, comps, **kw) == [1.0, 0.0, 1.0, 0.0]
+def _require_isolation():
+    caps = sandbox_capabilities()
+    if not caps.isolated:
+        pytest.skip(f"Linux namespaces unavailable on this machine ({caps.reason}); the sandbox runs degraded")
+    return caps
 
 
-def test_early_exit_is_not_a_pass(he0):
-    assert _reward(he0, "    return 1\nimport sys\nsys.exit(0)\n") == 0.0
-    assert _reward(he0, "    return 1\nimport os\nos._exit(0)\n") == 0.0
+# ------------------------------------------------------------------------------------ correctness
+def test_canonical_passes_wrong_fails():
+    for prob in (CLOSE, ZERO):
+        assert _reward(prob, prob["canonical"]) == 1.0
+        assert _reward(prob, "") == 0.0  # the stub returns None
+        assert _reward(prob, "    return 0\n") == 0.0
+        assert _reward(prob, "    return (\n") == 0.0  # syntax error
+    # a chat-style answer: the full function in a fenced block
+    full = "Here you go:\n```python\n" + CLOSE["code_prompt"] + CLOSE["canonical"] + "```\nDone."
+    assert _reward(CLOSE, full) == 1.0
+    # harness passed as `answer` only (Problem.answer of a code problem): stubs found in the prompt
+    harness = CLOSE["test"] + "\n\ncheck(has_close)\n"
+    assert code_reward([""], [CLOSE["canonical"]], answer=[harness], code_prompt=[CLOSE["code_prompt"]]) == [1.0]
+    # no prompt at all (MBPP style): the tests' free names are the solution's functions
+    assert code_reward([""], ["def add(a, b):\n    return a + b\n"], answer=["assert add(2, 3) == 5\n"]) == [1.0]
+    assert code_reward([""], ["def add(a, b):\n    return a - b\n"], answer=["assert add(2, 3) == 5\n"]) == [0.0]
 
 
-def test_infinite_loop_times_out(he0):
+def test_parallel_batch():
+    comps = [CLOSE["canonical"], "    return True\n", CLOSE["canonical"], "    1/0\n"]
+    cols = {k: [CLOSE[k]] * 4 for k in ("code_prompt", "test", "entry_point")}
+    assert code_reward([""] * 4, comps, **cols) == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_values_keep_their_python_semantics():
+    pair = {"code_prompt": "def pair(a):\n    '''(a, a)'''\n", "entry_point": "pair",
+            "test": "def check(candidate):\n    assert candidate(1) == (1, 1)\n    assert candidate(2.5) == (2.5, 2.5)\n"}
+    assert _reward(pair, "    return (a, a)\n") == 1.0
+    assert _reward(pair, "    return [a, a]\n") == 0.0  # a list is not equal to a tuple
+    from collections import namedtuple
+    assert namedtuple  # a tuple subclass crosses as its base type
+    assert _reward(pair, "    from collections import namedtuple\n    return namedtuple('P', 'x y')(a, a)\n") == 1.0
+    # an exception the tests expect crosses as the same builtin type; an unknown one does not
+    raises = {"code_prompt": "def sqrt(x):\n    '''sqrt; ValueError if x < 0'''\n", "entry_point": "sqrt",
+              "test": "def check(candidate):\n    assert candidate(4) == 2\n"
+                      "    try:\n        candidate(-1)\n    except ValueError:\n        pass\n"
+                      "    else:\n        assert False\n"}
+    assert _reward(raises, "    if x < 0:\n        raise ValueError(x)\n    return x ** 0.5\n") == 1.0
+    assert _reward(raises, "    class E(Exception):\n        pass\n    if x < 0:\n        raise E()\n"
+                           "    return x ** 0.5\n") == 0.0
+    assert _reward(raises, "    return x ** 0.5 if x >= 0 else 0\n") == 0.0
+
+
+def test_wire_format_round_trip_and_rejects():
+    values = [None, True, 0, -(10 ** 30), 1.5, float("inf"), "é\n", b"\x00\xff", 1 + 2j, [1, (2, 3)], (),
+              {(1, 2): {"a": [None]}, 3: frozenset({1})}, {1, 2}]
+    for v in values:
+        back = wire.decode(wire.loads(wire.dumps(wire.encode(v))))
+        assert back == v and type(back) is type(v)
+    nan = wire.decode(wire.loads(wire.dumps(wire.encode(float("nan")))))
+    assert nan != nan
+
+    class Evil(int):
+        def __eq__(self, other):
+            return True
+
+    assert type(wire.decode(wire.encode(Evil(3)))) is int and wire.decode(wire.encode(Evil(3))) == 3
+    for bad in (object(), lambda: 0, iter([1]), type):
+        with pytest.raises(wire.WireError):
+            wire.encode(bad)
+    deep = []
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(wire.WireError):
+        wire.encode(deep)
+    for msg in ('{"x": 1}', '{"t": 1}', '{"d": [[1]]}', '{"f": "oops"}', '{"t": [], "s": []}'):
+        with pytest.raises(wire.WireError):
+            wire.decode(json.loads(msg))
+    with pytest.raises(wire.WireError):
+        wire.loads("NaN")
+
+
+def test_free_names_and_stubs():
+    assert stub_functions(CLOSE["code_prompt"]) == ["has_close"]
+    assert stub_functions(ZERO["code_prompt"]) == ["find_zero"]  # poly has a body: a trusted helper
+    assert free_names(ZERO["code_prompt"], ZERO["test"] + "\ncheck(find_zero)\n") == []
+    assert free_names("import math\nassert f(math.pi) == g(x=1)\nfor i in range(3):\n    h(i)\n") == ["f", "g", "h"]
+
+
+def test_build_program_and_errors():
+    prog = build_program("    return True\n", code_prompt="def f(x):\n", test="def check(c):\n    assert c(1)\n",
+                         entry_point="f")
+    assert prog.startswith("def f(x):\n    return True\n") and prog.rstrip().endswith("check(f)")
+    with pytest.raises(ValueError, match="test"):
+        code_reward([""], ["x"], problem_id=["p"])
+    with pytest.raises(ValueError, match="memory_mb"):
+        make_code_reward(memory_mb=256, max_procs=16)
+    # unusable tests (a dataset problem) cost that sample only
+    assert code_reward([""] * 2, ["def f():\n    return 1\n"] * 2, answer=["assert f() ==", "assert f() == 1"]) \
+        == [0.0, 1.0]
+
+
+# ------------------------------------------------------------------------------- forged verdicts
+# The object compares equal to everything: under the old design (tests in the same process)
+# every `assert candidate(x) == y` passed, reward 1.0.
+EQ_ATTACK = (
+    "    class Anything:\n"
+    "        def __eq__(self, other):\n            return True\n"
+    "        def __ne__(self, other):\n            return False\n"
+    "        def __lt__(self, other):\n            return True\n"
+    "        __gt__ = __le__ = __ge__ = __lt__\n"
+    "        def __hash__(self):\n            return 0\n"
+    "    return Anything()\n"
+)
+
+# Walks sys._getframe() up to the launcher, collects every secret-looking string and every
+# descriptor it can find, writes the secrets and forged verdicts to every descriptor, then exits
+# with status 0 before any test runs. Under the old design (commit 41ef7c8: the launcher kept the
+# success token in a local and accepted it on stdout) this scored 1.0.
+FRAME_ATTACK = '''    return None
+import os, sys
+_secrets, _fds = [], set(range(0, 64))
+_f = sys._getframe()
+while _f is not None:
+    for _scope in (_f.f_locals, _f.f_globals):
+        for _v in list(_scope.values()):
+            if isinstance(_v, str) and 16 <= len(_v) <= 128 and _v.isalnum():
+                _secrets.append(_v)
+            if isinstance(_v, int) and 0 <= _v < 1024:
+                _fds.add(_v)
+            if isinstance(_v, dict):
+                _fds.update(x for x in _v.values() if isinstance(x, int) and 0 <= x < 1024)
+    _f = _f.f_back
+try:
+    _fds.update(int(x) for x in os.listdir("/proc/self/fd"))
+except OSError:
+    pass
+_forged = [b"done\\n", b'{"verdict": "pass", "calls": 7}\\n', b'{"id": 0, "ok": true}\\n']
+_forged += [("\\n" + s + "\\n").encode() for s in _secrets]
+for _fd in sorted(_fds):
+    for _msg in _forged:
+        try:
+            os.write(_fd, _msg)
+        except OSError:
+            pass
+os._exit(0)
+'''
+
+
+def test_object_equal_to_everything_scores_zero():
+    assert _reward(CLOSE, EQ_ATTACK) == 0.0
+    # subclasses of plain types cross as their base value: their __eq__ never runs in the tests
+    assert _reward(CLOSE, "    class T(int):\n        def __eq__(self, o):\n            return True\n"
+                          "        __hash__ = int.__hash__\n    return T(7)\n") == 0.0
+    assert _reward(ZERO, EQ_ATTACK) == 0.0  # math.fabs(poly(xs, Anything())) -> the call fails
+
+
+def test_frame_walking_token_forgery_scores_zero():
+    assert _reward(CLOSE, FRAME_ATTACK) == 0.0
+    assert _reward(ZERO, FRAME_ATTACK) == 0.0
+    # the same attack does forge a signal kept in the attacked process: that is why rewards do not
+    # use run_in_sandbox's `passed` (it proves the attack works, so the test above can fail)
+    control = FRAME_ATTACK.replace("    return None\n", "", 1).replace("_forged += [", "_forged = _forged[:1] + 0 * [")
+    assert run_in_sandbox(control).passed
+
+
+def test_cheats_score_zero():
+    cheats = {
+        "exit before the asserts": "    return None\nimport sys\nsys.exit(0)\n",
+        "os._exit before the asserts": "    return None\nimport os\nos._exit(0)\n",
+        "exit inside the call": "    import sys\n    sys.exit(0)\n",
+        "os._exit inside the call": "    import os\n    os._exit(0)\n",
+        "print success markers": "    print('done')\n    print('{\"verdict\": \"pass\", \"calls\": 4}', flush=True)\n"
+                                 "    return None\n",
+        "monkeypatch builtins": "    return None\nimport builtins\nbuiltins.AssertionError = None\n"
+                                "builtins.abs = lambda x: 0\n",
+        "redefine check": "    return None\ndef check(candidate):\n    pass\n",
+    }
+    for name, code in cheats.items():
+        assert _reward(CLOSE, code) == 0.0, name
+    # HumanEval/32-style tests call math.fabs: patching it (which made a wrong answer pass when the
+    # tests shared the solution's process) changes nothing in the tests' own process
+    assert _reward(ZERO, "    return 0.0\nimport math\nmath.fabs = lambda x: 0.0\n") == 0.0
+    assert _reward(ZERO, "    return 0.0\ndef poly(xs, x):\n    return 0.0\n") == 0.0
+
+
+def test_infinite_loop_times_out():
     fn = make_code_reward(timeout_s=1.0)
     t0 = time.monotonic()
-    assert _reward(he0, "    while True:\n        pass\n", fn) == 0.0
-    assert _reward(he0, "    pass\nwhile True:\n    pass\n", fn) == 0.0
+    assert _reward(CLOSE, "    while True:\n        pass\n", fn) == 0.0
+    assert _reward(CLOSE, "    pass\nwhile True:\n    pass\n", fn) == 0.0
     assert time.monotonic() - t0 < 2 * (1.0 + SLACK_S)
     r = run_in_sandbox("while True:\n    pass\n", timeout_s=1.0)
     assert r.status == "timeout" and not r.passed and r.elapsed_s < 1.0 + SLACK_S
+    res = check_solution("def f():\n    while True:\n        pass\n", "assert f() == 1\n",
+                         limits=SandboxLimits(timeout_s=1.0))
+    assert isinstance(res, CheckResult) and res.status == "timeout" and not res.passed
 
 
-def test_huge_allocation(he0):
-    assert _reward(he0, "    x = bytearray(50 * 10**9)\n    return True\n") == 0.0
+def test_timeout_kills_the_whole_sandbox_with_its_children():
+    _require_isolation()
+    prog = (
+        "import ctypes, os, time\n"
+        "print(os.getuid(), flush=True)\n"
+        "if os.fork() == 0:\n"
+        "    ctypes.CDLL(None).setsid()  # leave the process group\n"
+        "    while True:\n        time.sleep(1)\n"
+        "while True:\n    pass\n"
+    )
+    r = run_in_sandbox(prog, timeout_s=1.5, guard=False, max_procs=4)
+    assert r.status == "timeout", r.stderr
+    _assert_no_procs_left(int(r.stdout.split()[0]))
+
+
+def test_fork_bombs_are_contained():
+    assert _reward(CLOSE, "    import os\n    while True:\n        os.fork()\n", make_code_reward(timeout_s=2.0)) == 0.0
+    assert _reward(CLOSE, "    import subprocess\n    while True:\n        subprocess.Popen(['sleep', '100'])\n",
+                   make_code_reward(timeout_s=2.0)) == 0.0
+    bomb = "import ctypes, os\nprint(os.getuid(), flush=True)\nlibc = ctypes.CDLL(None)\nwhile True:\n    libc.fork()\n"
+    # default max_procs=1: no fork at all; max_procs=16: at most 16 processes, all killed at the end
+    for max_procs in (1, 16):
+        t0 = time.monotonic()
+        r = run_in_sandbox(bomb, timeout_s=2.0, guard=False, max_procs=max_procs)
+        assert not r.passed and time.monotonic() - t0 < 2.0 + SLACK_S
+        if sandbox_capabilities().drop_privileges:
+            _assert_no_procs_left(int(r.stdout.split()[0]))
+
+
+def test_memory_limit_bounds_the_sandbox_as_a_whole():
+    three_children = (
+        "import os\n"
+        "pids = []\n"
+        "for _ in range(3):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        try:\n"
+        "            x = bytearray(700 * 2**20)\n"
+        "            os._exit(0)\n"
+        "        except MemoryError:\n"
+        "            os._exit(3)\n"
+        "    pids.append(pid)\n"
+        "codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]\n"
+        "assert codes == [0, 0, 0], f'children exit codes {codes}'\n"
+    )
+    # no fork allowed (default)
+    r = run_in_sandbox(three_children, memory_mb=1024, guard=False)
+    assert not r.passed and "BlockingIOError" in r.stderr, r.stderr
+    # forks allowed: 1 GiB is shared out, so no child gets 700 MB
+    r = run_in_sandbox(three_children, memory_mb=1024, max_procs=4, guard=False)
+    assert not r.passed and "children exit codes [3, 3, 3]" in r.stderr, r.stderr
+    # controls: one process may take 700 MB; three children may fork under a larger budget
+    assert run_in_sandbox("x = bytearray(700 * 2**20)\n", memory_mb=1024).passed
+    small = three_children.replace("700 * 2**20", "2**20")
+    assert run_in_sandbox(small, memory_mb=1024, max_procs=4, guard=False).passed
+    # and a huge allocation fails cleanly
     r = run_in_sandbox("x = bytearray(50 * 10**9)\n")
     assert r.status == "failed" and "MemoryError" in r.stderr
+    assert _reward(CLOSE, "    x = bytearray(50 * 10**9)\n    return True\n") == 0.0
 
 
-def test_cannot_delete_outside_files(he0, tmp_path):
+# ------------------------------------------------------------------------------------ isolation
+def test_nothing_outside_the_sandbox_is_readable(tmp_path):
+    _require_isolation()
+    secret = tmp_path / "secret.txt"  # under the host's /tmp
+    secret.write_text("host secret")
+    paths = [str(secret), str(tmp_path), os.path.join(REPO, "das_jax", "__init__.py"), REPO, "/work",
+             HUMANEVAL, "/etc/passwd", "/root/.bashrc", "/home", "/var", "/run"]
+    prog = (
+        "import json, os\n"
+        f"paths = {paths!r}\n"
+        "res = {'exists': [p for p in paths if os.path.exists(p)], 'read': []}\n"
+        "for p in paths:\n"
+        "    try:\n"
+        "        with open(p, 'rb') as f:\n"
+        "            f.read(1)\n"
+        "        res['read'].append(p)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "pids = sorted(int(x) for x in os.listdir('/proc') if x.isdigit())\n"
+        "cmdlines = []\n"
+        "for pid in pids:\n"
+        "    try:\n"
+        "        cmdlines.append(open(f'/proc/{pid}/cmdline', 'rb').read().decode(errors='replace'))\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "res['pids'] = pids\n"
+        "res['pytest_seen'] = any('pytest' in c for c in cmdlines)\n"
+        "res['tmp'] = os.listdir('/tmp')\n"
+        "print(json.dumps(res))\n"
+    )
+    r = run_in_sandbox(prog)
+    assert r.passed, r.stderr
+    res = json.loads(r.stdout)
+    assert res["exists"] == [] and res["read"] == []
+    assert res["pids"] == [1] and not res["pytest_seen"]  # host /proc is not visible
+    assert res["tmp"] == []  # a private, empty /tmp
+    assert secret.read_text() == "host secret"
+
+
+def test_files_written_do_not_persist():
+    _require_isolation()
+    mark = f"das_jax_sbx_mark_{os.getpid()}_{time.monotonic_ns()}"
+    prog = (
+        "import os\n"
+        f"mark = {mark!r}\n"
+        "for d in ('/tmp', '/dev/shm', os.getcwd(), os.environ['HOME']):\n"
+        "    with open(os.path.join(d, mark), 'w') as f:\n"
+        "        f.write('x')\n"
+        "blocked = []\n"
+        "for d in ('/', '/usr', '/etc', '/root', '/proc'):\n"
+        "    try:\n"
+        "        open(os.path.join(d, mark), 'w').close()\n"
+        "    except OSError:\n"
+        "        blocked.append(d)\n"
+        "print(os.getcwd(), ','.join(blocked))\n"
+    )
+    r = run_in_sandbox(prog)
+    assert r.passed, r.stderr
+    cwd, blocked = r.stdout.split()
+    assert blocked.split(",") == ["/", "/usr", "/etc", "/root", "/proc"]
+    for d in ("/tmp", "/dev/shm", cwd):
+        assert not os.path.exists(os.path.join(d, mark))
+    # a writable tmpfs is size-capped
+    r = run_in_sandbox("open('/tmp/big', 'wb').write(b'x' * (40 * 2**20))\n", max_file_mb=16)
+    assert not r.passed
+
+
+def test_cannot_delete_outside_files(tmp_path):
     sentinel_dir = tmp_path / "precious"
     sentinel_dir.mkdir()
     sentinel = sentinel_dir / "sentinel.txt"
@@ -97,27 +432,15 @@ def test_cannot_delete_outside_files(he0, tmp_path):
         "    except Exception:\n"
         "        pass\n"
     )
-    # attack at import time, then a correct solution: the reward may be 1, the file must survive
-    _reward(he0, he0.metadata["canonical_solution"] + "\n" + attack)
-    # attack without catching errors: reward 0
-    assert _reward(he0, "    pass\n" + attack.replace("    except Exception:\n        pass\n", "    finally:\n        pass\n")) == 0.0
-    r = run_in_sandbox(f"import os\nos.remove({str(sentinel)!r})\n")
-    assert not r.passed and ("PermissionError" in r.stderr)
-    assert sentinel.read_text() == "keep me"
-    assert sentinel_dir.is_dir()
-
-
-def test_sandbox_cwd_is_fresh_and_removed():
-    r = run_in_sandbox("import os\nprint(os.getcwd(), os.environ['HOME'], os.listdir('.'))\nopen('junk.txt', 'w').write('x')\n")
+    assert _reward(CLOSE, CLOSE["canonical"] + "\n" + attack) == 1.0  # the attack is harmless
+    r = run_in_sandbox(attack, guard=False)
     assert r.passed, r.stderr
-    cwd, home, listing = r.stdout.split(" ", 2)
-    assert cwd == home and listing.strip() == "[]"
-    assert not os.path.exists(cwd)  # deleted afterwards
+    assert sentinel.read_text() == "keep me" and sentinel_dir.is_dir()
 
 
-def test_no_network(he0):
+def test_no_network():
     code = "    import socket\n    s = socket.socket()\n    s.connect(('127.0.0.1', 80))\n    return True\n"
-    assert _reward(he0, code) == 0.0
+    assert _reward(CLOSE, code) == 0.0
     r = run_in_sandbox("import _socket\n_socket.socket()\n")
     assert not r.passed and "PermissionError" in r.stderr
     if sandbox_capabilities().net_namespace:
@@ -138,41 +461,43 @@ def test_no_network(he0):
         assert r.passed, r.stderr
 
 
-def test_fork_bomb_guarded(he0):
-    t0 = time.monotonic()
-    bomb = "    import os\n    while True:\n        os.fork()\n"
-    assert _reward(he0, bomb, make_code_reward(timeout_s=2.0)) == 0.0
-    bomb2 = "    import subprocess\n    while True:\n        subprocess.Popen(['sleep', '100'])\n"
-    assert _reward(he0, bomb2, make_code_reward(timeout_s=2.0)) == 0.0
-    assert time.monotonic() - t0 < 2 * (2.0 + SLACK_S)
-
-
-def test_fork_bomb_bypassing_guard_is_contained():
-    caps = sandbox_capabilities()
-    if not (caps.drop_privileges and caps.pid_namespace):
-        pytest.skip(f"needs privilege drop + PID namespace to contain a real fork bomb safely: {caps}")
-    before = set(_uid_procs(caps.drop_uid))  # e.g. another suite's sandboxes
-    bomb = "import ctypes\nlibc = ctypes.CDLL(None)\nwhile True:\n    libc.fork()\n"
-    t0 = time.monotonic()
-    r = run_in_sandbox(bomb, timeout_s=2.0, max_procs=16)
-    assert not r.passed and time.monotonic() - t0 < 2.0 + SLACK_S
-    deadline = time.monotonic() + 5.0
-    while set(_uid_procs(caps.drop_uid)) - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not set(_uid_procs(caps.drop_uid)) - before
-
-
-def test_code_reward_from_thread(he0):
+def test_code_reward_from_thread():
     out = []
-    t = threading.Thread(target=lambda: out.append(_reward(he0, he0.metadata["canonical_solution"])))
+    t = threading.Thread(target=lambda: out.append(_reward(CLOSE, CLOSE["canonical"])))
     t.start()
-    t.join(timeout=30)
+    t.join(timeout=60)
     assert out == [1.0]
 
 
-def test_build_program_and_errors(he0):
-    prog = build_program("    return True\n", code_prompt="def f(x):\n", test="def check(c):\n    assert c(1)\n",
-                         entry_point="f")
-    assert prog.startswith("def f(x):\n    return True\n") and prog.rstrip().endswith("check(f)")
-    with pytest.raises(ValueError, match="test"):
-        code_reward([""], ["x"], problem_id=["p"])
+def test_degraded_mode_warns_and_still_judges_outside(monkeypatch, caplog):
+    """Without namespaces (forced here), the verdict is still computed outside the solution."""
+    plain = [c for c in sandbox_mod._candidates() if c.mode == "none"]
+    monkeypatch.setattr(sandbox_mod, "_candidates", lambda: plain)
+    try:
+        with caplog.at_level(logging.WARNING, logger="das_jax.rl.rewards.sandbox"):
+            caps = sandbox_capabilities(refresh=True)
+        assert caps.mode == "none" and not caps.isolated
+        assert any("namespaces unavailable" in rec.getMessage() for rec in caplog.records)
+        assert _reward(CLOSE, CLOSE["canonical"]) == 1.0
+        assert _reward(CLOSE, EQ_ATTACK) == 0.0
+        assert _reward(CLOSE, FRAME_ATTACK) == 0.0
+        assert run_in_sandbox("while True:\n    pass\n", timeout_s=1.0).status == "timeout"
+    finally:
+        monkeypatch.undo()
+        sandbox_capabilities(refresh=True)
+
+
+@pytest.mark.slow
+def test_all_humaneval_canonical_solutions_pass_and_stubs_fail():
+    if not os.path.exists(HUMANEVAL):
+        pytest.skip(f"HumanEval file not present at {HUMANEVAL}")
+    with gzip.open(HUMANEVAL, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    cols = {"code_prompt": [r["prompt"] for r in rows], "test": [r["test"] for r in rows],
+            "entry_point": [r["entry_point"] for r in rows]}
+    n = len(rows)
+    fn = make_code_reward(timeout_s=10.0)
+    assert fn([""] * n, [r["canonical_solution"] for r in rows], **cols) == [1.0] * n
+    assert fn([""] * n, [""] * n, **cols) == [0.0] * n
+    k = 20
+    assert fn([""] * k, [EQ_ATTACK] * k, **{c: v[:k] for c, v in cols.items()}) == [0.0] * k

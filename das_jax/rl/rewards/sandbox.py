@@ -110,10 +110,10 @@ class SandboxLimits:
         if self.max_procs < 1 or self.max_file_mb < 1:
             raise ValueError(f"sandbox max_procs and max_file_mb must be >= 1, got {self.max_procs}, "
                              f"{self.max_file_mb}")
-        if self.per_process_mb < 64:
+        if self.per_process_mb < 32:
             raise ValueError(f"sandbox memory_mb={self.memory_mb} leaves {self.per_process_mb} MiB per process "
                              f"(max_procs={self.max_procs}, 2 x max_file_mb={self.max_file_mb} of tmpfs); "
-                             "need >= 64: raise memory_mb or lower max_procs")
+                             "need >= 32: raise memory_mb or lower max_procs")
 
     @property
     def per_process_mb(self) -> int:
@@ -384,7 +384,7 @@ def run_in_sandbox(
         by the program's own process; do not use it as a verdict on hostile code.
 
     Raises:
-        ValueError: limits that leave less than 64 MiB per process, or non-positive limits.
+        ValueError: limits that leave less than 32 MiB per process, or non-positive limits.
     """
     limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_procs=max_procs, max_file_mb=max_file_mb)
     return _run_exec(program, sandbox_capabilities(), limits, guard=guard)
