@@ -324,7 +324,7 @@ def test_memory_limit_bounds_the_sandbox_as_a_whole():
         "    pid = os.fork()\n"
         "    if pid == 0:\n"
         "        try:\n"
-        "            x = bytearray(700 * 2**20)\n"
+        "            x = bytes(700 * 2**20)  # calloc: reserved, not touched\n"
         "            os._exit(0)\n"
         "        except MemoryError:\n"
         "            os._exit(3)\n"
@@ -339,7 +339,7 @@ def test_memory_limit_bounds_the_sandbox_as_a_whole():
     r = run_in_sandbox(three_children, memory_mb=1024, max_procs=4, guard=False)
     assert not r.passed and "children exit codes [3, 3, 3]" in r.stderr, r.stderr
     # controls: one process may take 700 MB; three children may fork under a larger budget
-    assert run_in_sandbox("x = bytearray(700 * 2**20)\n", memory_mb=1024).passed
+    assert run_in_sandbox("x = bytes(700 * 2**20)\n", memory_mb=1024).passed
     small = three_children.replace("700 * 2**20", "2**20")
     assert run_in_sandbox(small, memory_mb=1024, max_procs=4, guard=False).passed
     # and a huge allocation fails cleanly
