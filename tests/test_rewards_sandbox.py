@@ -482,6 +482,12 @@ def test_degraded_mode_warns_and_still_judges_outside(monkeypatch, caplog):
         assert _reward(CLOSE, EQ_ATTACK) == 0.0
         assert _reward(CLOSE, FRAME_ATTACK) == 0.0
         assert run_in_sandbox("while True:\n    pass\n", timeout_s=1.0).status == "timeout"
+        if caps.drop_privileges:  # as root: a fresh uid, so leftovers can still be found and killed
+            prog = ("import ctypes, os, time\nprint(os.getuid(), flush=True)\n"
+                    "if os.fork() == 0:\n    ctypes.CDLL(None).setsid()\n    time.sleep(60)\n")
+            r = run_in_sandbox(prog, timeout_s=3.0, guard=False, max_procs=4)
+            assert r.passed, r.stderr
+            _assert_no_procs_left(int(r.stdout.split()[0]))
     finally:
         monkeypatch.undo()
         sandbox_capabilities(refresh=True)

@@ -26,8 +26,9 @@ Isolation (each layer used when this machine allows it; :func:`sandbox_capabilit
 
 Degraded mode: where namespaces are unavailable (e.g. a container without ``CAP_SYS_ADMIN`` and
 without user namespaces), the program runs as a plain child process with the limits of layer 3
-(as root still under a fresh uid, so the memory bound holds; otherwise ``RLIMIT_NPROC`` counts
-all of the user's processes) and a temporary working directory; it can then read world-readable
+(as root still under a fresh uid, so the memory bound holds and descendants that left the
+process group are killed by uid at the end; otherwise ``RLIMIT_NPROC`` counts all of the user's
+processes) and a temporary working directory; it can then read world-readable
 files, see other processes and leave files in world-writable directories. A WARNING is logged
 once, naming the reason; ``sandbox_capabilities().isolated`` is False.
 
@@ -265,6 +266,7 @@ class SandboxProcess:
         self.caps, self.limits = caps, limits
         self.proc: subprocess.Popen | None = None
         self._dirs: list[str] = []
+        self._uid: int | None = None
         self.out_path = self.err_path = ""
 
     def start(self, job: dict, pass_fds: dict[str, int], argv_tag: str = "") -> "SandboxProcess":
@@ -276,6 +278,7 @@ class SandboxProcess:
         self._dirs.append(io_dir)
         uid = secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0]) + _UID_RANGE[0] if caps.mode != "user-namespaces" \
             and _is_root() else None
+        self._uid = uid
         if caps.isolated:
             root_dir = os.path.join(io_dir, "root")
             os.mkdir(root_dir)
@@ -345,6 +348,8 @@ class SandboxProcess:
         except OSError:
             pass
         self.proc.wait()
+        if not self.caps.pid_namespace and self._uid is not None:
+            _kill_uid(self._uid, self.caps.python)
 
     def output(self) -> tuple[str, str]:
         """The last few KB of stdout and stderr."""
@@ -357,6 +362,17 @@ class SandboxProcess:
         finally:
             for d in self._dirs:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _kill_uid(uid: int, python: str) -> None:
+    """SIGKILL every process of ``uid`` (degraded mode: descendants that left the process group).
+    ``kill(-1)`` from a helper running as that uid reaches exactly those processes."""
+    code = f"import os, signal\nos.setgroups([])\nos.setgid({uid})\nos.setuid({uid})\nos.kill(-1, signal.SIGKILL)\n"
+    try:
+        subprocess.run([python, "-I", "-S", "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=10, close_fds=True, env={})
+    except (OSError, subprocess.SubprocessError) as e:  # pragma: no cover
+        logger.warning("code sandbox: could not kill leftover processes of uid %d: %s", uid, e)
 
 
 def run_in_sandbox(
