@@ -302,6 +302,44 @@ def test_timeout_kills_the_whole_sandbox_with_its_children():
     _assert_no_procs_left(int(r.stdout.split()[0]))
 
 
+def _sandbox_uid_procs():
+    lo, hi = sandbox_mod._UID_RANGE
+    out = set()
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration, ValueError):
+            continue
+        if lo <= uid < hi:
+            out.add(int(pid))
+    return out
+
+
+def test_sandboxes_die_with_the_caller():
+    caps = sandbox_capabilities()
+    if not caps.prefix or "--pdeathsig" not in caps.prefix or not caps.drop_privileges:
+        pytest.skip(f"needs setpriv --pdeathsig and a fresh uid per sandbox: {caps}")
+    script = (
+        "import os, sys, threading, time\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        "from das_jax.rl.rewards import SandboxLimits, check_solution\n"
+        "threading.Thread(target=lambda: check_solution('import time\\ndef f():\\n    time.sleep(1000)\\n',\n"
+        "    'assert f() == 1\\n', limits=SandboxLimits(timeout_s=100)), daemon=True).start()\n"
+        "time.sleep(2.0)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    import subprocess
+    import sys
+
+    before = _sandbox_uid_procs()
+    subprocess.run([sys.executable, "-c", script], timeout=60)
+    deadline = time.monotonic() + 5.0
+    while _sandbox_uid_procs() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _sandbox_uid_procs() - before
+
+
 def test_fork_bombs_are_contained():
     assert _reward(CLOSE, "    import os\n    while True:\n        os.fork()\n", make_code_reward(timeout_s=2.0)) == 0.0
     assert _reward(CLOSE, "    import subprocess\n    while True:\n        subprocess.Popen(['sleep', '100'])\n",

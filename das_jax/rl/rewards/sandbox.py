@@ -10,9 +10,10 @@ Isolation (each layer used when this machine allows it; :func:`sandbox_capabilit
    detached (``pivot_root``): the project tree, datasets, the host's ``/tmp`` and other
    processes' command lines are not reachable, and everything written is gone when the sandbox
    ends. No network interface but a downed loopback. The sandbox's first process is PID 1 of its
-   namespace: when it dies (timeout: the whole process group is SIGKILLed) the kernel kills every
-   process it spawned. As root, ``unshare --mount --pid --net --ipc --fork``; otherwise the same
-   inside a user namespace (``--user --map-root-user``).
+   namespace: when it dies (timeout: the whole process group is SIGKILLed; or this process dies:
+   ``setpriv --pdeathsig KILL``) the kernel kills every process it spawned. As root,
+   ``unshare --mount --pid --net --ipc --fork``; otherwise the same inside a user namespace
+   (``--user --map-root-user``).
 2. **Privilege drop**: the program runs under a fresh, otherwise unused uid (as root), or as an
    unprivileged uid of a nested user namespace; no capabilities, ``no_new_privs``, not dumpable.
 3. **Resource limits** (``setrlimit`` before the drop): the memory limit bounds the sandbox as a
@@ -191,15 +192,19 @@ def _python_paths(python: str) -> list[str]:
 
 
 def _candidates() -> list[SandboxCapabilities]:
-    unshare = shutil.which("unshare")
+    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    # If this process dies, the sandbox dies with it (parent-death signal on the launcher).
+    pd = (setpriv, "--pdeathsig", "KILL") if setpriv else ()
     out: list[SandboxCapabilities] = []
     pys = _interpreters()
     if unshare:
         if _is_root():
-            out.append(SandboxCapabilities("namespaces", (unshare, *_NS_FLAGS, "--"), True, True, True, True, pys[0]))
-        out.append(SandboxCapabilities("user-namespaces", (unshare, "--user", "--map-root-user", *_NS_FLAGS, "--"),
+            out.append(SandboxCapabilities("namespaces", (*pd, unshare, *_NS_FLAGS, "--"), True, True, True, True,
+                                           pys[0]))
+        out.append(SandboxCapabilities("user-namespaces",
+                                       (*pd, unshare, "--user", "--map-root-user", *_NS_FLAGS, "--"),
                                        True, True, True, True, pys[0]))
-    out += [SandboxCapabilities("none", (), False, False, False, _is_root(), py) for py in pys]
+    out += [SandboxCapabilities("none", pd, False, False, False, _is_root(), py) for py in pys]
     return out
 
 
