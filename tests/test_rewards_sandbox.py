@@ -316,7 +316,7 @@ def _sandbox_uid_procs():
     return out
 
 
-def test_sandboxes_die_with_the_caller():
+def test_sandboxes_die_with_the_caller(tmp_path):
     caps = sandbox_capabilities()
     if not caps.prefix or "--pdeathsig" not in caps.prefix or not caps.drop_privileges:
         pytest.skip(f"needs setpriv --pdeathsig and a fresh uid per sandbox: {caps}")
@@ -333,7 +333,8 @@ def test_sandboxes_die_with_the_caller():
     import sys
 
     before = _sandbox_uid_procs()
-    subprocess.run([sys.executable, "-c", script], timeout=60)
+    # the killed caller cannot delete its host-side job dirs: keep them under tmp_path
+    subprocess.run([sys.executable, "-c", script], timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
     deadline = time.monotonic() + 5.0
     while _sandbox_uid_procs() - before and time.monotonic() < deadline:
         time.sleep(0.1)
