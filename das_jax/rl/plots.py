@@ -6,7 +6,8 @@ epoch boundaries marked as dotted vertical lines:
   reward.png           mean reward (with its std across the batch), accuracy, each reward part
   loss_kl.png          loss, and KL to the reference policy
   response_length.png  mean and max response length, and the cap (rollout.max_new_tokens)
-  speculation.png      acceptance length (tokens per verify step per row) and forward passes
+  speculation.png      acceptance length (tokens per verify step per row), generated tokens
+                       per forward pass, forward passes
   rollout_time.png     rollout seconds split into prefill / decode / drafter / policy / compile /
                        other (rewards, host work), with the update (train step) seconds beside
 
@@ -58,8 +59,8 @@ def _finish(fig, ax_list, records: Records, out: Path, title: str) -> Path:
         _mark_epochs(ax, records)
         ax.grid(alpha=0.3)
         handles, _ = ax.get_legend_handles_labels()
-        if handles:
-            ax.legend(fontsize=8, loc="best")
+        if handles:   # outside the axes, so it never hides a curve
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax_list[-1].set_xlabel("training step")
     fig.suptitle(title)
     fig.tight_layout()
@@ -80,7 +81,7 @@ def plot_run(records: Records, out_dir: str | Path, *,
     written = []
 
     # Reward, accuracy and the reward parts.
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     x, y = _series(records, "reward_mean")
     ax.plot(x, y, marker="o", label="reward (mean over the batch)")
     if _has(records, "reward_std"):
@@ -90,13 +91,15 @@ def plot_run(records: Records, out_dir: str | Path, *,
     if _has(records, "accuracy"):
         ax.plot(*_series(records, "accuracy"), marker="s", label="accuracy")
     for k in sorted({k for r in records for k in r if k.startswith("reward/")}):
+        if _series(records, k) == _series(records, "accuracy"):
+            continue   # the accuracy reward, already drawn as accuracy
         ax.plot(*_series(records, k), linestyle="--", marker=".", label=k.split("/", 1)[1])
     ax.set_ylabel("reward / accuracy")
     written.append(_finish(fig, [ax], records, out_dir / "reward.png",
                            "Reward and accuracy per step"))
 
     # Loss and KL.
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9.5, 5), sharex=True)
     ax1.plot(*_series(records, "loss"), marker="o", color="C0", label="GRPO loss")
     ax1.set_ylabel("loss")
     if _has(records, "kl"):
@@ -108,33 +111,34 @@ def plot_run(records: Records, out_dir: str | Path, *,
                            "Loss and KL per step"))
 
     # Response length against the cap.
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     ax.plot(*_series(records, "response_length_mean"), marker="o", label="mean length")
     ax.plot(*_series(records, "response_length_max"), marker="^", label="max length")
     if max_new_tokens:
         ax.axhline(max_new_tokens, color="C3", linestyle="--",
                    label=f"cap (rollout.max_new_tokens = {max_new_tokens})")
     ax.set_ylabel("response length (tokens)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, max(max_new_tokens or 0, max(_series(records, "response_length_max")[1] or [1]))
+                * 1.1)
     written.append(_finish(fig, [ax], records, out_dir / "response_length.png",
                            "Response length per step"))
 
-    # Speculation: acceptance length and forward passes.
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    ax1.plot(*_series(records, "acceptance_length"), marker="o",
-             label="acceptance length (tokens per verify step per row)")
-    if _has(records, "tokens_per_forward"):
-        ax1.plot(*_series(records, "tokens_per_forward"), marker=".", linestyle="--",
-                 label="generated tokens per forward pass (batch)")
-    ax1.set_ylabel("tokens")
-    ax2.plot(*_series(records, "forward_passes"), marker="o", color="C2",
-             label="forward passes (verify + prefill steps)")
-    ax2.set_ylabel("forward passes")
-    written.append(_finish(fig, [ax1, ax2], records, out_dir / "speculation.png",
+    # Speculation: acceptance length, tokens per forward pass, forward passes.
+    fig, axes = plt.subplots(3, 1, figsize=(9.5, 6.5), sharex=True)
+    axes[0].plot(*_series(records, "acceptance_length"), marker="o",
+                 label="acceptance length\n(tokens per verify step per row)")
+    axes[0].set_ylabel("tokens per row")
+    axes[1].plot(*_series(records, "tokens_per_forward"), marker="o", color="C1",
+                 label="generated tokens per forward\npass (the whole batch)")
+    axes[1].set_ylabel("tokens per forward")
+    axes[2].plot(*_series(records, "forward_passes"), marker="o", color="C2",
+                 label="forward passes\n(verify steps; prefill not counted)")
+    axes[2].set_ylabel("forward passes")
+    written.append(_finish(fig, list(axes), records, out_dir / "speculation.png",
                            "Speculation per step"))
 
     # Rollout time split, with the update beside it.
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     steps = [r["step"] for r in records]
     bottom = [0.0] * len(records)
     for key, label in _TIME_SPLIT:
