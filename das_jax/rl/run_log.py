@@ -166,7 +166,7 @@ class _Heartbeat:
                 continue
             rl._last_output = now
             seconds, programs = rl._watch.so_far()
-            extra = (f" ({describe_compiles(seconds, programs)} so far)" if programs else "")
+            extra = (f"; so far {describe_compiles(seconds, programs)}" if programs else "")
             log.info("step %d still running: %s%s", rl._next_step(),
                      fmt_seconds(now - rl._step_started), extra)
 
