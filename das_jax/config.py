@@ -129,7 +129,8 @@ class DASSection:
 class TrainSection:
     """steps: optimizer steps; save_every / log_every: in steps (0 disables saving);
     keep_checkpoints: checkpoints kept on disk; resume: a run dir / checkpoint dir to resume from,
-    or "latest" to resume from output_dir."""
+    or "latest" to resume from output_dir; log_samples: completions (with prompts and rewards)
+    of each step written to samples.jsonl and TensorBoard text (0 disables)."""
 
     steps: int = 20
     seed: int = 0
@@ -137,6 +138,7 @@ class TrainSection:
     log_every: int = 1
     keep_checkpoints: int = 3
     resume: Optional[str] = None
+    log_samples: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +319,7 @@ def validate(cfg: Config) -> Config:
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
     _check(t.save_every >= 0, f"train.save_every must be >= 0 (0 disables), got {t.save_every}")
     _check(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
+    _check(t.log_samples >= 0, f"train.log_samples must be >= 0 (0 disables), got {t.log_samples}")
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
     return dataclasses.replace(cfg, grpo=g)
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Iterable
 
 import numpy as np
+
+log = logging.getLogger("das_jax.engine")
 
 
 @dataclasses.dataclass
@@ -139,10 +142,18 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     batches = tuple(batches or sorted({1, ec.max_slots}))
     widths = tuple(widths or ec.draft_widths)
     cache_len = cache_len or ec.max_cache_len
+    kv = sorted({min(s, cache_len - max(widths)) for s in kv_lens})
+    log.info("calibrating the cost model: timing the verify step at %d shapes (B %s, W %s, S %s; "
+             "each compiled once) ...", len(batches) * len(kv) * len(widths),
+             list(batches), list(widths), kv)
+    t0 = time.perf_counter()
     for B in batches:
-        for S in sorted({min(s, cache_len - max(widths)) for s in kv_lens}):
+        for S in kv:
             for W in widths:
                 seconds = time_verify_step(engine, B, W, S, cache_len, repeats, sampling_key)
                 cost_model.observe(B, W, S, seconds, refit=False)
     cost_model.fit()
+    log.info("calibrated the cost model in %.1f s: t = %.1f ms + %.2f ms * B*W + %.2f us * B*S",
+             time.perf_counter() - t0, cost_model.c_base * 1e3, cost_model.c_tok * 1e3,
+             cost_model.c_kv * 1e6)
     return cost_model

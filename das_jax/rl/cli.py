@@ -1,7 +1,9 @@
-"""`das-jax train`: GRPO post-training with DAS rollouts."""
+"""`das-jax train` (GRPO post-training with DAS rollouts), `das-jax samples` (a run's logged
+completions) and `das-jax compare` (two runs side by side)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,18 +13,69 @@ DEFAULT_CONFIG = "configs/smollm2-135m-arith.yaml"
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="GRPO training with DAS rollouts",
-        description="Run GRPO post-training. Rollouts come from the DAS engine; the training "
-                    "curve is identical with and without speculation.")
-    p.add_argument("--config", help=f"YAML run config (default: built-in defaults, the same job "
-                                    f"as {DEFAULT_CONFIG})")
+        description="Run GRPO post-training. Rollouts come from the DAS engine. Speculation "
+                    "leaves the rollouts' distribution unchanged, so training curves with and "
+                    "without it are identical in distribution; they are token-identical only "
+                    "while the logits are bitwise equal across step shapes (on a CPU, float32 "
+                    "rounding differs between a width-1 and a width-W step, so runs can diverge "
+                    "after a rare rounding flip; see the README's caveats).",
+        epilog="Config values not set by --config or --set take the defaults in "
+               "das_jax/config.py; the resolved config is saved as RUN_DIR/config.yaml. A run "
+               "dir gets metrics.jsonl, samples.jsonl, plots/*.png, tb/ (TensorBoard) and "
+               "checkpoints/.")
+    p.add_argument("--config", help="YAML run config (default: the built-in defaults of "
+                                    f"das_jax/config.py; the main job is {DEFAULT_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set grpo.beta=0.04 --set drafter=none")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its latest checkpoint (uses its "
                         "config.yaml; --set may still override)")
     p.add_argument("--steps", type=int, help="shortcut for --set train.steps=N")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: one plain line per step (also the behaviour when "
+                        "stderr is not a terminal)")
     p.set_defaults(func=run)
+
+    s = subparsers.add_parser(
+        "samples", help="print the completions a training run logged",
+        description="Print the completions (with question, expected answer and rewards) that "
+                    "'das-jax train' logged to RUN_DIR/samples.jsonl (train.log_samples per step).")
+    s.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory")
+    s.add_argument("--step", type=int, help="the step to show (default: the last logged step)")
+    s.add_argument("--all", action="store_true", help="show every logged step")
+    s.set_defaults(func=run_samples)
+
+    c = subparsers.add_parser(
+        "compare", help="overlay two training runs and tabulate their rollout cost and reward",
+        description="Compare two runs (e.g. --set drafter=none against drafter=das): writes one "
+                    "PNG overlaying reward, rollout time, forward passes and acceptance length "
+                    "per step, and prints a markdown table of per-run totals / means over the "
+                    "steps both runs logged, with the ratio RUN_B / RUN_A.")
+    c.add_argument("run_a", metavar="RUN_A", help="the baseline run directory")
+    c.add_argument("run_b", metavar="RUN_B", help="the run compared to it")
+    c.add_argument("--out", help="PNG to write (default: compare_<A>_vs_<B>.png in the current "
+                                 "directory)")
+    c.set_defaults(func=run_compare)
+
+
+def _load_model(config):
+    """Fetches and loads `config.model.source` with phase lines on the console."""
+    from das_jax.models.load import load, params_size, resolve_source
+    from das_jax.rl.run_log import phase
+    from das_jax.models import sources
+    src = config.model.source
+    what = f"fetching the model {src}"
+    if src in sources.SOURCES and not os.path.isfile(sources.cached_path(src)):
+        what += (f" (not cached yet: downloading "
+                 f"{sources.get_source(src).size_bytes / 1e6:.0f} MB with pip)")
+    with phase(what) as ph:
+        _, path = resolve_source(src)
+        ph.detail = path
+    with phase(f"loading the model ({config.model.dtype})") as ph:
+        model = load(path, dtype=config.model.dtype)
+        n, nbytes = params_size(model[1])
+        ph.detail = f"{n / 1e6:.0f}M parameters, {nbytes / 1e6:.0f} MB"
+    return model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,9 +100,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"das-jax train: {e}", file=sys.stderr)
         return 2
 
+    from das_jax.rl.run_log import phase, setup_console_logging
+    setup_console_logging()
     from das_jax.rl.trainer import GRPOTrainer, TrainError
     try:
-        trainer = GRPOTrainer(config)
+        model = _load_model(config)
+        with phase("setting up the trainer (engine, optimizer, prompts)"):
+            trainer = GRPOTrainer(config, model=model)
         records = trainer.train(resume=bool(args.resume), progress=not args.no_progress)
     except (TrainError, ValueError) as e:
         print(f"das-jax train: {e}", file=sys.stderr)
@@ -58,4 +115,59 @@ def run(args: argparse.Namespace) -> int:
         last = records[-1]
         print(f"done: step {last['step']}, reward {last['reward_mean']:.3f}, run dir "
               f"{config.output_dir}", file=sys.stderr)
+    return 0
+
+
+def run_samples(args: argparse.Namespace) -> int:
+    from das_jax.rl.run_log import SAMPLES_FILE, format_sample, read_jsonl
+    path = Path(args.run_dir) / SAMPLES_FILE
+    if not path.exists():
+        print(f"das-jax samples: {path} does not exist; pass a run directory written by "
+              "'das-jax train' with train.log_samples > 0", file=sys.stderr)
+        return 2
+    samples = read_jsonl(path)
+    steps = sorted({s["step"] for s in samples})
+    if not steps:
+        print(f"das-jax samples: {path} holds no samples yet", file=sys.stderr)
+        return 2
+    if args.all:
+        shown = samples
+    else:
+        step = steps[-1] if args.step is None else args.step
+        shown = [s for s in samples if s["step"] == step]
+        if not shown:
+            print(f"das-jax samples: no samples for --step {step}; logged steps: "
+                  f"{_ranges(steps)}", file=sys.stderr)
+            return 2
+    for i, s in enumerate(shown):
+        print(("\n" if i else "") + format_sample(s))
+    return 0
+
+
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    out, start = [], steps[0]
+    for a, b in zip(steps, steps[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a != start else f"{a}")
+            start = b
+    return ", ".join(out)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from das_jax.rl.compare import RunDirError, compare_table, load_run
+    try:
+        runs = [load_run(args.run_a), load_run(args.run_b)]
+    except RunDirError as e:
+        print(f"das-jax compare: {e}", file=sys.stderr)
+        return 2
+    names = [Path(args.run_a).resolve().name, Path(args.run_b).resolve().name]
+    if names[0] == names[1]:
+        names = [str(args.run_a), str(args.run_b)]
+    from das_jax.rl.plots import plot_compare
+    out = Path(args.out or f"compare_{names[0]}_vs_{names[1]}.png".replace("/", "_"))
+    pairs = list(zip(names, runs))
+    plot_compare(pairs, out)
+    print(compare_table(pairs))
+    print(f"\nplot: {out}")
     return 0

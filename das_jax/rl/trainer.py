@@ -16,8 +16,9 @@ One training step (Shao et al. 2024, GRPO; TRL's GRPOTrainer semantics):
    `rollout_logprob_gap` reports either way.
 5. At the end of each pass over the data, the drafter's history advances one epoch.
 
-A run directory holds the resolved `config.yaml`, `metrics.jsonl`, TensorBoard events under
-`tb/`, orbax checkpoints under `checkpoints/`, and PNG plots under `plots/`.
+A run directory holds the resolved `config.yaml`, `metrics.jsonl`, the first completions of
+each step in `samples.jsonl`, TensorBoard events under `tb/`, orbax checkpoints under
+`checkpoints/`, and PNG plots under `plots/`.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from das_jax.engine.sampling import SamplingParams, request_seed
 from das_jax.rl.advantages import group_advantages
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.rewards import combine_rewards, get_reward_fn
+from das_jax.rl.run_log import sample_rows
 from das_jax.rl.train_step import compute_logprobs, make_batch, make_optimizer, make_train_step
 from das_jax.speculation import build_speculation
 
@@ -244,13 +246,19 @@ class GRPOTrainer:
             "drafted_tokens": st.drafted_tokens,
             "accepted_draft_tokens": st.accepted_draft_tokens,
             "accepted_per_forward": st.accepted_draft_tokens / max(st.forward_passes, 1),
+            "tokens_per_forward": st.generated_tokens / max(st.forward_passes, 1),
             "acceptance_length": st.acceptance_length,
+            "prefill_s": st.prefill_s,
+            "decode_s": st.decode_s,
             "draft_s": st.draft_s,
+            "policy_s": st.policy_s,
             "train_s": train_s,
             "rollout_logprob_gap": self.last_logprob_gap,
         }
         for k, v in rb.reward_parts.items():
             record[f"reward/{k}"] = float(np.mean(v))
+        self.last_samples = sample_rows(rb, self.step, self.config.train.log_samples,
+                                        self.prompt_text)
         return record
 
     # ------------------------------------------------------------------ checkpoints
@@ -282,7 +290,7 @@ class GRPOTrainer:
     def train(self, resume: bool = False, progress: bool = True,
               stop_after: int | None = None) -> list[dict]:
         """Runs until `train.steps` (or `stop_after` more steps); returns this call's records."""
-        from das_jax.rl.logging import RunLogger
+        from das_jax.rl.run_log import RunLogger
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints)
@@ -293,7 +301,8 @@ class GRPOTrainer:
                              f"{self.run_dir} to continue it, or choose another output_dir")
         save_config(c, self.run_dir / "config.yaml")
         logger = RunLogger(self.run_dir, total_steps=c.train.steps, start_step=self.step,
-                           progress=progress)
+                           progress=progress, max_new_tokens=c.rollout.max_new_tokens,
+                           steps_per_epoch=self.steps_per_epoch())
         records = []
         try:
             while self.step < c.train.steps:
@@ -301,7 +310,7 @@ class GRPOTrainer:
                     break
                 record = self.train_one_step()
                 records.append(record)
-                logger.log(record)
+                logger.log(record, samples=self.last_samples)
                 if self.step % c.train.save_every == 0 or self.step == c.train.steps:
                     self.save(manager)
         finally:

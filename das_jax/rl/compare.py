@@ -1,0 +1,85 @@
+"""Two (or more) training runs side by side: per-run totals and means as a markdown table.
+
+Runs are compared over the steps they all logged (a shorter or unfinished run limits the
+others), so totals are like for like. The last column is the ratio of the second run to the
+first (e.g. with RUN_A = drafter none and RUN_B = das, a rollout-time ratio below 1 means DAS
+was faster).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from das_jax.rl.run_log import METRICS_FILE, read_metrics
+
+Records = Sequence[dict[str, Any]]
+
+
+class RunDirError(ValueError):
+    """A path that is not a training run directory with logged steps."""
+
+
+def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The metrics records of `run_dir`.
+
+    Raises:
+      RunDirError: no metrics.jsonl there, or it holds no steps.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        raise RunDirError(f"{run_dir}: no {METRICS_FILE} there; pass a run directory written by "
+                          "'das-jax train' (its output_dir)")
+    records = read_metrics(path)
+    if not records:
+        raise RunDirError(f"{path} holds no steps yet; let the run finish a step first")
+    return records
+
+
+def common_steps(runs: Sequence[Records]) -> list[list[dict[str, Any]]]:
+    """Each run's records restricted to the steps every run has."""
+    shared = set.intersection(*({r["step"] for r in recs} for recs in runs))
+    return [[r for r in recs if r["step"] in shared] for recs in runs]
+
+
+# (label, key, "sum" | "mean", format)
+_ROWS = (
+    ("steps compared", "step", "count", "{:d}"),
+    ("rollout time, total s", "rollout_s", "sum", "{:.1f}"),
+    ("generation time (no compile), total s", "generation_s", "sum", "{:.1f}"),
+    ("forward passes, total", "forward_passes", "sum", "{:d}"),
+    ("generated tokens, total", "generated_tokens", "sum", "{:d}"),
+    ("tokens per forward", None, "ratio", "{:.2f}"),
+    ("acceptance length, mean", "acceptance_length", "mean", "{:.2f}"),
+    ("reward, mean", "reward_mean", "mean", "{:.3f}"),
+    ("accuracy, mean", "accuracy", "mean", "{:.3f}"),
+    ("update time, total s", "train_s", "sum", "{:.1f}"),
+)
+
+
+def _value(records: Records, key: str | None, how: str):
+    if how == "count":
+        return len(records)
+    if how == "ratio":
+        fp = sum(r.get("forward_passes") or 0 for r in records)
+        return sum(r.get("generated_tokens") or 0 for r in records) / fp if fp else None
+    vals = [r[key] for r in records if r.get(key) is not None]
+    if not vals:
+        return None
+    return sum(vals) if how == "sum" else sum(vals) / len(vals)
+
+
+def compare_table(runs: Sequence[tuple[str, Records]]) -> str:
+    """A markdown table: one row per metric, one column per run, and `B / A` (second run over
+    the first) when there are two runs."""
+    names = [n for n, _ in runs]
+    recs = common_steps([r for _, r in runs])
+    header = ["metric", *names] + ([f"{names[1]} / {names[0]}"] if len(runs) == 2 else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for label, key, how, fmt in _ROWS:
+        vals = [_value(r, key, how) for r in recs]
+        cells = ["-" if v is None else fmt.format(int(v) if fmt == "{:d}" else v) for v in vals]
+        if len(runs) == 2:
+            a, b = vals
+            cells.append(f"{b / a:.2f}x" if a and b is not None and how != "count" else "")
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    return "\n".join(lines)

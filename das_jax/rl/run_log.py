@@ -1,0 +1,454 @@
+"""Run logging: `metrics.jsonl`, `samples.jsonl`, TensorBoard, the console, PNG plots.
+
+The console gets, through the `logging` logger "das_jax" (the CLI installs a handler with
+`setup_console_logging`; a library user configures logging as they like):
+
+* phase lines with timings (`phase(...)`: fetching / loading the model, calibrating the cost
+  model, evaluating), what each step compiled (`CompileWatch`), and a "still running" line
+  when a step has been quiet for 30 s;
+* one plain line per step (step, reward, accuracy, loss, kl, rollout s, train s, tokens per
+  forward, ETA) when there is no terminal or progress is off; on a terminal, a tqdm bar instead;
+* at the end, a summary table and where to find the samples, plots and TensorBoard events.
+
+The ETA excludes one-off costs: each step's wall time minus the JAX compile time spent in it
+(the engine's step shapes, the cost-model calibration's shapes, the train step), averaged over
+the steps run so far, times the steps left.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+log = logging.getLogger("das_jax.train")
+
+_clock = time.perf_counter   # the step clock (a test replaces it)
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+
+_BAR_KEYS = (("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.2f}"),
+             ("loss", "loss", "{:.4f}"), ("rollout_s", "rollout_s", "{:.1f}"),
+             ("train_s", "train_s", "{:.1f}"), ("tokens_per_forward", "tok/fwd", "{:.2f}"))
+
+
+# ------------------------------------------------------------------ console
+class _ConsoleHandler(logging.Handler):
+    """Writes records to the *current* `sys.stderr` through `tqdm.write`, so lines never tear
+    an active progress bar (and a test's captured stderr sees them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # pragma: no cover - logging must never raise
+            self.handleError(record)
+
+
+_console_handler: logging.Handler | None = None
+
+
+def setup_console_logging(level: int = logging.INFO) -> logging.Handler:
+    """Sends das_jax's log records at `level` and above to stderr as "HH:MM:SS message" lines.
+    Idempotent: a second call replaces the handler the first one installed."""
+    global _console_handler
+    root = logging.getLogger("das_jax")
+    if _console_handler is not None:
+        root.removeHandler(_console_handler)
+    handler = _ConsoleHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(level)
+    root.propagate = False   # a library's logging.basicConfig() would print every line twice
+    _console_handler = handler
+    return handler
+
+
+def fmt_seconds(s: float | None) -> str:
+    """`12.3 s`, `4 min 05 s`, `1 h 02 min`."""
+    if s is None or not math.isfinite(s):
+        return "?"
+    if s < 60:
+        return f"{s:.1f} s"
+    m, sec = divmod(int(round(s)), 60)
+    if m < 60:
+        return f"{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
+
+
+class Phase:
+    """What a `phase` block may add to its closing line (`detail`)."""
+
+    detail: str = ""
+
+
+@contextlib.contextmanager
+def phase(what: str, logger: logging.Logger = log) -> Iterator[Phase]:
+    """Logs `what ...` on entry and `what: <detail>, <seconds>` on exit (not on an exception,
+    which speaks for itself)."""
+    p = Phase()
+    logger.info("%s ...", what)
+    t0 = time.perf_counter()
+    yield p
+    dt = time.perf_counter() - t0
+    logger.info("%s: %s%s", what, f"{p.detail}, " if p.detail else "", f"done in {fmt_seconds(dt)}")
+
+
+class CompileWatch:
+    """Counts the JAX compilations of this process through `jax.monitoring` (jaxpr tracing,
+    lowering and XLA compile events).
+
+    `so_far()` / `take()` return what was compiled since the last `take()` (which resets):
+    (seconds, {program name: count}).
+    """
+
+    _EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+               "/jax/core/compile/jaxpr_to_mlir_module_duration",
+               "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        import jax
+        self._jax = jax
+        self._lock = threading.Lock()
+        self._seconds = 0.0
+        self._programs: dict[str, int] = {}
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kw: Any) -> None:
+        if event not in self._EVENTS:
+            return
+        with self._lock:
+            self._seconds += duration
+            if event == self._EVENTS[-1]:
+                name = str(kw.get("fun_name", "?"))
+                name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+                self._programs[name] = self._programs.get(name, 0) + 1
+
+    def so_far(self) -> tuple[float, dict[str, int]]:
+        with self._lock:
+            return self._seconds, dict(self._programs)
+
+    def take(self) -> tuple[float, dict[str, int]]:
+        with self._lock:
+            out = (self._seconds, dict(self._programs))
+            self._seconds, self._programs = 0.0, {}
+        return out
+
+    def close(self) -> None:
+        try:
+            self._jax.monitoring.unregister_event_duration_listener(self._on_event)
+        except (AttributeError, ValueError):  # pragma: no cover - older jax / already removed
+            pass
+
+
+class _Heartbeat:
+    """A daemon thread that logs "step k still running ..." when a step has been quiet for
+    `every_s` seconds (so a long first step, compiling, never looks hung)."""
+
+    def __init__(self, run_logger: "RunLogger", every_s: float):
+        self.rl, self.every_s = run_logger, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="das-jax-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s / 3):
+            rl = self.rl
+            now = time.perf_counter()
+            if now - rl._last_output < self.every_s:
+                continue
+            rl._last_output = now
+            seconds, programs = rl._watch.so_far()
+            extra = (f"; so far {describe_compiles(seconds, programs)}" if programs else "")
+            log.info("step %d still running: %s%s", rl._next_step(),
+                     fmt_seconds(now - rl._step_started), extra)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def describe_compiles(seconds: float, programs: dict[str, int], min_count: int = 1) -> str:
+    """`compiled 13 programs (verify x9, prefill_insert x3, train_step) in 41.2 s`: the programs
+    the engine and trainer jit by name (single-op programs from eager jnp calls are counted, not
+    named)."""
+    named = {k: v for k, v in programs.items()
+             if k in ("verify", "prefill_insert", "gather_rows", "train_step",
+                      "_compute_logprobs_jit") and v >= min_count}
+    parts = [f"{k.strip('_').removesuffix('_jit')}" + (f" x{v}" if v > 1 else "")
+             for k, v in sorted(named.items(), key=lambda kv: -kv[1])]
+    small = sum(programs.values()) - sum(named.values())
+    if small:
+        parts.append(f"{small} small")
+    return (f"compiled {sum(programs.values())} programs ({', '.join(parts)}) in "
+            f"{fmt_seconds(seconds)}")
+
+
+# ------------------------------------------------------------------ samples
+def sample_rows(rb, step: int, count: int, prompt_text: dict[str, str] | None = None) -> list[dict]:
+    """The first `count` rollouts of a step as JSON-able dicts (question, rendered prompt,
+    completion, answer, reward and its parts, length, finish reason).
+
+    Args:
+      rb: the step's `RolloutBatch` (das_jax.rl.trainer).
+      step: the 1-based step number the rows are logged under.
+      count: how many rows (0 = none).
+      prompt_text: problem_id -> the rendered prompt the model saw (default: the question).
+    """
+    rows = []
+    for i in range(min(count, len(rb.outputs))):
+        p, o = rb.problems[i], rb.outputs[i]
+        rows.append({
+            "step": step, "index": i, "problem_id": p.problem_id,
+            "sample_index": o.request.sample_index,
+            "question": p.prompt,
+            "prompt": (prompt_text or {}).get(p.problem_id, p.prompt),
+            "completion": rb.completions[i],
+            "answer": p.answer if isinstance(p.answer, str) and len(p.answer) < 500 else None,
+            "reward": float(rb.rewards[i]),
+            "rewards": {k: float(v[i]) for k, v in rb.reward_parts.items()},
+            "length": len(o.token_ids), "finish_reason": o.finish_reason,
+        })
+    return rows
+
+
+def format_sample(s: dict, width: int = 100) -> str:
+    """A sample (a `sample_rows` dict) as a readable block of text."""
+    parts = ", ".join(f"{k} {v:.3g}" for k, v in s.get("rewards", {}).items())
+    head = (f"── step {s['step']} · sample {s['index']} · problem {s['problem_id']} "
+            f"(#{s.get('sample_index', '?')}) · reward {s['reward']:.3f}"
+            + (f" ({parts})" if parts else "")
+            + f" · {s.get('length', '?')} tokens, {s.get('finish_reason', '?')}")
+    lines = [head, f"question: {s.get('question', s.get('prompt', ''))}"]
+    if s.get("answer") is not None:
+        lines.append(f"expected: {s['answer']}")
+    lines.append("completion:")
+    lines += ["  " + line for line in (s.get("completion") or "(empty)").splitlines()]
+    return "\n".join(lines)
+
+
+def _one_line(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# ------------------------------------------------------------------ files
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file (a torn last line from a killed run is skipped); [] if
+    the file does not exist."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl (a torn last line from a killed run is skipped)."""
+    return read_jsonl(path)
+
+
+def _truncate_jsonl(path: Path, start_step: int) -> None:
+    kept = [r for r in read_jsonl(path) if r.get("step", 0) <= start_step]
+    with open(path, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+
+
+# ------------------------------------------------------------------ the logger
+class RunLogger:
+    """Appends one JSON record per step to `<run_dir>/metrics.jsonl` and the step's first
+    completions to `<run_dir>/samples.jsonl` (records of steps after `start_step` left by a
+    killed run are dropped first, so a resumed run's logs hold each step once), mirrors numeric
+    values and samples to TensorBoard under `<run_dir>/tb`, reports each step on the console
+    (module docstring), and on close writes the plots of `das_jax.rl.plots` under
+    `<run_dir>/plots` and logs a summary table.
+
+    Args:
+      run_dir: the run directory (exists).
+      total_steps: the run's last step; start_step: steps already done (resume).
+      progress: a tqdm bar when stderr is a terminal; otherwise (or False) one line per step.
+      max_new_tokens: the response-length cap drawn on the length plot.
+      steps_per_epoch: for the console's epoch column (None: not shown).
+      heartbeat_s: a "still running" line after this many quiet seconds in a step (0: never).
+    """
+
+    def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0,
+                 progress: bool = True, *, max_new_tokens: int | None = None,
+                 steps_per_epoch: int | None = None, heartbeat_s: float = 30.0):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self.samples_path = self.run_dir / SAMPLES_FILE
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.max_new_tokens = max_new_tokens
+        self.steps_per_epoch = steps_per_epoch
+        _truncate_jsonl(self.path, start_step)
+        _truncate_jsonl(self.samples_path, start_step)
+        self._file = open(self.path, "a")
+        self._samples_file = open(self.samples_path, "a")
+        try:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        except ImportError:  # pragma: no cover - tensorboardX is a dependency
+            self._tb = None
+        self._watch = CompileWatch()
+        self._watch.take()   # compiles before the loop (model init) are not the steps'
+        self._t_last = self._t_start = _clock()
+        self._steady: list[float] = []
+        self._oneoff_s = 0.0
+        self.records: list[dict[str, Any]] = []
+        self._bar = None
+        if progress and sys.stderr.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             file=sys.stderr,
+                             bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}")
+        first = start_step + 1
+        if first <= total_steps:
+            log.info("training steps %d-%d into %s; step %d also compiles the engine's and the "
+                     "train step's shapes (one-off, excluded from the ETA)",
+                     first, total_steps, self.run_dir, first)
+        self._last_output = self._step_started = time.perf_counter()
+        self._heartbeat = _Heartbeat(self, heartbeat_s) if heartbeat_s > 0 else None
+
+    def _next_step(self) -> int:
+        return self.start_step + len(self.records) + 1
+
+    # -------------------------------------------------------------- per step
+    def eta_s(self) -> float | None:
+        """Seconds left: the mean step time without compiles, times the steps left."""
+        if not self._steady:
+            return None
+        done = self.start_step + len(self._steady)
+        return sum(self._steady) / len(self._steady) * max(self.total_steps - done, 0)
+
+    def log(self, record: dict[str, Any], samples: Sequence[dict] | None = None) -> None:
+        """Writes one step's record (adding `step_s`, `jit_compile_s`, `jit_compiles`) and its
+        samples, and reports the step."""
+        now = _clock()
+        compile_s, programs = self._watch.take()
+        step_s = now - self._t_last
+        self._t_last = now
+        record["step_s"] = step_s
+        record["jit_compile_s"] = compile_s
+        record["jit_compiles"] = sum(programs.values())
+        self._steady.append(max(step_s - compile_s, 0.0))
+        self._oneoff_s += min(compile_s, step_s)
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = record["step"]
+        for s in samples or ():
+            self._samples_file.write(json.dumps(s) + "\n")
+        self._samples_file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" \
+                        and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            if samples:
+                self._tb.add_text("samples", "\n\n".join(
+                    "```\n" + format_sample(s) + "\n```" for s in samples), step)
+            self._tb.flush()
+        self._last_output = self._step_started = time.perf_counter()
+        if compile_s >= 1.0:
+            log.info("step %d: %s", step, describe_compiles(compile_s, programs))
+        eta = self.eta_s()
+        if self._bar is not None:
+            post = {name: fmt.format(record[k]) for k, name, fmt in _BAR_KEYS
+                    if record.get(k) is not None}
+            post["eta"] = fmt_seconds(eta)
+            self._bar.set_postfix(post)
+            self._bar.update(1)
+        else:
+            log.info("%s", self.step_line(record, eta))
+            if samples:
+                s = samples[0]
+                log.info("  sample (reward %.2f, %d tokens): %s", s["reward"],
+                         s.get("length", 0), _one_line(s["completion"], 100))
+
+    def step_line(self, r: dict[str, Any], eta: float | None) -> str:
+        """`step 3/16 | reward 0.150 | acc 0.25 | loss 0.0123 | kl 0.0000 | rollout 12.3 s | ...`"""
+        def f(key, fmt):
+            v = r.get(key)
+            return "-" if v is None else fmt.format(v)
+        epoch = f" (epoch {r['epoch']})" if "epoch" in r else ""
+        return (f"step {r['step']}/{self.total_steps}{epoch} | reward {f('reward_mean', '{:.3f}')}"
+                f" | acc {f('accuracy', '{:.2f}')} | loss {f('loss', '{:.4f}')}"
+                f" | kl {f('kl', '{:.4f}')} | rollout {f('rollout_s', '{:.1f}')} s"
+                f" | train {f('train_s', '{:.1f}')} s | tok/fwd {f('tokens_per_forward', '{:.2f}')}"
+                f" | eta {fmt_seconds(eta)}")
+
+    # -------------------------------------------------------------- end
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.close()
+        self._file.close()
+        self._samples_file.close()
+        self._watch.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+        from das_jax.rl.plots import plot_run
+        written = plot_run(read_metrics(self.path), self.run_dir / "plots",
+                           max_new_tokens=self.max_new_tokens)
+        if self.records:
+            log.info("summary of this run:\n%s", summary_table(
+                self.records, wall_s=_clock() - self._t_start,
+                oneoff_s=self._oneoff_s))
+        log.info("run dir %s: %s, %s (das-jax samples %s), %d plots in plots/; TensorBoard: "
+                 "pip install tensorboard && tensorboard --logdir %s",
+                 self.run_dir, METRICS_FILE, SAMPLES_FILE, self.run_dir, len(written),
+                 self.run_dir / "tb")
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summary_table(records: Sequence[dict[str, Any]], wall_s: float | None = None,
+                  oneoff_s: float | None = None) -> str:
+    """A markdown table summarising a run's records (time split, reward and accuracy at the
+    start and end, forward passes, tokens per forward, peak memory)."""
+    import resource
+    first, last = records[:4], records[-4:]
+    tot = lambda k: sum(r.get(k) or 0 for r in records)  # noqa: E731
+    fp, gen = tot("forward_passes"), tot("generated_tokens")
+
+    def span(key, fmt="{:.3f}"):
+        a, b = _mean(r.get(key) for r in first), _mean(r.get(key) for r in last)
+        return "-" if a is None else f"{fmt.format(a)} -> {fmt.format(b)}"
+
+    rows = [("steps", f"{records[0]['step']}-{records[-1]['step']}"),
+            ("wall time", fmt_seconds(wall_s) if wall_s is not None else "-"),
+            ("one-off compile", fmt_seconds(oneoff_s) if oneoff_s is not None else "-"),
+            ("rollout, total (mean per step)",
+             f"{fmt_seconds(tot('rollout_s'))} ({tot('rollout_s') / len(records):.1f} s)"),
+            ("update, total (mean per step)",
+             f"{fmt_seconds(tot('train_s'))} ({tot('train_s') / len(records):.1f} s)"),
+            ("reward, first 4 -> last 4 steps", span("reward_mean")),
+            ("accuracy, first 4 -> last 4 steps", span("accuracy", "{:.2f}")),
+            ("response length, first 4 -> last 4", span("response_length_mean", "{:.1f}")),
+            ("forward passes (generated tokens)", f"{fp} ({gen})"),
+            ("tokens per forward", f"{gen / fp:.2f}" if fp else "-"),
+            ("peak RSS (this process)",
+             f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.2f} GB")]
+    w = max(len(k) for k, _ in rows)
+    out = [f"| {'metric'.ljust(w)} | value |", f"|{'-' * (w + 2)}|-------|"]
+    out += [f"| {k.ljust(w)} | {v} |" for k, v in rows]
+    return "\n".join(out)

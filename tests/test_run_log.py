@@ -1,0 +1,184 @@
+"""What a training run tells its user: per-step console lines without a terminal, phase lines,
+the summary, samples.jsonl and `das-jax samples`, the plots, and `das-jax compare`.
+
+Two tiny runs through the real CLI (`das-jax train --config configs/tiny.yaml`, drafter none and
+das) with a tiny random model and a character tokenizer patched in for the model load.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+from pathlib import Path
+
+import jax
+import pytest
+
+from das_jax.cli import main
+from das_jax.models import ModelConfig, init_params
+from das_jax.rl import cli as rl_cli
+from das_jax.rl import run_log
+from das_jax.rl.compare import compare_table
+from das_jax.rl.plots import plot_run
+
+TINY_YAML = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
+PLOTS = ("reward.png", "loss_kl.png", "response_length.png", "speculation.png",
+         "rollout_time.png")
+
+
+class CharTokenizer:
+    """ids 2..63 <-> a fixed 62-character alphabet (other characters -> the last id); 1 = eos."""
+
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ?"[:62]
+    eos_token_ids = (1,)
+
+    def encode(self, text):
+        return [2 + (self.alphabet.index(c) if c in self.alphabet else 61) for c in text]
+
+    def decode(self, ids):
+        return "".join(self.alphabet[i - 2] for i in ids if i >= 2)
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()   # not terminals: isatty() is False
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two 2-step tiny runs over 2 problems (one step per epoch): drafter none with
+    --no-progress, and drafter das without the flag (stderr is not a terminal: no bar either)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rl_cli, "_load_model", lambda config: (CFG, params, CharTokenizer()))
+        try:
+            for drafter, flags in (("none", ["--no-progress"]), ("das", [])):
+                run_dir = tmp / f"run-{drafter}"
+                rc, _, err = _run_cli(
+                    ["train", "--config", str(TINY_YAML), *flags,
+                     "--set", f"output_dir={run_dir}", "--set", f"drafter={drafter}",
+                     "--set", "data.chat=false", "--set", "data.instruction=",
+                     "--set", "rollout.max_new_tokens=12", "--set", "rollout.draft_widths=[1,4]",
+                     "--set", "data.num_problems=2", "--set", "train.steps=2",
+                     "--set", "train.log_samples=3"])
+                assert rc == 0, err
+                out[drafter] = (run_dir, err)
+        finally:
+            root = logging.getLogger("das_jax")
+            root.removeHandler(run_log._console_handler)
+            root.setLevel(logging.NOTSET)
+            root.propagate = True
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["none", "das"])
+def test_plain_step_lines_and_phases_without_a_terminal(runs, drafter):
+    _, err = runs[drafter]
+    lines = err.splitlines()
+    for step in (1, 2):
+        line = next(x for x in lines if f" step {step}/2 " in x)
+        for word in ("reward", "acc", "loss", "kl", "rollout", "train", "tok/fwd", "eta"):
+            assert f"| {word} " in line, (word, line)
+    assert "(epoch 1)" in next(x for x in lines if " step 2/2 " in x)
+    assert any("setting up the trainer" in x and "done in" in x for x in lines)
+    assert any("compiled" in x and "programs" in x for x in lines)       # step 1's compiles
+    if drafter == "das":
+        assert any("calibrated the cost model" in x for x in lines)
+    assert "| metric" in err and "tokens per forward" in err           # the summary table
+    assert "tensorboard --logdir" in err
+    assert "\r" not in err                                                # no progress bar
+
+
+def test_samples_file_and_the_samples_command(runs):
+    run_dir, _ = runs["das"]
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 1, 1, 2, 2, 2]
+    first = samples[0]
+    assert first["question"] and first["answer"] is not None
+    assert set(first["rewards"]) == {"math_accuracy_reward"}
+    assert first["finish_reason"] in ("stop", "length") and 0 <= first["length"] <= 12
+    rc, out, _ = _run_cli(["samples", str(run_dir), "--step", "1"])
+    assert rc == 0
+    assert out.count("── step 1 · sample") == 3 and "completion:" in out
+    assert "question: " + samples[0]["question"] in out and "step 2" not in out
+    rc, out, _ = _run_cli(["samples", str(run_dir)])                     # default: last step
+    assert rc == 0 and out.count("── step 2 · sample") == 3 and "step 1" not in out
+    rc, _, err = _run_cli(["samples", str(run_dir), "--step", "9"])
+    assert rc == 2 and "logged steps: 1-2" in err
+    rc, _, err = _run_cli(["samples", str(run_dir / "nope")])
+    assert rc == 2 and "does not exist" in err
+
+
+def test_metrics_carry_the_rollout_time_split_and_plots_are_written(runs):
+    run_dir, _ = runs["das"]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        for key in ("prefill_s", "decode_s", "draft_s", "policy_s", "tokens_per_forward",
+                    "step_s", "jit_compile_s", "jit_compiles"):
+            assert r[key] is not None and r[key] >= 0, key
+        assert r["tokens_per_forward"] == pytest.approx(
+            r["generated_tokens"] / r["forward_passes"])
+    assert records[0]["jit_compiles"] > 0 and records[0]["jit_compile_s"] > 0
+    for name in PLOTS:
+        assert (run_dir / "plots" / name).stat().st_size > 1000, name
+
+
+def test_compare_prints_a_table_and_writes_one_png(runs, tmp_path):
+    (a, _), (b, _) = runs["none"], runs["das"]
+    png = tmp_path / "cmp.png"
+    rc, out, err = _run_cli(["compare", str(a), str(b), "--out", str(png)])
+    assert rc == 0, err
+    assert png.stat().st_size > 1000
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ")}
+    assert rows["metric"] == ["run-none", "run-das", "run-das / run-none"]
+    none_fp, das_fp, ratio = rows["forward passes, total"]
+    assert ratio == f"{int(das_fp) / int(none_fp):.2f}x"
+    assert rows["steps compared"][:2] == ["2", "2"]
+    assert {"rollout time, total s", "reward, mean"} <= set(rows)
+    rc, _, err = _run_cli(["compare", str(a), str(tmp_path / "missing")])
+    assert rc == 2 and "no metrics.jsonl" in err
+
+
+# ---------------------------------------------------------------- without a model
+def _rec(step, epoch, **kw):
+    return {"step": step, "epoch": epoch, "reward_mean": 0.1 * step, "forward_passes": 10,
+            "generated_tokens": 20, "rollout_s": 2.0, **kw}
+
+
+def test_compare_table_uses_the_common_steps_and_ratios():
+    a = [_rec(1, 0), _rec(2, 0), _rec(3, 1)]
+    b = [_rec(1, 0, forward_passes=5), _rec(2, 0, forward_passes=5)]     # shorter run
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in compare_table([("a", a), ("b", b)]).splitlines()}
+    assert rows["steps compared"] == ["2", "2", ""]
+    assert rows["forward passes, total"] == ["20", "10", "0.50x"]
+    assert rows["tokens per forward"] == ["2.00", "4.00", "2.00x"]
+    assert rows["accuracy, mean"] == ["-", "-", ""]                     # never logged
+
+
+def test_plots_of_old_records_without_the_new_metrics(tmp_path):
+    written = plot_run([_rec(1, 0), _rec(2, 1)], tmp_path, max_new_tokens=None)
+    assert sorted(p.name for p in written) == sorted(PLOTS)
+
+
+def test_eta_leaves_out_compile_time(tmp_path, monkeypatch):
+    clock = iter([0.0, 100.0, 110.0])
+    monkeypatch.setattr(run_log, "_clock", lambda: next(clock))
+    logger = run_log.RunLogger(tmp_path, total_steps=10, progress=False, heartbeat_s=0)
+    compiles = iter([(90.0, {"verify": 3}), (0.0, {})])
+    monkeypatch.setattr(logger._watch, "take", lambda: next(compiles))
+    logger.log(_rec(1, 0))              # 100 s, of which 90 s compiling
+    assert logger.eta_s() == pytest.approx(10.0 * 9)
+    logger.log(_rec(2, 0))              # 10 s
+    assert logger.eta_s() == pytest.approx(10.0 * 8)
+    logger._watch.close()
+    logger._file.close()
+    logger._samples_file.close()
