@@ -7,7 +7,8 @@ positive ints (e.g. 1,4,8)`. No jax import.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import math
+from typing import Callable, Sequence
 
 
 def _int(text: str, minimum: int, what: str) -> int:
@@ -53,15 +54,46 @@ def int_list(minimum: int = 1, example: str = "1,4,8", *, as_text: bool = False
     return convert
 
 
-def float_list(example: str = "0.6,1.0") -> Callable[[str], tuple[float, ...]]:
-    """A non-empty comma-separated list of floats, as a tuple."""
-    what = f"a comma-separated list of numbers (e.g. {example})"
+def float_list(example: str = "0.6,1.0", *, minimum: float | None = None,
+               as_text: bool = False) -> Callable[[str], tuple[float, ...] | str]:
+    """A non-empty comma-separated list of finite floats (each >= `minimum` if given), as a tuple
+    (`as_text`: checked, then returned as the original text)."""
+    bound = "" if minimum is None else f" >= {minimum:g}"
+    what = f"a comma-separated list of numbers{bound} (e.g. {example})"
 
-    def convert(text: str) -> tuple[float, ...]:
-        items = [t.strip() for t in text.split(",")]
+    def convert(text: str) -> tuple[float, ...] | str:
         try:
-            return tuple(float(t) for t in items)
+            values = tuple(float(t) for t in text.split(","))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not all(math.isfinite(v) and (minimum is None or v >= minimum) for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return text if as_text else values
     convert.__name__ = "float list"
     return convert
+
+
+def name_list(choices: Sequence[str] | Callable[[], Sequence[str]], *, as_text: bool = False
+              ) -> Callable[[str], tuple[str, ...] | str]:
+    """A non-empty comma-separated list of names from `choices` (or from `choices()`, called
+    when an argument is converted, for lists that are costly to import), as a tuple (`as_text`:
+    checked, then returned as the original text)."""
+    def convert(text: str) -> tuple[str, ...] | str:
+        nonlocal choices
+        if callable(choices):
+            choices = tuple(choices())
+        names = tuple(t.strip() for t in text.split(",") if t.strip())
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"{(bad[0] if bad else text)!r} is not one of {', '.join(choices)} (give a "
+                "comma-separated list of them)")
+        return text if as_text else names
+    convert.__name__ = "name list"
+    return convert
+
+
+def set_type(parser: argparse.ArgumentParser, flag: str, type_: Callable) -> None:
+    """Gives the already-added option `flag` of `parser` the converter `type_` (for options
+    defined by modules that leave them as plain strings)."""
+    parser._option_string_actions[flag].type = type_  # noqa: SLF001 - argparse's own table

@@ -7,6 +7,7 @@ import math
 import sys
 
 from das_jax.arg_types import int_list, nonnegative_int, positive_int
+from das_jax.errors import one_line
 
 DRAFTER_CHOICES = ("none", "ngram", "suffix", "suffix-global", "das", "das-unlimited")
 
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         if not prompts:
             raise ValueError("no prompts given")
     except ValueError as e:
-        print(f"das-jax generate: {e}", file=sys.stderr)
+        print(f"das-jax generate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
 
     import jax.numpy as jnp
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
         check_finite_logprobs(outputs, args.model, args.dtype)
     except ValueError as e:
-        print(f"das-jax generate: {e}", file=sys.stderr)
+        print(f"das-jax generate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
 
     if args.json:
