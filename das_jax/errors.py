@@ -52,14 +52,21 @@ def user_error_types() -> tuple[type, ...]:
     return tuple(out)
 
 
-def disk_full_error(exc: BaseException) -> OSError | None:
-    """The ENOSPC / EDQUOT OSError in `exc`'s cause/context chain (or `exc` itself), if any."""
+def _chain(exc: BaseException | None):
+    """`exc` and the exceptions it was raised from or while handling (as a traceback shows)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            return exc
-        exc = exc.__cause__ or exc.__context__
+        yield exc
+        exc = exc.__cause__ if exc.__cause__ is not None else (
+            None if exc.__suppress_context__ else exc.__context__)
+
+
+def disk_full_error(exc: BaseException) -> OSError | None:
+    """The ENOSPC / EDQUOT OSError in `exc`'s cause/context chain (or `exc` itself), if any."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return e
     return None
 
 
@@ -70,15 +77,8 @@ def is_disk_full(exc: BaseException) -> bool:
     """True when `exc` (or its cause/context chain) says the disk is full: an ENOSPC / EDQUOT
     OSError, or a wrapped error whose message says so (orbax / tensorstore re-raise I/O failures
     as other types, keeping only the text)."""
-    if disk_full_error(exc) is not None:
-        return True
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if any(t in str(exc).lower() for t in _DISK_FULL_TEXT):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return disk_full_error(exc) is not None or any(
+        t in str(e).lower() for e in _chain(exc) for t in _DISK_FULL_TEXT)
 
 
 def disk_full_message(err: OSError, what: str = "writing") -> str:
@@ -95,12 +95,13 @@ def one_line(text: str) -> str:
 
 
 def user_error_message(exc: BaseException) -> str | None:
-    """The one-line message for a user error, or None when `exc` is not one (a bug)."""
+    """The one-line message for a user error, or None when `exc` is not one (a bug). The
+    project's own error types keep their message; other errors raised from a full disk say so."""
+    if isinstance(exc, user_error_types()):
+        return one_line(str(exc)) or type(exc).__name__
     full = disk_full_error(exc)
     if full is not None:
         return disk_full_message(full)
-    if isinstance(exc, user_error_types()):
-        return one_line(str(exc)) or type(exc).__name__
     if isinstance(exc, OSError):
         if exc.filename is not None:
             return f"{exc.filename}: {exc.strerror or exc}"

@@ -31,7 +31,7 @@ from das_jax.errors import UserError
 LOCK_FILE = ".lock"
 # What `das-jax train` writes into a run directory (the only names `--overwrite` removes).
 RUN_FILES = ("config.yaml", "metrics.jsonl")
-RUN_DIRS = ("checkpoints", "tb", "plots")
+RUN_DIRS = ("checkpoints", "checkpoints.unreadable", "tb", "plots")
 
 _held: dict[str, list] = {}   # realpath -> [fd, count]
 
@@ -174,3 +174,18 @@ def complete_message(run_dir: str | os.PathLike, step: int, steps: int) -> str:
     return (f"run {str(run_dir)!r} is complete: its latest checkpoint is step {step} and "
             f"train.steps is {steps}; to train further, pass --resume {run_dir} --set "
             f"train.steps=N with N > {step}")
+
+
+def set_aside_checkpoints(run_dir: str | os.PathLike, steps, subdir: str = "checkpoints") -> Path:
+    """Moves the step directories `steps` from `<run_dir>/checkpoints` to
+    `<run_dir>/checkpoints.unreadable/<step>[.N]` (kept for inspection, out of the way of new
+    saves of the same steps); returns that folder."""
+    src = Path(run_dir) / subdir
+    dst = Path(run_dir) / f"{subdir}.unreadable"
+    dst.mkdir(exist_ok=True)
+    for step in steps:
+        target, n = dst / str(step), 1
+        while target.exists():
+            target, n = dst / f"{step}.{n}", n + 1
+        os.replace(src / str(step), target)
+    return dst

@@ -21,6 +21,7 @@ A run directory holds the resolved `config.yaml`, `metrics.jsonl`, TensorBoard e
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -274,11 +275,11 @@ class GRPOTrainer:
             if not is_disk_full(e):
                 raise
             previous = [s for s in manager.all_steps() if s < self.step]
-            resume = (f"--resume {self.run_dir} continues from step {previous[-1]}" if previous
-                      else "no earlier checkpoint exists")
+            then = (f"pass --resume {self.run_dir} to continue from step {previous[-1]}"
+                    if previous else "start the run again (it has no earlier checkpoint)")
             raise TrainError(f"disk full while checkpointing step {self.step} to "
                              f"{manager.step_dir(self.step)}; free space on that disk (or move "
-                             f"the run to another one), then {resume}") from None
+                             f"the run to another one), then {then}") from None
 
     def restore(self, manager: CheckpointManager) -> int:
         """Restores the newest readable checkpoint; returns its step. A corrupt or unreadable
@@ -311,9 +312,11 @@ class GRPOTrainer:
                              f"{unreadable[0][1]}); start a new run (--overwrite or another "
                              "output_dir)")
         if unreadable:
+            from das_jax.rl.run_dir import set_aside_checkpoints
+            moved = set_aside_checkpoints(self.run_dir, [s for s, _ in unreadable])
             log.warning("checkpoint step %s is unreadable (%s); resuming from step %d, the newest "
-                        "readable checkpoint", ", ".join(str(s) for s, _ in unreadable),
-                        unreadable[0][1], step)
+                        "readable checkpoint (the unreadable one moved to %s)",
+                        ", ".join(str(s) for s, _ in unreadable), unreadable[0][1], step, moved)
         self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])
         if self.drafter is not None and drafter_state is not None:
             self.drafter.load_state_dict(drafter_state)
@@ -347,7 +350,7 @@ class GRPOTrainer:
                 rd.check_new_run(self.run_dir,
                                  has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
             manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints)
-            try:
+            with _closing(manager):
                 if resume:
                     self.restore(manager)
                     if self.step >= c.train.steps:
@@ -358,7 +361,7 @@ class GRPOTrainer:
                 logger = RunLogger(self.run_dir, total_steps=c.train.steps, start_step=self.step,
                                    progress=progress)
                 records = []
-                try:
+                with _closing(logger):
                     while self.step < c.train.steps:
                         if stop_after is not None and len(records) >= stop_after:
                             break
@@ -369,11 +372,22 @@ class GRPOTrainer:
                         every = c.train.save_every
                         if every and (self.step % every == 0 or self.step == c.train.steps):
                             self.save(manager)
-                finally:
-                    logger.close()
-            finally:
-                manager.close()
         return records
+
+
+@contextlib.contextmanager
+def _closing(resource):
+    """Closes `resource` after the block. When the block raised, a failure to close (e.g. the
+    disk that is full also fails the final plot) is logged, not raised over the first error."""
+    try:
+        yield resource
+    except BaseException:
+        try:
+            resource.close()
+        except Exception as e:  # noqa: BLE001 - secondary; the block's error is the one to see
+            log.debug("closing %s after an error also failed: %s", type(resource).__name__, e)
+        raise
+    resource.close()
 
 
 def _check_finite(record: dict, c: Config, last_checkpoint: int | None) -> None:
