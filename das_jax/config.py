@@ -456,9 +456,14 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     raw: Any = {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            data = Path(path).read_bytes()
         except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from None
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: invalid UTF-8; save the config as UTF-8") from None
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as e:

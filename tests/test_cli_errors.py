@@ -50,6 +50,10 @@ def files(tmp_path):
     f["bad_jsonl"] = tmp_path / "data.jsonl"
     f["bad_jsonl"].write_bytes(b'{"question": "1+1?", "answer": "#### 2"}\n\n'
                                b'{"question": "caf\xe9", "answer": "#### 3"}\n')
+    f["bad_yaml"] = tmp_path / "c.yaml"
+    f["bad_yaml"].write_bytes(b"drafter: das\ndata:\n  instruction: \"caf\xe9\"\n")
+    f["bad_trace"] = tmp_path / "trace.jsonl"
+    f["bad_trace"].write_bytes(b'{"type": "header"}\n{"epoch": 0, "problem_id": "\xff"}\n')
     f["file"] = tmp_path / "a-file"
     f["file"].write_text("x")
     f["missing"] = tmp_path / "missing"
@@ -91,6 +95,8 @@ def _cases(tmp_path, f):
         (["bench", "rollout", "--set", "grpo.reward_funcs=[nosuch]"],
          "unknown reward function 'nosuch'", R),
         (["bench", "replay", f["missing"]], "No such file", P),
+        (["bench", "replay", f["bad_trace"]], f"{f['bad_trace']}:2: invalid UTF-8", P),
+        (["bench", "replay", f["bad_txt"]], f"{f['bad_txt']}:1: not JSON", P),
         (["bench", "replay", f["missing"], "--slots", "x"], "argument --slots", P),
         (["bench", "replay", f["missing"], "--draft-widths", "1,a"], "argument --draft-widths", P),
         (["bench", "replay", f["missing"], "--drafters", "dass"], "argument --drafters", P),
@@ -107,6 +113,7 @@ def _cases(tmp_path, f):
         (["train", "--set", "data.kind=gsm8k"], "set data.path=FILE", T),
         (["train", "--set", "data.path=x.jsonl"], "has no effect with data.kind='arithmetic'", T),
         (["train", "--config", f["missing"]], "cannot read config file", T),
+        (["train", "--config", f["bad_yaml"]], f"{f['bad_yaml']}:3: invalid UTF-8", T),
         (["train", "--steps", "-1"], "argument --steps", T),
         # train: run directory and data, before the model
         (["train", "--set", f"output_dir={f['file']}", "--set", NO_MODEL],

@@ -123,8 +123,9 @@ def test_disk_full_while_checkpointing_says_so(tmp_path, monkeypatch):
     with pytest.raises(TrainError) as e:
         trainer(config(run, steps=1)).train(progress=False)
     msg = str(e.value)
-    assert msg.startswith(f"disk full while checkpointing step 1 to {run.absolute()}/checkpoints/1;")
-    assert "free space on that disk" in msg and "start the run again (it has no earlier checkpoint)" in msg
+    assert msg.startswith(f"disk full while checkpointing step 1 to {run.absolute()}/"
+                          "checkpoints/1; free space on that disk")
+    assert msg.endswith("start it again with --overwrite (it has no earlier checkpoint)")
     assert user_error_message(e.value) == msg        # the CLI prints it as is, one line
     assert steps_logged(run) == [1]                  # the step's metrics were kept
     assert rd.checkpoint_steps(run) == []

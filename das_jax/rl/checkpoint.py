@@ -113,8 +113,8 @@ def _compare_trees(saved_meta_tree, target, ckpt_dir: Path) -> None:
         parts.append(f"unexpected in checkpoint: {', '.join(repr(k) for k in extra[:3])}"
                      + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""))
     raise CheckpointMismatchError(
-        f"checkpoint {ckpt_dir} was written for a different model config, optimizer or dtype "
-        f"layout ({'; '.join(parts)})")
+        f"checkpoint {ckpt_dir} does not match the model/optimizer being restored: it was "
+        f"written for a different model config, optimizer or dtype layout ({'; '.join(parts)})")
 
 
 def _rng_to_json(key) -> dict:

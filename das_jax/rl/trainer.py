@@ -276,7 +276,8 @@ class GRPOTrainer:
                 raise
             previous = [s for s in manager.all_steps() if s < self.step]
             then = (f"pass --resume {self.run_dir} to continue from step {previous[-1]}"
-                    if previous else "start the run again (it has no earlier checkpoint)")
+                    if previous else "start it again with --overwrite (it has no earlier "
+                                     "checkpoint)")
             raise TrainError(f"disk full while checkpointing step {self.step} to "
                              f"{manager.step_dir(self.step)}; free space on that disk (or move "
                              f"the run to another one), then {then}") from None
@@ -305,7 +306,8 @@ class GRPOTrainer:
                 raise TrainError(f"{e}; resume with the run's own model.source / model and grpo "
                                  "settings, or start a new run in another output_dir") from None
             except CheckpointError as e:
-                unreadable.append((step, str(e).splitlines()[0]))
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                unreadable.append((step, reason if len(reason) <= 240 else reason[:237] + "..."))
         else:
             raise TrainError(f"no readable checkpoint under {where}: all of steps "
                              f"{', '.join(str(s) for s, _ in unreadable)} are corrupt (newest: "
