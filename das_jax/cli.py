@@ -3,11 +3,18 @@
 Each subcommand lives next to the code it drives: a module listed in `_COMMAND_MODULES` exposes
 `register(subparsers)`, which adds its parsers and sets `func` (called with the parsed args,
 returning an exit code). Registration must not import jax, so `das-jax --help` stays fast.
+
+Errors: every subcommand runs under one handler. A user error (`das_jax.errors`: a bad config,
+model source, dataset or run directory, a corrupt checkpoint, a full disk, ...) and a bad
+command-line argument end in one line on stderr, `das-jax <command>: error: <message>`, and exit
+code 2; anything else is a bug and keeps its traceback. `DAS_JAX_DEBUG=1` shows the traceback of
+user errors too.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 _COMMAND_MODULES = (
@@ -34,7 +41,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose help shows defaults (passed on to every subcommand's parser)."""
+    """An ArgumentParser whose help shows defaults and whose errors are one line
+    (`PROG: error: MESSAGE (see PROG --help)`, exit code 2) instead of the usage block plus the
+    error; every subcommand's parser inherits the class."""
 
     def __init__(self, *args, formatter_class=_HelpFormatter, **kwargs):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
@@ -43,6 +52,9 @@ class _Parser(argparse.ArgumentParser):
         if kwargs.get("help") is None and not _unshown(kwargs.get("default")):
             kwargs["help"] = "default: %(default)s"   # an option without help still shows it
         return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,11 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    prog = _prog(args)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - classified below; bugs are re-raised
+        from das_jax.errors import user_error_message
+        if isinstance(e, SystemExit) and not isinstance(e.code, str):
+            raise
+        message = user_error_message(e)
+        if message is None or os.environ.get("DAS_JAX_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _prog(args: argparse.Namespace) -> str:
+    words = ["das-jax"] + [getattr(args, k) for k in ("command", "bench_command")
+                           if getattr(args, k, None)]
+    return " ".join(words)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,11 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class DataSection:
     """kind: dataset kind ("arithmetic" built-in synthetic, "gsm8k", ...); path: file for file-based
-    kinds; num_problems: size of a synthetic set; limit: keep the first `limit` problems;
-    instruction: prompt instruction (None: the kind's default); chat: apply the chat template."""
+    kinds (none for "arithmetic"); num_problems: size of the synthetic arithmetic set; seed: seed
+    of the synthetic arithmetic generator (num_problems and seed apply to "arithmetic" only: a
+    different value with another kind is rejected; the order in which training visits problems
+    follows train.seed); limit: keep the first `limit` problems; instruction: prompt instruction
+    (None: the kind's default); chat: apply the chat template."""
 
     kind: str = "arithmetic"
     path: Optional[str] = None
@@ -117,9 +120,9 @@ class GRPOSection:
 @dataclasses.dataclass(frozen=True)
 class DASSection:
     """Distribution-aware speculation. window: epochs of history per problem; max_depth: suffix
-    tree depth; min_token_prob: stop a draft when the path probability drops below this."""
+    tree depth; min_token_prob: stop a draft when the path probability drops below this.
+    (Which speculation runs, if any, is the top-level `drafter`.)"""
 
-    enabled: bool = True
     window: int = 16
     max_depth: int = 32
     min_token_prob: float = 0.1
@@ -127,17 +130,16 @@ class DASSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
-    """steps: optimizer steps; save_every / log_every: in steps (0 disables saving);
-    keep_checkpoints: checkpoints kept on disk; resume: a run dir / checkpoint dir to resume from,
-    or "latest" to resume from output_dir; log_samples: completions (with prompts and rewards)
-    of each step written to samples.jsonl and TensorBoard text (0 disables)."""
+    """steps: optimizer steps; seed: run seed (rollout sampling, data order); save_every: save a
+    checkpoint every this many steps and after the last step (0 disables saving, so such a run
+    cannot be resumed); keep_checkpoints: checkpoints kept on disk; log_samples: completions (with
+    prompts and rewards) of each step written to samples.jsonl and TensorBoard text (0 disables).
+    Every step is logged to metrics.jsonl. To resume a run: `das-jax train --resume RUN_DIR`."""
 
     steps: int = 20
     seed: int = 0
     save_every: int = 10
-    log_every: int = 1
     keep_checkpoints: int = 3
-    resume: Optional[str] = None
     log_samples: int = 4
 
 
@@ -156,6 +158,35 @@ class Config:
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)
     das: DASSection = dataclasses.field(default_factory=DASSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
+
+
+# ----- removed keys ----------------------------------------------------------------------------------
+# Keys that had no effect and were removed: (section, key) -> (the old default, what to do instead).
+# A config.yaml written before the removal holds the old default, which is dropped (it asked for
+# nothing); any other value is rejected with the hint.
+_REMOVED_KEYS = {
+    ("train", "resume"): (None, "resume a run with `das-jax train --resume RUN_DIR`"),
+    ("train", "log_every"): (1, "every step is logged to metrics.jsonl"),
+    ("das", "enabled"): (True, "choose the speculation with the top-level key `drafter` "
+                               "(drafter: none disables it)"),
+}
+
+
+def _removed_key_error(section: str, key: str) -> ConfigError:
+    return ConfigError(f"{section}.{key} is no longer a config key; "
+                       f"{_REMOVED_KEYS[(section, key)][1]}")
+
+
+def _drop_removed_keys(raw: dict) -> dict:
+    out = dict(raw)
+    for (section, key), (old_default, _) in _REMOVED_KEYS.items():
+        sec = out.get(section)
+        if isinstance(sec, Mapping) and key in sec:
+            if sec[key] != old_default or isinstance(sec[key], bool) != isinstance(old_default,
+                                                                                   bool):
+                raise _removed_key_error(section, key)
+            out[section] = {k: v for k, v in sec.items() if k != key}
+    return out
 
 
 # ----- generic dataclass <-> dict with validation ------------------------------------------------
@@ -300,6 +331,7 @@ def validate(cfg: Config) -> Config:
            f"grpo.micro_batch_size={g.micro_batch_size} exceeds the batch of prompts_per_step * "
            f"num_generations = {g.batch_size} sequences")
     _check(len(g.reward_funcs) >= 1, "grpo.reward_funcs must name at least one reward function")
+    _check_reward_names(g.reward_funcs)
     _check(g.reward_weights is None or len(g.reward_weights) == len(g.reward_funcs),
            f"grpo.reward_weights has {len(g.reward_weights or ())} entries but grpo.reward_funcs "
            f"has {len(g.reward_funcs)}")
@@ -311,6 +343,7 @@ def validate(cfg: Config) -> Config:
            "rollout.max_new_tokens, so set that one (or both to the same value)")
 
     _check(d.num_problems >= 1, f"data.num_problems must be >= 1, got {d.num_problems}")
+    _check_data_kind_fields(d)
     _check(d.limit is None or d.limit >= 1, f"data.limit must be >= 1 or null, got {d.limit}")
     _check(das.window >= 1, f"das.window must be >= 1, got {das.window}")
     _check(das.max_depth >= 1, f"das.max_depth must be >= 1, got {das.max_depth}")
@@ -318,10 +351,42 @@ def validate(cfg: Config) -> Config:
            f"{das.min_token_prob}")
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
     _check(t.save_every >= 0, f"train.save_every must be >= 0 (0 disables), got {t.save_every}")
-    _check(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
     _check(t.log_samples >= 0, f"train.log_samples must be >= 0 (0 disables), got {t.log_samples}")
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
     return dataclasses.replace(cfg, grpo=g)
+
+
+def _check_reward_names(names: Sequence[str]) -> None:
+    from das_jax.rl.rewards.registry import REWARD_FUNCTIONS  # no jax; cheap
+    for name in names:
+        if name not in REWARD_FUNCTIONS:
+            close = difflib.get_close_matches(name, list(REWARD_FUNCTIONS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"grpo.reward_funcs: unknown reward function {name!r}{hint}; valid "
+                              f"names: {', '.join(sorted(REWARD_FUNCTIONS))}")
+
+
+_FILE_KINDS = ("gsm8k", "math", "humaneval")
+_DATA_DEFAULTS = {"num_problems": 64, "seed": 0}
+
+
+def _check_data_kind_fields(d: DataSection) -> None:
+    kind = str(d.kind).lower().strip()
+    if kind == "arithmetic":
+        _check(d.path is None, f"data.path={d.path!r} has no effect with data.kind='arithmetic' "
+                               "(generated in memory); remove data.path, or set data.kind to the "
+                               "file's kind (gsm8k, math, humaneval)")
+        return
+    if kind in _FILE_KINDS:
+        _check(d.path is not None, f"data.kind={d.kind!r} reads a local .jsonl file: set "
+                                   "data.path=FILE")
+    for name, default in _DATA_DEFAULTS.items():
+        value = getattr(d, name)
+        _check(value == default,
+               f"data.{name}={value} applies to data.kind='arithmetic' only and has no effect "
+               f"with data.kind={d.kind!r}; remove it" +
+               (" (data.limit keeps the first N problems)" if name == "num_problems" else
+                " (train.seed sets the order in which problems are visited)"))
 
 
 # ----- public API ---------------------------------------------------------------------------------
@@ -351,6 +416,8 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
         for i, name in enumerate(path):
             fields = {f.name: f for f in dataclasses.fields(cls)}
             if name not in fields:
+                if (prefix[:-1], name) in _REMOVED_KEYS:
+                    raise _removed_key_error(prefix[:-1], name)
                 raise _unknown_key_error(cls, name, prefix)
             sub = typing.get_type_hints(cls)[name]
             if i == len(path) - 1:
@@ -378,7 +445,7 @@ def config_from_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = (
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a config must be a mapping at the top level, got {type(raw).__name__}")
-    raw = apply_overrides(dict(raw), overrides)
+    raw = apply_overrides(_drop_removed_keys(dict(raw)), overrides)
     return validate(_from_dict(Config, raw))
 
 
@@ -392,9 +459,14 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     raw: Any = {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            data = Path(path).read_bytes()
         except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from None
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: invalid UTF-8; save the config as UTF-8") from None
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -424,8 +496,14 @@ _PLATFORM_ENV = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}
 
 
 def apply_platform(cfg: Config) -> None:
-    """Sets `JAX_PLATFORMS` from `cfg.platform` (no-op when None). Must run before JAX creates
-    its backends; raises `ConfigError` if JAX is already initialised on another platform."""
+    """Sets `JAX_PLATFORMS` from `cfg.platform` (no-op when None), then initialises JAX on it, so
+    a platform this machine lacks is reported here, before any model is loaded. Must run before
+    JAX creates its backends.
+
+    Raises:
+      ConfigError: JAX is already initialised on another platform, or JAX cannot use the
+        requested platform on this machine (no GPU / TPU, or a jax build without its support).
+    """
     if cfg.platform is None:
         return
     want = _PLATFORM_ENV[cfg.platform]
@@ -444,3 +522,12 @@ def apply_platform(cfg: Config) -> None:
                     "set the platform before anything touches JAX (or export JAX_PLATFORMS)")
             return
     os.environ["JAX_PLATFORMS"] = want
+    import jax
+    try:
+        jax.devices()
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"platform={cfg.platform!r}: JAX cannot use a {cfg.platform.upper()} on this machine "
+            f"({first}); set platform: cpu (or null to let JAX choose), or install a jax build "
+            f"with {cfg.platform.upper()} support (e.g. pip install -U 'jax[cuda12]')") from None

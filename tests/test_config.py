@@ -28,9 +28,9 @@ def test_yaml_round_trip(tmp_path):
         "model": {"dtype": "bfloat16"},
         "rollout": {"max_new_tokens": 64, "draft_widths": [1, 16], "stop_token_ids": [2, 7],
                     "temperature": 0.6},
-        "grpo": {"loss_type": "dr_grpo", "learning_rate": 1e-6, "reward_funcs": ["a", "b"],
-                 "reward_weights": [1, 0.5]},
-        "train": {"resume": "latest"},
+        "grpo": {"loss_type": "dr_grpo", "learning_rate": 1e-6,
+                 "reward_funcs": ["math_accuracy", "format"], "reward_weights": [1, 0.5]},
+        "train": {"keep_checkpoints": 5},
     })
     cfg = load_config(path)
     assert cfg.rollout.draft_widths == (1, 16) and cfg.rollout.stop_token_ids == (2, 7)
@@ -47,11 +47,12 @@ def test_yaml_round_trip(tmp_path):
 def test_overrides_nested_lists_and_top_level(tmp_path):
     path = _write(tmp_path, {"grpo": {"beta": 0.0}})
     cfg = load_config(path, ["grpo.beta=0.04", "drafter=none", "output_dir=runs/x",
-                             "rollout.draft_widths=[1,8]", "data.path=/tmp/d.jsonl",
-                             "train.resume=null", "grpo.reward_funcs=[math_accuracy, format]"])
+                             "rollout.draft_widths=[1,8]", "data.kind=gsm8k",
+                             "data.path=/tmp/d.jsonl",
+                             "train.seed=3", "grpo.reward_funcs=[math_accuracy, format]"])
     assert cfg.grpo.beta == 0.04 and cfg.drafter == "none" and cfg.output_dir == "runs/x"
     assert cfg.rollout.draft_widths == (1, 8) and cfg.data.path == "/tmp/d.jsonl"
-    assert cfg.train.resume is None and cfg.grpo.reward_funcs == ("math_accuracy", "format")
+    assert cfg.train.seed == 3 and cfg.grpo.reward_funcs == ("math_accuracy", "format")
     # the later override wins
     assert load_config(None, ["grpo.beta=0.1", "grpo.beta=0.2"]).grpo.beta == 0.2
 

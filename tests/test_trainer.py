@@ -15,6 +15,7 @@ import pytest
 from das_jax.config import config_from_dict
 from das_jax.data import Problem
 from das_jax.models import ModelConfig, init_params
+from das_jax.rl.run_dir import RunDirError
 from das_jax.rl.trainer import GRPOTrainer, TrainError
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -105,7 +106,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     cfg = make_config(tmp_path / "b", steps=4, save_every=2)
     first = make_trainer(cfg)
     first.train(progress=False, stop_after=2)        # "killed" after step 2's checkpoint
-    with pytest.raises(TrainError, match="--resume"):
+    with pytest.raises(RunDirError, match="--resume"):
         make_trainer(cfg).train(progress=False)      # refuses to overwrite a run
     resumed = make_trainer(cfg)
     records = resumed.train(resume=True, progress=False)

@@ -3,19 +3,21 @@ from __future__ import annotations
 
 import argparse
 
+from das_jax.arg_types import int_list, positive_int
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="named source, HF directory or GGUF file (default smollm2-135m-instruct)")
     p.add_argument("--quick", action="store_true",
                    help="fewer repeats and tokens (a smoke run)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="tokens per sequence of the end-to-end runs (default 64, quick 16)")
-    p.add_argument("--prompt-len", type=int, default=100,
+    p.add_argument("--prompt-len", type=positive_int, default=100,
                    help="approximate prompt length (the verify step attends to this many cached "
                         "positions)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the HF run")
+    p.add_argument("--threads", type=positive_int, default=2, help="torch threads for the HF run")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
 
@@ -23,11 +25,12 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="trace .jsonl written by `bench rollout` (DIR/trace.jsonl)")
     p.add_argument("--drafters", default="none,ngram,suffix-global,das,das-unlimited",
                    help="comma-separated speculation names")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=positive_int, default=None,
                    help="max_slots of the simulated engine (default: the trace's engine)")
-    p.add_argument("--slots", default=None,
+    p.add_argument("--slots", type=int_list(example="16,64", as_text=True), default=None,
                    help="comma-separated max_slots values to sweep (overrides --batch)")
-    p.add_argument("--draft-widths", default=None, help="compiled widths, e.g. 1,4,8,16")
+    p.add_argument("--draft-widths", type=int_list(as_text=True), default=None,
+                   help="compiled widths, e.g. 1,4,8,16")
     p.add_argument("--c-base", type=float, default=None, help="cost model: seconds per step")
     p.add_argument("--c-tok", type=float, default=None,
                    help="cost model: seconds per verified token row")
@@ -38,14 +41,14 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", choices=("trace", "paper"), default="trace",
                    help="trace: replay the recorded rollouts; paper: a resampled paper-scale "
                         "workload (128 problems x 16 samples, 16K tokens, long tail)")
-    p.add_argument("--paper-problems", type=int, default=128)
-    p.add_argument("--paper-samples", type=int, default=16)
-    p.add_argument("--paper-max-tokens", type=int, default=16384)
+    p.add_argument("--paper-problems", type=positive_int, default=128)
+    p.add_argument("--paper-samples", type=positive_int, default=16)
+    p.add_argument("--paper-max-tokens", type=positive_int, default=16384)
     p.add_argument("--paper-median", type=float, default=4000.0,
                    help="median rollout length of the paper-scale workload (tokens)")
     p.add_argument("--paper-sigma", type=float, default=0.8,
                    help="log-normal sigma of per-problem lengths (the long tail)")
-    p.add_argument("--paper-epochs", type=int, default=None,
+    p.add_argument("--paper-epochs", type=positive_int, default=None,
                    help="epochs of the paper-scale workload (default: the trace's)")
     p.add_argument("--temperature", type=float, default=None,
                    help="which recorded temperature to replay (default: all)")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 
+from das_jax.arg_types import float_list, int_at_least, name_list, positive_int, set_type
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: engine, drafter, rollout, replay",
@@ -29,18 +31,43 @@ def register(subparsers) -> None:
     pd = sub.add_parser("drafter", help="drafter latency, acceptance and memory (no model)")
     from das_jax.bench import drafter_bench
     drafter_bench.add_arguments(pd)
+    _check_drafter_arguments(pd)
     pd.set_defaults(func=drafter_bench.main)
 
     pr = sub.add_parser("rollout", help="rollout time per drafter over RL epochs (real model)")
     from das_jax.bench import rollout_bench
     rollout_bench.add_arguments(pr)
+    _check_rollout_arguments(pr)
     pr.set_defaults(func=_run("das_jax.bench.rollout_bench"))
 
     pp = sub.add_parser("replay", help="predict rollout time per drafter from a recorded trace")
     arguments.add_replay_arguments(pp)
+    set_type(pp, "--drafters", name_list(_speculation_names, as_text=True))
     pp.set_defaults(func=_run("das_jax.bench.replay_cli"))
 
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _speculation_names() -> tuple[str, ...]:
+    from das_jax.speculation import SPECULATION_NAMES  # imports numba: only when needed
+    return SPECULATION_NAMES
+
+
+def _check_drafter_arguments(p: argparse.ArgumentParser) -> None:
+    """Converters naming the flag for the options `drafter_bench` defines as plain strings/ints."""
+    set_type(p, "--drafters", name_list(("suffix", "suffix-global", "das", "ngram"), as_text=True))
+    set_type(p, "--traffic", name_list(("gsm8k", "long"), as_text=True))
+    for flag in ("--depth", "--window", "--problems", "--epochs", "--rollouts", "--k"):
+        set_type(p, flag, positive_int)
+
+
+def _check_rollout_arguments(p: argparse.ArgumentParser) -> None:
+    """Converters naming the flag for the options `rollout_bench` defines as plain strings/ints."""
+    set_type(p, "--drafters", name_list(_speculation_names, as_text=True))
+    set_type(p, "--temperatures", float_list(minimum=0.0, as_text=True))
+    for flag in ("--epochs", "--num-problems", "--max-new-tokens"):
+        set_type(p, flag, positive_int)
+    set_type(p, "--num-generations", int_at_least(2))
 
 
 def _run(module: str):

@@ -116,11 +116,21 @@ def write_trace(path, header: dict, rollouts: Iterable[TraceRollout]) -> None:
 def read_trace(path) -> Trace:
     header: dict = {}
     rollouts = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+                obj = json.loads(line) if line.strip() else None
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: invalid UTF-8 at byte {e.start} of the line; "
+                                 "is it a trace written by `bench rollout`?") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}); is it a trace written by "
+                                 "`bench rollout`?") from None
+            if obj is None:
                 continue
-            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{i + 1}: not a JSON object")
             if obj.get("type") == "header":
                 header = {k: v for k, v in obj.items() if k != "type"}
                 continue

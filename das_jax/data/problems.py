@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import io
 import json
 import os
 import re
@@ -80,15 +79,20 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
     """Yield one dict per non-empty line of a ``.jsonl`` or gzip-compressed ``.jsonl.gz`` file.
 
     Raises:
-        DatasetError: the file is missing, or a line is not a JSON object (message names the
-            file and line number).
+        DatasetError: the file is missing, a line is not UTF-8 or not a JSON object, or the
+            gzip stream is corrupt (message names the file and line number).
     """
     p = _check_path(path, "read_jsonl")
     with open(p, "rb") as fb:
         magic = fb.read(2)
     opener = gzip.open if magic == b"\x1f\x8b" else open
     with opener(p, "rb") as fb:
-        for lineno, raw in enumerate(io.TextIOWrapper(fb, encoding="utf-8"), start=1):
+        for lineno, raw_bytes in enumerate(_lines(fb, p), start=1):
+            try:
+                raw = raw_bytes.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{p}:{lineno}: invalid UTF-8 at byte {e.start} of the line; "
+                                   "save the file as UTF-8") from None
             line = raw.strip()
             if not line:
                 continue
@@ -99,6 +103,13 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
             if not isinstance(obj, dict):
                 raise DatasetError(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             yield obj
+
+
+def _lines(fb, path: str) -> Iterator[bytes]:
+    try:
+        yield from fb
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise DatasetError(f"{path}: cannot read the file ({e})") from None
 
 
 def _require(obj: dict, keys: tuple[str, ...], path: str, lineno: int) -> None:

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+
+from das_jax.arg_types import int_list, nonnegative_int, positive_int
+from das_jax.errors import one_line
 
 DRAFTER_CHOICES = ("none", "ngram", "suffix", "suffix-global", "das", "das-unlimited")
 
@@ -22,42 +26,86 @@ def register(subparsers) -> None:
                         "(default: smollm2-135m-instruct)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--chat", action="store_true", help="render prompts with the chat template")
-    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt (G)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-samples", type=positive_int, default=1, help="samples per prompt (G)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=nonnegative_int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drafter", default="none", choices=DRAFTER_CHOICES)
-    p.add_argument("--draft-widths", default="1,4,8",
+    p.add_argument("--draft-widths", type=int_list(), default="1,4,8",
                    help="compiled verify widths W = 1 + draft tokens, comma separated")
-    p.add_argument("--max-slots", type=int, default=16, help="most concurrent sequences")
-    p.add_argument("--max-cache-len", type=int, default=4096)
+    p.add_argument("--max-slots", type=positive_int, default=16, help="most concurrent sequences")
+    p.add_argument("--max-cache-len", type=positive_int, default=4096)
     p.add_argument("--json", action="store_true",
                    help="one JSON object per sample, then one with the stats")
     p.set_defaults(func=run)
 
 
 def read_prompts(args) -> list[str]:
+    """The prompts of --prompt, or of --prompts-file (one per non-empty line; .jsonl: the
+    'prompt' or 'question' field of each line).
+
+    Raises:
+      ValueError: an unreadable file, invalid UTF-8 or a bad JSON line (naming file and line).
+    """
     if args.prompt:
         return list(args.prompt)
+    path = args.prompts_file
     try:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f if line.strip()]
+        with open(path, "rb") as f:
+            raw_lines = f.read().split(b"\n")
     except OSError as e:
-        raise ValueError(f"cannot read --prompts-file {args.prompts_file!r}: {e.strerror}") from None
-    if args.prompts_file.endswith(".jsonl"):
+        raise ValueError(f"cannot read --prompts-file {path!r}: {e.strerror}") from None
+    lines = []  # (1-based line number, text)
+    for i, raw in enumerate(raw_lines, start=1):
+        try:
+            text = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {path}:{i}: invalid UTF-8 at byte {e.start} of the "
+                             "line; save the file as UTF-8") from None
+        if text.strip():
+            lines.append((i, text))
+    if path.endswith(".jsonl"):
         prompts = []
-        for i, line in enumerate(lines):
+        for i, line in lines:
             try:
                 obj = json.loads(line)
                 prompts.append(obj.get("prompt", obj.get("question")))
             except (json.JSONDecodeError, AttributeError):
-                raise ValueError(f"{args.prompts_file}:{i + 1}: not a JSON object") from None
+                raise ValueError(f"--prompts-file {path}:{i}: not a JSON object") from None
             if not isinstance(prompts[-1], str):
-                raise ValueError(f"{args.prompts_file}:{i + 1}: no 'prompt' or 'question' string")
+                raise ValueError(f"--prompts-file {path}:{i}: no 'prompt' or 'question' string")
         return prompts
-    return lines
+    return [text for _, text in lines]
+
+
+def json_line(obj) -> str:
+    """`json.dumps(obj)` with non-finite floats (NaN, inf) written as null: never invalid JSON."""
+    return json.dumps(_finite_or_none(obj), allow_nan=False)
+
+
+def _finite_or_none(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_none(v) for v in x]
+    return x
+
+
+def check_finite_logprobs(outputs, model: str, dtype: str) -> None:
+    """Raises ValueError naming the first sample whose log-probs are NaN or infinite (a model
+    whose logits are NaN: corrupt weights, or an overflow in `dtype`)."""
+    for o in outputs:
+        bad = [j for j, x in enumerate(o.logprobs) if not math.isfinite(x)]
+        if bad:
+            raise ValueError(
+                f"model {model!r} produced non-finite log-probs ({o.logprobs[bad[0]]}) at token "
+                f"{bad[0]} of prompt {o.request.problem_id} sample {o.request.sample_index}: its "
+                f"logits are NaN/inf, so its weights are corrupt or overflow in --dtype {dtype}; "
+                "re-fetch or re-convert the model files (or try --dtype float32)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,12 +115,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
-        widths = tuple(int(w) for w in args.draft_widths.split(","))
+        widths = tuple(args.draft_widths)
         prompts = read_prompts(args)
         if not prompts:
             raise ValueError("no prompts given")
     except ValueError as e:
-        print(f"das-jax generate: {e}", file=sys.stderr)
+        print(f"das-jax generate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
 
     import jax.numpy as jnp
@@ -104,18 +152,19 @@ def run(args: argparse.Namespace) -> int:
                                          progress=progress)
         if bar is not None:
             bar.close()
+        check_finite_logprobs(outputs, args.model, args.dtype)
     except ValueError as e:
-        print(f"das-jax generate: {e}", file=sys.stderr)
+        print(f"das-jax generate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
 
     if args.json:
         for o in outputs:
-            print(json.dumps({
+            print(json_line({
                 "prompt_index": o.request.problem_id, "sample_index": o.request.sample_index,
                 "text": tokenizer.decode(o.token_ids), "token_ids": o.token_ids,
                 "logprobs": [round(x, 6) for x in o.logprobs], "finish_reason": o.finish_reason,
             }))
-        print(json.dumps({"stats": stats.to_dict()}))
+        print(json_line({"stats": stats.to_dict()}))
     else:
         for o in outputs:
             print(f"=== prompt {o.request.problem_id} sample {o.request.sample_index} "

@@ -51,7 +51,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         from das_jax.models.load import load, params_size
         config, params, tokenizer = load(args.source, dtype=args.dtype)
     except (ModelLoadError, ModelConfigError) as e:
-        print(f"das-jax model-info: error: {e}", file=sys.stderr)
+        from das_jax.errors import one_line
+        print(f"das-jax model-info: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     n, nbytes = params_size(params)
     info = {

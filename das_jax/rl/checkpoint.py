@@ -18,6 +18,7 @@ unexpected, or a different shape), instead of orbax's lower-level errors.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pickle
@@ -36,6 +37,10 @@ _RNG_META_KEY = "_rng_key"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, corrupt, or does not match the model being restored."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint whose trees differ from the model/optimizer being restored."""
 
 
 # ----- an orbax item for the opaque, picklable drafter state ---------------------------------------
@@ -97,18 +102,19 @@ def _compare_trees(saved_meta_tree, target, ckpt_dir: Path) -> None:
     shape = sorted((k for k in set(want) & set(saved) if want[k] != saved[k]), key=order)
     if not (missing or extra or shape):
         return
-    lines = [f"checkpoint {ckpt_dir} does not match the model/optimizer being restored:"]
+    parts = []
     if shape:
-        lines += [f"  shape mismatch at {k!r}: checkpoint {saved[k]}, expected {want[k]}"
-                  for k in shape[:5]]
+        parts += [f"shape mismatch at {k!r}: checkpoint {saved[k]}, expected {want[k]}"
+                  for k in shape[:3]]
     if missing:
-        lines.append(f"  missing in checkpoint: {', '.join(repr(k) for k in missing[:5])}"
-                     + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""))
+        parts.append(f"missing in checkpoint: {', '.join(repr(k) for k in missing[:3])}"
+                     + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""))
     if extra:
-        lines.append(f"  unexpected in checkpoint: {', '.join(repr(k) for k in extra[:5])}"
-                     + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""))
-    lines.append("  (was it written for a different model config, optimizer or dtype layout?)")
-    raise CheckpointError("\n".join(lines))
+        parts.append(f"unexpected in checkpoint: {', '.join(repr(k) for k in extra[:3])}"
+                     + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""))
+    raise CheckpointMismatchError(
+        f"checkpoint {ckpt_dir} does not match the model/optimizer being restored: it was "
+        f"written for a different model config, optimizer or dtype layout ({'; '.join(parts)})")
 
 
 def _rng_to_json(key) -> dict:
@@ -190,12 +196,15 @@ class CheckpointManager:
             json.dumps(meta)
         except TypeError as e:
             raise CheckpointError(f"checkpoint meta must be JSON-serialisable: {e}") from None
-        self._mngr.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-            meta=ocp.args.JsonSave(meta),
-            drafter=PickleSave(drafter_state),
-        ))
-        self._mngr.wait_until_finished()
+        # A failed save raises; orbax also logs each failing write at ERROR level (over 100 lines
+        # for a full disk), which would bury the one-line error: keep those logs quiet.
+        with _quiet_absl_errors():
+            self._mngr.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                meta=ocp.args.JsonSave(meta),
+                drafter=PickleSave(drafter_state),
+            ))
+            self._mngr.wait_until_finished()
         return self.step_dir(step)
 
     def restore(self, step: int | None = None, params_like=None, opt_state_like=None
@@ -264,6 +273,19 @@ class CheckpointManager:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def _quiet_absl_errors():
+    """Raises the `absl` logger (orbax's) to CRITICAL for the block."""
+    import logging
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _abstract(tree):

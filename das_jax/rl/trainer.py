@@ -22,6 +22,7 @@ each step in `samples.jsonl`, TensorBoard events under `tb/`, orbax checkpoints 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -269,16 +270,63 @@ class GRPOTrainer:
                 "config": config_to_dict(self.config)}
 
     def save(self, manager: CheckpointManager) -> None:
-        manager.save(self.step, self.params, self.opt_state, self._meta(),
-                     self.drafter.state_dict() if self.drafter is not None else None)
+        """Checkpoints the current step.
+
+        Raises:
+          TrainError: the disk is full (names the checkpoint directory and how to go on).
+        """
+        from das_jax.errors import is_disk_full
+        try:
+            manager.save(self.step, self.params, self.opt_state, self._meta(),
+                         self.drafter.state_dict() if self.drafter is not None else None)
+        except Exception as e:  # noqa: BLE001 - orbax / tensorstore wrap OSErrors in many types
+            if not is_disk_full(e):
+                raise
+            previous = [s for s in manager.all_steps() if s < self.step]
+            then = (f"pass --resume {self.run_dir} to continue from step {previous[-1]}"
+                    if previous else "start it again with --overwrite (it has no earlier "
+                                     "checkpoint)")
+            raise TrainError(f"disk full while checkpointing step {self.step} to "
+                             f"{manager.step_dir(self.step)}; free space on that disk (or move "
+                             f"the run to another one), then {then}") from None
 
     def restore(self, manager: CheckpointManager) -> int:
-        step = manager.latest_step()
-        if step is None:
-            raise TrainError(f"no checkpoint to resume from under {manager.step_dir(0).parent}; "
-                             "start a new run without --resume")
-        params, opt_state, meta, drafter_state = manager.restore(
-            step, params_like=self.params, opt_state_like=self.opt_state)
+        """Restores the newest readable checkpoint; returns its step. A corrupt or unreadable
+        newer checkpoint is skipped with a one-line warning naming it.
+
+        Raises:
+          TrainError: no checkpoint, none readable, or one written for another model/optimizer.
+        """
+        from das_jax.rl.checkpoint import CheckpointError, CheckpointMismatchError
+        steps = manager.all_steps()
+        where = manager.step_dir(0).parent
+        if not steps:
+            raise TrainError(f"no checkpoint to resume from under {where}; start a new run "
+                             "without --resume (with --overwrite to replace this one, or "
+                             "another output_dir)")
+        unreadable: list[tuple[int, str]] = []
+        for step in reversed(steps):
+            try:
+                params, opt_state, meta, drafter_state = manager.restore(
+                    step, params_like=self.params, opt_state_like=self.opt_state)
+                break
+            except CheckpointMismatchError as e:
+                raise TrainError(f"{e}; resume with the run's own model.source / model and grpo "
+                                 "settings, or start a new run in another output_dir") from None
+            except CheckpointError as e:
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                unreadable.append((step, reason if len(reason) <= 240 else reason[:237] + "..."))
+        else:
+            raise TrainError(f"no readable checkpoint under {where}: all of steps "
+                             f"{', '.join(str(s) for s, _ in unreadable)} are corrupt (newest: "
+                             f"{unreadable[0][1]}); start a new run (--overwrite or another "
+                             "output_dir)")
+        if unreadable:
+            from das_jax.rl.run_dir import set_aside_checkpoints
+            moved = set_aside_checkpoints(self.run_dir, [s for s, _ in unreadable])
+            log.warning("checkpoint step %s is unreadable (%s); resuming from step %d, the newest "
+                        "readable checkpoint (the unreadable one moved to %s)",
+                        ", ".join(str(s) for s, _ in unreadable), unreadable[0][1], step, moved)
         self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])
         if self.drafter is not None and drafter_state is not None:
             self.drafter.load_state_dict(drafter_state)
@@ -288,32 +336,81 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self, resume: bool = False, progress: bool = True,
-              stop_after: int | None = None) -> list[dict]:
-        """Runs until `train.steps` (or `stop_after` more steps); returns this call's records."""
+              stop_after: int | None = None, overwrite: bool = False) -> list[dict]:
+        """Runs until `train.steps` (or `stop_after` more steps); returns this call's records.
+
+        The run directory is locked for the whole call (`das_jax.rl.run_dir`). A new run
+        (`resume=False`) refuses a directory holding a previous run's files unless `overwrite`
+        (which removes them first). A resumed run that already reached `train.steps` logs that it
+        is complete and returns [].
+
+        Raises:
+          RunDirError: output_dir is in use by another run, holds a previous run (new run without
+            overwrite), or is not a directory.
+          TrainError: nothing to resume; a non-finite loss (nothing of that step is saved); the
+            disk filled up while checkpointing.
+        """
+        from das_jax.rl import run_dir as rd
         from das_jax.rl.run_log import RunLogger
         c = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints)
-        if resume:
-            self.restore(manager)
-        elif manager.latest_step() is not None:
-            raise TrainError(f"{self.run_dir} already holds checkpoints; pass --resume "
-                             f"{self.run_dir} to continue it, or choose another output_dir")
-        save_config(c, self.run_dir / "config.yaml")
-        logger = RunLogger(self.run_dir, total_steps=c.train.steps, start_step=self.step,
-                           progress=progress, max_new_tokens=c.rollout.max_new_tokens,
-                           steps_per_epoch=self.steps_per_epoch())
-        records = []
-        try:
-            while self.step < c.train.steps:
-                if stop_after is not None and len(records) >= stop_after:
-                    break
-                record = self.train_one_step()
-                records.append(record)
-                logger.log(record, samples=self.last_samples)
-                if self.step % c.train.save_every == 0 or self.step == c.train.steps:
-                    self.save(manager)
-        finally:
-            logger.close()
-            manager.close()
+        with rd.lock_run_dir(self.run_dir):
+            if not resume:
+                if overwrite:
+                    rd.clear_run(self.run_dir)
+                rd.check_new_run(self.run_dir,
+                                 has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
+            manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints)
+            with _closing(manager):
+                if resume:
+                    self.restore(manager)
+                    if self.step >= c.train.steps:
+                        log.warning("%s", rd.complete_message(self.run_dir, self.step,
+                                                              c.train.steps))
+                        return []
+                save_config(c, self.run_dir / "config.yaml")
+                logger = RunLogger(self.run_dir, total_steps=c.train.steps, start_step=self.step,
+                                   progress=progress, max_new_tokens=c.rollout.max_new_tokens,
+                                   steps_per_epoch=self.steps_per_epoch())
+                records = []
+                with _closing(logger):
+                    while self.step < c.train.steps:
+                        if stop_after is not None and len(records) >= stop_after:
+                            break
+                        record = self.train_one_step()
+                        _check_finite(record, c, manager.latest_step())
+                        records.append(record)
+                        logger.log(record, samples=self.last_samples)
+                        every = c.train.save_every
+                        if every and (self.step % every == 0 or self.step == c.train.steps):
+                            self.save(manager)
         return records
+
+
+@contextlib.contextmanager
+def _closing(resource):
+    """Closes `resource` after the block. When the block raised, a failure to close (e.g. the
+    disk that is full also fails the final plot) is logged, not raised over the first error."""
+    try:
+        yield resource
+    except BaseException:
+        try:
+            resource.close()
+        except Exception as e:  # noqa: BLE001 - secondary; the block's error is the one to see
+            log.debug("closing %s after an error also failed: %s", type(resource).__name__, e)
+        raise
+    resource.close()
+
+
+def _check_finite(record: dict, c: Config, last_checkpoint: int | None) -> None:
+    """Raises TrainError when a step's loss or gradient norm is NaN/inf (before it is logged or
+    saved): the model's logits or the update overflowed."""
+    for key in ("loss", "grad_norm", "reward_mean"):
+        v = record.get(key)
+        if isinstance(v, float) and not math.isfinite(v):
+            since = (f"the last checkpoint is step {last_checkpoint}" if last_checkpoint
+                     is not None else "no checkpoint was written")
+            raise TrainError(
+                f"step {record['step']}: {key} is {v}, so the model's logits or the update "
+                f"overflowed (model.source={c.model.source!r}, model.dtype={c.model.dtype}); this "
+                f"step was not logged or saved and {since}; check the model files, use "
+                "model.dtype: float32 or a lower grpo.learning_rate")

@@ -1,0 +1,119 @@
+"""Run-directory lock and foreign-state refusal (das_jax.rl.run_dir); no jax."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from das_jax.rl import run_dir as rd
+
+ROOT = Path(__file__).resolve().parents[1]
+HOLDER = ("import sys; from das_jax.rl.run_dir import lock_run_dir\n"
+          "with lock_run_dir(sys.argv[1]):\n"
+          "    print('locked', flush=True); sys.stdin.readline()\n")
+
+
+class LockHolder:
+    """Another process holding the lock of `path` until `release()` / `kill()`."""
+
+    def __init__(self, path):
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "locked"
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def release(self):
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        self.proc.wait()
+
+
+@pytest.fixture
+def holder():
+    holders = []
+
+    def start(path):
+        h = LockHolder(path)
+        holders.append(h)
+        return h
+    yield start
+    for h in holders:
+        if h.proc.poll() is None:
+            h.kill()
+
+
+def test_second_run_is_refused_and_a_dead_holder_leaves_no_stale_lock(tmp_path, holder):
+    run = tmp_path / "run"
+    h = holder(run)
+    with pytest.raises(rd.RunDirError, match=rf"in use by another run \(pid {h.proc.pid} on "):
+        with rd.lock_run_dir(run):
+            pass
+    h.kill()                                   # killed: the kernel drops its flock
+    assert (run / rd.LOCK_FILE).exists()       # the file stays, but is not a lock any more
+    with rd.lock_run_dir(run):
+        pass
+    h2 = holder(run)                           # and a released lock can be taken again
+    h2.release()
+    with rd.lock_run_dir(run):
+        pass
+
+
+def test_lock_is_reentrant_within_a_process_and_released_at_the_end(tmp_path, holder):
+    run = tmp_path / "run"
+    with rd.lock_run_dir(run):
+        with rd.lock_run_dir(run):             # the trainer re-takes the CLI's lock
+            pass
+        with pytest.raises(AssertionError):    # still held after the inner block ends
+            holder(run)
+    holder(run).release()                      # free after the outer block
+
+
+def test_output_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(rd.RunDirError, match="is an existing file, not a directory"):
+        with rd.lock_run_dir(f):
+            pass
+    with pytest.raises(rd.RunDirError, match="cannot create output_dir"):
+        with rd.lock_run_dir(f / "sub"):
+            pass
+
+
+def test_a_killed_runs_files_are_not_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 1\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(rd.RunDirError) as e:
+        rd.check_new_run(run, has_checkpoint=False)
+    msg = str(e.value)
+    assert "config.yaml, metrics.jsonl" in msg and "cannot be resumed" in msg
+    assert "another output_dir" in msg and "--overwrite" in msg and "\n" not in msg
+    with pytest.raises(rd.RunDirError, match=f"pass --resume {run} to continue it"):
+        rd.check_new_run(run, has_checkpoint=True)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (run / "notes.txt").write_text("mine")
+    (run / "tb").mkdir()
+    assert rd.clear_run(run) == ["config.yaml", "metrics.jsonl", "tb"]
+    assert sorted(os.listdir(run)) == ["notes.txt"]   # only the trainer's own files go
+    rd.check_new_run(run, has_checkpoint=False)       # an unrelated file is not a run
+
+
+def test_checkpoint_steps_reads_committed_step_dirs_only(tmp_path):
+    ck = tmp_path / "checkpoints"
+    assert rd.checkpoint_steps(tmp_path) == []
+    for name in ("2", "10", "12.orbax-checkpoint-tmp-1"):
+        (ck / name).mkdir(parents=True)
+    (ck / "7").write_text("not a dir")
+    assert rd.checkpoint_steps(tmp_path) == [2, 10]
+
+
+def test_complete_message_says_how_to_extend():
+    msg = rd.complete_message("runs/x", 16, 16)
+    assert "is complete" in msg and "--resume runs/x --set train.steps=N with N > 16" in msg
