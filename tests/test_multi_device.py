@@ -22,7 +22,7 @@ from das_jax.engine.multi_device import (LockedDrafter, assign_contiguous, assig
                                          generate_data_parallel, predict_lengths,
                                          replicate_engine)
 from das_jax.engine.sampling import SamplingParams
-from das_jax.models import ModelConfig, init_params
+from das_jax.testing import tiny_model_config, tiny_params
 
 SKEWED = [1000, 900, 50, 40, 30, 20, 10, 5]
 
@@ -38,14 +38,13 @@ MULTI_DEVICE_CHECK = textwrap.dedent('''
     from das_jax.engine.multi_device import (LockedDrafter, assign_contiguous, assign_lpt,
         assignment_loads, generate_data_parallel, predict_lengths, replicate_engine)
     from das_jax.engine.sampling import SamplingParams
-    from das_jax.models import ModelConfig, init_params
+    from das_jax.testing import tiny_model_config, tiny_params
 
     N = int(sys.argv[1])
     devices = jax.devices()
     assert len(devices) == N, devices
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
-    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.5)
+    cfg = tiny_model_config()
+    params = tiny_params(cfg)
     rng = np.random.default_rng(0)
     reqs = [Request(tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(3, 20)))),
                     problem_id=f"p{p}", sample_index=s) for p in range(N + 1) for s in range(2)]
@@ -240,8 +239,7 @@ def test_locked_drafter_lengths_and_concurrent_use():
 
 
 # ------------------------------------------------------------------------------ in-process
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+CFG = tiny_model_config()
 # Few compiled shapes (each is compiled once per device, and compiles are most of these tests'
 # time): one batch bucket, widths 1 and 4, one prompt bucket, one cache length.
 SMALL = EngineConfig(max_slots=1, max_cache_len=128, draft_widths=(1, 4), min_prompt_bucket=32)
@@ -257,7 +255,7 @@ def _requests(n_problems=4, group=3, seed=0):
 def test_two_engines_on_one_device_in_threads_are_token_identical():
     """Threads, id mapping and the shared drafter without forced devices: two engines on the
     same device. The real multi-device runs are in the subprocess tests below."""
-    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    params = tiny_params(CFG)
     dev = jax.devices()[0]
     eng = Engine(CFG, params, eos_token_ids=[1], engine_config=SMALL, device=dev)
     reqs = _requests(n_problems=4, group=2)
@@ -286,7 +284,7 @@ def test_two_engines_on_one_device_in_threads_are_token_identical():
 
 
 def test_bad_input_fails_before_threads():
-    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    params = tiny_params(CFG)
     eng = Engine(CFG, params, engine_config=EngineConfig(max_slots=2, max_cache_len=64))
     sp = SamplingParams(max_new_tokens=4)
     with pytest.raises(GenerateError, match="no requests"):

@@ -5,9 +5,6 @@ import argparse
 import json
 import sys
 
-DRAFTER_CHOICES = ("none", "ngram", "suffix", "suffix-global", "das", "das-unlimited")
-
-
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="generate completions (optionally with speculative decoding)",
@@ -28,7 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--drafter", default="none", choices=DRAFTER_CHOICES)
+    from das_jax.rollout.speculation import speculation_names
+    p.add_argument("--drafter", default="none", choices=speculation_names(),
+                   help="speculation name (default none)")
     p.add_argument("--draft-widths", default="1,4,8",
                    help="compiled verify widths W = 1 + draft tokens, comma separated")
     p.add_argument("--max-slots", type=int, default=16, help="most concurrent sequences")
@@ -80,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     from das_jax.engine.generate import Engine, EngineConfig, Request
     from das_jax.models import load
-    from das_jax.speculation import build_speculation
+    from das_jax.rollout import Rollout
 
     try:
         config, params, tokenizer = load(args.model, dtype=getattr(jnp, args.dtype))
@@ -92,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                       for p in prompts]
         requests = [Request(tuple(ids), problem_id=i, sample_index=g)
                     for i, ids in enumerate(prompt_ids) for g in range(args.num_samples)]
-        drafter, policy = build_speculation(args.drafter)
+        rollout = Rollout(engine, args.drafter, sampling=sampling)
         bar = None if args.json else tqdm(total=len(requests), desc="generate", file=sys.stderr)
 
         def progress(done, total):
@@ -100,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.n = done
                 bar.refresh()
 
-        outputs, stats = engine.generate(requests, sampling, drafter=drafter, policy=policy,
-                                         progress=progress)
+        outputs, stats = rollout.generate(requests, progress=progress)
         if bar is not None:
             bar.close()
     except ValueError as e:

@@ -7,7 +7,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from das_jax.rl.rewards.math_reward import _as_text
+from das_jax.rl.rewards.math_reward import as_text as _as_text
 from das_jax.rl.rewards.sandbox import SandboxResult, run_in_sandbox
 
 logger = logging.getLogger(__name__)
