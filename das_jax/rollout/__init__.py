@@ -3,7 +3,8 @@
 Public surface:
   Rollout                                     an engine + its speculation, built from a config
                                               (rollout.py)
-  register_speculation, speculation_names, get_speculation, build_speculation,
+  register_speculation, unregister_speculation, speculation_names, get_speculation,
+  build_speculation,
   SpeculationSpec, SpeculationError           the registry of speculation names (speculation.py)
   generate_data_parallel, LockedDrafter, DataParallelStats, assign_lpt, assign_contiguous,
   assignment_loads                            data-parallel placement over devices
@@ -18,7 +19,8 @@ from das_jax._lazy import lazy_exports
 
 _EXPORTS = {
     "Rollout": "rollout",
-    "register_speculation": "speculation", "speculation_names": "speculation",
+    "register_speculation": "speculation", "unregister_speculation": "speculation",
+    "speculation_names": "speculation",
     "get_speculation": "speculation", "build_speculation": "speculation",
     "SpeculationSpec": "speculation", "SpeculationError": "speculation",
     "generate_data_parallel": "multi_device", "LockedDrafter": "multi_device",

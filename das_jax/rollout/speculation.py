@@ -32,8 +32,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-__all__ = ["SpeculationSpec", "register_speculation", "speculation_names", "get_speculation",
-           "build_speculation", "SpeculationError"]
+__all__ = ["SpeculationSpec", "register_speculation", "unregister_speculation",
+           "speculation_names", "get_speculation", "build_speculation", "SpeculationError"]
 
 
 class SpeculationError(ValueError):
@@ -79,6 +79,13 @@ def register_speculation(name: str, *, description: str = "", uses_cost_model: b
         _REGISTRY[name] = SpeculationSpec(name, build, description, uses_cost_model)
         return build
     return decorator
+
+
+def unregister_speculation(name: str) -> None:
+    """Removes `name` from the registry (e.g. a test's toy entry). Raises SpeculationError for an
+    unknown name."""
+    get_speculation(name)
+    del _REGISTRY[name]
 
 
 def speculation_names() -> tuple[str, ...]:
