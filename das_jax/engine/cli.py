@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from das_jax.engine.generate import Engine, EngineConfig, Request
+    from das_jax.config import DASSection
+    from das_jax.engine import CostModelConfig, Engine, EngineConfig, Request
     from das_jax.models import load
     from das_jax.rollout import Rollout
 
@@ -91,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
                       for p in prompts]
         requests = [Request(tuple(ids), problem_id=i, sample_index=g)
                     for i, ids in enumerate(prompt_ids) for g in range(args.num_samples)]
-        rollout = Rollout(engine, args.drafter, sampling=sampling)
+        # Plans with the cost model's prior, refined online (no calibration run up front).
+        das = DASSection(cost_model=CostModelConfig(calibrate=False))
+        rollout = Rollout(engine, args.drafter, das, sampling)
         bar = None if args.json else tqdm(total=len(requests), desc="generate", file=sys.stderr)
 
         def progress(done, total):
