@@ -18,7 +18,7 @@ from das_jax.models import init_params
 from das_jax.rl.trainer import GRPOTrainer, TrainError
 from das_jax.testing import tiny_model_config, tiny_params
 
-CFG = tiny_model_config()
+CFG = tiny_model_config(rope_theta=100000.0)   # the config these runs were tuned with
 
 
 class CharTokenizer:

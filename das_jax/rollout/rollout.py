@@ -142,7 +142,8 @@ class Rollout:
         return self.cost_model
 
     def advance_epoch(self) -> None:
-        """End of a pass over the data: the drafter's current epoch becomes history."""
+        """End of a pass over the data: the drafter's current epoch becomes history. Forks share
+        one drafter, so advance it once (on any one of them), not once per fork."""
         if self.drafter is not None:
             self.drafter.advance_epoch()
 
