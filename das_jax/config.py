@@ -6,9 +6,11 @@
 Every YAML key is validated: unknown keys are rejected with the list of valid keys (and a "did you
 mean"), values are type-checked against the field's annotation (ints are accepted for floats,
 lists become tuples, `null` only where the field is optional), enum-like fields are checked
-against their choices, and cross-field constraints are checked once the whole config is built.
-This module does not import JAX (so `platform` can still be applied before JAX initialises; see
-`apply_platform`). GRPO field names follow TRL's `GRPOConfig` where one exists.
+against their choices (fixed, or read from a registry when first needed: `drafter` from the
+speculation registry, `data.kind` from the dataset registry), and cross-field constraints are
+checked once the whole config is built. This module does not import JAX (so `platform` can still
+be applied before JAX initialises; see `apply_platform`). GRPO field names follow TRL's
+`GRPOConfig` where one exists.
 """
 from __future__ import annotations
 
@@ -16,11 +18,15 @@ import dataclasses
 import difflib
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import yaml
+
+from das_jax.engine.cost_model import CostModelConfig
+from das_jax.engine.das_policy import DASConfig
 
 
 class ConfigError(ValueError):
@@ -31,25 +37,42 @@ def _choices(*values, default):
     return dataclasses.field(default=default, metadata={"choices": tuple(values)})
 
 
+def _registry_choices(names_fn, default):
+    """A field whose valid values come from a registry, read when a config is validated (so a
+    name registered by a user module imported before is valid)."""
+    return dataclasses.field(default=default, metadata={"choices": names_fn})
+
+
+def _speculation_names() -> tuple[str, ...]:
+    from das_jax.rollout.speculation import speculation_names
+    return speculation_names()
+
+
+def _dataset_kinds() -> tuple[str, ...]:
+    from das_jax.data.registry import DATASET_KINDS
+    return DATASET_KINDS
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """source: a named model source (e.g. "smollm2-135m-instruct") or a path (HF dir / GGUF).
-    dtype: parameter dtype (float32 on CPU; bfloat16 on GPU/TPU)."""
+    dtype: parameter dtype, float32 (CPU) or bfloat16 (GPU/TPU); the loaders support no other."""
 
     source: str = "smollm2-135m-instruct"
-    dtype: str = _choices("float32", "bfloat16", "float16", default="float32")
+    dtype: str = _choices("float32", "bfloat16", default="float32")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-    """kind: dataset kind ("arithmetic" built-in synthetic, "gsm8k", ...); path: file for file-based
-    kinds (none for "arithmetic"); num_problems: size of the synthetic arithmetic set; seed: seed
-    of the synthetic arithmetic generator (num_problems and seed apply to "arithmetic" only: a
-    different value with another kind is rejected; the order in which training visits problems
-    follows train.seed); limit: keep the first `limit` problems; instruction: prompt instruction
-    (None: the kind's default); chat: apply the chat template."""
+    """kind: dataset kind (`das_jax.data.DATASET_KINDS`: "arithmetic" built-in synthetic, "gsm8k",
+    "math", "humaneval", "hf"); path: file for file-based kinds (none for "arithmetic");
+    num_problems: size of the synthetic arithmetic set; seed: seed of the synthetic arithmetic
+    generator (num_problems and seed apply to "arithmetic" only: a different value with another
+    kind is rejected; the order in which training visits problems follows train.seed); limit: keep
+    the first `limit` problems; instruction: prompt instruction (None: the kind's default); chat:
+    apply the chat template."""
 
-    kind: str = "arithmetic"
+    kind: str = _registry_choices(_dataset_kinds, default="arithmetic")
     path: Optional[str] = None
     num_problems: int = 64
     limit: Optional[int] = None
@@ -60,7 +83,9 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
-    """Sampling and engine settings. draft_widths: compiled draft widths of the verify step."""
+    """Sampling and engine settings. temperature: sampling temperature, > 0 for training (the
+    GRPO importance ratio needs the sampling distribution; `das-jax generate --temperature 0`
+    decodes greedily); draft_widths: compiled draft widths of the verify step."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -119,13 +144,23 @@ class GRPOSection:
 
 @dataclasses.dataclass(frozen=True)
 class DASSection:
-    """Distribution-aware speculation. window: epochs of history per problem; max_depth: suffix
-    tree depth; min_token_prob: stop a draft when the path probability drops below this.
-    (Which speculation runs, if any, is the top-level `drafter`.)"""
+    """Speculation settings (the speculation itself is chosen by the top-level `drafter` key).
+
+    window: epochs of rollout history kept per problem (suffix drafters).
+    max_depth: suffix-tree depth (longest match + draft), in tokens.
+    min_token_prob: a suffix draft stops when its path probability drops below this.
+    policy: the DAS length-aware policy (`das_jax.engine.DASConfig`): short_quantile,
+      long_quantile, short_threshold, long_threshold, budget_short, budget_medium, budget_long,
+      min_history, length_history, acceptance_ema, explore_every, unlimited.
+    cost_model: the step-cost model the policy plans with (`das_jax.engine.CostModelConfig`):
+      c_base, c_tok, c_kv, history, calibrate, calibrate_kv_lens, calibrate_repeats.
+    """
 
     window: int = 16
     max_depth: int = 32
     min_token_prob: float = 0.1
+    policy: DASConfig = dataclasses.field(default_factory=DASConfig)
+    cost_model: CostModelConfig = dataclasses.field(default_factory=CostModelConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,12 +180,13 @@ class TrainSection:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole run. drafter: none | ngram | suffix | suffix-global | das; platform: cpu | gpu | tpu
-    (sets JAX_PLATFORMS before JAX initialises; None leaves JAX's own choice)."""
+    """A whole run. drafter: a speculation name (`das_jax.rollout.speculation_names()`: none,
+    ngram, suffix, suffix-global, das, das-unlimited, and any registered by the user);
+    platform: cpu | gpu | tpu (sets JAX_PLATFORMS before JAX initialises; None leaves JAX's own
+    choice)."""
 
     output_dir: str = "runs/default"
-    drafter: str = _choices("none", "ngram", "suffix", "suffix-global", "das", "das-unlimited",
-                            default="das")
+    drafter: str = _registry_choices(_speculation_names, default="das")
     platform: Optional[str] = _choices("cpu", "gpu", "tpu", default=None)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
@@ -191,9 +227,13 @@ def _drop_removed_keys(raw: dict) -> dict:
 
 # ----- generic dataclass <-> dict with validation ------------------------------------------------
 
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
-    if origin is typing.Union:
+    if _is_union(tp):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(_type_name(a) for a in args) + " or null"
     if origin is tuple:
@@ -207,7 +247,7 @@ def _type_name(tp) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Checks `value` against annotation `tp` (converting int -> float, list -> tuple)."""
     origin = typing.get_origin(tp)
-    if origin is typing.Union:
+    if _is_union(tp):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
@@ -269,13 +309,18 @@ def _from_dict(cls, raw: Mapping[str, Any], prefix: str = ""):
         key = prefix + name
         value = _coerce(value, hints[name], key)
         choices = fields[name].metadata.get("choices")
+        if callable(choices):
+            choices = choices()
         if choices is not None and value is not None and value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key}: invalid value {value!r}{hint}; choices: "
                               f"{', '.join(map(str, choices))}")
         kwargs[name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own checks (e.g. DASConfig's)
+        raise ConfigError(f"{prefix[:-1] or 'config'}: {e}") from None
 
 
 def _to_plain(value):
@@ -298,7 +343,11 @@ def validate(cfg: Config) -> Config:
     (`grpo.max_completion_length`). Returns the resolved config."""
     r, g, t, d, das = cfg.rollout, cfg.grpo, cfg.train, cfg.data, cfg.das
     _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
-    _check(r.temperature >= 0, f"rollout.temperature must be >= 0, got {r.temperature}")
+    _check(r.temperature > 0,
+           f"rollout.temperature must be > 0 for training, got {r.temperature}: the GRPO "
+           "importance ratio and the log-probs are taken under the sampling distribution, which "
+           "greedy decoding does not have; use a small temperature (e.g. 0.1) instead, or "
+           "'das-jax generate --temperature 0' for greedy samples")
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     _check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 disables), got {r.top_k}")
     _check(r.max_slots >= 1, f"rollout.max_slots must be >= 1, got {r.max_slots}")

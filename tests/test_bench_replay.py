@@ -2,26 +2,25 @@
 accepted tokens, per-step batch/width/kv_len) for deterministic drafters and policies."""
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 from das_jax.bench import replay as rp
+from das_jax.config import DASSection
 from das_jax.engine.das_policy import DASConfig
 from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.sampling import SamplingParams
-from das_jax.models import ModelConfig, init_params
-from das_jax.speculation import build_speculation
+from das_jax.rollout import build_speculation
+from das_jax.testing import tiny_model_config, tiny_params
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+CFG = tiny_model_config()
 EOS = 1
 COEF = {"c_base": 0.01, "c_tok": 0.002, "c_kv": 1e-5}
 
 
 @pytest.fixture(scope="module")
 def params():
-    return init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    return tiny_params(CFG)
 
 
 def _requests(problems=3, samples=3, seed=0):
@@ -36,8 +35,8 @@ def _run_real_and_replay(params, name, temperature, epochs=2, max_slots=4, das_c
     ec = EngineConfig(max_slots=max_slots, max_cache_len=256, draft_widths=(1, 4, 8))
     eng = Engine(CFG, params, eos_token_ids=[EOS], engine_config=ec)
     reqs = _requests()
-    drafter, policy = build_speculation(name, das_config=das_config,
-                                        cost_model=rp.FrozenCostModel.of(COEF))
+    das = DASSection(policy=das_config or DASConfig())
+    drafter, policy = build_speculation(name, das, rp.FrozenCostModel.of(COEF))
     real, rollouts = [], {}
     for e in range(epochs):
         sampling = SamplingParams(temperature=temperature, max_new_tokens=40, seed=e)
@@ -48,8 +47,7 @@ def _run_real_and_replay(params, name, temperature, epochs=2, max_slots=4, das_c
         rollouts[e] = [rp.TraceRollout(e, o.request.problem_id, o.request.sample_index,
                                        o.request.prompt_ids, tuple(o.token_ids), o.finish_reason,
                                        temperature) for o in outs]
-    s_drafter, s_policy = build_speculation(name, das_config=das_config,
-                                            cost_model=rp.FrozenCostModel.of(COEF))
+    s_drafter, s_policy = build_speculation(name, das, rp.FrozenCostModel.of(COEF))
     sims = []
     for e in range(epochs):
         sim = rp.simulate(rollouts[e], ec, 40, rp.FrozenCostModel.of(COEF), s_drafter, s_policy)
@@ -104,8 +102,11 @@ def test_trace_roundtrip_and_replay_epochs(params, tmp_path):
     assert list(groups) == [0.0] and list(groups[0.0]) == [0, 1]
     assert groups[0.0][1] == rollouts[1]
     ec = EngineConfig(max_slots=4, max_cache_len=256, draft_widths=(1, 4, 8))
-    pred = rp.replay_epochs(groups[0.0], ["none", "suffix", "das"], ec, 40, COEF,
-                            header["drafter_kwargs"])
+    # A trace of an older version holds "drafter_kwargs" instead of the "das" section.
+    das = rp.das_from_header(trace.header)
+    assert (das.window, das.max_depth, das.min_token_prob) == (4, 16, 0.1)
+    assert rp.das_from_header({"das": {"window": 4, "max_depth": 16}}).max_depth == 16
+    pred = rp.replay_epochs(groups[0.0], ["none", "suffix", "das"], ec, 40, COEF, das)
     assert set(pred) == {"none", "suffix", "das"}
     for name, rows in pred.items():
         assert len(rows) == 2 and all(r["predicted_s"] > 0 for r in rows)
@@ -125,5 +126,5 @@ def test_paper_workload_shapes(params):
             assert 1 <= len(r.token_ids) <= 300
             assert (r.finish_reason == "length") == (len(r.token_ids) == 300)
     ec = EngineConfig(max_slots=8, max_cache_len=1024, draft_widths=(1, 4, 8, 16))
-    pred = rp.replay_epochs(wl, ["none", "das"], ec, 300, COEF, {"window": 4})
+    pred = rp.replay_epochs(wl, ["none", "das"], ec, 300, COEF, DASSection(window=4))
     assert pred["none"][0]["generated_tokens"] == sum(len(r.token_ids) for r in wl[0])

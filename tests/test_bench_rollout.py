@@ -7,30 +7,30 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
 from das_jax.bench import replay as rp
 from das_jax.bench.rollout_bench import BenchSetup, run_bench
-from das_jax.engine.generate import Engine, EngineConfig
-from das_jax.models import ModelConfig, init_params
+from das_jax.config import DASSection
+from das_jax.engine import Engine, EngineConfig
+from das_jax.rollout import Rollout
+from das_jax.testing import tiny_model_config, tiny_params
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+CFG = tiny_model_config()
 EOS = 1
 
 
 def test_bench_rollout_core(tmp_path):
-    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-    engine = Engine(CFG, params, eos_token_ids=[EOS],
-                    engine_config=EngineConfig(max_slots=4, max_cache_len=256,
-                                               draft_widths=(1, 4, 8)))
+    params = tiny_params(CFG)
+    rollout = Rollout(Engine(CFG, params, eos_token_ids=[EOS],
+                             engine_config=EngineConfig(max_slots=4, max_cache_len=256,
+                                                        draft_widths=(1, 4, 8))))
     rng = np.random.default_rng(1)
     prompts = [(f"p{i}", tuple(int(t) for t in rng.integers(2, 64, size=10))) for i in range(3)]
-    setup = BenchSetup(engine=engine, prompts=prompts, drafters=["ngram", "suffix-global", "das"],
+    setup = BenchSetup(rollout=rollout, prompts=prompts, drafters=["ngram", "suffix-global", "das"],
                        epochs=2, temperatures=[0.0, 1.0], num_generations=2, max_new_tokens=24,
-                       drafter_kwargs={"window": 4, "max_depth": 16, "min_token_prob": 0.1},
+                       das=DASSection(window=4, max_depth=16, min_token_prob=0.1),
                        model_name="tiny", calibrate=False)
     logs = []
     res = run_bench(setup, str(tmp_path), log=logs.append)
@@ -51,6 +51,7 @@ def test_bench_rollout_core(tmp_path):
     trace = rp.read_trace(tmp_path / "trace.jsonl")
     assert len(trace.rollouts) == 2 * 2 * 3 * 2
     assert set(trace.header["cost_model"]) >= {"c_base", "c_tok", "c_kv"}
+    assert rp.das_from_header(trace.header) == setup.das
     assert set(trace.groups()) == {0.0, 1.0}
     assert (tmp_path / "rollout_time.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -1,4 +1,5 @@
 """Config dataclasses, YAML loading, overrides and validation errors."""
+import dataclasses
 import os
 
 import pytest
@@ -93,7 +94,10 @@ def test_type_errors_name_key_and_type(override, fragment):
     ("grpo.loss_type=bnpo", "choices: grpo, dr_grpo, dapo"),
     ("grpo.scale_rewards=std", "choices: group, batch, none"),
     ("drafter=suffix_global", "did you mean 'suffix-global'"),
-    ("model.dtype=fp32", "choices: float32, bfloat16, float16"),
+    ("model.dtype=fp32", "choices: float32, bfloat16"),
+    ("model.dtype=float16", "choices: float32, bfloat16"),   # the loaders support no float16
+    ("data.kind=gsm9k", "did you mean 'gsm8k'"),
+    ("drafter=eagle", "choices: none, ngram, suffix, suffix-global, das, das-unlimited"),
     ("platform=cuda", "choices: cpu, gpu, tpu"),
 ])
 def test_enum_errors(override, fragment):
@@ -103,7 +107,10 @@ def test_enum_errors(override, fragment):
 
 @pytest.mark.parametrize("overrides, fragment", [
     (["grpo.epsilon_high=0.1"], "epsilon_high=0.1 must be >= grpo.epsilon"),
-    (["rollout.temperature=-1"], "temperature must be >= 0"),
+    (["rollout.temperature=-1"], "temperature must be > 0"),
+    (["rollout.temperature=0"], "temperature must be > 0 for training"),
+    (["das.policy.long_quantile=0.2"], "das.policy: DAS quantiles"),
+    (["das.cost_model.c_tok=-1"], "das.cost_model: c_tok must be >= 0"),
     (["rollout.top_p=0"], "top_p must be in"),
     (["rollout.top_p=1.5"], "top_p must be in"),
     (["grpo.num_generations=1"], "num_generations must be >= 2"),
@@ -152,3 +159,38 @@ def test_apply_platform(monkeypatch):
     # ...asking for tpu is a clear error rather than a silent no-op.
     with pytest.raises(ConfigError, match="already initialised"):
         apply_platform(load_config(None, ["platform=tpu"]))
+
+
+def test_every_das_setting_is_reachable_from_yaml(tmp_path):
+    path = _write(tmp_path, """
+das:
+  window: 8
+  policy: {budget_medium: 5, budget_long: null, short_threshold: 10, long_threshold: 100,
+           explore_every: 0}
+  cost_model: {c_base: 0.02, c_tok: 1.0e-4, calibrate: false, calibrate_kv_lens: [64, 256]}
+""")
+    cfg = load_config(path, ["das.policy.acceptance_ema=0.2"])
+    p, c = cfg.das.policy, cfg.das.cost_model
+    assert cfg.das.window == 8 and p.budget_medium == 5 and p.short_threshold == 10
+    assert p.explore_every == 0 and p.acceptance_ema == 0.2 and p.budget_long is None
+    assert c.c_base == 0.02 and not c.calibrate and c.calibrate_kv_lens == (64, 256)
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    with pytest.raises(ConfigError, match="unknown key 'das.policy.budget'"):
+        load_config(None, ["das.policy.budget=3"])
+    # Every field of the policy and cost-model settings is a key of the das: section.
+    from das_jax.engine import CostModelConfig, DASConfig
+    plain = config_to_dict(load_config(None))["das"]
+    assert set(plain["policy"]) == {f.name for f in dataclasses.fields(DASConfig)}
+    assert set(plain["cost_model"]) == {f.name for f in dataclasses.fields(CostModelConfig)}
+
+
+def test_registered_speculation_name_becomes_a_valid_drafter():
+    from das_jax.rollout import register_speculation, unregister_speculation
+
+    with pytest.raises(ConfigError, match="invalid value 'toy-config'"):
+        load_config(None, ["drafter=toy-config"])
+    register_speculation("toy-config")(lambda das, cost_model: (None, None))
+    try:
+        assert load_config(None, ["drafter=toy-config"]).drafter == "toy-config"
+    finally:
+        unregister_speculation("toy-config")

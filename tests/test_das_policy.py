@@ -1,7 +1,6 @@
 """The DAS policy: classes, budgets, the fitted cost model, width choice, token identity."""
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -10,13 +9,11 @@ from das_jax.engine.cost_model import CostModel
 from das_jax.engine.das_policy import LONG, MEDIUM, SHORT, DASConfig, DASPolicy
 from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.policy import RowView, StepRecord
-from das_jax.engine.reference_drafters import OracleDrafter
 from das_jax.engine.sampling import SamplingParams
-from das_jax.models import ModelConfig, init_params
-from das_jax.speculation import build_speculation
+from das_jax.rollout import build_speculation
+from das_jax.testing import OracleDrafter, tiny_model_config, tiny_params
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+CFG = tiny_model_config()
 
 
 def policy_with_history(history: dict, **cfg) -> DASPolicy:
@@ -104,7 +101,7 @@ class CountingDrafter(OracleDrafter):
 
 
 def test_short_requests_are_never_drafted_and_tokens_unchanged():
-    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    params = tiny_params(CFG)
     eng = Engine(CFG, params, eos_token_ids=[1],
                  engine_config=EngineConfig(max_slots=4, max_cache_len=256))
     rng = np.random.default_rng(0)
@@ -131,7 +128,7 @@ def test_short_requests_are_never_drafted_and_tokens_unchanged():
 
 @pytest.mark.parametrize("name", ["das", "das-unlimited", "suffix", "suffix-global", "ngram"])
 def test_full_speculation_stack_is_lossless_over_epochs(name):
-    params = init_params(CFG, jax.random.PRNGKey(2), scale=0.5)
+    params = tiny_params(CFG, seed=2)
     eng = Engine(CFG, params, eos_token_ids=[1],
                  engine_config=EngineConfig(max_slots=4, max_cache_len=256))
     rng = np.random.default_rng(1)

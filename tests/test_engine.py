@@ -10,18 +10,17 @@ import pytest
 from das_jax.engine import sampling as sampling_lib
 from das_jax.engine import step as step_lib
 from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
-from das_jax.engine.reference_drafters import AdversaryDrafter, OracleDrafter
 from das_jax.engine.sampling import SamplingError, SamplingParams
 from das_jax.models import KVCache, ModelConfig, forward, init_params
+from das_jax.testing import AdversaryDrafter, OracleDrafter, tiny_model_config, tiny_params
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+CFG = tiny_model_config()
 EOS = 1
 
 
 @pytest.fixture(scope="module")
 def params():
-    return init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    return tiny_params(CFG)
 
 
 def make_requests(n=7, seed=0):

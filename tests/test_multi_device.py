@@ -14,15 +14,13 @@ import jax
 import numpy as np
 import pytest
 
+from das_jax.config import DASSection
 from das_jax.drafter import Draft, Drafter, make_drafter
-from das_jax.engine.das_policy import DASConfig, DASPolicy
-from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
-from das_jax.engine.multi_device import (LockedDrafter, assign_contiguous, assign_lpt,
-                                         assignment_loads, device_policies,
-                                         generate_data_parallel, predict_lengths,
-                                         replicate_engine)
-from das_jax.engine.sampling import SamplingParams
-from das_jax.models import ModelConfig, init_params
+from das_jax.engine import (CostModelConfig, DASConfig, DASPolicy, Engine, EngineConfig,
+                            GenerateError, Request, SamplingParams)
+from das_jax.rollout import (LockedDrafter, Rollout, assign_contiguous, assign_lpt,
+                             assignment_loads, generate_data_parallel)
+from das_jax.testing import tiny_model_config, tiny_params
 
 SKEWED = [1000, 900, 50, 40, 30, 20, 10, 5]
 
@@ -31,21 +29,19 @@ SKEWED = [1000, 900, 50, 40, 30, 20, 10, 5]
 MULTI_DEVICE_CHECK = textwrap.dedent('''
     import json, sys
     import jax, numpy as np
-    from das_jax.drafter import make_drafter
+    from das_jax.config import DASSection
     from das_jax.engine import generate as gen
-    from das_jax.engine.das_policy import DASConfig, DASPolicy
-    from das_jax.engine.generate import Engine, EngineConfig, Request
-    from das_jax.engine.multi_device import (LockedDrafter, assign_contiguous, assign_lpt,
-        assignment_loads, generate_data_parallel, predict_lengths, replicate_engine)
-    from das_jax.engine.sampling import SamplingParams
-    from das_jax.models import ModelConfig, init_params
+    from das_jax.engine import CostModelConfig, DASConfig, Engine, EngineConfig, Request
+    from das_jax.engine import SamplingParams
+    from das_jax.rollout import (Rollout, assign_contiguous, assign_lpt, assignment_loads,
+                                 generate_data_parallel)
+    from das_jax.testing import tiny_model_config, tiny_params
 
     N = int(sys.argv[1])
     devices = jax.devices()
     assert len(devices) == N, devices
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
-    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.5)
+    cfg = tiny_model_config()
+    params = tiny_params(cfg)
     rng = np.random.default_rng(0)
     reqs = [Request(tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(3, 20)))),
                     problem_id=f"p{p}", sample_index=s) for p in range(N + 1) for s in range(2)]
@@ -58,14 +54,14 @@ MULTI_DEVICE_CHECK = textwrap.dedent('''
     # The single-device reference runs on device 0 (so its executables are reused there).
     eng = Engine(cfg, params, eos_token_ids=[1], engine_config=small, device=devices[0])
     base = [o.token_ids for o in eng.generate(reqs, sampling)[0]]
-    engines = replicate_engine(eng)
-    for d, e in enumerate(engines):
-        assert e.params["embed"].devices() == {devices[d]}
+    forks = Rollout(eng, sampling=sampling).forks()
+    for d, r in enumerate(forks):
+        assert r.engine.params["embed"].devices() == {devices[d]}
     report = {}
 
     # Plain decoding: both placements give the single-device tokens; every device works.
     for name in ("lpt", "contiguous"):
-        out, st = generate_data_parallel(engines, reqs, sampling, assignment=name)
+        out, st = generate_data_parallel(forks, reqs, assignment=name)
         assert [o.token_ids for o in out] == base, name
         assert all(st.assignment) and all(f > 0 for f in st.device_forward_passes), st.to_dict()
         assert st.devices == [str(d) for d in devices]
@@ -77,18 +73,19 @@ MULTI_DEVICE_CHECK = textwrap.dedent('''
     # The shared suffix drafter with one DAS policy per device (unlimited: the width choice does
     # not depend on measured step times): epoch 2 drafts from epoch 1's
     # history (siblings placed on other devices included); tokens never change.
-    drafter = LockedDrafter(make_drafter("suffix"))
-    policies = [DASPolicy(drafter.lengths, DASConfig(min_history=4, unlimited=True)) for _ in range(N)]
+    das = DASSection(policy=DASConfig(min_history=4, unlimited=True),
+                     cost_model=CostModelConfig(calibrate=False))
+    forks = Rollout(eng, "das", das, sampling).forks()
     accepted = []
     for epoch in range(2):
-        out, st = generate_data_parallel(engines, reqs, sampling, drafter, policies)
+        out, st = generate_data_parallel(forks, reqs)
         assert [o.token_ids for o in out] == base, epoch
         assert all(st.assignment) and all(f > 0 for f in st.device_forward_passes)
         accepted.append(st.combined.accepted_draft_tokens)
-        drafter.advance_epoch()
+        forks[0].advance_epoch()   # one shared drafter: advance it once
     assert accepted[1] > 0, accepted
     # Epoch 2 placed by LPT on the history's predicted lengths.
-    pred = predict_lengths(reqs, policies[0])
+    pred = forks[0].predicted_lengths(reqs)
     assert (pred >= 0).all()
     assert st.assignment == assign_lpt(pred, N)
     lpt_ms = max(assignment_loads(assign_lpt(pred, N), pred))
@@ -157,14 +154,16 @@ def test_lpt_greedy_rule_and_unknown_lengths():
 def test_predict_lengths_from_policy_or_drafter_history():
     reqs = [Request((2, 3), problem_id=p) for p in ("a", "b", "a", "c")]
     history = {"a": [10, 30, 20], "b": [5]}
-    pol = DASPolicy(lambda pid: history.get(pid, []))
-    assert predict_lengths(reqs, pol).tolist() == [20.0, 5.0, 20.0, -1.0]
+    rollout = Rollout(Engine(CFG, {}), "none")   # no params needed: nothing is generated
+    assert rollout.predicted_lengths(reqs).tolist() == [-1.0] * 4
+    rollout.policy = DASPolicy(lambda pid: history.get(pid, []))
+    assert rollout.predicted_lengths(reqs).tolist() == [20.0, 5.0, 20.0, -1.0]
 
     class Hist:
         def lengths(self, pid):
             return history.get(pid, [])
-    assert predict_lengths(reqs, drafter=Hist()).tolist() == [20.0, 5.0, 20.0, -1.0]
-    assert predict_lengths(reqs).tolist() == [-1.0] * 4
+    rollout.policy, rollout.drafter = None, Hist()
+    assert rollout.predicted_lengths(reqs).tolist() == [20.0, 5.0, 20.0, -1.0]
 
 
 # ------------------------------------------------------------------------------ locked drafter
@@ -235,13 +234,14 @@ def test_locked_drafter_lengths_and_concurrent_use():
     [t.join() for t in threads]
     assert sum(len(locked.lengths(f"p{k}")) for k in range(5)) == 200
     assert locked.lengths("p0") == inner.lengths("p0")
-    pols = device_policies(DASPolicy(inner.lengths, DASConfig(min_history=3)), 2, locked)
+    template = DASPolicy(inner.lengths, DASConfig(min_history=3))
+    pols = [template.fork(locked) for _ in range(2)]
     assert pols[0] is not pols[1] and pols[0].predicted_length("p0") == 12.0
+    assert pols[0].cost_model is not template.cost_model
 
 
 # ------------------------------------------------------------------------------ in-process
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+CFG = tiny_model_config()
 # Few compiled shapes (each is compiled once per device, and compiles are most of these tests'
 # time): one batch bucket, widths 1 and 4, one prompt bucket, one cache length.
 SMALL = EngineConfig(max_slots=1, max_cache_len=128, draft_widths=(1, 4), min_prompt_bucket=32)
@@ -257,7 +257,7 @@ def _requests(n_problems=4, group=3, seed=0):
 def test_two_engines_on_one_device_in_threads_are_token_identical():
     """Threads, id mapping and the shared drafter without forced devices: two engines on the
     same device. The real multi-device runs are in the subprocess tests below."""
-    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    params = tiny_params(CFG)
     dev = jax.devices()[0]
     eng = Engine(CFG, params, eos_token_ids=[1], engine_config=SMALL, device=dev)
     reqs = _requests(n_problems=4, group=2)
@@ -266,19 +266,24 @@ def test_two_engines_on_one_device_in_threads_are_token_identical():
     # Placing an engine on a device changes no token (vs JAX's default placement).
     plain = Engine(CFG, params, eos_token_ids=[1], engine_config=SMALL)
     assert plain.generate(reqs[:1], sampling)[0][0].token_ids == base[0].token_ids
-    engines = replicate_engine(eng, [dev, dev])
-    out, st = generate_data_parallel(engines, reqs, sampling, assignment="contiguous")
+    forks = Rollout(eng, sampling=sampling).forks([dev, dev])
+    out, st = generate_data_parallel(forks, reqs, assignment="contiguous")
     assert [o.token_ids for o in out] == [o.token_ids for o in base]
     assert [o.request for o in out] == reqs
     assert st.assignment == assign_contiguous(len(reqs), 2) and all(st.device_forward_passes)
-    drafter = LockedDrafter(make_drafter("suffix"))
-    policies = [DASPolicy(drafter.lengths, DASConfig(min_history=4, unlimited=True)) for _ in engines]
+    das = DASSection(policy=DASConfig(min_history=4, unlimited=True),
+                     cost_model=CostModelConfig(calibrate=False))
+    template = Rollout(eng, "das", das, sampling)
+    forks = template.forks([dev, dev])
+    assert forks[0].drafter is forks[1].drafter is template.drafter     # one locked drafter
+    assert isinstance(template.drafter, LockedDrafter)
+    assert forks[0].policy is not forks[1].policy
     accepted = 0
     for _ in range(2):
-        out, st = generate_data_parallel(engines, reqs, sampling, drafter, policies)
+        out, st = generate_data_parallel(forks, reqs)
         assert [o.token_ids for o in out] == [o.token_ids for o in base]
         accepted += st.combined.accepted_draft_tokens
-        drafter.advance_epoch()
+        template.advance_epoch()
     assert accepted > 0
     assert st.combined.forward_passes == sum(st.device_forward_passes)
     assert st.makespan_s == max(st.device_wall_s) == st.combined.wall_s
@@ -286,17 +291,20 @@ def test_two_engines_on_one_device_in_threads_are_token_identical():
 
 
 def test_bad_input_fails_before_threads():
-    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    params = tiny_params(CFG)
     eng = Engine(CFG, params, engine_config=EngineConfig(max_slots=2, max_cache_len=64))
     sp = SamplingParams(max_new_tokens=4)
+    r = Rollout(eng, sampling=sp)
+    with pytest.raises(GenerateError, match="at least one rollout"):
+        generate_data_parallel([], [Request((2,))])
     with pytest.raises(GenerateError, match="no requests"):
-        generate_data_parallel([eng], [], sp)
+        generate_data_parallel([r], [])
     with pytest.raises(GenerateError, match="unknown assignment"):
-        generate_data_parallel([eng], [Request((2,))], sp, assignment="random")
+        generate_data_parallel([r], [Request((2,))], assignment="random")
     with pytest.raises(GenerateError, match="exactly once"):
-        generate_data_parallel([eng, eng], [Request((2,))] * 2, sp, assignment=[[0], [0]])
+        generate_data_parallel([r, r], [Request((2,))] * 2, assignment=[[0], [0]])
     with pytest.raises(GenerateError, match="one entry per request"):
-        generate_data_parallel([eng], [Request((2,))], sp, predicted_lengths=[1, 2])
+        generate_data_parallel([r], [Request((2,))], predicted_lengths=[1, 2])
     assert eng._compiled.compile_s == 0.0
 
 

@@ -14,12 +14,12 @@ import pytest
 
 from das_jax.config import config_from_dict
 from das_jax.data import Problem
-from das_jax.models import ModelConfig, init_params
+from das_jax.models import init_params
 from das_jax.rl.run_dir import RunDirError
 from das_jax.rl.trainer import GRPOTrainer, TrainError
+from das_jax.testing import tiny_model_config, tiny_params
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+CFG = tiny_model_config(rope_theta=100000.0)   # the config these runs were tuned with
 
 
 class CharTokenizer:
@@ -59,7 +59,7 @@ def make_config(tmp_path, drafter="none", **train):
 
 
 def make_trainer(config, reward=even_char_reward):
-    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    params = tiny_params(CFG)
     return GRPOTrainer(config, model=(CFG, params, CharTokenizer()), problems=PROBLEMS,
                        reward_fns=[reward])
 

@@ -69,11 +69,10 @@ def _prompts(tokenizer, n: int, target_len: int) -> list[list[int]]:
 
 def time_verify(engine, B: int, W: int, prompt_len: int, repeats: int) -> float:
     """Median seconds of one greedy verify step at (B, W) attending to ~prompt_len positions."""
-    from das_jax.engine.cost_model import time_verify_step
-    from das_jax.engine.generate import _pow2_at_least
+    from das_jax.engine import pow2_at_least
 
-    kv_len = _pow2_at_least(prompt_len + W, 128)
-    return time_verify_step(engine, B, W, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
+    kv_len = pow2_at_least(prompt_len + W, 128)
+    return engine.time_verify_step(B, W, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_ids) -> tuple:
@@ -103,8 +102,7 @@ def main(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from das_jax.engine.generate import Engine, EngineConfig, Request
-    from das_jax.engine.sampling import SamplingParams
+    from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
     from das_jax.models import load, params_size
 
     quick = args.quick

@@ -4,7 +4,7 @@ A *trace* (JSON lines) holds recorded rollouts: a header line
 
     {"type": "header", "model": ..., "cost_model": {"c_base", "c_tok", "c_kv"},
      "engine": {"max_slots", "max_cache_len", "draft_widths"}, "max_new_tokens": ...,
-     "drafter_kwargs": {...}, "overheads": {"prefill_s_per_token", "host_s_per_step"}}
+     "das": {the config's das: section}, "overheads": {"prefill_s_per_token", "host_s_per_step"}}
 
 then one line per rollout: {"epoch", "temperature", "problem_id", "sample_index", "prompt_ids",
 "token_ids", "finish_reason"}, in the order the engine received the requests.
@@ -15,7 +15,8 @@ then one line per rollout: {"epoch", "temperature", "problem_id", "sample_index"
   queue in the policy's `admission_order`, every admitted row emitting its first (prefill) token,
   compaction of the live rows into the smallest bucket once the queue is empty (same row order),
   the same cache-length and attended-length (`kv_len`) buckets;
-* per step, the real drafter objects (`build_speculation`) and the real policy are asked for
+* per step, the real drafter objects and the real policy (`das_jax.rollout.build_speculation`,
+  from the trace's `das:` settings) are asked for
   budgets, drafts and the width W exactly as the engine asks them, and are fed the emitted tokens
   (`append`, `end`, `observe`, `advance_epoch` between epochs);
 * acceptance is exact: speculation never changes the sampled tokens, so the target token at every
@@ -55,12 +56,12 @@ from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from das_jax.engine.cost_model import CostModel
-from das_jax.engine.policy import FixedPolicy, RowView, StepRecord, plan_step
-
-# Shared with the engine (bucket helpers and slot settings) so that the simulation uses the
-# engine's own shapes. Importing generate imports jax; that is fine here (not at CLI parse time).
-from das_jax.engine.generate import EngineConfig, _bucket, _pow2_at_least, compact_rows
+# The engine's own scheduling pieces (buckets, compaction, planning), so that the simulation
+# takes the engine's decisions. Importing EngineConfig imports jax; that is fine here (not at CLI
+# parse time).
+from das_jax.engine import (CostModel, EngineConfig, FixedPolicy, RowView, StepRecord,
+                            acceptance_length, bucket, cache_len_for, compact_rows, kv_len_bucket,
+                            plan_step, pow2_at_least, tail_bucket)
 
 
 class FrozenCostModel(CostModel):
@@ -165,8 +166,7 @@ class SimStats:
 
     @property
     def acceptance_length(self) -> float:
-        rows = sum(s.active for s in self.steps)
-        return sum(s.emitted for s in self.steps) / rows if rows else 0.0
+        return acceptance_length(self.steps)
 
     def predicted_s(self, overheads: dict | None = None) -> float:
         """Predicted wall time: decode (cost model) + drafter/policy host time + prefill and host
@@ -205,8 +205,9 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
     generated = [0] * n
     order = policy.admission_order([r.problem_id for r in rollouts])
     queue = collections.deque(order)
-    S = cache_len_for(ec, max(len(r.prompt_ids) for r in rollouts), max_new_tokens)
-    B = _bucket(min(n, ec.max_slots), ec.batch_buckets)
+    S = cache_len_for(ec.max_cache_len, ec.draft_widths,
+                      max(len(r.prompt_ids) for r in rollouts), max_new_tokens)
+    B = bucket(min(n, ec.max_slots), ec.batch_buckets)
     row_req = np.full(B, -1, np.int64)
     cache_len = np.zeros(B, np.int64)
     finished = 0
@@ -245,8 +246,8 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
             uniq: dict[tuple, int] = {}
             for i in take:
                 uniq.setdefault(tuple(rollouts[i].prompt_ids), len(uniq))
-            T = min(_pow2_at_least(max(len(p) for p in uniq), min_prompt_bucket), S)
-            U = _bucket(len(uniq), ec.batch_buckets)
+            T = min(pow2_at_least(max(len(p) for p in uniq), min_prompt_bucket), S)
+            U = bucket(len(uniq), ec.batch_buckets)
             stats.prefill_tokens += U * T
             stats.prefill_calls += 1
             for ri, row in zip(take, rows):
@@ -266,14 +267,13 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
         live = np.flatnonzero(row_req >= 0)
         if not len(live):
             continue
-        if not queue:
-            nb = _bucket(len(live), ec.batch_buckets)
-            if nb < B:
-                row_req, cache_len = compact_rows(live, nb, row_req, -1, cache_len, 0)
-                B = nb
-                live = np.arange(len(live))
+        nb = tail_bucket(len(live), B, ec.batch_buckets, queue_empty=not queue)
+        if nb is not None:
+            row_req, cache_len = compact_rows(live, nb, row_req, -1, cache_len, 0)
+            B = nb
+            live = np.arange(len(live))
 
-        kv_len = min(_pow2_at_least(int(cache_len[live].max()), 128), S)
+        kv_len = kv_len_bucket(cache_len[live], S)
         views = [RowView(int(row_req[r]), rollouts[row_req[r]].problem_id,
                          generated[row_req[r]], max_new_tokens - generated[row_req[r]])
                  for r in live]
@@ -321,44 +321,29 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
     return stats
 
 
-def cache_len_for(ec: EngineConfig, max_prompt: int, max_new_tokens: int) -> int:
-    """Cache positions per row, as `Engine.cache_len_for` computes them (the widest compiled draft
-    width counts even without a drafter)."""
-    need = max_prompt + max_new_tokens + max(ec.draft_widths)
-    return max(min(_pow2_at_least(need, 128), ec.max_cache_len), need)
-
-
-# ----------------------------------------------------------------------------- speculation setup
-
-def make_speculation(name: str, cost_model: CostModel | None, drafter_kwargs: dict | None = None,
-                     das_config=None):
-    """(drafter, policy) from `build_speculation`, with a DAS policy planning on `cost_model`."""
-    from das_jax.speculation import build_speculation
-    kw = dict(drafter_kwargs or {})
-    if name == "ngram":
-        kw = {}
-    elif name not in ("suffix", "suffix-global", "das", "das-unlimited"):
-        kw = {}
-    return build_speculation(name, das_config=das_config, cost_model=cost_model, **kw)
-
-
-def drafter_kwargs_from(window: int, max_depth: int, min_token_prob: float) -> dict:
-    return {"window": int(window), "max_depth": int(max_depth),
-            "min_token_prob": float(min_token_prob)}
+def das_from_header(header: dict):
+    """The `das:` settings (`DASSection`) a trace was recorded with (its header's "das"; older
+    traces hold "drafter_kwargs": window, max_depth, min_token_prob). Raises ConfigError for
+    invalid settings."""
+    from das_jax.config import config_from_dict
+    return config_from_dict({"das": header.get("das", header.get("drafter_kwargs", {}))}).das
 
 
 def replay_epochs(epochs: dict[int, list[TraceRollout]], names: Sequence[str],
                   engine_config: EngineConfig, max_new_tokens: int, coef: dict,
-                  drafter_kwargs: dict | None = None, overheads: dict | None = None,
+                  das=None, overheads: dict | None = None,
                   log=None) -> dict[str, list[dict]]:
-    """Replays every epoch for every drafter name (each keeps its drafter/policy across epochs).
+    """Replays every epoch for every speculation name (each keeps its drafter/policy across
+    epochs), built from the `das:` settings `das` (`DASSection`; default: its defaults) with a
+    DAS policy planning on the frozen cost model `coef`.
 
     Returns name -> [per-epoch summary dicts].
     """
+    from das_jax.rollout import build_speculation
     out: dict[str, list[dict]] = {}
     for name in names:
         cm = FrozenCostModel.of(coef)
-        drafter, policy = make_speculation(name, cm, drafter_kwargs) if name != "none" else (None, None)
+        drafter, policy = build_speculation(name, das, cm)
         rows = []
         for e, rolls in epochs.items():
             st = simulate(rolls, engine_config, max_new_tokens, cm, drafter, policy)

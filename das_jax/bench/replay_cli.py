@@ -18,10 +18,11 @@ PAPER_WIDTHS = (1, 4, 8, 16)
 
 def main(args: argparse.Namespace) -> int:
     from das_jax.bench import replay as rp
-    from das_jax.engine.generate import EngineConfig
+    from das_jax.engine import EngineConfig, cache_len_for
 
     try:
         trace = rp.read_trace(args.trace)
+        das = rp.das_from_header(trace.header)
     except (OSError, ValueError) as e:
         print(f"das-jax bench replay: {e}", file=sys.stderr)
         return 2
@@ -45,7 +46,6 @@ def main(args: argparse.Namespace) -> int:
     else:
         slots = [PAPER_SLOTS if paper else int(eng.get("max_slots", 16))]
     overheads = None if (args.no_overheads or paper) else h.get("overheads")
-    dkw = h.get("drafter_kwargs", {})
 
     if paper:
         t0 = time.perf_counter()
@@ -71,11 +71,11 @@ def main(args: argparse.Namespace) -> int:
         for ms in slots:
             ec = EngineConfig(max_slots=ms, max_cache_len=max(
                 int(eng.get("max_cache_len", 2048)),
-                rp.cache_len_for(EngineConfig(draft_widths=widths), max(
+                cache_len_for(EngineConfig().max_cache_len, widths, max(
                     len(r.prompt_ids) for rs in epochs.values() for r in rs), max_new)),
                 draft_widths=widths)
             t0 = time.perf_counter()
-            pred = rp.replay_epochs(epochs, names, ec, max_new, coef, dkw, overheads,
+            pred = rp.replay_epochs(epochs, names, ec, max_new, coef, das, overheads,
                                     log=lambda s: print(s, flush=True))
             sim_s = time.perf_counter() - t0
             results.append({"temperature": temp, "max_slots": ms, "widths": list(widths),

@@ -2,19 +2,21 @@
 
 The same problems are rolled out for E epochs (as in RL, where every problem recurs once per
 epoch), for every drafter, with the same requests and seeds (`SamplingParams(seed=epoch)`: each
-epoch samples fresh rollouts). Each drafter keeps its own drafter/policy objects across epochs
-(`advance_epoch()` after each), so its history accumulates. Drafters are interleaved within an
-epoch (all drafters for epoch e, then e+1) so that slow drift of the machine hits all of them.
+epoch samples fresh rollouts). Each drafter is one `Rollout` (`das_jax.rollout`) on the same
+engine, kept across epochs (`advance_epoch()` after each), so its history accumulates. Drafters
+are interleaved within an epoch (all drafters for epoch e, then e+1) so that slow drift of the
+machine hits all of them.
 
 Per epoch and drafter: rollout wall time (`GenerateStats.wall_s`, compile excluded), forward
 passes, generated tokens, mean acceptance length (emitted tokens per row-step), drafter time,
 speed-up vs `none`, the identity rate of the tokens against `none`, and the trace-replay
-prediction of the same run (`replay.py`, cost model fitted once at start by `calibrate`).
+prediction of the same run (`replay.py`, cost model fitted once at start by
+`Rollout.calibrate`).
 
 Outputs (under --out): `rollout.json`, `trace.jsonl` (the `none` rollouts, replayable with
 `das-jax bench replay`), `rollout_time.png`, `batch_width.png`; a markdown table on stdout.
 
-`--update-policy` runs one GRPO update (`das_jax.rl.trainer.GRPOTrainer.update`) on the `none`
+`--update-policy` runs one GRPO update (`GRPOTrainer.score` + `GRPOTrainer.update`) on the `none`
 rollouts of each epoch (all of them as one batch) before the next epoch, so the policy drifts as
 in training; every drafter then samples from the same updated params.
 """
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ DEFAULT_DRAFTERS = "none,ngram,suffix-global,das,das-unlimited"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None,
                    help="YAML run config (model/data/rollout/grpo/das sections); default: "
-                        "das_jax/bench/gsm8k_rollout.yaml")
+                        "configs/bench-gsm8k-rollout.yaml")
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
                    help=f"comma-separated speculation names (default {DEFAULT_DRAFTERS}); "
                         "'none' is always run (the reference)")
@@ -64,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class BenchSetup:
     """Everything the core needs, independent of how the model and problems were obtained."""
 
-    engine: Any                                  # das_jax.engine.generate.Engine
+    rollout: Any                                 # das_jax.rollout.Rollout (any speculation)
     prompts: list[tuple[Any, tuple[int, ...]]]   # (problem_id, prompt ids) per problem
     drafters: list[str]
     epochs: int
@@ -73,21 +74,10 @@ class BenchSetup:
     max_new_tokens: int
     top_p: float = 1.0
     top_k: int = 0
-    drafter_kwargs: dict = dataclasses.field(default_factory=dict)
+    das: Any = None                              # das_jax.config.DASSection (None: defaults)
     model_name: str = ""
     calibrate: bool = True
     update_fn: Callable | None = None            # (outputs, params) -> params, between epochs
-
-
-def _calibrate(engine, cost_model, requests, sampling):
-    from das_jax.engine.cost_model import calibrate
-    kw = {}
-    sig = inspect.signature(calibrate).parameters
-    if "cache_len" in sig and hasattr(engine, "cache_len_for"):
-        kw["cache_len"] = engine.cache_len_for(requests, sampling)
-    if "sampling_key" in sig:
-        kw["sampling_key"] = sampling.static_key()
-    return calibrate(engine, cost_model, **kw)
 
 
 def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
@@ -100,13 +90,13 @@ def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
 def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = print) -> dict:
     """Runs the benchmark; returns the result dict (also written to out_dir, with trace + PNGs)."""
     from das_jax.bench import replay as rp
-    from das_jax.engine.cost_model import CostModel
-    from das_jax.engine.generate import Request
-    from das_jax.engine.sampling import SamplingParams
+    from das_jax.config import DASSection
+    from das_jax.engine import Request, SamplingParams
 
-    engine = setup.engine
+    base = setup.rollout.with_speculation("none")
+    das = setup.das if setup.das is not None else DASSection()
     names = ["none"] + [d for d in setup.drafters if d != "none"]
-    ec = engine.engine_config
+    ec = base.engine_config
     requests = [Request(tuple(ids), problem_id=pid, sample_index=g)
                 for pid, ids in setup.prompts for g in range(setup.num_generations)]
     result: dict[str, Any] = {
@@ -115,32 +105,29 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
         "max_new_tokens": setup.max_new_tokens, "temperatures": setup.temperatures,
         "engine": {"max_slots": ec.max_slots, "max_cache_len": ec.max_cache_len,
                    "draft_widths": list(ec.draft_widths)},
-        "drafter_kwargs": setup.drafter_kwargs, "update_policy": setup.update_fn is not None,
+        "das": dataclasses.asdict(das), "update_policy": setup.update_fn is not None,
         "runs": [],
     }
     trace_rollouts: list = []
-    base_cm = CostModel()
+    base_cm = base.cost_model
     if setup.calibrate:
         t0 = time.perf_counter()
         s0 = SamplingParams(temperature=setup.temperatures[0], top_p=setup.top_p,
                             top_k=setup.top_k, max_new_tokens=setup.max_new_tokens)
-        _calibrate(engine, base_cm, requests, s0)
+        base.calibrate(requests, s0)
         result["calibrate_s"] = time.perf_counter() - t0
         log(f"cost model calibrated in {result['calibrate_s']:.1f}s: c_base={base_cm.c_base * 1e3:.2f} ms"
             f", c_tok={base_cm.c_tok * 1e3:.3f} ms/token-row, c_kv={base_cm.c_kv * 1e6:.3f} us/pos-row")
     coef = base_cm.to_dict()
     result["cost_model"] = coef
+    # Every drafter plans with the coefficients fitted once above (no calibration of its own).
+    das_fitted = dataclasses.replace(das, cost_model=dataclasses.replace(
+        das.cost_model, calibrate=False, **coef))
     step_traces: dict = {}
 
     for temp in setup.temperatures:
-        objs = {}
-        for name in names:
-            if name == "none":
-                objs[name] = (None, None)
-            else:
-                cm = CostModel(**coef)
-                objs[name] = rp.make_speculation(name, cm, setup.drafter_kwargs)
-        params = engine.params
+        rollouts = {name: base.with_speculation(name, das_fitted) for name in names}
+        params = base.params
         measured: dict[str, list] = {n: [] for n in names}
         none_epochs: dict[int, list] = {}
         for epoch in range(setup.epochs):
@@ -148,11 +135,8 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                                       max_new_tokens=setup.max_new_tokens, seed=epoch)
             ref = None
             for name in names:
-                drafter, policy = objs[name]
-                outputs, stats = engine.generate(requests, sampling, drafter=drafter,
-                                                 policy=policy, params=params)
-                if drafter is not None:
-                    drafter.advance_epoch()
+                outputs, stats = rollouts[name].generate(requests, params, sampling)
+                rollouts[name].advance_epoch()
                 if name == "none":
                     ref = outputs
                     none_epochs[epoch] = [
@@ -193,7 +177,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                                    / max(m0["forward_passes"], 1)),
         }
         predicted = rp.replay_epochs(none_epochs, names, ec, setup.max_new_tokens, coef,
-                                     setup.drafter_kwargs, overheads)
+                                     das, overheads)
         for name in names:
             for row, pred in zip(measured[name], predicted[name]):
                 row["replay"] = pred
@@ -215,7 +199,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
         os.makedirs(out_dir, exist_ok=True)
         header = {"model": setup.model_name, "cost_model": coef,
                   "engine": result["engine"], "max_new_tokens": setup.max_new_tokens,
-                  "drafter_kwargs": setup.drafter_kwargs,
+                  "das": dataclasses.asdict(das),
                   "overheads": result["overheads"][str(setup.temperatures[0])],
                   "overheads_by_temperature": result["overheads"],
                   "num_generations": setup.num_generations}
@@ -309,30 +293,22 @@ def plot_rollout(result: dict, out_dir: str) -> list[str]:
 # ----------------------------------------------------------------------------- CLI
 
 def default_config_path() -> str:
-    return os.path.join(os.path.dirname(__file__), "gsm8k_rollout.yaml")
+    """configs/bench-gsm8k-rollout.yaml of the checkout this package runs from."""
+    return os.path.join(os.path.dirname(__file__), "..", "..", "configs",
+                        "bench-gsm8k-rollout.yaml")
 
 
-def _make_update_fn(cfg, model, problems_by_id, tokenizer):
-    try:
-        from das_jax.rl.trainer import GRPOTrainer, RolloutBatch
-    except ImportError as e:
-        raise NotImplementedError(
-            f"--update-policy needs the GRPO trainer (das_jax.rl.trainer.GRPOTrainer): {e}") from e
-    from das_jax.data import reward_kwargs
+def _make_update_fn(cfg, model, problems_by_id):
+    from das_jax.rl.trainer import GRPOTrainer
 
     problems = list(problems_by_id.values())
     trainer = GRPOTrainer(cfg, model=model, problems=problems)
 
     def update(outputs, params):
         trainer.params = params
-        rows = [problems_by_id[o.request.problem_id] for o in outputs]
-        completions = [tokenizer.decode(o.token_ids) for o in outputs]
-        prompts = [trainer.prompt_text[p.problem_id] for p in rows]
-        total, parts = trainer.reward_fn.breakdown(prompts, completions, **reward_kwargs(rows))
-        rb = RolloutBatch(rows, [list(o.request.prompt_ids) for o in outputs], list(outputs),
-                          completions, np.asarray(total, np.float32), parts, None)
+        rb = trainer.score([problems_by_id[o.request.problem_id] for o in outputs], outputs)
         metrics = trainer.update(rb)
-        print(f"  GRPO update: reward mean {float(np.mean(total)):.3f}, "
+        print(f"  GRPO update: reward mean {float(np.mean(rb.rewards)):.3f}, "
               f"loss {metrics.get('loss')}", flush=True)
         return trainer.params
 
@@ -359,17 +335,17 @@ def main(args: argparse.Namespace) -> int:
     temps = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
              else [cfg.rollout.temperature])
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    from das_jax.speculation import SPECULATION_NAMES
-    bad = [d for d in drafters if d not in SPECULATION_NAMES]
+    from das_jax.rollout import speculation_names
+    bad = [d for d in drafters if d not in speculation_names()]
     if bad:
         print(f"das-jax bench rollout: unknown drafter(s) {bad}; valid: "
-              f"{', '.join(SPECULATION_NAMES)}", file=sys.stderr)
+              f"{', '.join(speculation_names())}", file=sys.stderr)
         return 2
 
     import jax.numpy as jnp
     from das_jax.data import load_dataset_from_config, render_prompt
-    from das_jax.engine.generate import Engine, EngineConfig
     from das_jax.models import load
+    from das_jax.rollout import Rollout
 
     t0 = time.perf_counter()
     model_config, params, tokenizer = load(cfg.model.source, dtype=getattr(jnp, cfg.model.dtype))
@@ -382,26 +358,20 @@ def main(args: argparse.Namespace) -> int:
                              chat=d.chat)
         prompts.append((p.problem_id, tuple(tokenizer.encode(text))))
     r = cfg.rollout
-    engine = Engine(model_config, params, eos_token_ids=tokenizer.eos_token_ids,
-                    engine_config=EngineConfig(max_slots=r.max_slots, max_cache_len=r.max_cache_len,
-                                               draft_widths=tuple(r.draft_widths)))
+    rollout = Rollout.from_config(cfg, model_config, params, tokenizer.eos_token_ids,
+                                  speculation="none")
     print(f"loaded {cfg.model.source} and {len(problems)} problems in "
           f"{time.perf_counter() - t0:.1f}s; prompts {min(len(p) for _, p in prompts)}-"
           f"{max(len(p) for _, p in prompts)} tokens", flush=True)
     update_fn = None
     if args.update_policy:
-        try:
-            update_fn = _make_update_fn(cfg, (model_config, params, tokenizer),
-                                        {p.problem_id: p for p in problems}, tokenizer)
-        except NotImplementedError as e:
-            print(f"das-jax bench rollout: {e}", file=sys.stderr)
-            return 2
+        update_fn = _make_update_fn(cfg, (model_config, params, tokenizer),
+                                    {p.problem_id: p for p in problems})
     setup = BenchSetup(
-        engine=engine, prompts=prompts, drafters=drafters, epochs=args.epochs,
+        rollout=rollout, prompts=prompts, drafters=drafters, epochs=args.epochs,
         temperatures=temps, num_generations=cfg.grpo.num_generations,
         max_new_tokens=r.max_new_tokens, top_p=r.top_p, top_k=r.top_k,
-        drafter_kwargs={"window": cfg.das.window, "max_depth": cfg.das.max_depth,
-                        "min_token_prob": cfg.das.min_token_prob},
+        das=cfg.das,
         model_name=cfg.model.source, calibrate=not args.no_calibrate, update_fn=update_fn)
     result = run_bench(setup, args.out, log=lambda s: print(s, flush=True))
     print()

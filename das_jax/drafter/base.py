@@ -42,7 +42,7 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the engine needs from a drafter (see DESIGN.md, "Drafter contract")."""
+    """What the engine needs from a drafter (see docs/design.md, "Drafter contract")."""
 
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
         """A rollout starts; the drafter keeps its context (prompt + tokens appended so far)."""

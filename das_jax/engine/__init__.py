@@ -3,10 +3,11 @@
 Public surface:
   Engine, EngineConfig, Request, RequestOutput, GenerateStats, GenerateError   (generate.py)
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
-  SpeculationPolicy, FixedPolicy, RowView, StepRecord                          (policy.py)
+  SpeculationPolicy, FixedPolicy, RowView, StepRecord, DraftPlan, plan_step,
+    acceptance_length                                                          (policy.py)
   DASPolicy, DASConfig                                                         (das_policy.py)
-  CostModel, calibrate                                                         (cost_model.py)
-  OracleDrafter, AdversaryDrafter                                              (reference_drafters.py)
+  CostModel, CostModelConfig, calibrate                                        (cost_model.py)
+  bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
 
 The jitted device functions (`prefill_insert`, `verify`) are in `step.py`. Names are imported
 lazily (PEP 562) so `das_jax.engine.cli` registers without importing jax.
@@ -20,9 +21,11 @@ _EXPORTS = {
     "RequestOutput": "generate", "GenerateStats": "generate", "GenerateError": "generate",
     "SamplingParams": "sampling", "SamplingError": "sampling", "request_seed": "sampling",
     "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy",
-    "StepRecord": "policy", "DASPolicy": "das_policy", "DASConfig": "das_policy",
-    "CostModel": "cost_model", "calibrate": "cost_model",
-    "OracleDrafter": "reference_drafters", "AdversaryDrafter": "reference_drafters",
+    "StepRecord": "policy", "DraftPlan": "policy", "plan_step": "policy",
+    "acceptance_length": "policy", "DASPolicy": "das_policy", "DASConfig": "das_policy",
+    "CostModel": "cost_model", "CostModelConfig": "cost_model", "calibrate": "cost_model",
+    "bucket": "schedule", "pow2_at_least": "schedule", "cache_len_for": "schedule",
+    "kv_len_bucket": "schedule", "tail_bucket": "schedule", "compact_rows": "schedule",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

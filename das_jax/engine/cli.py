@@ -9,8 +9,6 @@ import sys
 from das_jax.arg_types import int_list, nonnegative_int, positive_int
 from das_jax.errors import one_line
 
-DRAFTER_CHOICES = ("none", "ngram", "suffix", "suffix-global", "das", "das-unlimited")
-
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -32,7 +30,9 @@ def register(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=nonnegative_int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--drafter", default="none", choices=DRAFTER_CHOICES)
+    from das_jax.rollout.speculation import speculation_names
+    p.add_argument("--drafter", default="none", choices=speculation_names(),
+                   help="speculation name (default none)")
     p.add_argument("--draft-widths", type=int_list(), default="1,4,8",
                    help="compiled verify widths W = 1 + draft tokens, comma separated")
     p.add_argument("--max-slots", type=positive_int, default=16, help="most concurrent sequences")
@@ -126,9 +126,10 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from das_jax.engine.generate import Engine, EngineConfig, Request
+    from das_jax.config import DASSection
+    from das_jax.engine import CostModelConfig, Engine, EngineConfig, Request
     from das_jax.models import load
-    from das_jax.speculation import build_speculation
+    from das_jax.rollout import Rollout
 
     try:
         config, params, tokenizer = load(args.model, dtype=getattr(jnp, args.dtype))
@@ -140,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
                       for p in prompts]
         requests = [Request(tuple(ids), problem_id=i, sample_index=g)
                     for i, ids in enumerate(prompt_ids) for g in range(args.num_samples)]
-        drafter, policy = build_speculation(args.drafter)
+        # Plans with the cost model's prior, refined online (no calibration run up front).
+        das = DASSection(cost_model=CostModelConfig(calibrate=False))
+        rollout = Rollout(engine, args.drafter, das, sampling)
         bar = None if args.json else tqdm(total=len(requests), desc="generate", file=sys.stderr)
 
         def progress(done, total):
@@ -148,8 +151,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.n = done
                 bar.refresh()
 
-        outputs, stats = engine.generate(requests, sampling, drafter=drafter, policy=policy,
-                                         progress=progress)
+        outputs, stats = rollout.generate(requests, progress=progress)
         if bar is not None:
             bar.close()
         check_finite_logprobs(outputs, args.model, args.dtype)

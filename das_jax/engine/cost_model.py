@@ -23,6 +23,45 @@ import numpy as np
 log = logging.getLogger("das_jax.engine")
 
 
+@dataclasses.dataclass(frozen=True)
+class CostModelConfig:
+    """Settings of the step-cost model: the `das.cost_model` section of a run config.
+
+    c_base, c_tok, c_kv: the prior coefficients (seconds per step, seconds per verified token
+      row, seconds per cached position per row) the policy plans with until observations
+      arrive; the defaults are neutral (a step costs about as much as 16 extra token rows).
+    history: how many recent (B, W, S, seconds) observations the fit uses.
+    calibrate: time the verify step at a few shapes before the first rollout of a policy that
+      plans with the cost model (`das`), and fit the model to them (`calibrate` below).
+    calibrate_kv_lens: attended lengths S timed by the calibration (each at batch 1 and
+      max_slots, every compiled width).
+    calibrate_repeats: timed calls per shape (the median is one observation).
+    """
+
+    c_base: float = 0.05
+    c_tok: float = 0.003
+    c_kv: float = 0.0
+    history: int = 512
+    calibrate: bool = True
+    calibrate_kv_lens: tuple[int, ...] = (128, 512)
+    calibrate_repeats: int = 3
+
+    def __post_init__(self):
+        for name in ("c_base", "c_tok", "c_kv"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (seconds), got {getattr(self, name)}")
+        if self.history < 3:
+            raise ValueError(f"history must be >= 3 observations, got {self.history}")
+        if not self.calibrate_kv_lens or min(self.calibrate_kv_lens) < 1:
+            raise ValueError("calibrate_kv_lens must be a non-empty list of positive lengths, "
+                             f"got {list(self.calibrate_kv_lens)}")
+        if self.calibrate_repeats < 1:
+            raise ValueError(f"calibrate_repeats must be >= 1, got {self.calibrate_repeats}")
+
+
+_PRIOR = CostModelConfig()
+
+
 @dataclasses.dataclass
 class CostModel:
     """t(B, W, S) = c_base + c_tok * B * W + c_kv * B * S, seconds.
@@ -35,11 +74,17 @@ class CostModel:
         follows drift such as thermal throttling or a co-tenant).
     """
 
-    c_base: float = 0.05
-    c_tok: float = 0.003
-    c_kv: float = 0.0
-    history: int = 512
+    c_base: float = _PRIOR.c_base
+    c_tok: float = _PRIOR.c_tok
+    c_kv: float = _PRIOR.c_kv
+    history: int = _PRIOR.history
     observations: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+    @classmethod
+    def from_config(cls, config: CostModelConfig) -> "CostModel":
+        """A model starting from `config`'s prior coefficients and history length."""
+        return cls(c_base=config.c_base, c_tok=config.c_tok, c_kv=config.c_kv,
+                   history=config.history)
 
     def predict(self, batch: int, width: int, kv_len: int = 0) -> float:
         return self.c_base + self.c_tok * batch * width + self.c_kv * batch * kv_len
@@ -100,34 +145,6 @@ def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
     return coef
 
 
-def time_verify_step(engine, batch: int, width: int, kv_len: int, cache_len: int,
-                     repeats: int = 3, sampling_key: tuple = (1.0, 0, 1.0)) -> float:
-    """Median seconds of the engine's verify step at (B, W, attended length), on dummy tokens.
-
-    Compiles the shape once (not timed; keyed as `generate` keys it, so the executable is reused
-    there when `cache_len` and `sampling_key` match) and discards the first timed call.
-    """
-    import jax.numpy as jnp
-    from das_jax.engine import step as step_lib
-    from das_jax.models.transformer import KVCache
-
-    dtype = jnp.dtype(engine.params["embed"].dtype)
-    cache = KVCache.zeros(engine.config, batch, cache_len, dtype)
-    skey = tuple(sampling_key)
-    args = (engine.config, skey, kv_len, engine.params, cache, jnp.full((batch,), kv_len, jnp.int32),
-            jnp.full((batch, width), 7, jnp.int32), jnp.full((batch,), width - 1, jnp.int32),
-            jnp.arange(batch, dtype=jnp.int32))
-    fn = engine._compiled.get(("verify", batch, width, cache_len, kv_len, skey, engine.config,
-                               dtype.name), step_lib.verify, *args)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        cache, y, *_ = fn(engine.params, cache, *args[5:])
-        np.asarray(y)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:]))
-
-
 def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
               batches: Iterable[int] | None = None, widths: Iterable[int] | None = None,
               kv_lens: Iterable[int] = (128, 512), repeats: int = 3,
@@ -150,7 +167,7 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     for B in batches:
         for S in kv:
             for W in widths:
-                seconds = time_verify_step(engine, B, W, S, cache_len, repeats, sampling_key)
+                seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key)
                 cost_model.observe(B, W, S, seconds, refit=False)
     cost_model.fit()
     log.info("calibrated the cost model in %.1f s: t = %.1f ms + %.2f ms * B*W + %.2f us * B*S",

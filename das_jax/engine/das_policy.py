@@ -31,6 +31,7 @@ is the smallest compiled width that holds the longest draft (no classes, no cost
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 from typing import Callable, Hashable, Sequence
 
@@ -52,6 +53,7 @@ class DASConfig:
     budget_short / budget_medium / budget_long: draft-token caps per class (None = widest).
     min_history: finished rollouts needed before quantile thresholds are trusted (before that
       every request is medium).
+    length_history: most recent finished lengths the quantile thresholds are taken over.
     acceptance_ema: weight of each step in the running ratio of accepted to predicted draft
       tokens, which rescales the drafter's path probabilities (calibration).
     explore_every: every n-th step whose best choice is W = 1 although drafts exist verifies
@@ -214,6 +216,15 @@ class DASPolicy:
         for r in rows:
             counts[self.classes.get(r.request_id, MEDIUM)] += 1
         return counts
+
+    def fork(self, drafter=None) -> "DASPolicy":
+        """A copy for another device: the same config, a copy of the fitted cost model (with its
+        observations) and of the finished lengths; problem history from `drafter.lengths` (the
+        shared, locked drafter) when given, else this policy's `lengths_fn`."""
+        lengths_fn = drafter.lengths if drafter is not None else self.lengths_fn
+        p = DASPolicy(lengths_fn, self.config, copy.deepcopy(self.cost_model))
+        p.finished_lengths.extend(self.finished_lengths)
+        return p
 
     # ----- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -11,7 +11,7 @@ cache length); the device runs `step.prefill_insert` and `step.verify` on a dona
   once (ahead of time, timed separately as `compile_s`).
 * Exactness: every token is sampled with the position-keyed rule of `sampling.py`, seeded by the
   request's own seed, so outputs do not depend on drafts, slots, buckets or batch neighbours
-  (up to float rounding of the logits across shapes: see ../shared/DESIGN.md).
+  (up to float rounding of the logits across shapes: see docs/design.md, "Exactness").
 """
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ import numpy as np
 
 from das_jax.engine import step as step_lib
 from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
-                                   plan_step)
+                                   acceptance_length, plan_step)
+from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
+                                     pow2_at_least, tail_bucket)
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
 from das_jax.models.transformer import KVCache, Params
@@ -87,8 +89,7 @@ class GenerateStats:
     @property
     def acceptance_length(self) -> float:
         """Mean tokens emitted per verify step per row (1.0 without speculation)."""
-        rows = sum(s.active for s in self.steps)
-        return sum(s.emitted for s in self.steps) / rows if rows else 0.0
+        return acceptance_length(self.steps)
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
@@ -132,32 +133,6 @@ class EngineConfig:
         return tuple(out) + (self.max_slots,)
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    return buckets[-1]
-
-
-def compact_rows(live, nb: int, *arrays_and_fills):
-    """Row state of the live rows packed into a bucket of `nb` rows (padding rows get the fill).
-
-    `arrays_and_fills` alternates host arrays `[B]` and their padding value; returns the new
-    arrays in order. Shared by `Engine.generate` and the replay simulator's tail compaction.
-    """
-    out = []
-    for arr, fill in zip(arrays_and_fills[::2], arrays_and_fills[1::2]):
-        out.append(np.concatenate([arr[live], np.full(nb - len(live), fill, arr.dtype)]))
-    return out
-
-
-def _pow2_at_least(n: int, floor: int) -> int:
-    b = floor
-    while b < n:
-        b *= 2
-    return b
-
-
 _COMPILED_EXECUTABLES: dict[tuple, Any] = {}
 
 
@@ -198,7 +173,7 @@ class Engine:
       device: optional `jax.Device` this engine runs on: its params, KV cache and compiled
         executables live there (params passed to `generate` are copied there); None = JAX's
         default placement. One engine per device gives data-parallel rollouts
-        (`das_jax.engine.multi_device`).
+        (`das_jax.rollout.multi_device`).
     """
 
     def __init__(self, config: ModelConfig, params: Params, eos_token_ids: Sequence[int] = (),
@@ -211,7 +186,15 @@ class Engine:
         self._compiled = _Compiled(device)
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, requests: Sequence[Request], sampling: SamplingParams) -> None:
+    def validate(self, requests: Sequence[Request], sampling: SamplingParams) -> None:
+        """Checks a `generate` call's input without compiling anything.
+
+        Raises:
+          SamplingError: `sampling` is not a SamplingParams or has stop ids outside the vocab.
+          GenerateError: no requests, an empty prompt, token ids outside the vocabulary, or a
+            request that needs more than `max_cache_len` cache positions (the message names
+            the request and the fix).
+        """
         if not isinstance(sampling, SamplingParams):
             raise SamplingError("sampling must be a SamplingParams")
         validate_stop_ids(sampling.stop_token_ids, self.config.vocab_size)
@@ -238,9 +221,40 @@ class Engine:
     def cache_len_for(self, requests: Sequence[Request], sampling: SamplingParams) -> int:
         """Cache positions per row for these requests: a power of two >= 128 that holds the
         longest prompt + max_new_tokens + the widest draft, capped at max_cache_len."""
-        need = (max(len(r.prompt_ids) for r in requests) + sampling.max_new_tokens
-                + max(self.engine_config.draft_widths))
-        return max(min(_pow2_at_least(need, 128), self.engine_config.max_cache_len), need)
+        ec = self.engine_config
+        return cache_len_for(ec.max_cache_len, ec.draft_widths,
+                             max(len(r.prompt_ids) for r in requests), sampling.max_new_tokens)
+
+    def _verify_executable(self, B: int, W: int, S: int, kv_len: int, skey: tuple, dtype: str,
+                           args: tuple):
+        """The compiled verify step for these shapes (compiled on first use, then shared)."""
+        return self._compiled.get(("verify", B, W, S, kv_len, skey, self.config, dtype),
+                                  step_lib.verify, *args)
+
+    def time_verify_step(self, batch: int, width: int, kv_len: int, cache_len: int,
+                         repeats: int = 3, sampling_key: tuple = (1.0, 0, 1.0)) -> float:
+        """Median seconds of the verify step at (B, W, attended length), on dummy tokens.
+
+        Compiles the shape once (not timed; the executable is the one `generate` uses when
+        `cache_len` and `sampling_key` = `SamplingParams.static_key()` match) and discards the
+        first timed call. Used by the cost-model calibration and the engine benchmark.
+        """
+        dtype = jnp.dtype(self.params["embed"].dtype)
+        with (jax.default_device(self.device) if self.device is not None
+              else contextlib.nullcontext()):
+            cache = KVCache.zeros(self.config, batch, cache_len, dtype)
+        skey = tuple(sampling_key)
+        args = (self.config, skey, kv_len, self.params, cache,
+                np.full((batch,), kv_len, np.int32), np.full((batch, width), 7, np.int32),
+                np.full((batch,), width - 1, np.int32), np.arange(batch, dtype=np.int32))
+        fn = self._verify_executable(batch, width, cache_len, kv_len, skey, dtype.name, args)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            cache, y, *_ = fn(self.params, cache, *args[5:])
+            np.asarray(y)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -269,7 +283,7 @@ class Engine:
         Raises:
           GenerateError / SamplingError: bad input, before any compilation.
         """
-        self._validate(requests, sampling)
+        self.validate(requests, sampling)
         params = self.params if params is None else params
         if self.device is not None:
             params = jax.device_put(params, self.device)  # no copy when already there
@@ -291,7 +305,7 @@ class Engine:
         queue = collections.deque(order)
         S = self.cache_len_for(requests, sampling)
 
-        B = _bucket(min(n, ec.max_slots), ec.batch_buckets)
+        B = bucket(min(n, ec.max_slots), ec.batch_buckets)
         dtype = jnp.dtype(params["embed"].dtype).name
         with (jax.default_device(self.device) if self.device is not None
               else contextlib.nullcontext()):
@@ -348,10 +362,10 @@ class Engine:
                 uniq: dict[tuple, int] = {}
                 src = [uniq.setdefault(tuple(requests[i].prompt_ids), len(uniq)) for i in take]
                 prompts = list(uniq)
-                T = _pow2_at_least(max(len(p) for p in prompts), ec.min_prompt_bucket)
+                T = pow2_at_least(max(len(p) for p in prompts), ec.min_prompt_bucket)
                 T = min(T, S)
-                U = _bucket(len(prompts), ec.batch_buckets)
-                R = _bucket(len(take), ec.batch_buckets)
+                U = bucket(len(prompts), ec.batch_buckets)
+                R = bucket(len(take), ec.batch_buckets)
                 toks_UxT = np.zeros((U, T), np.int32)
                 lens_U = np.ones(U, np.int32)
                 for u, p in enumerate(prompts):
@@ -385,20 +399,19 @@ class Engine:
             if not len(live):
                 continue
             # ---- compaction into a smaller bucket for the tail ----
-            if not queue:
-                nb = _bucket(len(live), ec.batch_buckets)
-                if nb < B:
-                    rows_nb = np.zeros(nb, np.int32)
-                    rows_nb[:len(live)] = live
-                    fn = self._compiled.get(("gather", B, nb, S, self.config, dtype), step_lib.gather_rows,
-                                            cache, rows_nb)
-                    cache = fn(cache, rows_nb)
-                    row_req, cache_len, pending, row_seed = compact_rows(
-                        live, nb, row_req, -1, cache_len, 0, pending, 0, row_seed, 0)
-                    B = nb
-                    live = np.arange(len(live))
+            nb = tail_bucket(len(live), B, ec.batch_buckets, queue_empty=not queue)
+            if nb is not None:
+                rows_nb = np.zeros(nb, np.int32)
+                rows_nb[:len(live)] = live
+                fn = self._compiled.get(("gather", B, nb, S, self.config, dtype),
+                                        step_lib.gather_rows, cache, rows_nb)
+                cache = fn(cache, rows_nb)
+                row_req, cache_len, pending, row_seed = compact_rows(
+                    live, nb, row_req, -1, cache_len, 0, pending, 0, row_seed, 0)
+                B = nb
+                live = np.arange(len(live))
 
-            kv_len = min(_pow2_at_least(int(cache_len[live].max()), 128), S)
+            kv_len = kv_len_bucket(cache_len[live], S)
             # ---- draft ----
             views = [RowView(int(row_req[r]), requests[row_req[r]].problem_id,
                              len(outputs[row_req[r]].token_ids),
@@ -419,8 +432,7 @@ class Engine:
                 n_draft_B[r] = k
             args = (self.config, skey, kv_len, params, cache, cache_len, tokens_BxW, n_draft_B,
                     row_seed)
-            fn = self._compiled.get(("verify", B, W, S, kv_len, skey, self.config, dtype),
-                                    step_lib.verify, *args)
+            fn = self._verify_executable(B, W, S, kv_len, skey, dtype, args)
             t0 = time.perf_counter()
             cache, y_BxW, logp_BxW, n_emit_B = fn(*args[3:])
             y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)

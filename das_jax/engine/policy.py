@@ -51,6 +51,13 @@ class StepRecord:
     classes: dict | None = None
 
 
+def acceptance_length(steps: Sequence[StepRecord]) -> float:
+    """Mean tokens emitted per verify step per live row (1.0 without speculation; 0.0 for no
+    steps)."""
+    rows = sum(s.active for s in steps)
+    return sum(s.emitted for s in steps) / rows if rows else 0.0
+
+
 class SpeculationPolicy(Protocol):
     def admission_order(self, problem_ids: Sequence[Hashable]) -> list[int]:
         """Order in which queued requests enter slots (indices into problem_ids)."""
@@ -73,6 +80,11 @@ class SpeculationPolicy(Protocol):
 
     def step_classes(self, rows: Sequence[RowView]) -> dict | None:
         """Per-class live counts for the stats (or None)."""
+
+    def fork(self, drafter) -> "SpeculationPolicy":
+        """A copy for another device (`das_jax.rollout.Rollout.fork`), starting from this one's
+        learned state, that reads problem history from `drafter` (the shared, locked drafter
+        view, or None)."""
 
 
 class FixedPolicy:
@@ -109,6 +121,9 @@ class FixedPolicy:
 
     def step_classes(self, rows):
         return None
+
+    def fork(self, drafter):
+        return FixedPolicy(self.max_draft)
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ uniform `u = U(s, t)` derived from `jax.random.fold_in(PRNGKey(s), t)`, and the 
 inverse CDF of the processed distribution (temperature, then top-k, then top-p, in token-id
 order) at `u`. The token is therefore a pure function of (processed logits at t, s, t): it never
 depends on a draft, a batch position or a slot, so speculation changes only the number of forward
-passes (see ../shared/DESIGN.md, "The sampling rule"). For a point-mass draft, accepting while the
+passes (see docs/design.md, "Sampling rule"). For a point-mass draft, accepting while the
 draft equals the sampled token accepts draft token d with probability p(d), the same acceptance
 probability as speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
 

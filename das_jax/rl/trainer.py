@@ -35,16 +35,13 @@ import numpy as np
 
 from das_jax.config import Config, config_to_dict, save_config
 from das_jax.data import Problem, load_dataset_from_config, render_prompt, reward_kwargs
-from das_jax.engine.cost_model import CostModel, calibrate
-from das_jax.engine.das_policy import DASConfig
-from das_jax.engine.generate import Engine, EngineConfig, Request, RequestOutput
-from das_jax.engine.sampling import SamplingParams, request_seed
+from das_jax.engine import Request, RequestOutput, request_seed
 from das_jax.rl.advantages import group_advantages
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.rewards import combine_rewards, get_reward_fn
 from das_jax.rl.run_log import sample_rows
 from das_jax.rl.train_step import compute_logprobs, make_batch, make_optimizer, make_train_step
-from das_jax.speculation import build_speculation
+from das_jax.rollout import Rollout
 
 log = logging.getLogger("das_jax.train")
 
@@ -103,31 +100,19 @@ class GRPOTrainer:
                                  instruction=c.data.instruction, chat=c.data.chat)
             self.prompt_text[p.problem_id] = text
             self.prompt_ids[p.problem_id] = self.tokenizer.encode(text)
-        self.engine = Engine(
-            self.model_config, self.params, eos_token_ids=self.tokenizer.eos_token_ids,
-            engine_config=EngineConfig(max_slots=c.rollout.max_slots,
-                                       max_cache_len=c.rollout.max_cache_len,
-                                       draft_widths=tuple(c.rollout.draft_widths)))
-        self.sampling_template = SamplingParams(
-            temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
-            max_new_tokens=c.rollout.max_new_tokens,
-            stop_token_ids=tuple(c.rollout.stop_token_ids), seed=c.train.seed)
-        self.drafter, self.policy = build_speculation(
-            c.drafter, das_config=DASConfig(), cost_model=CostModel(),
-            **({} if c.drafter in ("none", "ngram") else dict(
-                window=c.das.window, max_depth=c.das.max_depth,
-                min_token_prob=c.das.min_token_prob)))
+        # The rollout boundary: engine, drafter, policy and cost model, all from the config.
+        self.rollouts = Rollout.from_config(c, self.model_config, self.params,
+                                            self.tokenizer.eos_token_ids)
         if reward_fns is None:
             reward_fns = [get_reward_fn(n) for n in c.grpo.reward_funcs]
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
         self.optimizer = make_optimizer(c.grpo, c.train.steps)
         self.opt_state = self.optimizer.init(self.params)
         self.train_step = make_train_step(self.model_config, c.grpo, self.optimizer,
-                                          temperature=c.rollout.temperature or 1.0)
+                                          temperature=c.rollout.temperature)
         self.ref_params = self.params if c.grpo.beta > 0 else None
         self.step = 0
         self.run_dir = Path(c.output_dir)
-        self._calibrated = False
         self.last_logprob_gap: float | None = None
 
     # ------------------------------------------------------------------ data order
@@ -150,22 +135,21 @@ class GRPOTrainer:
         G = c.grpo.num_generations
         problems = self.problems_for_step(step)
         sampling = dataclasses.replace(
-            self.sampling_template, seed=request_seed(c.train.seed, f"step-{step}", 0))
+            self.rollouts.sampling, seed=request_seed(c.train.seed, f"step-{step}", 0))
         requests = [Request(tuple(self.prompt_ids[p.problem_id]), problem_id=p.problem_id,
                             sample_index=g) for p in problems for g in range(G)]
-        if self.policy is not None and hasattr(self.policy, "cost_model") and not self._calibrated:
-            calibrate(self.engine, self.policy.cost_model,
-                      cache_len=self.engine.cache_len_for(requests, sampling),
-                      sampling_key=sampling.static_key())
-            self._calibrated = True
-        outputs, stats = self.engine.generate(requests, sampling, drafter=self.drafter,
-                                              policy=self.policy, params=self.params)
-        rows = [p for p in problems for _ in range(G)]
+        outputs, stats = self.rollouts.generate(requests, self.params, sampling)
+        return self.score([p for p in problems for _ in range(G)], outputs, stats)
+
+    def score(self, rows: Sequence[Problem], outputs: Sequence[RequestOutput],
+              stats: Any = None) -> RolloutBatch:
+        """Decodes and rewards `outputs` (one per row of `rows`, the problem it sampled)."""
         completions = [self.tokenizer.decode(o.token_ids) for o in outputs]
         prompts = [self.prompt_text[p.problem_id] for p in rows]
         total, parts = self.reward_fn.breakdown(prompts, completions, **reward_kwargs(rows))
-        return RolloutBatch(rows, [list(r.prompt_ids) for r in requests], outputs, completions,
-                            np.asarray(total, np.float32), parts, stats)
+        return RolloutBatch(list(rows), [list(o.request.prompt_ids) for o in outputs],
+                            list(outputs), completions, np.asarray(total, np.float32), parts,
+                            stats)
 
     # ------------------------------------------------------------------ update
     def build_batch(self, rb: RolloutBatch):
@@ -187,7 +171,7 @@ class GRPOTrainer:
         def logprobs(params):
             return np.asarray(compute_logprobs(
                 self.model_config, params, jnp.asarray(tokens), jnp.asarray(positions),
-                jnp.asarray(valid), c.rollout.temperature or 1.0, c.grpo.micro_batch_size))
+                jnp.asarray(valid), c.rollout.temperature, c.grpo.micro_batch_size))
 
         ref = logprobs(self.ref_params) if self.ref_params is not None else None
         self.last_logprob_gap = None
@@ -220,8 +204,8 @@ class GRPOTrainer:
         train_metrics = self.update(rb)
         train_s = time.perf_counter() - t1
         self.step += 1
-        if self.drafter is not None and self.step % self.steps_per_epoch() == 0:
-            self.drafter.advance_epoch()
+        if self.step % self.steps_per_epoch() == 0:
+            self.rollouts.advance_epoch()
         lens = np.array([len(o.token_ids) for o in rb.outputs])
         st = rb.stats
         acc_part = next((v for k, v in rb.reward_parts.items()
@@ -265,8 +249,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ checkpoints
     def _meta(self) -> dict:
         return {"step": self.step, "seed": self.config.train.seed,
-                "policy_state": self.policy.state_dict() if hasattr(self.policy, "state_dict")
-                else None,
+                "policy_state": self.rollouts.state_dict()["policy"],
                 "config": config_to_dict(self.config)}
 
     def save(self, manager: CheckpointManager) -> None:
@@ -278,7 +261,7 @@ class GRPOTrainer:
         from das_jax.errors import is_disk_full
         try:
             manager.save(self.step, self.params, self.opt_state, self._meta(),
-                         self.drafter.state_dict() if self.drafter is not None else None)
+                         self.rollouts.state_dict()["drafter"])
         except Exception as e:  # noqa: BLE001 - orbax / tensorstore wrap OSErrors in many types
             if not is_disk_full(e):
                 raise
@@ -328,10 +311,8 @@ class GRPOTrainer:
                         "readable checkpoint (the unreadable one moved to %s)",
                         ", ".join(str(s) for s, _ in unreadable), unreadable[0][1], step, moved)
         self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])
-        if self.drafter is not None and drafter_state is not None:
-            self.drafter.load_state_dict(drafter_state)
-        if meta.get("policy_state") and hasattr(self.policy, "load_state_dict"):
-            self.policy.load_state_dict(meta["policy_state"])
+        self.rollouts.load_state_dict({"drafter": drafter_state,
+                                       "policy": meta.get("policy_state")})
         return self.step
 
     # ------------------------------------------------------------------ the loop

@@ -214,7 +214,7 @@ def math_accuracy_reward(prompts: Sequence[str], completions: Sequence[Any], **k
     Raises:
         ValueError: the ``answer`` column is missing or has the wrong length.
     """
-    comps = [_as_text(c) for c in completions]
+    comps = [as_text(c) for c in completions]
     answers = _column(kwargs, "answer", len(comps), "math_accuracy_reward")
     use_mv = bool(kwargs.get("use_math_verify", True))
     return [1.0 if math_answer_correct(c, a, use_math_verify=use_mv) else 0.0 for c, a in zip(comps, answers)]
@@ -225,7 +225,7 @@ def format_reward(prompts: Sequence[str], completions: Sequence[Any], **kwargs: 
     non-empty ``\\boxed{...}`` -- else 0.0. Ignores all dataset columns."""
     out = []
     for c in completions:
-        t = _as_text(c)
+        t = as_text(c)
         ok = _FORMAT_HASH_RE.search(t) is not None
         if not ok:
             m = _FORMAT_BOXED_RE.search(t)
@@ -234,7 +234,7 @@ def format_reward(prompts: Sequence[str], completions: Sequence[Any], **kwargs: 
     return out
 
 
-def _as_text(c: Any) -> str:
+def as_text(c: Any) -> str:
     """A completion as text: strings pass through; TRL conversational completions (a list of
     ``{"role", "content"}`` dicts) are joined; anything else becomes ``str(c)``."""
     if isinstance(c, str):

@@ -5,7 +5,8 @@
   `tokens / W` while the output is unchanged.
 * `AdversaryDrafter` proposes random tokens (claiming high confidence): nearly every draft is
   rejected, and the output must still be unchanged.
-Both implement the `das_jax.drafter.Drafter` protocol.
+Both implement the `das_jax.drafter.Drafter` protocol (they live in `das_jax.testing`: tools for
+tests, not drafters to run).
 """
 from __future__ import annotations
 

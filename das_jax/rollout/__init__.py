@@ -1,0 +1,31 @@
+"""das_jax.rollout: the one interface to speculative rollouts.
+
+Public surface:
+  Rollout                                     an engine + its speculation, built from a config
+                                              (rollout.py)
+  register_speculation, unregister_speculation, speculation_names, get_speculation,
+  build_speculation,
+  SpeculationSpec, SpeculationError           the registry of speculation names (speculation.py)
+  generate_data_parallel, LockedDrafter, DataParallelStats, assign_lpt, assign_contiguous,
+  assignment_loads                            data-parallel placement over devices
+                                              (multi_device.py)
+
+Dependencies: `rl` and `bench` -> `rollout` -> `engine`, `drafter` -> `models`. Names are
+imported lazily (PEP 562); the registry itself imports neither jax nor numpy.
+"""
+from __future__ import annotations
+
+from das_jax._lazy import lazy_exports
+
+_EXPORTS = {
+    "Rollout": "rollout",
+    "register_speculation": "speculation", "unregister_speculation": "speculation",
+    "speculation_names": "speculation",
+    "get_speculation": "speculation", "build_speculation": "speculation",
+    "SpeculationSpec": "speculation", "SpeculationError": "speculation",
+    "generate_data_parallel": "multi_device", "LockedDrafter": "multi_device",
+    "DataParallelStats": "multi_device", "assign_lpt": "multi_device",
+    "assign_contiguous": "multi_device", "assignment_loads": "multi_device",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

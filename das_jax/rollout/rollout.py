@@ -1,0 +1,219 @@
+"""`Rollout`: the one boundary between RL code and speculative generation.
+
+A `Rollout` owns an `Engine` (one model, one device), the speculation chosen by name (a drafter,
+a policy, and the cost model the policy plans with; `das_jax.rollout.speculation`), and the
+default sampling settings. The trainer, the benchmarks and multi-device placement talk to it
+only (in the spirit of Tunix's `BaseRollout`):
+
+    rollout = Rollout.from_config(config, model_config, params, tokenizer.eos_token_ids)
+    outputs, stats = rollout.generate(requests, params)   # calibrates the cost model once
+    rollout.advance_epoch()                               # end of a pass over the data
+    state = rollout.state_dict(); rollout.load_state_dict(state)   # checkpoints
+    forks = rollout.forks(jax.devices())                  # per-device copies, shared drafter
+
+Every setting comes from the config: `rollout:` (engine shapes and sampling), `drafter:` (the
+speculation name) and `das:` (drafter, DAS-policy and cost-model settings).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+
+from das_jax.rollout.speculation import get_speculation
+
+
+class Rollout:
+    """An engine plus its speculation.
+
+    Args:
+      engine: the `das_jax.engine.Engine` to generate with.
+      speculation: a registered speculation name (`speculation_names()`).
+      das: the `das:` settings (`das_jax.config.DASSection`; default: its defaults).
+      sampling: default `SamplingParams` of `generate` (default: `SamplingParams()`).
+      cost_model: the `CostModel` the policy plans with (default: from `das.cost_model`).
+
+    Raises:
+      SpeculationError: an unknown speculation name.
+    """
+
+    def __init__(self, engine, speculation: str = "none", das=None, sampling=None,
+                 cost_model=None, *, _parts: tuple | None = None):
+        from das_jax.config import DASSection
+        from das_jax.engine import CostModel, SamplingParams
+
+        self.spec = get_speculation(speculation)
+        self.engine = engine
+        self.das = das if das is not None else DASSection()
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        if _parts is not None:          # a fork: shares the drafter, owns a policy copy
+            self.drafter, self.policy, self.cost_model, self.calibrated = _parts
+            return
+        self.cost_model = cost_model if cost_model is not None else CostModel.from_config(
+            self.das.cost_model)
+        self.drafter, self.policy = self.spec.build(self.das, self.cost_model)
+        self.calibrated = False
+
+    @classmethod
+    def from_config(cls, config, model_config, params, eos_token_ids: Sequence[int] = (), *,
+                    device=None, speculation: str | None = None) -> "Rollout":
+        """A rollout for a run `config` (`das_jax.config.Config`): an `Engine` over
+        (model_config, params) with the `rollout:` shapes, the `drafter:` speculation (or
+        `speculation`), the `das:` settings, and sampling from `rollout:` seeded by
+        `train.seed`."""
+        from das_jax.engine import Engine, EngineConfig, SamplingParams
+
+        r = config.rollout
+        engine = Engine(model_config, params, eos_token_ids=eos_token_ids, device=device,
+                        engine_config=EngineConfig(max_slots=r.max_slots,
+                                                   max_cache_len=r.max_cache_len,
+                                                   draft_widths=tuple(r.draft_widths)))
+        sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                  max_new_tokens=r.max_new_tokens,
+                                  stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
+        return cls(engine, speculation or config.drafter, config.das, sampling)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def name(self) -> str:
+        """The speculation name."""
+        return self.spec.name
+
+    @property
+    def engine_config(self):
+        """The engine's `EngineConfig` (slots, cache length, compiled widths)."""
+        return self.engine.engine_config
+
+    @property
+    def params(self):
+        """The engine's own params (what `generate` samples from when given none)."""
+        return self.engine.params
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, requests, params=None, sampling=None,
+                 progress: Callable[[int, int], None] | None = None,
+                 request_ids: Sequence[int] | None = None):
+        """`Engine.generate` with this rollout's drafter and policy.
+
+        Args:
+          requests: `Request`s; outputs come back in the same order.
+          params: params to sample from (default: the engine's own).
+          sampling: `SamplingParams` (default: this rollout's `sampling`).
+          progress: optional callback(finished_requests, total).
+          request_ids: the ids the drafter sees for the requests (default 0..n-1); forks that
+            share one drafter pass indices into their common request list, so ids never
+            collide across devices (`das_jax.rollout.multi_device`).
+
+        Before the first call of a speculation that plans with the cost model (`das`), the
+        cost model is calibrated (`calibrate`) unless `das.cost_model.calibrate` is false.
+
+        Returns:
+          (list of `RequestOutput`, `GenerateStats`).
+
+        Raises:
+          GenerateError / SamplingError: bad input, before anything is compiled.
+        """
+        sampling = sampling if sampling is not None else self.sampling
+        if (self.spec.uses_cost_model and self.das.cost_model.calibrate
+                and not self.calibrated):
+            self.engine.validate(requests, sampling)
+            self.calibrate(requests, sampling)
+        drafter = self.drafter
+        if request_ids is not None and drafter is not None:
+            from das_jax.rollout.multi_device import LockedDrafter
+            drafter = LockedDrafter(drafter).view(request_ids)
+        return self.engine.generate(requests, sampling, drafter=drafter, policy=self.policy,
+                                    params=params, progress=progress)
+
+    def calibrate(self, requests, sampling=None):
+        """Fits the cost model to the engine's verify step timed at a few shapes (batch 1 and
+        max_slots, every compiled width, the attended lengths of `das.cost_model`), with the
+        cache length and sampling key these `requests` will use, so the executables compiled
+        here are reused by `generate`. Returns the fitted `CostModel`."""
+        from das_jax.engine import calibrate
+
+        sampling = sampling if sampling is not None else self.sampling
+        c = self.das.cost_model
+        calibrate(self.engine, self.cost_model,
+                  cache_len=self.engine.cache_len_for(requests, sampling),
+                  kv_lens=c.calibrate_kv_lens, repeats=c.calibrate_repeats,
+                  sampling_key=sampling.static_key())
+        self.calibrated = True
+        return self.cost_model
+
+    def advance_epoch(self) -> None:
+        """End of a pass over the data: the drafter's current epoch becomes history. Forks share
+        one drafter, so advance it once (on any one of them), not once per fork."""
+        if self.drafter is not None:
+            self.drafter.advance_epoch()
+
+    def predicted_lengths(self, requests) -> np.ndarray:
+        """float64 `[len(requests)]`: each request's predicted output length in tokens, the
+        median of its problem's past rollout lengths (-1 = unknown). Placement uses it."""
+        lengths = getattr(self.policy, "predicted_length", None)
+        history = getattr(self.drafter, "lengths", None)
+        cache: dict[Hashable, float] = {}
+
+        def one(pid):
+            if lengths is not None:
+                return float(lengths(pid))
+            if history is not None:
+                past = list(history(pid))
+                return float(np.median(past)) if past else -1.0
+            return -1.0
+
+        return np.array([cache[r.problem_id] if r.problem_id in cache else
+                         cache.setdefault(r.problem_id, one(r.problem_id)) for r in requests],
+                        np.float64)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """{"drafter": the drafter's state or None, "policy": the policy's state or None}:
+        plain, picklable python."""
+        return {"drafter": self.drafter.state_dict() if self.drafter is not None else None,
+                "policy": (self.policy.state_dict() if hasattr(self.policy, "state_dict")
+                           else None)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what `state_dict` returned (missing or None parts are skipped)."""
+        if self.drafter is not None and state.get("drafter") is not None:
+            self.drafter.load_state_dict(state["drafter"])
+        if state.get("policy") and hasattr(self.policy, "load_state_dict"):
+            self.policy.load_state_dict(state["policy"])
+
+    # ------------------------------------------------------------------ devices
+    def fork(self, device) -> "Rollout":
+        """A copy of this rollout for `device`: its own engine there (params copied with
+        `jax.device_put`), its own policy (`policy.fork`: the learned state so far), and this
+        rollout's drafter, shared behind one lock (`LockedDrafter`), so siblings of a problem
+        generated on other devices feed the same history. The first fork wraps this rollout's
+        own drafter in the lock, so keep using this rollout (or its forks) afterwards."""
+        from das_jax.engine import Engine
+        from das_jax.rollout.multi_device import LockedDrafter
+
+        if self.drafter is not None and not isinstance(self.drafter, LockedDrafter):
+            self.drafter = LockedDrafter(self.drafter)
+        e = self.engine
+        engine = Engine(e.config, e.params, e.eos_token_ids, e.engine_config, device=device)
+        policy = self.policy.fork(self.drafter) if self.policy is not None else None
+        return Rollout(engine, self.name, self.das, self.sampling,
+                       _parts=(self.drafter, policy, getattr(policy, "cost_model",
+                                                             self.cost_model),
+                               self.calibrated))
+
+    def forks(self, devices=None) -> list["Rollout"]:
+        """One `fork` per device (default: `jax.devices()`). Keep the list across calls, so each
+        fork's policy state persists (compiled executables are shared per shape and device)."""
+        import jax
+        return [self.fork(d) for d in (list(devices) if devices is not None else jax.devices())]
+
+    def with_speculation(self, speculation: str, das=None, cost_model=None) -> "Rollout":
+        """A rollout on the same engine and sampling with another speculation (fresh drafter and
+        policy), e.g. to compare drafters side by side in one process."""
+        return Rollout(self.engine, speculation, das if das is not None else self.das,
+                       self.sampling, cost_model)
+
+    def __repr__(self) -> str:
+        return (f"Rollout({self.name!r}, device={self.engine.device}, "
+                f"engine_config={self.engine.engine_config})")
+

@@ -1,0 +1,177 @@
+"""The registry of speculation names: what the `drafter:` config key and `--drafter` select.
+
+A speculation name stands for a (drafter, policy) pair: the drafter proposes tokens (the
+`das_jax.drafter.Drafter` protocol), the policy decides how many the engine verifies
+(`das_jax.engine.SpeculationPolicy`). The registry owns their construction and the settings
+they read (the config's `das:` section, `das_jax.config.DASSection`), so adding one is one
+module:
+
+    from das_jax.rollout import register_speculation
+
+    @register_speculation("my-drafter", description="...", uses_cost_model=False)
+    def build(das, cost_model):             # das: DASSection; cost_model: CostModel
+        return MyDrafter(...), FixedPolicy()
+
+Once that module is imported, the name is valid in configs, `das-jax generate --drafter` and
+the benchmarks. Built-in names:
+
+| name            | drafter                                    | policy                        |
+|-----------------|--------------------------------------------|-------------------------------|
+| none            | -                                          | - (plain decoding)            |
+| ngram           | prompt lookup (vLLM `ngram`)               | fixed: widest width           |
+| suffix          | per-problem suffix trees (the DAS drafter) | fixed: widest width           |
+| suffix-global   | global + per-request tree (SuffixDecoding) | fixed: widest width           |
+| das             | per-problem suffix trees                   | DAS length-aware policy       |
+| das-unlimited   | per-problem suffix trees                   | every request, widest budget  |
+
+This module imports neither jax nor numpy (builders import what they build when called), so
+`das_jax.config` and the CLIs list the names at no cost.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+__all__ = ["SpeculationSpec", "register_speculation", "unregister_speculation",
+           "speculation_names", "get_speculation", "build_speculation", "SpeculationError"]
+
+
+class SpeculationError(ValueError):
+    """An unknown or already registered speculation name (the message lists the valid ones)."""
+
+
+Builder = Callable[[Any, Any], tuple[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationSpec:
+    """A registered speculation name.
+
+    build: (das: DASSection, cost_model: CostModel) -> (drafter or None, policy or None).
+    description: one line for listings.
+    uses_cost_model: the policy plans with the cost model, so a rollout calibrates it (times
+      the verify step) before its first `generate` when `das.cost_model.calibrate` is true.
+    """
+
+    name: str
+    build: Builder
+    description: str = ""
+    uses_cost_model: bool = False
+
+
+_REGISTRY: dict[str, SpeculationSpec] = {}
+
+
+def register_speculation(name: str, *, description: str = "", uses_cost_model: bool = False,
+                         replace: bool = False) -> Callable[[Builder], Builder]:
+    """Decorator registering `build(das, cost_model) -> (drafter, policy)` under `name`.
+
+    Raises:
+      SpeculationError: `name` is empty or already registered (pass `replace=True` to override).
+    """
+    if not name or not isinstance(name, str):
+        raise SpeculationError(f"a speculation name must be a non-empty string, got {name!r}")
+
+    def decorator(build: Builder) -> Builder:
+        if name in _REGISTRY and not replace:
+            raise SpeculationError(f"speculation {name!r} is already registered; pass "
+                                   "replace=True to override it")
+        _REGISTRY[name] = SpeculationSpec(name, build, description, uses_cost_model)
+        return build
+    return decorator
+
+
+def unregister_speculation(name: str) -> None:
+    """Removes `name` from the registry (e.g. a test's toy entry). Raises SpeculationError for an
+    unknown name."""
+    get_speculation(name)
+    del _REGISTRY[name]
+
+
+def speculation_names() -> tuple[str, ...]:
+    """The registered names, in registration order (built-ins first)."""
+    return tuple(_REGISTRY)
+
+
+def get_speculation(name: str) -> SpeculationSpec:
+    """The spec of `name`. Raises SpeculationError for an unknown name (listing the valid ones)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise SpeculationError(f"unknown drafter {name!r}; valid: "
+                               f"{', '.join(speculation_names())}") from None
+
+
+def build_speculation(name: str, das: Any = None, cost_model: Any = None) -> tuple[Any, Any]:
+    """(drafter or None, policy or None) for `name`.
+
+    Args:
+      das: the `das:` settings (`das_jax.config.DASSection`; default: its defaults).
+      cost_model: the `CostModel` a DAS policy plans with (default: one from `das.cost_model`).
+
+    Raises:
+      SpeculationError: unknown name.
+    """
+    spec = get_speculation(name)
+    if das is None:
+        from das_jax.config import DASSection
+        das = DASSection()
+    if cost_model is None:
+        from das_jax.engine.cost_model import CostModel
+        cost_model = CostModel.from_config(das.cost_model)
+    return spec.build(das, cost_model)
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+def _suffix_config(das):
+    from das_jax.drafter import SuffixTreeConfig
+    return SuffixTreeConfig(max_depth=das.max_depth, min_token_prob=das.min_token_prob)
+
+
+@register_speculation("none", description="plain decoding")
+def _none(das, cost_model):
+    return None, None
+
+
+@register_speculation("ngram", description="prompt lookup (vLLM ngram), fixed widest width")
+def _ngram(das, cost_model):
+    from das_jax.drafter import NgramDrafter
+    from das_jax.engine.policy import FixedPolicy
+    return NgramDrafter(), FixedPolicy()
+
+
+@register_speculation("suffix", description="per-problem suffix trees, fixed widest width")
+def _suffix(das, cost_model):
+    from das_jax.drafter import SuffixDrafter
+    from das_jax.engine.policy import FixedPolicy
+    return SuffixDrafter(_suffix_config(das), window=das.window), FixedPolicy()
+
+
+@register_speculation("suffix-global",
+                      description="global + per-request suffix tree (SuffixDecoding), fixed width")
+def _suffix_global(das, cost_model):
+    from das_jax.drafter import GlobalSuffixDrafter
+    from das_jax.engine.policy import FixedPolicy
+    return GlobalSuffixDrafter(_suffix_config(das), window=das.window), FixedPolicy()
+
+
+def _das(das, cost_model, unlimited: bool):
+    from das_jax.drafter import SuffixDrafter
+    from das_jax.engine.das_policy import DASPolicy
+    drafter = SuffixDrafter(_suffix_config(das), window=das.window)
+    config = dataclasses.replace(das.policy, unlimited=True) if unlimited else das.policy
+    return drafter, DASPolicy(drafter.lengths, config, cost_model)
+
+
+@register_speculation("das", description="per-problem suffix trees, DAS length-aware policy",
+                      uses_cost_model=True)
+def _das_policy(das, cost_model):
+    return _das(das, cost_model, unlimited=False)
+
+
+@register_speculation("das-unlimited",
+                      description="per-problem suffix trees, every request at the widest budget",
+                      uses_cost_model=True)
+def _das_unlimited(das, cost_model):
+    return _das(das, cost_model, unlimited=True)

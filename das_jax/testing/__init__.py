@@ -1,0 +1,19 @@
+"""das_jax.testing: what tests (ours and a user's) share, in the spirit of `gemma.gm.testing`.
+
+Public surface:
+  tiny_model_config(**overrides) -> ModelConfig   the tiny random-model config of the tests
+  tiny_params(config=None, seed=0, scale=0.5)      its random params (`init_params`)
+  OracleDrafter, AdversaryDrafter                   drafters that test verification (drafters.py)
+
+Names are imported lazily (PEP 562): the drafters need numpy only, the model helpers import jax.
+"""
+from __future__ import annotations
+
+from das_jax._lazy import lazy_exports
+
+_EXPORTS = {
+    "tiny_model_config": "models", "tiny_params": "models",
+    "OracleDrafter": "drafters", "AdversaryDrafter": "drafters",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,29 @@
+"""The tiny random model the tests run: a few thousand parameters, float32, seconds to compile."""
+from __future__ import annotations
+
+import dataclasses
+
+from das_jax.models.config import ModelConfig
+
+# vocab 64 (id 1 is the tests' eos), D=32, F=64, 2 layers, 4 query / 2 key-value heads of 8.
+_TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    """The tests' tiny `ModelConfig` (Llama layout), with `overrides` replacing fields.
+
+    Raises:
+      TypeError: an unknown field; ModelConfigError: an invalid combination.
+    """
+    return dataclasses.replace(_TINY, **overrides) if overrides else _TINY
+
+
+def tiny_params(config: ModelConfig | None = None, seed: int = 0, scale: float = 0.5):
+    """float32 params of `config` (default: `tiny_model_config()`), normal(0, scale) weights
+    from `jax.random.PRNGKey(seed)` (norm weights 1). The large scale gives peaked, varied
+    next-token distributions, so sampling tests see both likely and unlikely tokens."""
+    import jax
+
+    from das_jax.models.transformer import init_params
+    return init_params(config or _TINY, jax.random.PRNGKey(seed), scale=scale)
