@@ -160,15 +160,7 @@ class _Heartbeat:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s / 3):
-            rl = self.rl
-            now = time.perf_counter()
-            if now - rl._last_output < self.every_s:
-                continue
-            rl._last_output = now
-            seconds, programs = rl._watch.so_far()
-            extra = (f"; so far {describe_compiles(seconds, programs)}" if programs else "")
-            log.info("step %d still running: %s%s", rl._next_step(),
-                     fmt_seconds(now - rl._step_started), extra)
+            self.rl.report_if_quiet(self.every_s)
 
     def close(self) -> None:
         self._stop.set()
@@ -323,6 +315,18 @@ class RunLogger:
                      first, total_steps, self.run_dir, first)
         self._last_output = self._step_started = time.perf_counter()
         self._heartbeat = _Heartbeat(self, heartbeat_s) if heartbeat_s > 0 else None
+
+    def report_if_quiet(self, every_s: float) -> None:
+        """Logs "step k still running ..." when nothing was printed for `every_s` seconds (called
+        by the heartbeat thread)."""
+        now = time.perf_counter()
+        if now - self._last_output < every_s:
+            return
+        self._last_output = now
+        seconds, programs = self._watch.so_far()
+        extra = (f"; so far {describe_compiles(seconds, programs)}" if programs else "")
+        log.info("step %d still running: %s%s", self._next_step(),
+                 fmt_seconds(now - self._step_started), extra)
 
     def _next_step(self) -> int:
         return self.start_step + len(self.records) + 1
