@@ -49,8 +49,8 @@ def register(subparsers) -> None:
 
 
 def _speculation_names() -> tuple[str, ...]:
-    from das_jax.speculation import SPECULATION_NAMES  # imports numba: only when needed
-    return SPECULATION_NAMES
+    from das_jax.rollout.speculation import speculation_names  # the registry (no jax / numba)
+    return speculation_names()
 
 
 def _check_drafter_arguments(p: argparse.ArgumentParser) -> None:
