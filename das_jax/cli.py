@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "das_jax.engine.cli",     # generate
     "das_jax.rl.cli",         # train
     "das_jax.bench.cli",      # bench engine|drafter|rollout|replay
+    "das_jax.plan",           # plan
 )
 
 

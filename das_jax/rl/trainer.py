@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,10 +38,12 @@ from das_jax.engine.cost_model import CostModel, calibrate
 from das_jax.engine.das_policy import DASConfig
 from das_jax.engine.generate import Engine, EngineConfig, Request, RequestOutput
 from das_jax.engine.sampling import SamplingParams, request_seed
-from das_jax.rl.advantages import group_advantages
+from das_jax.models.transformer import ActivationConfig
+from das_jax.rl.advantages import get_advantage
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.rewards import combine_rewards, get_reward_fn
-from das_jax.rl.train_step import compute_logprobs, make_batch, make_optimizer, make_train_step
+from das_jax.rl.train_step import (cast_params, compute_logprobs, make_batch, make_optimizer,
+                                   make_train_step)
 from das_jax.speculation import build_speculation
 
 log = logging.getLogger("das_jax.train")
@@ -84,8 +87,13 @@ class GRPOTrainer:
         c = config
         if model is None:
             from das_jax.models import load
-            model = load(c.model.source, dtype=getattr(jnp, c.model.dtype))
-        self.model_config, self.params, self.tokenizer = model
+            model = load(c.model.source, dtype=getattr(jnp, c.train.master_dtype))
+        self.model_config, params, self.tokenizer = model
+        # Mixed precision: the trainer holds master params (and Adam moments) in
+        # train.master_dtype; forward passes and the engine run in model.dtype.
+        self.compute_dtype = c.model.dtype
+        self.params = cast_params(params, c.train.master_dtype)
+        del params, model
         if problems is None:
             problems = load_dataset_from_config(
                 c.data.kind, c.data.path, num_problems=c.data.num_problems, limit=c.data.limit,
@@ -101,10 +109,13 @@ class GRPOTrainer:
             self.prompt_text[p.problem_id] = text
             self.prompt_ids[p.problem_id] = self.tokenizer.encode(text)
         self.engine = Engine(
-            self.model_config, self.params, eos_token_ids=self.tokenizer.eos_token_ids,
+            self.model_config, self.rollout_params(), eos_token_ids=self.tokenizer.eos_token_ids,
             engine_config=EngineConfig(max_slots=c.rollout.max_slots,
                                        max_cache_len=c.rollout.max_cache_len,
-                                       draft_widths=tuple(c.rollout.draft_widths)))
+                                       draft_widths=tuple(c.rollout.draft_widths),
+                                       kv_memory_gb=c.rollout.kv_memory_gb,
+                                       kv_memory_fraction=c.rollout.kv_memory_fraction))
+        self.engine.params = None  # the trainer passes fresh params to every rollout
         self.sampling_template = SamplingParams(
             temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
             max_new_tokens=c.rollout.max_new_tokens,
@@ -119,9 +130,15 @@ class GRPOTrainer:
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
         self.optimizer = make_optimizer(c.grpo, c.train.steps)
         self.opt_state = self.optimizer.init(self.params)
+        self.activation = ActivationConfig(remat=c.train.remat, logits_chunk=c.train.logits_chunk,
+                                           attention_chunk=c.train.attention_chunk)
         self.train_step = make_train_step(self.model_config, c.grpo, self.optimizer,
-                                          temperature=c.rollout.temperature or 1.0)
-        self.ref_params = self.params if c.grpo.beta > 0 else None
+                                          temperature=c.rollout.temperature or 1.0, donate=True,
+                                          activation=self.activation,
+                                          compute_dtype=self.compute_dtype)
+        # The reference policy: a copy in the compute dtype (the master params are donated).
+        self.ref_params = (jax.tree_util.tree_map(jnp.copy, self.rollout_params())
+                           if c.grpo.beta > 0 else None)
         self.step = 0
         self.run_dir = Path(c.output_dir)
         self._calibrated = False
@@ -150,13 +167,17 @@ class GRPOTrainer:
             self.sampling_template, seed=request_seed(c.train.seed, f"step-{step}", 0))
         requests = [Request(tuple(self.prompt_ids[p.problem_id]), problem_id=p.problem_id,
                             sample_index=g) for p in problems for g in range(G)]
+        params = self.rollout_params()
         if self.policy is not None and hasattr(self.policy, "cost_model") and not self._calibrated:
+            self.engine.params = params
             calibrate(self.engine, self.policy.cost_model,
                       cache_len=self.engine.cache_len_for(requests, sampling),
                       sampling_key=sampling.static_key())
+            self.engine.params = None
             self._calibrated = True
         outputs, stats = self.engine.generate(requests, sampling, drafter=self.drafter,
-                                              policy=self.policy, params=self.params)
+                                              policy=self.policy, params=params)
+        del params  # the compute-dtype copy is not kept across the update
         rows = [p for p in problems for _ in range(G)]
         completions = [self.tokenizer.decode(o.token_ids) for o in outputs]
         prompts = [self.prompt_text[p.problem_id] for p in rows]
@@ -165,10 +186,15 @@ class GRPOTrainer:
                             np.asarray(total, np.float32), parts, stats)
 
     # ------------------------------------------------------------------ update
+    def rollout_params(self):
+        """The params the engine samples from: the master params cast to model.dtype (the same
+        arrays when the dtypes agree)."""
+        return cast_params(self.params, self.compute_dtype)
+
     def build_batch(self, rb: RolloutBatch):
         c = self.config
-        advantages = np.asarray(group_advantages(jnp.asarray(rb.rewards), c.grpo.num_generations,
-                                                 c.grpo.scale_rewards))
+        advantages = np.asarray(get_advantage(c.grpo.advantage_estimator)(
+            jnp.asarray(rb.rewards), c.grpo))
         lens_p = np.array([len(p) for p in rb.prompt_ids])
         lens_c = np.array([max(len(o.token_ids), 0) for o in rb.outputs])
         T = _token_bucket(int((lens_p + lens_c).max()))
@@ -184,7 +210,8 @@ class GRPOTrainer:
         def logprobs(params):
             return np.asarray(compute_logprobs(
                 self.model_config, params, jnp.asarray(tokens), jnp.asarray(positions),
-                jnp.asarray(valid), c.rollout.temperature or 1.0, c.grpo.micro_batch_size))
+                jnp.asarray(valid), c.rollout.temperature or 1.0, c.grpo.micro_batch_size,
+                activation=self.activation, compute_dtype=self.compute_dtype))
 
         ref = logprobs(self.ref_params) if self.ref_params is not None else None
         self.last_logprob_gap = None
