@@ -326,7 +326,10 @@ def check_before_training(config) -> MemoryPlan | None:
     if not config.train.memory_check:
         return None
     capacity = device_memory_bytes(config, None)
-    mc = model_config_for(config.model.source)
+    try:
+        mc = model_config_for(config.model.source)
+    except Exception:  # noqa: BLE001 - an unloadable model is reported by the loader itself
+        return None
     if estimate_bytes(config, mc) <= capacity // 2:
         return None
     p = plan_in_process(config, 1, capacity, mc)

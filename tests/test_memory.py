@@ -116,8 +116,8 @@ def _run(params, b, cfg, compute_dtype, steps):
 
 def test_mixed_precision_master_weights(params):
     """bf16 compute with f32 master weights and moments: every weight moves (lr 1e-5, far below
-    bf16's resolution of the weights), and the loss tracks the f32 run within 2e-3 absolute
-    (bf16 rounding of the forward); pure bf16 params leave most weights unchanged (lossy)."""
+    bf16's resolution of the weights), and the loss tracks the f32 run within 1% relative
+    (bf16 rounding of the forward: ~0.3% here); pure bf16 params leave most weights unchanged (lossy)."""
     b = _batch(params, seed=3)
     cur = compute_logprobs(CFG, params, b.tokens_BxT, b.positions_BxT, b.valid_BxT, TEMP)
     b = b.replace(old_logprobs_BxT=cur * b.completion_mask_BxT)
@@ -126,7 +126,8 @@ def test_mixed_precision_master_weights(params):
     pmx, smx, lmx = _run(params, b, cfg, "bfloat16", 3)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves((pmx, smx))
                if hasattr(x, "dtype") and x.ndim > 0)
-    np.testing.assert_allclose(lmx, l32, atol=2e-3)
+    np.testing.assert_allclose(lmx, l32, rtol=1e-2)
+    assert lmx[-1] < lmx[0] and l32[-1] < l32[0]
     moved = [float(jnp.mean(a != c)) for a, c in zip(jax.tree_util.tree_leaves(pmx),
                                                     jax.tree_util.tree_leaves(params))]
     assert min(moved) > 0.95, moved  # (norm weights included)

@@ -47,6 +47,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"das-jax train: {e}", file=sys.stderr)
         return 2
 
+    from das_jax.plan import PlanError, check_before_training
+    try:
+        check_before_training(config)  # before any weights are loaded
+    except PlanError as e:
+        print(f"das-jax train: {e}", file=sys.stderr)
+        return 2
+
     from das_jax.rl.trainer import GRPOTrainer, TrainError
     try:
         trainer = GRPOTrainer(config)
