@@ -209,8 +209,14 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     # ---- rollout: one engine per device, full compute-dtype params ----
     one = jax.devices()[0]
     single = NamedSharding(shard_lib.make_mesh(devices=[one]), PartitionSpec())
+    # XLA:CPU upcasts bf16 matmuls and scatters to f32 (copies of the weights and of the whole
+    # cache, ~2-4x their size), which a GPU does not: on CPU, 16-bit rollout executables are
+    # analysed as their float32 stand-ins, whose scratch (f32 scores / logits as in bf16, f32
+    # activations) bounds the bf16 program's from above.
+    rdtype = (jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" and compute.itemsize < 4
+              else compute)
     cparams_abs = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, compute, sharding=single), params_shape)
+        lambda x: jax.ShapeDtypeStruct(x.shape, rdtype, sharding=single), params_shape)
     W = max(r.draft_widths)
     S = r.max_cache_len
     slots = r.max_slots
@@ -220,7 +226,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     slots = max(slots, 1)
     cache_abs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                       sharding=single),
-                                       DenseKVCache.abstract(mc, slots, S, compute))
+                                       DenseKVCache.abstract(mc, slots, S, rdtype))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=single)  # noqa: E731
     skey = (float(r.temperature), int(r.top_k), float(r.top_p))
     verify_mem = _mem(step_lib.verify.lower(mc, skey, S, cparams_abs, cache_abs, i32(slots),
@@ -257,7 +263,8 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
         + max(0, update_mem["output"] - update_mem["alias"]),
     }
     shapes = {"slots": slots, "cache_len": S, "width": W, "micro_batch": mb, "train_len": T,
-              "remat": t.remat, "dtype": f"{compute.name}/{master.name}"}
+              "remat": t.remat, "dtype": f"{compute.name}/{master.name}",
+              "rollout_analysis": rdtype.name}
     return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
                       {k: int(v) for k, v in phases.items()}, shapes)
 

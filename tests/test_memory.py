@@ -191,7 +191,8 @@ def test_plan_tiny_config_fits_and_refuses():
         "grpo": {"num_generations": 2, "prompts_per_step": 2, "micro_batch_size": 2}})
     p = plan_in_process(config, 1, int(1e9), model_config=CFG)
     n_params = CFG.num_params()
-    assert p.rows["master"] == n_params * 4 and p.rows["optimizer"] == 2 * n_params * 4
+    assert p.rows["master"] == n_params * 4
+    assert 0 <= p.rows["optimizer"] - 2 * n_params * 4 <= 64  # Adam moments + step counts
     assert p.rows["kv_cache"] == DenseKVCache.nbytes_for(CFG, 4, 64, jnp.float32)
     assert p.fits and 0 < p.peak < 1e8
     small = plan_in_process(config, 1, p.peak // 2, model_config=CFG)
