@@ -63,7 +63,8 @@ def model_config_for(source: str):
     from das_jax.models.config import ModelConfig
     if source in KNOWN_MODELS:
         return ModelConfig(**KNOWN_MODELS[source])
-    from das_jax.models.load import resolve_source
+    from das_jax.models import load as _load  # noqa: F401  caches the function on the package
+    from das_jax.models.load import resolve_source  # (so this import cannot shadow it)
     kind, path = resolve_source(source)
     if kind == "hf_dir":
         from das_jax.models.loaders.hf_dir import read_hf_config

@@ -4,10 +4,9 @@ Every user of the cache goes through these operations (and never indexes `k` / `
 
     zeros(config, batch, max_len, dtype)     an empty cache of `batch` rows x `max_len` positions
     nbytes_for(config, batch, max_len, dtype) bytes it would take (sizing from a memory budget)
-    layers() / layer(i)                      the per-layer pytree (all layers / layer i)
+    layers()                                 the per-layer pytree `forward_hidden` scans over
     attended(layer, kv_len)                  that layer's attended view `[B, kv_len, KVH, K]`
     write(k_new, v_new, cache_len_B)         store new tokens' K/V at positions cache_len[b] + t
-    write_layer(i, k_new, v_new, cache_len_B) the same for one layer (in place in the layer scan)
     insert_rows(slots_R, src, src_R)         copy rows of a (prefill scratch) cache into slots
     gather_rows(rows_B)                      a cache of the given rows (tail compaction)
 
@@ -96,23 +95,6 @@ class DenseKVCache:
     def layers(self):
         """The per-layer pytree scanned with the layer params: (k_l, v_l) `[B, S, KVH, K]`."""
         return (self.k, self.v)
-
-    def layer(self, i):
-        """Layer `i` (a traced index) as the pytree `attended` takes."""
-        return (self.k[i], self.v[i])
-
-    def write_layer(self, i, k_new_BxTxKVHxK, v_new_BxTxKVHxK, cache_len_B) -> "DenseKVCache":
-        """`write` for layer `i` only: used inside the layer scan with the cache as its carry,
-        so XLA updates the one cache buffer in place (a scatter after the scan would need a
-        second full-size cache while the scan still reads the old one)."""
-        B, T = k_new_BxTxKVHxK.shape[:2]
-        rows_Bx1 = jnp.arange(B)[:, None]
-        cols_BxT = cache_len_B[:, None] + jnp.arange(T)[None, :]
-        return DenseKVCache(
-            k=self.k.at[i, rows_Bx1, cols_BxT].set(k_new_BxTxKVHxK.astype(self.k.dtype),
-                                                   mode="drop"),
-            v=self.v.at[i, rows_Bx1, cols_BxT].set(v_new_BxTxKVHxK.astype(self.v.dtype),
-                                                   mode="drop"))
 
     @staticmethod
     def attended(layer, kv_len: int):

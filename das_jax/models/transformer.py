@@ -267,16 +267,13 @@ def forward_hidden(
         mask_BxTxS = jnp.concatenate(
             [jnp.broadcast_to(old_mask_BxS[:, None, :], (B, T, S)), new_mask_BxTxT], axis=-1)
 
-        # The cache is the scan's carry and each layer writes its new K/V into it, so the one
-        # cache buffer is updated in place (no second full-size cache).
-        def body(carry, inputs):
-            x, cache = carry
-            lp, i = inputs
+        def body(x, inputs):
+            lp, layer = inputs
             x, k, v = _layer(config, inv_freq, x, lp, positions_BxT,
-                             cache.attended(cache.layer(i), S), mask_BxTxS)
-            return (x, cache.write_layer(i, k, v, cache_len_B)), None
-        (x_BxTxD, new_cache), _ = jax.lax.scan(
-            body, (x_BxTxD, kv_cache), (layers, jnp.arange(config.num_layers)))
+                             kv_cache.attended(layer, S), mask_BxTxS)
+            return x, (k, v)
+        x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.layers()))
+        new_cache = kv_cache.write(k_new, v_new, cache_len_B)
     h = rms_norm(x_BxTxD, params["final_norm"], config.rms_norm_eps)
     return h, new_cache
 
