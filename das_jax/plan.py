@@ -195,7 +195,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     train_fn = jax.jit(lambda p, xs, c: kernel(mc, loss_cfg, p, xs, c, activation=act,
                                                 compute_dtype=compute.name),
                        out_shardings=c_shard, donate_argnums=(2,))
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
+    with jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh:
         train_mem = _mem(train_fn.lower(params_abs, xs_abs, carry_abs).compile())
 
         def apply(p, s, grads):
