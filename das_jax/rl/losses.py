@@ -29,6 +29,10 @@ that depend only on the completion mask of the *whole* batch (`token_loss_weight
 the weights once from the full batch and summing `w * loss` over micro-batches therefore gives the
 full-batch loss (and gradient) exactly, whatever the micro-batch split.
 
+Each aggregation is a `Loss` registered by name (`@register_loss("dapo")`); a new loss subclasses
+`Loss` (per-token terms and weights) and is selected by `LossConfig.loss_type`, the one hashable
+static loss argument of the train-step kernels.
+
 Clip metrics follow TRL: a token is "low clipped" when `ratio < 1 - epsilon` and `A < 0`, "high
 clipped" when `ratio > 1 + epsilon_high` and `A > 0` (the cases where the clipped branch is the
 active one and the gradient is zero); "region" is their union. Metrics are token means over the

@@ -15,12 +15,14 @@ those of the truncated distribution and the ratio measures the (real) mismatch b
 and trained policy. With `num_iterations > 1` the rollout log-probs are the correct PPO "old"
 policy for every iteration.
 
-Micro-batching: the batch of `N` sequences is split into `ceil(N / micro_batch_size)` micro-batches
-processed by one `lax.scan`, so peak activation memory is that of one micro-batch (its logits
-`[mb, T, V]` plus the layer activations kept for the backward pass). The loss weights of
-`losses.token_loss_weights` are computed from the *full* batch first, so the accumulated gradient
-equals the full-batch gradient for every `loss_type`. When `N` is not a multiple of
-`micro_batch_size`, the batch is padded with rows whose weights are zero.
+Micro-batching: the batch of `N` sequences is split into `ceil(N / micro_batch_size)`
+micro-batches, grouped by length (`micro_batch_plan`) and each cut to its own padded length, fed
+one at a time to the jitted `accumulate_grads`, which adds the loss, float32 gradient and metric
+sums to a donated accumulator. The loss weights (`Loss.weights` of the registered `loss_type`)
+are computed from the *full* batch first, so the accumulated gradient equals the full-batch
+gradient for every loss. Memory per micro-batch: per-layer remat, chunked attention and a
+chunked lm_head + log-softmax (`ActivationConfig`), never the full `[mb, T, V]` logits. Mixed
+precision: params (master) in float32, forward / backward in `compute_dtype`.
 """
 from __future__ import annotations
 
