@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "das_jax.engine.cli",     # generate
     "das_jax.rl.cli",         # train, samples, compare
     "das_jax.bench.cli",      # bench engine|drafter|rollout|replay
+    "das_jax.plan",           # plan
 )
 
 

@@ -95,6 +95,11 @@ class RolloutSection:
     max_cache_len: int = 1024
     draft_widths: tuple[int, ...] = (1, 4, 8)
     stop_token_ids: tuple[int, ...] = ()
+    # KV-cache memory budget per device in GB (None: kv_memory_fraction of the device's free
+    # memory at start-up). The engine runs min(max_slots, what fits) rows and refuses to start
+    # when not one row of max_cache_len fits.
+    kv_memory_gb: Optional[float] = None
+    kv_memory_fraction: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,8 @@ class GRPOSection:
     # pre-update params over the rollouts, as verl does; a pure function of params and tokens,
     # so training is reproducible bit for bit) or "rollout" (the engine's sampling log-probs).
     old_logprobs: str = _choices("recompute", "rollout", default="recompute")
+    # A registered advantage estimator (`das_jax.rl.advantages.register_advantage`).
+    advantage_estimator: str = "grpo"
 
     @property
     def batch_size(self) -> int:
@@ -176,6 +183,17 @@ class TrainSection:
     save_every: int = 10
     keep_checkpoints: int = 3
     log_samples: int = 4
+    # Memory (see README "Memory"): master weights / Adam moments dtype (model.dtype is the
+    # compute dtype; "bfloat16" here is pure bf16 training, lossy: small updates round away);
+    # per-layer rematerialisation; tokens per chunk of the lm_head + log-softmax; query rows per
+    # attention chunk; check the memory plan before loading weights (device_memory_gb: None reads
+    # the device).
+    master_dtype: str = _choices("float32", "bfloat16", default="float32")
+    remat: str = _choices("none", "full", "dots", default="full")
+    logits_chunk: int = 1024
+    attention_chunk: int = 1024
+    memory_check: bool = True
+    device_memory_gb: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +419,12 @@ def validate(cfg: Config) -> Config:
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
     _check(t.save_every >= 0, f"train.save_every must be >= 0 (0 disables), got {t.save_every}")
     _check(t.log_samples >= 0, f"train.log_samples must be >= 0 (0 disables), got {t.log_samples}")
+    _check(r.kv_memory_gb is None or r.kv_memory_gb > 0,
+           f"rollout.kv_memory_gb must be > 0 or null, got {r.kv_memory_gb}")
+    _check(0 < r.kv_memory_fraction <= 1,
+           f"rollout.kv_memory_fraction must be in (0, 1], got {r.kv_memory_fraction}")
+    _check(t.logits_chunk >= 1 and t.attention_chunk >= 1,
+           "train.logits_chunk and train.attention_chunk must be >= 1")
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
     return dataclasses.replace(cfg, grpo=g)
 

@@ -108,12 +108,18 @@ class EngineConfig:
       `generate` call is sized to what its requests need, up to this.
     draft_widths: compiled W values (1 + draft tokens); must contain 1.
     min_prompt_bucket: smallest prompt-length bucket.
+    kv_memory_gb / kv_memory_fraction: KV-cache budget per device, in GB or as a fraction of the
+      device's free memory when the engine is built (both None: no budget). The engine then runs
+      `min(max_slots, rows of max_cache_len that fit)` slots (`Engine.slots`), and refuses to
+      start (`GenerateError` naming `rollout.kv_memory_gb`) when not one row fits.
     """
 
     max_slots: int = 16
     max_cache_len: int = 2048
     draft_widths: tuple[int, ...] = (1, 4, 8)
     min_prompt_bucket: int = 16
+    kv_memory_gb: float | None = None
+    kv_memory_fraction: float | None = None
 
     def __post_init__(self):
         if self.max_slots < 1:
@@ -162,6 +168,54 @@ class _Compiled:
         return compiled
 
 
+def device_free_bytes(device: jax.Device | None = None) -> int | None:
+    """Free memory of `device` (default: the first device) in bytes: `bytes_limit - bytes_in_use`
+    of its allocator, or the host's available memory for a CPU device; None when unknown."""
+    device = device or jax.devices()[0]
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without allocator stats
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        import os
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def size_slots(config: ModelConfig, ec: "EngineConfig", dtype, device=None) -> "EngineConfig":
+    """`ec` with `max_slots` lowered to the rows of `max_cache_len` positions that fit the KV
+    budget (`EngineConfig.kv_memory_gb`, else `kv_memory_fraction` of the free device memory).
+
+    Raises:
+      GenerateError: not one row fits; names `rollout.kv_memory_gb` / `rollout.max_cache_len`.
+    """
+    if ec.kv_memory_gb is not None:
+        budget, source = int(ec.kv_memory_gb * 1e9), f"rollout.kv_memory_gb={ec.kv_memory_gb}"
+    elif ec.kv_memory_fraction is not None:
+        free = device_free_bytes(device)
+        if free is None:
+            return ec
+        budget = int(ec.kv_memory_fraction * free)
+        source = (f"rollout.kv_memory_fraction={ec.kv_memory_fraction} of {free / 1e9:.2f} GB "
+                  "free device memory")
+    else:
+        return ec
+    per_row = KVCache.nbytes_for(config, 1, ec.max_cache_len, dtype)
+    rows = budget // per_row
+    if rows < 1:
+        raise GenerateError(
+            f"the KV cache needs {per_row / 1e9:.3f} GB per row (max_cache_len={ec.max_cache_len}"
+            f" positions) but the budget is {budget / 1e9:.3f} GB ({source}); raise "
+            "rollout.kv_memory_gb or lower rollout.max_cache_len")
+    if rows >= ec.max_slots:
+        return ec
+    return dataclasses.replace(ec, max_slots=int(rows))
+
+
 class Engine:
     """The rollout engine for one model.
 
@@ -174,16 +228,31 @@ class Engine:
         executables live there (params passed to `generate` are copied there); None = JAX's
         default placement. One engine per device gives data-parallel rollouts
         (`das_jax.rollout.multi_device`).
+      dtype: the compute dtype the KV cache is sized for (default: the params' dtype). An engine
+        built with params=None (a trainer that passes fresh params to every `generate`, so the
+        engine keeps none alive) needs it.
     """
 
-    def __init__(self, config: ModelConfig, params: Params, eos_token_ids: Sequence[int] = (),
-                 engine_config: EngineConfig = EngineConfig(), device: jax.Device | None = None):
+    def __init__(self, config: ModelConfig, params: Params | None,
+                 eos_token_ids: Sequence[int] = (), engine_config: EngineConfig = EngineConfig(), device: jax.Device | None = None,
+                 dtype=None):
         self.config = config
         self.device = device
-        self.params = params if device is None else jax.device_put(params, device)
+        self.params = params if device is None or params is None else jax.device_put(params,
+                                                                                      device)
         self.eos_token_ids = validate_stop_ids(eos_token_ids, config.vocab_size)
-        self.engine_config = engine_config
+        if dtype is None:
+            if params is None:
+                raise GenerateError("an Engine built without params needs its compute dtype "
+                                    "(dtype=...) to size the KV cache")
+            dtype = params["embed"].dtype
+        self.engine_config = size_slots(config, engine_config, jnp.dtype(dtype), device)
         self._compiled = _Compiled(device)
+
+    @property
+    def slots(self) -> int:
+        """Concurrent rows after sizing from the KV memory budget (<= engine_config.max_slots)."""
+        return self.engine_config.max_slots
 
     # ------------------------------------------------------------------ validation
     def validate(self, requests: Sequence[Request], sampling: SamplingParams) -> None:

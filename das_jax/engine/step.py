@@ -47,15 +47,12 @@ def prefill_insert(
     U, T = tokens_UxT.shape
     positions_UxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (U, T))
     valid_UxT = positions_UxT < lengths_U[:, None]
-    scratch = KVCache.zeros(config, U, T, cache.k.dtype)
+    scratch = type(cache).zeros(config, U, T, cache.dtype)
     hidden, scratch = forward_hidden(config, params, tokens_UxT, positions_UxT, scratch,
                                      jnp.zeros((U,), jnp.int32), valid_BxT=valid_UxT, kv_len=0)
     last_Ux1xD = jnp.take_along_axis(hidden, (lengths_U - 1)[:, None, None], axis=1)
     logits_UxV = lm_head(config, params, last_Ux1xD)[:, 0]
-    new_cache = KVCache(
-        k=cache.k.at[:, slots_R, :T].set(scratch.k[:, src_R], mode="drop"),
-        v=cache.v.at[:, slots_R, :T].set(scratch.v[:, src_R], mode="drop"),
-    )
+    new_cache = cache.insert_rows(slots_R, scratch, src_R)
     tokens_R, logprobs_R = sampling_lib.sample(logits_UxV[src_R], seeds_R, lengths_U[src_R],
                                                sampling_key)
     return new_cache, tokens_R, logprobs_R
@@ -109,4 +106,4 @@ def gather_rows(cache: KVCache, rows_B: jax.Array) -> KVCache:
 
     rows_B may repeat (padding rows).
     """
-    return KVCache(k=cache.k[:, rows_B], v=cache.v[:, rows_B])
+    return cache.gather_rows(rows_B)

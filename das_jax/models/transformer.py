@@ -25,41 +25,52 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.struct
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from das_jax.models.config import ModelConfig
+from das_jax.models.kv_cache import DenseKVCache, KVCache  # noqa: F401  (re-exported)
 
 Params = dict[str, Any]
 _MASK_VALUE = -1e30
 
 
-@flax.struct.dataclass
-class KVCache:
-    """Key/value cache, post-RoPE keys.
+@dataclasses.dataclass(frozen=True)
+class ActivationConfig:
+    """How the teacher-forced (training) forward spends activation memory. Hashable (static).
 
-    k, v: `[L, B, S, KVH, K]` in the parameter dtype. Row b holds `cache_len[b]` valid positions
-    (tracked by the caller); positions at or past `cache_len` are garbage and are never attended,
-    so rejected draft tokens are rolled back simply by not advancing `cache_len`.
+    remat: "none" keeps every layer's activations for the backward pass; "full" keeps only each
+      layer's input and recomputes the layer in the backward pass (`jax.checkpoint` with
+      `nothing_saveable`); "dots" also keeps the matmul outputs without batch dimensions
+      (`dots_with_no_batch_dims_saveable`: less recompute, more memory).
+    attention: "xla" (`jax.nn.dot_product_attention(implementation="xla")` over query chunks of
+      `attention_chunk` rows, each chunk rematerialised, so the f32 scores are
+      `[B, H, chunk, T]`, never `[B, H, T, T]`), "cudnn" (cuDNN flash attention: causal with
+      per-row lengths; needs bf16/f16 and right-padded rows, i.e. `valid` a prefix of each row)
+      or "auto" (cudnn on a GPU backend with a 16-bit dtype, else xla).
+    attention_chunk: query rows per chunk of the xla attention.
+    logits_chunk: tokens (rows x positions) per chunk of the lm_head + log-softmax + loss in the
+      train step: the f32 logits are `[mb, logits_chunk // mb, V]`, never `[mb, T, V]`.
     """
 
-    k: jax.Array
-    v: jax.Array
+    remat: str = "none"
+    attention: str = "auto"
+    attention_chunk: int = 1024
+    logits_chunk: int = 1024
 
-    @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.attention not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"attention must be auto, xla or cudnn, got {self.attention!r}")
+        if self.attention_chunk < 1 or self.logits_chunk < 1:
+            raise ValueError("attention_chunk and logits_chunk must be >= 1")
 
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
 
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
@@ -121,8 +132,44 @@ def _attention(config: ModelConfig, q_BxTxHxK, k_BxSxKVHxK, v_BxSxKVHxK, mask_Bx
     return out.reshape(B, T, H, K)
 
 
-def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, cache_k, cache_v, mask_BxTxS):
-    """One pre-norm block. Returns the new residual and this block's new (k, v) `[B, T, KVH, K]`."""
+def _train_attention(q_BxTxHxK, k_BxTxKVHxK, v_BxTxKVHxK, valid_BxT, act: ActivationConfig):
+    """Causal self-attention of the teacher-forced forward through `jax.nn.dot_product_attention`
+    (keys at invalid positions never attended). See `ActivationConfig.attention`."""
+    impl = act.attention
+    if impl == "auto":
+        impl = ("cudnn" if jax.default_backend() == "gpu"
+                and q_BxTxHxK.dtype in (jnp.bfloat16, jnp.float16) else "xla")
+    B, T = valid_BxT.shape
+    if impl == "cudnn":
+        lengths_B = jnp.sum(valid_BxT, axis=1).astype(jnp.int32)
+        return jax.nn.dot_product_attention(
+            q_BxTxHxK, k_BxTxKVHxK, v_BxTxKVHxK, is_causal=True, query_seq_lengths=lengths_B,
+            key_value_seq_lengths=lengths_B, implementation="cudnn")
+    C = min(act.attention_chunk, T)
+    n = -(-T // C)
+
+    def chunk(q_BxCxHxK, start):
+        rows_C = start + jnp.arange(C)
+        mask_BxCxT = (jnp.arange(T)[None, :] <= rows_C[:, None])[None] & valid_BxT[:, None, :]
+        return jax.nn.dot_product_attention(q_BxCxHxK, k_BxTxKVHxK, v_BxTxKVHxK,
+                                            mask=mask_BxCxT[:, None], implementation="xla")
+
+    if n == 1:
+        return chunk(q_BxTxHxK, 0)
+    q_pad = jnp.pad(q_BxTxHxK, ((0, 0), (0, n * C - T), (0, 0), (0, 0)))
+    q_NxBxCxHxK = q_pad.reshape(B, n, C, *q_pad.shape[2:]).swapaxes(0, 1)
+    # Each chunk rematerialised: the backward pass keeps [B, H, C, T] scores of one chunk at a time.
+    out_N = jax.lax.map(lambda xs: jax.checkpoint(chunk)(*xs),
+                        (q_NxBxCxHxK, jnp.arange(n, dtype=jnp.int32) * C))
+    return out_N.swapaxes(0, 1).reshape(B, n * C, *q_pad.shape[2:])[:, :T]
+
+
+def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, cache_kv, mask_BxTxS,
+           valid_BxT=None, act: "ActivationConfig | None" = None):
+    """One pre-norm block. Returns the new residual and this block's new (k, v) `[B, T, KVH, K]`.
+
+    With `cache_kv` (the attended cache prefix) the einsum attention over `mask_BxTxS` is used
+    (decode / verify: T is small); without it, `_train_attention` (teacher-forced, causal)."""
     h = rms_norm(x_BxTxD, lp["attn_norm"], config.rms_norm_eps)
     q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
     k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
@@ -133,17 +180,28 @@ def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, cache_k, c
         q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
     q, k = rope(q, positions_BxT, inv_freq), rope(k, positions_BxT, inv_freq)
-    if cache_k is not None:
+    if cache_kv is not None:
+        cache_k, cache_v = cache_kv
         keys, values = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
+        attn = _attention(config, q, keys, values, mask_BxTxS)
+    elif act is not None:
+        attn = _train_attention(q, k, v, valid_BxT, act)
     else:
-        keys, values = k, v
-    attn = _attention(config, q, keys, values, mask_BxTxS)
+        attn = _attention(config, q, k, v, mask_BxTxS)
     x_BxTxD = x_BxTxD + jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
     h = rms_norm(x_BxTxD, lp["mlp_norm"], config.rms_norm_eps)
     gate = jax.nn.silu(jnp.einsum("btd,df->btf", h, lp["w_gate"]))
     up = jnp.einsum("btd,df->btf", h, lp["w_up"])
     x_BxTxD = x_BxTxD + jnp.einsum("btf,fd->btd", gate * up, lp["w_down"])
     return x_BxTxD, k, v
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    saveable = {"full": jax.checkpoint_policies.nothing_saveable,
+                "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[policy]
+    return jax.checkpoint(fn, policy=saveable)
 
 
 def forward_hidden(
@@ -156,6 +214,7 @@ def forward_hidden(
     *,
     valid_BxT: jax.Array | None = None,
     kv_len: int | None = None,
+    activation: ActivationConfig | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder stack; returns final-normed hidden states and the updated cache.
 
@@ -164,7 +223,7 @@ def forward_hidden(
       params: params pytree (module docstring).
       tokens_BxT: int32 token ids.
       positions_BxT: int32 RoPE positions (absolute token index of each token).
-      kv_cache: optional `KVCache` with `[L, B, S, KVH, K]` arrays. When given, token t of row b
+      kv_cache: optional KV cache (`das_jax.models.kv_cache`). When given, token t of row b
         is written at cache index `cache_len_B[b] + t` and attends to cache indices
         `< cache_len_B[b]` plus new tokens `<= t`. Writes past S are dropped.
       cache_len_B: int32 `[B]`, valid cache entries per row (required with `kv_cache`).
@@ -172,47 +231,49 @@ def forward_hidden(
         attended. Defaults to all valid.
       kv_len: static number of leading cache positions to attend (<= S, defaults to S). Callers
         that know every row's `cache_len` is at most kv_len use it to read less of the cache.
+      activation: without a cache only: `ActivationConfig` (remat policy, attention kernel and
+        chunking of the teacher-forced forward). None: plain einsum attention over the full
+        `[B, H, T, T]` scores and no remat (the reference path).
 
     Returns:
-      (hidden_BxTxD in the param dtype, updated KVCache or None).
+      (hidden_BxTxD in the param dtype, updated KV cache or None).
     """
     B, T = tokens_BxT.shape
     if valid_BxT is None:
         valid_BxT = jnp.ones((B, T), bool)
-    causal_TxT = jnp.tril(jnp.ones((T, T), bool))
-    new_mask_BxTxT = causal_TxT[None] & valid_BxT[:, None, :]
     x_BxTxD = params["embed"][tokens_BxT]
     inv_freq = config.rope_inv_freq()
     layers = params["layers"]
 
     if kv_cache is None:
+        if activation is not None:
+            mask = None
+        else:
+            mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BxT[:, None, :]
+
         def body(x, lp):
-            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT, None, None, new_mask_BxTxT)
+            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT, None, mask, valid_BxT,
+                             activation)
             return x, None
+        body = _remat(body, activation.remat if activation is not None else "none")
         x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, layers)
         new_cache = None
     else:
         if cache_len_B is None:
             raise ValueError("forward with a kv_cache needs cache_len_B")
         S = kv_cache.max_len if kv_len is None else min(kv_len, kv_cache.max_len)
+        new_mask_BxTxT = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BxT[:, None, :]
         old_mask_BxS = jnp.arange(S)[None, :] < cache_len_B[:, None]
         mask_BxTxS = jnp.concatenate(
             [jnp.broadcast_to(old_mask_BxS[:, None, :], (B, T, S)), new_mask_BxTxT], axis=-1)
+
         def body(x, inputs):
-            lp, k_l, v_l = inputs
-            # Slice the attended prefix per layer (slicing the stacked cache up front would copy
-            # every layer's cache each step).
-            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT, k_l[:, :S], v_l[:, :S],
-                             mask_BxTxS)
+            lp, layer = inputs
+            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT,
+                             kv_cache.attended(layer, S), mask_BxTxS)
             return x, (k, v)
-        x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.k, kv_cache.v))
-        # One scatter for all layers: rows b, cache positions cache_len[b] + t.
-        rows_Bx1 = jnp.arange(B)[:, None]
-        cols_BxT = cache_len_B[:, None] + jnp.arange(T)[None, :]
-        new_cache = KVCache(
-            k=kv_cache.k.at[:, rows_Bx1, cols_BxT].set(k_new.astype(kv_cache.k.dtype), mode="drop"),
-            v=kv_cache.v.at[:, rows_Bx1, cols_BxT].set(v_new.astype(kv_cache.v.dtype), mode="drop"),
-        )
+        x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.layers()))
+        new_cache = kv_cache.write(k_new, v_new, cache_len_B)
     h = rms_norm(x_BxTxD, params["final_norm"], config.rms_norm_eps)
     return h, new_cache
 
@@ -240,10 +301,11 @@ def forward(
     *,
     valid_BxT: jax.Array | None = None,
     kv_len: int | None = None,
+    activation: ActivationConfig | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """`forward_hidden` followed by `lm_head`: returns (float32 logits_BxTxV, updated cache)."""
     h, cache = forward_hidden(config, params, tokens_BxT, positions_BxT, kv_cache, cache_len_B,
-                              valid_BxT=valid_BxT, kv_len=kv_len)
+                              valid_BxT=valid_BxT, kv_len=kv_len, activation=activation)
     return lm_head(config, params, h), cache
 
 

@@ -98,3 +98,33 @@ def advantage_metrics(rewards_N, num_generations: int) -> dict[str, float]:
         "reward_std": float(np.asarray(stats.std_N).mean()),
         "frac_reward_zero_std": float(np.asarray(stats.is_std_zero_N).mean()),
     }
+
+
+# ----- advantage-estimator registry ---------------------------------------------------------------
+
+_ADVANTAGES: dict = {}
+
+
+def register_advantage(name: str):
+    """Function decorator: registers `fn(rewards_N, grpo_config) -> float32 [N] advantages` under
+    `name` (replacing any earlier one); `grpo.advantage_estimator` selects it. `grpo_config` is the
+    `config.GRPOSection` (num_generations, scale_rewards, ...)."""
+    def deco(fn):
+        _ADVANTAGES[name] = fn
+        return fn
+    return deco
+
+
+def get_advantage(name: str):
+    """The registered estimator `name`; ValueError naming the registered ones otherwise."""
+    try:
+        return _ADVANTAGES[name]
+    except KeyError:
+        raise ValueError(f"advantage_estimator must be one of {tuple(_ADVANTAGES)}, "
+                         f"got {name!r}") from None
+
+
+@register_advantage("grpo")
+def grpo_advantages(rewards_N, grpo_config) -> jnp.ndarray:
+    """`group_advantages` with the config's num_generations and scale_rewards."""
+    return group_advantages(rewards_N, grpo_config.num_generations, grpo_config.scale_rewards)

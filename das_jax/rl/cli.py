@@ -153,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
 
         from das_jax.rl.run_log import phase, setup_console_logging
         setup_console_logging()
+        from das_jax.plan import check_before_training
+        check_before_training(config)  # the memory plan, before any weights are loaded
         from das_jax.rl.trainer import GRPOTrainer
         model = _load_model(config)
         try:

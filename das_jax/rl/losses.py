@@ -29,6 +29,10 @@ that depend only on the completion mask of the *whole* batch (`token_loss_weight
 the weights once from the full batch and summing `w * loss` over micro-batches therefore gives the
 full-batch loss (and gradient) exactly, whatever the micro-batch split.
 
+Each aggregation is a `Loss` registered by name (`@register_loss("dapo")`); a new loss subclasses
+`Loss` (per-token terms and weights) and is selected by `LossConfig.loss_type`, the one hashable
+static loss argument of the train-step kernels.
+
 Clip metrics follow TRL: a token is "low clipped" when `ratio < 1 - epsilon` and `A < 0`, "high
 clipped" when `ratio > 1 + epsilon_high` and `A > 0` (the cases where the clipped branch is the
 active one and the gradient is zero); "region" is their union. Metrics are token means over the
@@ -36,12 +40,130 @@ completion tokens of the batch.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # the built-in registered losses
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Every loss hyper-parameter, hashable: the one static loss argument of the jitted kernels.
+
+    loss_type: a registered loss name (`register_loss`; built in: grpo, dr_grpo, dapo).
+    epsilon / epsilon_high: clip range [1 - epsilon, 1 + epsilon_high] (epsilon_high None: epsilon).
+    beta: KL coefficient (0 disables the KL term and the reference log-probs).
+    max_completion_length: the Dr. GRPO normaliser (tokens).
+    temperature: the sampling temperature the logits are divided by (> 0).
+    """
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    max_completion_length: int | None = None
+    temperature: float = 1.0
+
+    @property
+    def epsilon_hi(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def from_grpo(cls, grpo_config, temperature: float = 1.0) -> "LossConfig":
+        """From a `config.GRPOSection` (or any object with its attribute names)."""
+        eh = grpo_config.epsilon_high
+        return cls(loss_type=str(grpo_config.loss_type), epsilon=float(grpo_config.epsilon),
+                   epsilon_high=None if eh is None else float(eh), beta=float(grpo_config.beta),
+                   max_completion_length=grpo_config.max_completion_length,
+                   temperature=float(temperature))
+
+
+class Loss:
+    """A registered policy loss: per-token terms and the aggregation weights.
+
+    Subclass, override what differs and register with `@register_loss("name")`:
+
+      * `per_token(logp, old_logp, advantages, mask, ref_logp, cfg) -> PerTokenTerms`: the default
+        is the clipped surrogate + k3 KL of `per_token_terms`. It must be elementwise over tokens
+        (the train step calls it on chunks of tokens, `[B, C]` at a time, never the whole `[B, T]`).
+      * `weights(mask, cfg, num_sequences) -> w_BxT`: the loss is `sum(w * loss_BxT)`, with
+        weights computed once from the whole batch's completion mask (so micro-batching is exact).
+    """
+
+    name = "?"
+
+    def per_token(self, logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT, ref_logp_BxT,
+                  cfg: LossConfig) -> "PerTokenTerms":
+        return per_token_terms(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT,
+                               epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_hi, beta=cfg.beta,
+                               ref_logp_BxT=ref_logp_BxT if cfg.beta else None)
+
+    def weights(self, completion_mask_BxT, cfg: LossConfig, num_sequences: int | None = None):
+        raise NotImplementedError
+
+
+_LOSSES: dict[str, Loss] = {}
+
+
+def register_loss(name: str):
+    """Class decorator: registers an instance of a `Loss` subclass under `name` (replacing any
+    earlier one) and returns the class. `get_loss(name)` then finds it; the train step reads
+    `LossConfig.loss_type`."""
+    def deco(cls):
+        inst = cls()
+        inst.name = name
+        _LOSSES[name] = inst
+        return cls
+    return deco
+
+
+def get_loss(name: str) -> Loss:
+    """The registered loss `name`; ValueError naming the registered ones otherwise."""
+    try:
+        return _LOSSES[name]
+    except KeyError:
+        raise ValueError(f"loss_type must be one of {tuple(_LOSSES)}, got {name!r}") from None
+
+
+def registered_losses() -> tuple[str, ...]:
+    return tuple(_LOSSES)
+
+
+@register_loss("grpo")
+class GRPOLoss(Loss):
+    """mean over sequences of the per-sequence token mean (GRPO eq. 3)."""
+
+    def weights(self, completion_mask_BxT, cfg, num_sequences=None):
+        m = jnp.asarray(completion_mask_BxT).astype(jnp.float32)
+        B = m.shape[0] if num_sequences is None else num_sequences
+        per_seq_B1 = jnp.maximum(m.sum(axis=1, keepdims=True), 1.0)
+        return m / (per_seq_B1 * B)
+
+
+@register_loss("dr_grpo")
+class DrGRPOLoss(Loss):
+    """sum over tokens / (B * max_completion_length) (Dr. GRPO eq. 2)."""
+
+    def weights(self, completion_mask_BxT, cfg, num_sequences=None):
+        L = cfg.max_completion_length
+        if L is None or L <= 0:
+            raise ValueError("loss_type='dr_grpo' needs a positive max_completion_length "
+                             f"(got {L!r})")
+        m = jnp.asarray(completion_mask_BxT).astype(jnp.float32)
+        B = m.shape[0] if num_sequences is None else num_sequences
+        return m / float(B * L)
+
+
+@register_loss("dapo")
+class DAPOLoss(Loss):
+    """token mean over the whole batch (DAPO eq. 8)."""
+
+    def weights(self, completion_mask_BxT, cfg, num_sequences=None):
+        m = jnp.asarray(completion_mask_BxT).astype(jnp.float32)
+        return m / jnp.maximum(m.sum(), 1.0)
 
 
 class PerTokenTerms(NamedTuple):
@@ -60,7 +182,7 @@ def token_loss_weights(completion_mask_BxT, loss_type: str, max_completion_lengt
 
     Args:
       completion_mask_BxT: bool/float `[B, T]`, 1 on trained completion tokens.
-      loss_type: "grpo", "dr_grpo" or "dapo" (module docstring).
+      loss_type: a registered loss ("grpo", "dr_grpo", "dapo": module docstring).
       max_completion_length: the constant of Dr. GRPO (required for "dr_grpo").
       num_sequences: number of real sequences to average over (defaults to B); pass it when the
         batch carries padding rows (all-False mask) that must not count in "grpo"/"dr_grpo".
@@ -68,19 +190,8 @@ def token_loss_weights(completion_mask_BxT, loss_type: str, max_completion_lengt
     Returns:
       float32 `[B, T]`, zero off the mask.
     """
-    m = jnp.asarray(completion_mask_BxT).astype(jnp.float32)
-    B = m.shape[0] if num_sequences is None else num_sequences
-    if loss_type == "grpo":
-        per_seq_B1 = jnp.maximum(m.sum(axis=1, keepdims=True), 1.0)
-        return m / (per_seq_B1 * B)
-    if loss_type == "dr_grpo":
-        if max_completion_length is None or max_completion_length <= 0:
-            raise ValueError("loss_type='dr_grpo' needs a positive max_completion_length "
-                             f"(got {max_completion_length!r})")
-        return m / float(B * max_completion_length)
-    if loss_type == "dapo":
-        return m / jnp.maximum(m.sum(), 1.0)
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    cfg = LossConfig(loss_type=loss_type, max_completion_length=max_completion_length)
+    return get_loss(loss_type).weights(completion_mask_BxT, cfg, num_sequences)
 
 
 def per_token_terms(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT, *, epsilon: float,

@@ -15,12 +15,14 @@ those of the truncated distribution and the ratio measures the (real) mismatch b
 and trained policy. With `num_iterations > 1` the rollout log-probs are the correct PPO "old"
 policy for every iteration.
 
-Micro-batching: the batch of `N` sequences is split into `ceil(N / micro_batch_size)` micro-batches
-processed by one `lax.scan`, so peak activation memory is that of one micro-batch (its logits
-`[mb, T, V]` plus the layer activations kept for the backward pass). The loss weights of
-`losses.token_loss_weights` are computed from the *full* batch first, so the accumulated gradient
-equals the full-batch gradient for every `loss_type`. When `N` is not a multiple of
-`micro_batch_size`, the batch is padded with rows whose weights are zero.
+Micro-batching: the batch of `N` sequences is split into `ceil(N / micro_batch_size)`
+micro-batches, grouped by length (`micro_batch_plan`) and each cut to its own padded length, fed
+one at a time to the jitted `accumulate_grads`, which adds the loss, float32 gradient and metric
+sums to a donated accumulator. The loss weights (`Loss.weights` of the registered `loss_type`)
+are computed from the *full* batch first, so the accumulated gradient equals the full-batch
+gradient for every loss. Memory per micro-batch: per-layer remat, chunked attention and a
+chunked lm_head + log-softmax (`ActivationConfig`), never the full `[mb, T, V]` logits. Mixed
+precision: params (master) in float32, forward / backward in `compute_dtype`.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import numpy as np
 import optax
 
 from das_jax.models.config import ModelConfig
-from das_jax.models.transformer import forward, token_logprobs
+from das_jax.models.transformer import ActivationConfig, forward, forward_hidden, token_logprobs
 from das_jax.rl import losses
 
 Params = Any
@@ -89,45 +91,111 @@ def _split_micro(tree, micro_batch_size: int):
 def shifted_logits_and_targets(config: ModelConfig, params: Params, tokens_BxT, positions_BxT,
                                valid_BxT):
     """Teacher-forced logits: returns (float32 logits_BxTxV aligned so that row t scores token t,
-    position 0 holds the (unused) logits of position 0 itself)."""
+    position 0 holds the (unused) logits of position 0 itself). The full-logits reference path."""
     logits_BxTxV, _ = forward(config, params, tokens_BxT, positions_BxT, valid_BxT=valid_BxT)
     # logits at t-1 predict token t: shift right by one along T (position 0 has no predecessor).
     return jnp.concatenate([logits_BxTxV[:, :1], logits_BxTxV[:, :-1]], axis=1)
 
 
-def _logp_entropy(config, params, tokens_BxT, positions_BxT, valid_BxT, temperature, with_entropy):
-    logits_BxTxV = shifted_logits_and_targets(config, params, tokens_BxT, positions_BxT, valid_BxT)
-    logp_BxT = token_logprobs(logits_BxTxV, tokens_BxT, temperature)
+def chunked_head_logprobs(config: ModelConfig, params: Params, hidden_BxTxD, targets_BxT,
+                          temperature: float, chunk_tokens: int, with_entropy: bool):
+    """`token_logprobs(lm_head(hidden), targets)` (and the entropy) in chunks over positions.
+
+    The positions are cut into chunks of `C = max(1, chunk_tokens // B)`; each chunk's float32
+    logits `[B, C, V]` are computed, reduced and dropped, and rematerialised in the backward pass
+    (`jax.checkpoint`), so the full `[B, T, V]` logits never exist. Row t of the result scores
+    `targets_BxT[:, t]` with `hidden_BxTxD[:, t]`.
+
+    Returns:
+      (logp_BxT float32, entropy_BxT float32 (of the stop-gradient logits) or None).
+    """
+    B, T, D = hidden_BxTxD.shape
+    C = min(T, max(1, chunk_tokens // B))
+    n = -(-T // C)
+    w_VxD = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    h = jnp.pad(hidden_BxTxD, ((0, 0), (0, n * C - T), (0, 0)))
+    t = jnp.pad(targets_BxT, ((0, 0), (0, n * C - T)))
+    h_NxBxCxD = h.reshape(B, n, C, D).swapaxes(0, 1)
+    t_NxBxC = t.reshape(B, n, C).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(w, h_BxCxD, t_BxC):
+        logits_VxM = jnp.einsum("vd,md->vm", w, h_BxCxD.reshape(B * C, D),
+                                preferred_element_type=jnp.float32)
+        logits_BxCxV = logits_VxM.T.reshape(B, C, -1)
+        logp = token_logprobs(logits_BxCxV, t_BxC, temperature)
+        ent = (losses.entropy_from_logits(jax.lax.stop_gradient(logits_BxCxV), temperature)
+               if with_entropy else jnp.zeros_like(logp))
+        return logp, ent
+
+    if n == 1:
+        logp, ent = one(w_VxD, h_NxBxCxD[0], t_NxBxC[0])
+    else:
+        logp, ent = jax.lax.map(lambda xs: one(w_VxD, *xs), (h_NxBxCxD, t_NxBxC))
+        logp, ent = (x.swapaxes(0, 1).reshape(B, n * C)[:, :T] for x in (logp, ent))
+    return logp, (ent if with_entropy else None)
+
+
+def _logp_entropy(config, params, tokens_BxT, positions_BxT, valid_BxT, temperature, with_entropy,
+                  activation: ActivationConfig | None = None):
+    """Teacher-forced log-probs (0 at t = 0 and invalid t) and entropies, float32 `[B, T]`.
+
+    activation None: the reference path (full `[B, T, V]` logits, einsum attention, no remat);
+    otherwise the memory-bounded path (`ActivationConfig`; chunked head)."""
     first_T = jnp.arange(tokens_BxT.shape[1]) > 0
+    if activation is None:
+        logits_BxTxV = shifted_logits_and_targets(config, params, tokens_BxT, positions_BxT,
+                                                  valid_BxT)
+        logp_BxT = token_logprobs(logits_BxTxV, tokens_BxT, temperature)
+        entropy_BxT = (losses.entropy_from_logits(jax.lax.stop_gradient(logits_BxTxV),
+                                                  temperature) if with_entropy else None)
+    else:
+        h_BxTxD, _ = forward_hidden(config, params, tokens_BxT, positions_BxT, valid_BxT=valid_BxT,
+                                    activation=activation)
+        h_BxTxD = jnp.concatenate([h_BxTxD[:, :1], h_BxTxD[:, :-1]], axis=1)
+        logp_BxT, entropy_BxT = chunked_head_logprobs(
+            config, params, h_BxTxD, tokens_BxT, temperature, activation.logits_chunk, with_entropy)
     logp_BxT = jnp.where(first_T[None] & valid_BxT, logp_BxT, 0.0)
-    entropy_BxT = (losses.entropy_from_logits(jax.lax.stop_gradient(logits_BxTxV), temperature)
-                   if with_entropy else None)
     return logp_BxT, entropy_BxT
 
 
+def cast_params(params: Params, dtype) -> Params:
+    """Params cast to `dtype` (None: unchanged); leaves already in `dtype` are the same arrays."""
+    if dtype is None:
+        return params
+    dtype = jnp.dtype(dtype)
+    return jax.tree_util.tree_map(lambda p: p if p.dtype == dtype else p.astype(dtype), params)
+
+
 def compute_logprobs(model_config: ModelConfig, params: Params, tokens, positions, valid,
-                     temperature: float = 1.0, micro_batch_size: int | None = None) -> jax.Array:
+                     temperature: float = 1.0, micro_batch_size: int | None = None, *,
+                     activation: ActivationConfig | None = ActivationConfig(),
+                     compute_dtype: str | None = None) -> jax.Array:
     """Teacher-forced log-probs of every token given its prefix (no KV cache), float32 `[B, T]`.
 
     `out[b, t] = log_softmax(logits[b, t-1] / temperature)[tokens[b, t]]`; 0 at t = 0 and at
-    invalid positions. Used for reference-policy log-probs and tests. Runs in micro-batches of
-    `micro_batch_size` rows (default: all rows at once) under one jit.
+    invalid positions. Used for old / reference-policy log-probs and tests. Runs in micro-batches
+    of `micro_batch_size` rows (default: all rows at once) under one jit, with the chunked head
+    of `activation` (None: full logits) and params cast to `compute_dtype` (None: as given).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     B = tokens.shape[0]
     mb = B if not micro_batch_size else min(micro_batch_size, B)
     return _compute_logprobs_jit(model_config, params, tokens, jnp.asarray(positions, jnp.int32),
-                                 jnp.asarray(valid, bool), float(temperature), int(mb))
+                                 jnp.asarray(valid, bool), float(temperature), int(mb),
+                                 activation, compute_dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _compute_logprobs_jit(config, params, tokens, positions, valid, temperature, mb):
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8))
+def _compute_logprobs_jit(config, params, tokens, positions, valid, temperature, mb, activation,
+                          compute_dtype):
     B = tokens.shape[0]
+    params = cast_params(params, compute_dtype)
     (tok, pos, val), _ = _split_micro((tokens, positions, valid), mb)
 
     def body(_, xs):
         t, p, v = xs
-        logp, _ = _logp_entropy(config, params, t, p, v, temperature, False)
+        logp, _ = _logp_entropy(config, params, t, p, v, temperature, False, activation)
         return None, logp
 
     _, logp = jax.lax.scan(body, None, (tok, pos, val))
@@ -176,84 +244,132 @@ def make_optimizer(grpo_config, total_steps: int) -> optax.GradientTransformatio
 _SUM_KEYS = ("num_tokens", "kl", "clip_low", "clip_high", "clip_region", "entropy")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def accumulate_grads(model_config: ModelConfig, temperature: float, epsilon: float,
-                     epsilon_high: float, beta: float, params: Params, xs):
+def zero_carry(params: Params):
+    """The accumulator `accumulate_grads` starts from: (loss 0, float32 zero grads, zero sums)."""
+    return (jnp.zeros((), jnp.float32),
+            jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+            {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS})
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("activation", "compute_dtype"),
+                   donate_argnames=("carry",))
+def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, params: Params,
+                     xs, carry=None, *, activation: ActivationConfig | None = ActivationConfig(),
+                     compute_dtype: str | None = None):
     """Loss, float32 gradient and metric sums accumulated over micro-batches (one `lax.scan`).
 
-    The micro-batch kernel, jitted on its own so that it is compiled once per (model, shapes,
-    clip/KL constants) whatever the `loss_type` (which only enters through the weights `w`).
-
     Args:
+      model_config: static model config.
+      loss_config: the static, hashable `losses.LossConfig` (loss type from the `register_loss`
+        registry, clip range, beta, temperature).
+      params: the (master) params; the forward runs on them cast to `compute_dtype` (one copy,
+        made once), and the gradient is taken with respect to that copy and summed in float32.
       xs: tuple of `[n_mb, mb, ...]` arrays (tokens, positions, valid, completion mask, old
         log-probs, ref log-probs, advantages `[n_mb, mb]`, loss weights `w`), see
         `make_loss_and_grad`. The loss is `sum(w * per_token_loss)`.
+      carry: (loss, grads, sums) to add to (donated; `zero_carry(params)` or a previous result),
+        None to start from zero.
+      activation: `ActivationConfig` (remat, attention kernel, chunked head); None: reference path.
+      compute_dtype: dtype name of the forward / backward pass (None: the params' own).
 
     Returns:
       (scalar loss, grads pytree in float32, dict of metric sums `losses.metric_sums`).
     """
+    loss_fn = losses.get_loss(loss_config.loss_type)
+    params_c = cast_params(params, compute_dtype)
+
     def mb_loss(p, x):
         tokens, positions, valid, cmask, old, ref, adv, w = x
-        logp, entropy = _logp_entropy(model_config, p, tokens, positions, valid, temperature, True)
-        terms = losses.per_token_terms(logp, old, adv, cmask, epsilon=epsilon,
-                                       epsilon_high=epsilon_high, beta=beta,
-                                       ref_logp_BxT=ref if beta else None)
+        logp, entropy = _logp_entropy(model_config, p, tokens, positions, valid,
+                                      loss_config.temperature, True, activation)
+        terms = loss_fn.per_token(logp, old, adv, cmask, ref, loss_config)
         return jnp.sum(w * terms.loss_BxT), losses.metric_sums(terms, cmask, entropy)
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
-    zeros = jax.tree_util.tree_map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    sums0 = {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS}
+    if carry is None:
+        carry = zero_carry(params)
 
     def body(carry, x):
         loss_acc, g_acc, s_acc = carry
-        (loss, sums), g = grad_fn(params, x)
+        (loss, sums), g = grad_fn(params_c, x)
         g_acc = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
         s_acc = {k: s_acc[k] + sums[k] for k in s_acc}
         return (loss_acc + loss, g_acc, s_acc), None
 
-    (loss, grads, sums), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros, sums0), xs)
-    return loss, grads, sums
+    carry, _ = jax.lax.scan(body, carry, xs)
+    return carry
 
 
-def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: float = 1.0
+def length_bucket(n: int, floor: int = 64) -> int:
+    """Padded length for a micro-batch whose longest row has `n` tokens: a multiple of
+    `max(floor, 2**(bit_length(n) - 3))` (at most ~4 buckets per doubling, so few compiles)."""
+    step = max(floor, 1 << max(0, int(n).bit_length() - 3))
+    return max(step, -(-int(n) // step) * step)
+
+
+def micro_batch_plan(lengths_N, micro_batch_size: int, T: int, group_by_length: bool = True):
+    """Rows and padded length of each micro-batch: a list of (row indices, T_mb).
+
+    With `group_by_length`, rows are sorted by length (longest first, stable) so each micro-batch
+    holds similar lengths and is cut to `length_bucket` of its longest row (<= T); otherwise rows
+    stay in order and every micro-batch has length T. The last micro-batch may hold fewer rows.
+    """
+    lengths_N = np.asarray(lengths_N)
+    N = len(lengths_N)
+    order = np.argsort(-lengths_N, kind="stable") if group_by_length else np.arange(N)
+    plan = []
+    for i in range(0, N, micro_batch_size):
+        rows = order[i:i + micro_batch_size]
+        T_mb = min(T, length_bucket(int(lengths_N[rows].max()))) if group_by_length else T
+        plan.append((rows, T_mb))
+    return plan
+
+
+def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: float = 1.0,
+                       activation: ActivationConfig | None = ActivationConfig(),
+                       compute_dtype: str | None = None, group_by_length: bool = True
                        ) -> Callable[[Params, TrainBatch], tuple[jax.Array, Params, dict]]:
     """Builds `(params, batch) -> (loss, grads, metrics)` with micro-batched accumulation.
 
-    The loss weights (`losses.token_loss_weights`) come from the full batch, then
-    `accumulate_grads` sums `w * per_token_loss` and its gradient over micro-batches, which is
-    the full-batch loss for every `loss_type`. Gradients are accumulated in float32 and cast back
-    to each param's dtype. Pure and traceable; the train step jits it.
+    The loss weights (`Loss.weights` of the registered `loss_type`) come from the full batch;
+    then the micro-batches (`micro_batch_plan`: grouped by length, each cut to its own padded
+    length) go through `accumulate_grads` one at a time (one compile per padded length), which
+    sums `w * per_token_loss` and its gradient: the full-batch loss for every `loss_type`.
+    Gradients are accumulated in float32 and cast back to each param's dtype. Host-side driver
+    (reads the row lengths); the kernels are jitted.
     """
-    loss_type = grpo_config.loss_type
-    if loss_type not in losses.LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {losses.LOSS_TYPES}, got {loss_type!r}")
     if not temperature > 0:
         raise ValueError(f"training needs temperature > 0 (got {temperature}); log-probs of a "
                          "greedy (temperature 0) sampler are undefined")
-    epsilon = float(grpo_config.epsilon)
-    epsilon_high = grpo_config.epsilon_high
-    epsilon_high = epsilon if epsilon_high is None else float(epsilon_high)
-    beta = float(grpo_config.beta)
+    loss_config = losses.LossConfig.from_grpo(grpo_config, temperature)
+    loss_fn = losses.get_loss(loss_config.loss_type)
     mb = int(grpo_config.micro_batch_size)
-    max_len = grpo_config.max_completion_length
     if mb < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {mb}")
-    temperature = float(temperature)
 
     def loss_and_grad(params, batch: TrainBatch):
         N, T = batch.tokens_BxT.shape
-        first_T = jnp.arange(T) > 0
-        cmask = batch.completion_mask_BxT.astype(bool) & batch.valid_BxT.astype(bool) & first_T
-        w = losses.token_loss_weights(cmask, loss_type, max_len, num_sequences=N)
-        xs = (batch.tokens_BxT.astype(jnp.int32), batch.positions_BxT.astype(jnp.int32),
-              batch.valid_BxT.astype(bool), cmask, batch.old_logprobs_BxT.astype(jnp.float32),
-              batch.ref_logprobs_BxT.astype(jnp.float32), batch.advantages_B.astype(jnp.float32),
-              w)
-        xs, _ = _split_micro(xs, min(mb, N))
-        loss, grads, sums = accumulate_grads(model_config, temperature, epsilon, epsilon_high,
-                                             beta, params, xs)
-        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
-        metrics = losses.finalize_metrics(sums, beta)
+        valid = np.asarray(batch.valid_BxT).astype(bool)
+        cmask = np.asarray(batch.completion_mask_BxT).astype(bool) & valid & (np.arange(T) > 0)
+        w = np.asarray(loss_fn.weights(jnp.asarray(cmask), loss_config, num_sequences=N),
+                       np.float32)
+        cols = (np.asarray(batch.tokens_BxT, np.int32), np.asarray(batch.positions_BxT, np.int32),
+                valid, cmask, np.asarray(batch.old_logprobs_BxT, np.float32),
+                np.asarray(batch.ref_logprobs_BxT, np.float32),
+                np.asarray(batch.advantages_B, np.float32), w)
+        lengths = np.where(valid.any(1), T - np.argmax(valid[:, ::-1], axis=1), 1)
+        carry = zero_carry(params)
+        size = min(mb, N)
+        for rows, T_mb in micro_batch_plan(lengths, size, T, group_by_length):
+            pad = size - len(rows)
+            xs = tuple(np.pad(c[rows][:, :T_mb] if c.ndim == 2 else c[rows],
+                              [(0, pad)] + [(0, 0)] * (c.ndim - 1))[None] for c in cols)
+            carry = accumulate_grads(model_config, loss_config, params, xs, carry,
+                                     activation=activation, compute_dtype=compute_dtype)
+        loss, grads, sums = carry
+        grads = jax.tree_util.tree_map(lambda g, p: g if g.dtype == p.dtype else g.astype(p.dtype),
+                                       grads, params)
+        metrics = losses.finalize_metrics(sums, loss_config.beta)
         metrics["loss"] = loss
         return loss, grads, metrics
 
@@ -261,8 +377,10 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
 
 
 def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.GradientTransformation,
-                    *, temperature: float = 1.0, jit: bool = True, donate: bool = False):
-    """Builds the pure GRPO train step `(params, opt_state, batch) -> (params, opt_state, metrics)`.
+                    *, temperature: float = 1.0, jit: bool = True, donate: bool = False,
+                    activation: ActivationConfig | None = ActivationConfig(),
+                    compute_dtype: str | None = None, group_by_length: bool = True):
+    """Builds the GRPO train step `(params, opt_state, batch) -> (params, opt_state, metrics)`.
 
     Args:
       model_config: static model config.
@@ -270,27 +388,38 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         epsilon, epsilon_high, beta, micro_batch_size, max_completion_length).
       optimizer: e.g. `make_optimizer(grpo_config, total_steps)`.
       temperature: the rollout sampling temperature (logits are divided by it, as in TRL).
-      jit: wrap the whole step in `jax.jit` (False: the optimizer update runs op by op around
-        the jitted `accumulate_grads` kernel; same math).
-      donate: donate params/opt_state buffers to the jitted step (saves one copy of the weights;
-        the caller must not reuse the inputs afterwards).
+      jit: jit the optimizer update (False: op by op; same math). The gradient kernels are
+        always jitted.
+      donate: donate params / opt_state to the jitted update, so the new
+        params and moments reuse their buffers; the caller must not reuse the inputs afterwards.
+      activation / compute_dtype / group_by_length: as `make_loss_and_grad`. Mixed precision:
+        params (and so the Adam moments) in float32 "master" dtype, `compute_dtype="bfloat16"`.
 
     Metrics (float32 scalars): loss, grad_norm (before clipping), update_norm, num_completion_tokens,
     clip_low, clip_high, clip_region, entropy, and kl when beta > 0.
     """
-    loss_and_grad = make_loss_and_grad(model_config, grpo_config, temperature=temperature)
+    loss_and_grad = make_loss_and_grad(model_config, grpo_config, temperature=temperature,
+                                       activation=activation, compute_dtype=compute_dtype,
+                                       group_by_length=group_by_length)
 
-    def train_step(params, opt_state, batch: TrainBatch):
-        loss, grads, metrics = loss_and_grad(params, batch)
-        metrics["grad_norm"] = optax.tree.norm(grads)
+    def apply(params, opt_state, grads):
+        metrics = {"grad_norm": optax.tree.norm(grads)}
         updates, opt_state = optimizer.update(grads, opt_state, params)
         metrics["update_norm"] = optax.tree.norm(updates)
         params = optax.apply_updates(params, updates)
         return params, opt_state, metrics
 
-    if not jit:
-        return train_step
-    return jax.jit(train_step, donate_argnums=(0, 1) if donate else ())
+    if jit:
+        apply = jax.jit(apply, donate_argnums=(0, 1) if donate else ())
+
+    def train_step(params, opt_state, batch: TrainBatch):
+        loss, grads, metrics = loss_and_grad(params, batch)
+        params, opt_state, m = apply(params, opt_state, grads)
+        metrics.update(m)
+        return params, opt_state, metrics
+
+    train_step.apply_update = apply
+    return train_step
 
 
 def make_batch(tokens_BxT, prompt_lens_B, completion_lens_B, *, old_logprobs_BxT=None,

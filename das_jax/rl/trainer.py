@@ -30,17 +30,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from das_jax.config import Config, config_to_dict, save_config
 from das_jax.data import Problem, load_dataset_from_config, render_prompt, reward_kwargs
 from das_jax.engine import Request, RequestOutput, request_seed
-from das_jax.rl.advantages import group_advantages
+from das_jax.models.transformer import ActivationConfig
+from das_jax.rl.advantages import get_advantage
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.rewards import combine_rewards, get_reward_fn
 from das_jax.rl.run_log import sample_rows
-from das_jax.rl.train_step import compute_logprobs, make_batch, make_optimizer, make_train_step
+from das_jax.rl.train_step import (cast_params, compute_logprobs, make_batch, make_optimizer,
+                                   make_train_step)
 from das_jax.rollout import Rollout
 
 log = logging.getLogger("das_jax.train")
@@ -84,8 +87,13 @@ class GRPOTrainer:
         c = config
         if model is None:
             from das_jax.models import load
-            model = load(c.model.source, dtype=getattr(jnp, c.model.dtype))
-        self.model_config, self.params, self.tokenizer = model
+            model = load(c.model.source, dtype=getattr(jnp, c.train.master_dtype))
+        self.model_config, params, self.tokenizer = model
+        # Mixed precision: the trainer holds master params (and Adam moments) in
+        # train.master_dtype; forward passes and the engine run in model.dtype.
+        self.compute_dtype = c.model.dtype
+        self.params = cast_params(params, c.train.master_dtype)
+        del params, model
         if problems is None:
             problems = load_dataset_from_config(
                 c.data.kind, c.data.path, num_problems=c.data.num_problems, limit=c.data.limit,
@@ -100,17 +108,25 @@ class GRPOTrainer:
                                  instruction=c.data.instruction, chat=c.data.chat)
             self.prompt_text[p.problem_id] = text
             self.prompt_ids[p.problem_id] = self.tokenizer.encode(text)
-        # The rollout boundary: engine, drafter, policy and cost model, all from the config.
-        self.rollouts = Rollout.from_config(c, self.model_config, self.params,
+        # The rollout boundary: engine, drafter, policy and cost model, all from the config. The
+        # engine keeps no params of its own: every rollout passes the current ones, cast to the
+        # compute dtype (`rollout_params`), so nothing stays alive across the update.
+        self.rollouts = Rollout.from_config(c, self.model_config, None,
                                             self.tokenizer.eos_token_ids)
         if reward_fns is None:
             reward_fns = [get_reward_fn(n) for n in c.grpo.reward_funcs]
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
         self.optimizer = make_optimizer(c.grpo, c.train.steps)
         self.opt_state = self.optimizer.init(self.params)
+        self.activation = ActivationConfig(remat=c.train.remat, logits_chunk=c.train.logits_chunk,
+                                           attention_chunk=c.train.attention_chunk)
         self.train_step = make_train_step(self.model_config, c.grpo, self.optimizer,
-                                          temperature=c.rollout.temperature)
-        self.ref_params = self.params if c.grpo.beta > 0 else None
+                                          temperature=c.rollout.temperature, donate=True,
+                                          activation=self.activation,
+                                          compute_dtype=self.compute_dtype)
+        # The reference policy: a copy in the compute dtype (the master params are donated).
+        self.ref_params = (jax.tree_util.tree_map(jnp.copy, self.rollout_params())
+                           if c.grpo.beta > 0 else None)
         self.step = 0
         self.run_dir = Path(c.output_dir)
         self.last_logprob_gap: float | None = None
@@ -138,7 +154,9 @@ class GRPOTrainer:
             self.rollouts.sampling, seed=request_seed(c.train.seed, f"step-{step}", 0))
         requests = [Request(tuple(self.prompt_ids[p.problem_id]), problem_id=p.problem_id,
                             sample_index=g) for p in problems for g in range(G)]
-        outputs, stats = self.rollouts.generate(requests, self.params, sampling)
+        params = self.rollout_params()
+        outputs, stats = self.rollouts.generate(requests, params, sampling)
+        del params  # the compute-dtype copy is not kept across the update
         return self.score([p for p in problems for _ in range(G)], outputs, stats)
 
     def score(self, rows: Sequence[Problem], outputs: Sequence[RequestOutput],
@@ -152,10 +170,15 @@ class GRPOTrainer:
                             stats)
 
     # ------------------------------------------------------------------ update
+    def rollout_params(self):
+        """The params the engine samples from: the master params cast to model.dtype (the same
+        arrays when the dtypes agree)."""
+        return cast_params(self.params, self.compute_dtype)
+
     def build_batch(self, rb: RolloutBatch):
         c = self.config
-        advantages = np.asarray(group_advantages(jnp.asarray(rb.rewards), c.grpo.num_generations,
-                                                 c.grpo.scale_rewards))
+        advantages = np.asarray(get_advantage(c.grpo.advantage_estimator)(
+            jnp.asarray(rb.rewards), c.grpo))
         lens_p = np.array([len(p) for p in rb.prompt_ids])
         lens_c = np.array([max(len(o.token_ids), 0) for o in rb.outputs])
         T = _token_bucket(int((lens_p + lens_c).max()))
@@ -171,7 +194,8 @@ class GRPOTrainer:
         def logprobs(params):
             return np.asarray(compute_logprobs(
                 self.model_config, params, jnp.asarray(tokens), jnp.asarray(positions),
-                jnp.asarray(valid), c.rollout.temperature, c.grpo.micro_batch_size))
+                jnp.asarray(valid), c.rollout.temperature, c.grpo.micro_batch_size,
+                activation=self.activation, compute_dtype=self.compute_dtype))
 
         ref = logprobs(self.ref_params) if self.ref_params is not None else None
         self.last_logprob_gap = None

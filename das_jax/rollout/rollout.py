@@ -65,9 +65,12 @@ class Rollout:
 
         r = config.rollout
         engine = Engine(model_config, params, eos_token_ids=eos_token_ids, device=device,
+                        dtype=config.model.dtype,
                         engine_config=EngineConfig(max_slots=r.max_slots,
                                                    max_cache_len=r.max_cache_len,
-                                                   draft_widths=tuple(r.draft_widths)))
+                                                   draft_widths=tuple(r.draft_widths),
+                                                   kv_memory_gb=r.kv_memory_gb,
+                                                   kv_memory_fraction=r.kv_memory_fraction))
         sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                   max_new_tokens=r.max_new_tokens,
                                   stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
@@ -117,7 +120,7 @@ class Rollout:
         if (self.spec.uses_cost_model and self.das.cost_model.calibrate
                 and not self.calibrated):
             self.engine.validate(requests, sampling)
-            self.calibrate(requests, sampling)
+            self.calibrate(requests, sampling, params=params)
         drafter = self.drafter
         if request_ids is not None and drafter is not None:
             from das_jax.rollout.multi_device import LockedDrafter
@@ -125,19 +128,27 @@ class Rollout:
         return self.engine.generate(requests, sampling, drafter=drafter, policy=self.policy,
                                     params=params, progress=progress)
 
-    def calibrate(self, requests, sampling=None):
+    def calibrate(self, requests, sampling=None, params=None):
         """Fits the cost model to the engine's verify step timed at a few shapes (batch 1 and
         max_slots, every compiled width, the attended lengths of `das.cost_model`), with the
         cache length and sampling key these `requests` will use, so the executables compiled
-        here are reused by `generate`. Returns the fitted `CostModel`."""
+        here are reused by `generate`. `params`: the params to time with (default: the
+        engine's own; an engine built without params needs them). Returns the fitted
+        `CostModel`."""
         from das_jax.engine import calibrate
 
         sampling = sampling if sampling is not None else self.sampling
         c = self.das.cost_model
-        calibrate(self.engine, self.cost_model,
-                  cache_len=self.engine.cache_len_for(requests, sampling),
-                  kv_lens=c.calibrate_kv_lens, repeats=c.calibrate_repeats,
-                  sampling_key=sampling.static_key())
+        own = self.engine.params
+        if params is not None:
+            self.engine.params = params
+        try:
+            calibrate(self.engine, self.cost_model,
+                      cache_len=self.engine.cache_len_for(requests, sampling),
+                      kv_lens=c.calibrate_kv_lens, repeats=c.calibrate_repeats,
+                      sampling_key=sampling.static_key())
+        finally:
+            self.engine.params = own
         self.calibrated = True
         return self.cost_model
 

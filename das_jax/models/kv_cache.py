@@ -1,0 +1,130 @@
+"""The rollout KV cache: a type that owns its layout, so a paged cache can sit beside the dense one.
+
+Every user of the cache goes through these operations (and never indexes `k` / `v` directly):
+
+    zeros(config, batch, max_len, dtype)     an empty cache of `batch` rows x `max_len` positions
+    nbytes_for(config, batch, max_len, dtype) bytes it would take (sizing from a memory budget)
+    layers()                                 the per-layer pytree `forward_hidden` scans over
+    attended(layer, kv_len)                  that layer's attended view `[B, kv_len, KVH, K]`
+    write(k_new, v_new, cache_len_B)         store new tokens' K/V at positions cache_len[b] + t
+    insert_rows(slots_R, src, src_R)         copy rows of a (prefill scratch) cache into slots
+    gather_rows(rows_B)                      a cache of the given rows (tail compaction)
+
+`DenseKVCache` (alias `KVCache`) stores `k, v: [L, B, S, KVH, K]`, post-RoPE keys. Row b holds
+`cache_len[b]` valid positions (tracked by the caller); positions at or past `cache_len` are
+garbage and are never attended, so rejected draft tokens are rolled back by not advancing
+`cache_len`. Its memory is `B * S` positions whether rows are short or long, which is what makes
+long-tail RL rollouts (a few 16K-token rows among many short ones) expensive:
+`2 * L * KVH * K * bytes` per position (Qwen2-7B bf16: 57 KB; 256 rows x 17,408: 256 GB).
+
+Paged design (not built yet; the operations above are its interface):
+
+* Page pool: `k_pages, v_pages: [L, P, page, KVH, K]` (page = 16..128 positions), P sized from
+  the memory budget (`rollout.kv_memory_gb`) rather than from `slots x max_len`; a host-side free
+  list hands out pages.
+* Page table: int32 `[B, max_pages]` per row (page ids; -1 unused), and the row's length. `write`
+  scatters token t of row b into page `table[b, (len+t) // page]` at offset `(len+t) % page`;
+  the host allocates a page before a row crosses a page boundary (a verify step of width W needs
+  `ceil(W / page) + 1` free pages per row) and frees a finished row's pages at once, so memory
+  follows the *live* tokens, and `gather_rows` is a permutation of the small page table, not a
+  copy of the cache. GRPO's `num_generations` samples of one prompt can share the prompt's
+  pages (copy-on-write of the last partial page) instead of `insert_rows` copying them.
+* `attended(layer, kv_len)`: on GPU, a paged-attention kernel reading pages through the table
+  (Pallas `jax.experimental.pallas.ops.gpu` paged attention, or a cuDNN / FlashInfer paged
+  decode kernel through an FFI call); on TPU, Pallas `ops.tpu.paged_attention`; on CPU (tests,
+  small models), a gather of the row's pages into the dense `[B, kv_len, KVH, K]` view followed
+  by the dense attention, which keeps the paged cache exact against the dense one.
+* Admission: the scheduler admits a request only when the pool has pages for its prompt plus
+  a reserve, and preempts (recomputes) the youngest row when the pool runs dry, instead of
+  sizing every slot for `max_len`.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from das_jax.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class DenseKVCache:
+    """Dense key/value cache `k, v: [L, B, S, KVH, K]` (module docstring)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32
+              ) -> "DenseKVCache":
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @classmethod
+    def abstract(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32
+                 ) -> "DenseKVCache":
+        """`jax.ShapeDtypeStruct` leaves of the same layout (for lowering without allocating)."""
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        s = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+        return cls(k=s, v=s)
+
+    @staticmethod
+    def bytes_per_position(config: ModelConfig, dtype) -> int:
+        """Bytes of K and V for one position of one row, all layers."""
+        return (2 * config.num_layers * config.num_kv_heads * config.head_dim
+                * np.dtype(jnp.dtype(dtype)).itemsize)
+
+    @classmethod
+    def nbytes_for(cls, config: ModelConfig, batch: int, max_len: int, dtype) -> int:
+        """Bytes of a `zeros(config, batch, max_len, dtype)` cache."""
+        return batch * max_len * cls.bytes_per_position(config, dtype)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def dtype(self):
+        return self.k.dtype
+
+    def layers(self):
+        """The per-layer pytree scanned with the layer params: (k_l, v_l) `[B, S, KVH, K]`."""
+        return (self.k, self.v)
+
+    @staticmethod
+    def attended(layer, kv_len: int):
+        """The first `kv_len` positions of one layer: (k, v) `[B, kv_len, KVH, K]`. Slicing per
+        layer inside the scan (not the stacked cache up front, which would copy every layer)."""
+        k_l, v_l = layer
+        return k_l[:, :kv_len], v_l[:, :kv_len]
+
+    def write(self, k_new_LxBxTxKVHxK, v_new_LxBxTxKVHxK, cache_len_B) -> "DenseKVCache":
+        """Stores token t of row b at position `cache_len_B[b] + t` in every layer (one scatter);
+        writes past S are dropped."""
+        B, T = k_new_LxBxTxKVHxK.shape[1:3]
+        rows_Bx1 = jnp.arange(B)[:, None]
+        cols_BxT = cache_len_B[:, None] + jnp.arange(T)[None, :]
+        return DenseKVCache(
+            k=self.k.at[:, rows_Bx1, cols_BxT].set(k_new_LxBxTxKVHxK.astype(self.k.dtype),
+                                                   mode="drop"),
+            v=self.v.at[:, rows_Bx1, cols_BxT].set(v_new_LxBxTxKVHxK.astype(self.v.dtype),
+                                                   mode="drop"))
+
+    def insert_rows(self, slots_R, src: "DenseKVCache", src_R) -> "DenseKVCache":
+        """Copies rows `src_R` of `src` (positions `[0, src.max_len)`) into rows `slots_R`; a slot
+        index >= B is dropped (padding of the R bucket)."""
+        T = src.max_len
+        return DenseKVCache(k=self.k.at[:, slots_R, :T].set(src.k[:, src_R], mode="drop"),
+                            v=self.v.at[:, slots_R, :T].set(src.v[:, src_R], mode="drop"))
+
+    def gather_rows(self, rows_B) -> "DenseKVCache":
+        """A cache of `len(rows_B)` rows taken from this one (rows may repeat: padding)."""
+        return DenseKVCache(k=self.k[:, rows_B], v=self.v[:, rows_B])
+
+
+KVCache = DenseKVCache

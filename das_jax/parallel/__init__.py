@@ -1,0 +1,1 @@
+"""Device meshes and sharding rules (`das_jax.parallel.sharding`)."""

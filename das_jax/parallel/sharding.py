@@ -1,0 +1,151 @@
+"""Logical-axis sharding rules (MaxText style): one table from the params' logical axes to mesh
+axes, used for params, master weights, optimizer state and batches.
+
+Every param leaf has logical axis names (`logical_axes(params)`, from `PARAM_AXES`), e.g. `wq`
+`[L, D, H, K]` is `("layers", "embed", "heads", "head_dim")`. A rules table maps each logical
+axis to mesh axes (`DEFAULT_RULES`: FSDP shards the `embed` dimension of every matrix over the
+`fsdp` axis, tensor parallelism shards heads / MLP / vocabulary over `tensor`, batches are split
+over `data` and `fsdp`). `logical_to_spec` turns a leaf's axes into a `PartitionSpec`, skipping
+a mesh axis that does not divide the dimension or is already used by another dimension of the
+leaf, so one table serves every model size and mesh.
+
+The mesh has axes ("data", "fsdp", "tensor"), all `AxisType.Auto` (in jax 0.10 `jax.make_mesh`
+defaults to Explicit axis types, which break the embedding gather).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axes of every param leaf of `das_jax.models.transformer` (its module docstring).
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("vocab", "embed"),
+    "final_norm": ("norm",),
+    "attn_norm": ("layers", "norm"),
+    "mlp_norm": ("layers", "norm"),
+    "wq": ("layers", "embed", "heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "bq": ("layers", "heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "wo": ("layers", "heads", "head_dim", "embed"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+
+# logical axis -> mesh axes (tried in order; None: replicated).
+DEFAULT_RULES: dict[str, tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "layers": None,
+    "head_dim": None,
+    "norm": None,
+    "length": None,
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh of Auto axes over `devices` (default: the first
+    data * fsdp * tensor devices)."""
+    n = data * fsdp * tensor
+    devices = list(devices if devices is not None else jax.devices()[:n])
+    if len(devices) != n:
+        raise ValueError(f"a {data}x{fsdp}x{tensor} mesh needs {n} devices, got {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES,
+                axis_types=(AxisType.Auto,) * 3)
+
+
+def _leaf_name(path) -> str:
+    last = path[-1]
+    return str(getattr(last, "key", getattr(last, "name", last)))
+
+
+def logical_axes(params) -> Any:
+    """The params pytree with each leaf replaced by its tuple of logical axis names.
+
+    Raises:
+      KeyError: a leaf whose name is not in `PARAM_AXES` (add it there).
+    """
+    def axes(path, leaf):
+        name = _leaf_name(path)
+        if name not in PARAM_AXES:
+            raise KeyError(f"no logical axes for param {jax.tree_util.keystr(path)}; add "
+                           f"{name!r} to das_jax.parallel.sharding.PARAM_AXES")
+        ax = PARAM_AXES[name]
+        if len(ax) != len(leaf.shape):
+            raise ValueError(f"param {jax.tree_util.keystr(path)} has shape {leaf.shape} but "
+                             f"logical axes {ax}")
+        return ax
+    return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules: Mapping[str, tuple[str, ...] | None] = DEFAULT_RULES) -> PartitionSpec:
+    """PartitionSpec of one array: each dimension gets the mesh axes its logical axis maps to,
+    keeping only mesh axes of size > 1 that divide the dimension and are not used yet."""
+    used: set[str] = set()
+    spec = []
+    for ax, dim in zip(axes, shape):
+        chosen = []
+        size = 1
+        for m in (rules.get(ax) or ()) if ax is not None else ():
+            n = mesh.shape[m]
+            if n > 1 and m not in used and dim % (size * n) == 0:
+                chosen.append(m)
+                used.add(m)
+                size *= n
+        spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+    return PartitionSpec(*spec)
+
+
+def param_shardings(params, mesh: Mesh, rules=DEFAULT_RULES):
+    """NamedSharding per param leaf (params may be arrays or `jax.ShapeDtypeStruct`s)."""
+    axes = logical_axes(params)
+    return jax.tree_util.tree_map(
+        lambda ax, p: NamedSharding(mesh, logical_to_spec(ax, p.shape, mesh, rules)), axes, params,
+        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def like_params_shardings(tree, params, mesh: Mesh, rules=DEFAULT_RULES):
+    """Shardings for a pytree holding params-shaped subtrees (optimizer state, gradients): a leaf
+    whose path ends with a param's path and has its shape gets that param's sharding; every
+    other leaf (step counts, scalars) is replicated."""
+    shard = param_shardings(params, mesh, rules)
+    by_suffix = {}
+    for path, s in jax.tree_util.tree_leaves_with_path(shard):
+        by_suffix[jax.tree_util.keystr(path)] = s
+    shapes = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def pick(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for suffix, s in by_suffix.items():
+            if key.endswith(suffix) and tuple(leaf.shape) == tuple(shapes[suffix]):
+                return s
+        return replicated
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES, leading: int = 0) -> NamedSharding:
+    """Sharding of a batch array: dimension `leading` (the rows) split over the `batch` rule's
+    mesh axes, every other dimension replicated."""
+    axes = [None] * ndim
+    axes[leading] = "batch"
+    spec = [None] * ndim
+    rows = [m for m in (rules.get("batch") or ()) if mesh.shape[m] > 1]
+    spec[leading] = tuple(rows) if len(rows) > 1 else (rows[0] if rows else None)
+    return NamedSharding(mesh, PartitionSpec(*spec))

@@ -1,0 +1,400 @@
+"""`das-jax plan`: per-device memory of a run, from abstract shapes (no weights loaded).
+
+    das-jax plan --config configs/gpu/qwen3-8b-code.yaml --devices 8 --device-memory-gb 141
+
+Lowers and compiles, against `jax.ShapeDtypeStruct`s, the train step's gradient kernel
+(`accumulate_grads`, one micro-batch at the longest length `rollout.max_cache_len`), its
+optimizer update, and the engine's largest verify (slots x widest draft x full cache) and prefill
+shapes, and reads `compiled.memory_analysis()`. With N devices the train state is FSDP-sharded by
+the rules of `das_jax.parallel.sharding` and the micro-batch rows are split over the devices;
+rollouts are data-parallel (one engine per device with a full compute-dtype copy of the params).
+Since the device count is fixed when JAX starts, N > the local device count runs the analysis in
+a subprocess on N forced host (CPU) devices (`--xla_force_host_platform_device_count`).
+
+Per-device bytes (printed table):
+  params        compute-dtype copy the engine samples from (replicated: one per device)
+  master        master weights (train.master_dtype), sharded
+  optimizer     Adam moments (master dtype), sharded
+  gradients     float32 accumulator, sharded
+  activations   the gradient kernel's scratch (XLA temp: remat'd layer inputs, attention chunks,
+                logits chunks, gathered weights)
+  kv_cache      slots x max_cache_len positions
+  logits        verify-step logits [slots, W, V] f32 + one train logits chunk (both included in
+                the phases' scratch; shown for reference)
+  rollout scratch / update scratch   XLA temp of the verify / prefill and optimizer executables
+and three phase peaks (rollout, train, update). The run fits when the largest peak is at most the
+device memory. Caveat: XLA's CPU memory analysis stands in for the GPU's (cuDNN flash attention
+is replaced by the chunked XLA attention, which keeps one [B, H, chunk, T] f32 block).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from das_jax.errors import UserError
+
+GB = 1e9
+
+# Architectures of hub ids the shipped configs name, so that planning needs no download.
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": dict(
+        architecture="Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584,
+        intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=True,
+        max_position_embeddings=131072),
+    "Qwen/Qwen3-8B": dict(
+        architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+        max_position_embeddings=40960),
+}
+
+
+class PlanError(UserError):
+    """The run does not fit (one line naming what to change) or cannot be planned."""
+
+
+def model_config_for(source: str):
+    """The `ModelConfig` of a model source without loading weights: a known hub id, an HF
+    directory's config.json, a GGUF file's metadata, or a named source (fetched if needed)."""
+    from das_jax.models.config import ModelConfig
+    if source in KNOWN_MODELS:
+        return ModelConfig(**KNOWN_MODELS[source])
+    from das_jax.models import load as _load  # noqa: F401  caches the function on the package
+    from das_jax.models.load import resolve_source  # (so this import cannot shadow it)
+    kind, path = resolve_source(source)
+    if kind == "hf_dir":
+        from das_jax.models.loaders.hf_dir import read_hf_config
+        return read_hf_config(path)
+    from das_jax.models.loaders.gguf_file import config_from_gguf_metadata, open_gguf, read_metadata
+    reader = open_gguf(path)
+    return config_from_gguf_metadata(read_metadata(reader), {t.name for t in reader.tensors}, path)
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Per-device bytes of one run on `devices` devices of `device_bytes` each."""
+
+    devices: int
+    device_bytes: int
+    rows: dict[str, int]
+    phases: dict[str, int]
+    shapes: dict[str, Any]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.device_bytes
+
+    @property
+    def headroom(self) -> float:
+        return 1.0 - self.peak / self.device_bytes
+
+    def table(self) -> str:
+        lines = [f"memory plan: {self.devices} device(s) x {self.device_bytes / GB:.1f} GB  "
+                 + "  ".join(f"{k}={v}" for k, v in self.shapes.items()),
+                 f"  {'per device':<18}{'GB':>10}"]
+        lines += [f"  {k:<18}{v / GB:>10.2f}" for k, v in self.rows.items()]
+        lines += [f"  peak {k:<13}{v / GB:>10.2f}" for k, v in self.phases.items()]
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"  {verdict}: peak {self.peak / GB:.2f} GB of {self.device_bytes / GB:.1f} GB "
+                     f"({100 * self.headroom:.1f}% headroom)")
+        return "\n".join(lines)
+
+    def advice(self, config) -> str:
+        """One line naming what to change (the largest phase decides)."""
+        worst = max(self.phases, key=self.phases.get)
+        need = f"peak {self.peak / GB:.1f} GB > {self.device_bytes / GB:.1f} GB per device"
+        if worst == "rollout":
+            return (f"{need} in the rollout phase (KV cache {self.rows['kv_cache'] / GB:.1f} GB for "
+                    f"rollout.max_slots={self.shapes['slots']}); lower rollout.max_slots (or set "
+                    "rollout.kv_memory_gb), or lower rollout.max_cache_len")
+        if worst == "train":
+            return (f"{need} in the train step (activations "
+                    f"{self.rows['activations'] / GB:.1f} GB at grpo.micro_batch_size="
+                    f"{config.grpo.micro_batch_size}); lower grpo.micro_batch_size, set "
+                    "train.remat=full, or use more devices (--devices)")
+        return (f"{need} in the optimizer update; use more devices (--devices) or "
+                "train.master_dtype=bfloat16 (lossy)")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _mem(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    return {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+            for k in ("argument", "output", "alias", "temp")}
+
+
+def _tree_bytes(tree) -> int:
+    import jax
+    import numpy as np
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
+def plan_in_process(config, devices: int, device_bytes: int, model_config=None) -> MemoryPlan:
+    """The plan, compiled in this process (needs `devices` local JAX devices)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from das_jax.engine import step as step_lib
+    from das_jax.engine.generate import _pow2_at_least
+    from das_jax.models.kv_cache import DenseKVCache
+    from das_jax.models.transformer import ActivationConfig, init_params
+    from das_jax.parallel import sharding as shard_lib
+    from das_jax.rl import losses
+    from das_jax.rl.train_step import accumulate_grads, make_optimizer, zero_carry
+
+    if len(jax.devices()) < devices:
+        raise PlanError(f"planning for {devices} devices needs {devices} JAX devices, found "
+                        f"{len(jax.devices())}; use plan() (it forces host devices in a subprocess)")
+    mc = model_config or model_config_for(config.model.source)
+    r, g, t = config.rollout, config.grpo, config.train
+    compute = jnp.dtype(config.model.dtype)
+    master = jnp.dtype(t.master_dtype)
+    mesh = shard_lib.make_mesh(fsdp=devices)
+
+    def abstract(tree, shardings):
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+    params_shape = jax.eval_shape(lambda: init_params(mc, jax.random.PRNGKey(0), dtype=master))
+    p_shard = shard_lib.param_shardings(params_shape, mesh)
+    params_abs = abstract(params_shape, p_shard)
+    optimizer = make_optimizer(g, max(1, t.steps))
+    opt_shape = jax.eval_shape(optimizer.init, params_shape)
+    o_shard = shard_lib.like_params_shardings(opt_shape, params_shape, mesh)
+    opt_abs = abstract(opt_shape, o_shard)
+    carry_shape = jax.eval_shape(zero_carry, params_shape)
+    c_shard = shard_lib.like_params_shardings(carry_shape, params_shape, mesh)
+    carry_abs = abstract(carry_shape, c_shard)
+
+    # ---- train: one micro-batch of the longest rows ----
+    mb = max(g.micro_batch_size, devices) if devices > 1 else g.micro_batch_size
+    mb = -(-mb // devices) * devices
+    T = r.max_cache_len
+    row_sh = shard_lib.batch_sharding(mesh, 3, leading=1)
+    vec_sh = shard_lib.batch_sharding(mesh, 2, leading=1)
+    dts = (jnp.int32, jnp.int32, jnp.bool_, jnp.bool_, jnp.float32, jnp.float32, None, jnp.float32)
+    xs_abs = tuple(jax.ShapeDtypeStruct((1, mb), jnp.float32, sharding=vec_sh) if d is None else
+                   jax.ShapeDtypeStruct((1, mb, T), d, sharding=row_sh) for d in dts)
+    loss_cfg = losses.LossConfig.from_grpo(g, r.temperature or 1.0)
+    act = ActivationConfig(remat=t.remat, logits_chunk=t.logits_chunk,
+                           attention_chunk=t.attention_chunk)
+    kernel = accumulate_grads.__wrapped__
+    train_fn = jax.jit(lambda p, xs, c: kernel(mc, loss_cfg, p, xs, c, activation=act,
+                                                compute_dtype=compute.name),
+                       out_shardings=c_shard, donate_argnums=(2,))
+    with jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh:
+        train_mem = _mem(train_fn.lower(params_abs, xs_abs, carry_abs).compile())
+
+        def apply(p, s, grads):
+            updates, s = optimizer.update(grads, s, p)
+            import optax
+            return optax.apply_updates(p, updates), s
+        grads_abs = abstract(jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape), p_shard)
+        apply_fn = jax.jit(apply, out_shardings=(p_shard, o_shard), donate_argnums=(0, 1))
+        update_mem = _mem(apply_fn.lower(params_abs, opt_abs, grads_abs).compile())
+
+    # ---- rollout: one engine per device, full compute-dtype params ----
+    one = jax.devices()[0]
+    single = NamedSharding(shard_lib.make_mesh(devices=[one]), PartitionSpec())
+    # XLA:CPU upcasts bf16 matmuls and scatters to f32 (copies of the weights and of the whole
+    # cache, ~2-4x their size), which a GPU does not: on CPU, 16-bit rollout executables are
+    # analysed as their float32 stand-ins, whose scratch (f32 scores / logits as in bf16, f32
+    # activations) bounds the bf16 program's from above.
+    rdtype = (jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" and compute.itemsize < 4
+              else compute)
+    cparams_abs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, rdtype, sharding=single), params_shape)
+    W = max(r.draft_widths)
+    S = r.max_cache_len
+    slots = r.max_slots
+    if r.kv_memory_gb is not None:
+        slots = max(0, min(slots, int(r.kv_memory_gb * GB) //
+                           DenseKVCache.nbytes_for(mc, 1, S, compute)))
+    slots = max(slots, 1)
+    cache_abs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                      sharding=single),
+                                       DenseKVCache.abstract(mc, slots, S, rdtype))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=single)  # noqa: E731
+    skey = (float(r.temperature), int(r.top_k), float(r.top_p))
+    verify_mem = _mem(step_lib.verify.lower(mc, skey, S, cparams_abs, cache_abs, i32(slots),
+                                            i32(slots, W), i32(slots), i32(slots)).compile())
+    U = min(slots, g.prompts_per_step)
+    Tp = min(S, _pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
+    prefill_mem = _mem(step_lib.prefill_insert.lower(
+        mc, skey, cparams_abs, cache_abs, i32(U, Tp), i32(U), i32(slots), i32(slots),
+        i32(slots)).compile())
+
+    n = devices
+    master_b = _tree_bytes(params_shape) // n
+    opt_b = _tree_bytes(opt_shape) // n
+    grads_b = _tree_bytes(carry_shape[1]) // n
+    cparams_b = _tree_bytes(params_shape) * compute.itemsize // master.itemsize
+    kv_b = DenseKVCache.nbytes_for(mc, slots, S, compute)
+    ref_b = cparams_b // n if g.beta > 0 else 0
+    rows = {
+        "params": cparams_b, "master": master_b, "optimizer": opt_b, "gradients": grads_b,
+        "ref_params": ref_b, "activations": train_mem["temp"], "kv_cache": kv_b,
+        "logits": slots * W * mc.vocab_size * 4 + min(T, max(1, t.logits_chunk // max(1, mb // n)))
+        * max(1, mb // n) * mc.vocab_size * 4,
+        "rollout_scratch": max(verify_mem["temp"], prefill_mem["temp"]),
+        "update_scratch": update_mem["temp"],
+    }
+    # With one device and compute dtype == master dtype the engine reads the master arrays.
+    shared = n == 1 and compute == master
+    phases = {
+        "rollout": master_b + opt_b + ref_b + (0 if shared else cparams_b) + kv_b
+        + rows["rollout_scratch"],
+        "train": opt_b + ref_b + train_mem["argument"] + train_mem["temp"]
+        + max(0, train_mem["output"] - train_mem["alias"]),
+        "update": ref_b + update_mem["argument"] + update_mem["temp"]
+        + max(0, update_mem["output"] - update_mem["alias"]),
+    }
+    shapes = {"slots": slots, "cache_len": S, "width": W, "micro_batch": mb, "train_len": T,
+              "remat": t.remat, "dtype": f"{compute.name}/{master.name}",
+              "rollout_analysis": rdtype.name}
+    return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
+                      {k: int(v) for k, v in phases.items()}, shapes)
+
+
+def device_memory_bytes(config, device_memory_gb: float | None) -> int:
+    """The per-device capacity: the argument, train.device_memory_gb, or the local device's
+    allocator limit (the host's total memory for a CPU device)."""
+    gb = device_memory_gb if device_memory_gb is not None else config.train.device_memory_gb
+    if gb is not None:
+        return int(gb * GB)
+    import jax
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001
+        pass
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def plan(config, devices: int = 1, device_memory_gb: float | None = None) -> MemoryPlan:
+    """`plan_in_process`, in a subprocess with `devices` forced host devices when this process
+    has fewer devices (or JAX is already initialised on a different platform)."""
+    device_bytes = device_memory_bytes(config, device_memory_gb)
+    import jax
+    if len(jax.devices()) >= devices:
+        return plan_in_process(config, devices, device_bytes)
+    from das_jax.config import config_to_dict
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                          f" --xla_force_host_platform_device_count={devices}").strip())
+    payload = json.dumps({"config": config_to_dict(config), "devices": devices,
+                          "device_bytes": device_bytes})
+    proc = subprocess.run([sys.executable, "-m", "das_jax.plan", "--subprocess"], input=payload,
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise PlanError(f"the memory analysis subprocess failed: {proc.stderr.strip()[-2000:]}")
+    return MemoryPlan(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def estimate_bytes(config, model_config) -> int:
+    """A quick upper estimate of one device's peak (no compile): master + 2 moments + grads in
+    f32-ish bytes, a compute copy, the KV cache, the layer inputs kept by remat, the attention and
+    logits chunks. Used by `das-jax train` to skip compiling when far below the capacity."""
+    import numpy as np
+    mc, r, g, t = model_config, config.rollout, config.grpo, config.train
+    n = mc.num_params()
+    mi = np.dtype(t.master_dtype).itemsize
+    ci = np.dtype(config.model.dtype).itemsize
+    state = n * (3 * mi + 4 + ci * (2 if g.beta > 0 else 1))
+    T, mb = r.max_cache_len, g.micro_batch_size
+    kv = r.max_slots * T * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * ci
+    acts_per_layer = mb * T * (6 * mc.hidden_size + 3 * mc.intermediate_size) * 4
+    kept = (mc.num_layers * mb * T * mc.hidden_size * ci if t.remat != "none"
+            else mc.num_layers * acts_per_layer)
+    attn = mb * mc.num_heads * min(T, t.attention_chunk) * T * 4 * 3
+    logits = min(t.logits_chunk, mb * T) * mc.vocab_size * 4 * 4
+    verify = r.max_slots * max(r.draft_widths) * (mc.vocab_size * 4 * 3 + mc.num_heads * T * 4 * 3)
+    return int(state + kv + kept + acts_per_layer + attn + logits + verify)
+
+
+def check_before_training(config) -> MemoryPlan | None:
+    """Refuses (PlanError, one line naming the setting) a run whose plan does not fit the local
+    device. Skips compiling (returns None) when `estimate_bytes` is under half the capacity."""
+    if not config.train.memory_check:
+        return None
+    capacity = device_memory_bytes(config, None)
+    try:
+        mc = model_config_for(config.model.source)
+    except Exception:  # noqa: BLE001 - an unloadable model is reported by the loader itself
+        return None
+    if estimate_bytes(config, mc) <= capacity // 2:
+        return None
+    p = plan_in_process(config, 1, capacity, mc)
+    if not p.fits:
+        raise PlanError(p.advice(config) + " (or set train.memory_check=false)")
+    return p
+
+
+# ----- CLI ----------------------------------------------------------------------------------------
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="per-device memory of a run (abstract shapes, no weights)",
+        description="Compile the train step and the largest rollout shapes against abstract "
+                    "shapes and print per-device bytes; exit 1 with one line naming what to "
+                    "change when it does not fit.")
+    p.add_argument("--config", required=True, help="YAML run config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--devices", type=int, default=1, help="devices to shard over (FSDP)")
+    p.add_argument("--device-memory-gb", type=float, default=None,
+                   help="per-device memory (default: train.device_memory_gb or the local device)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from das_jax.config import ConfigError, load_config
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.devices < 1:
+            raise ConfigError(f"--devices must be >= 1, got {args.devices}")
+    except ConfigError as e:
+        print(f"das-jax plan: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # analysis only: never grab an accelerator
+    try:
+        p = plan(config, args.devices, args.device_memory_gb)
+    except (PlanError, ValueError, OSError) as e:
+        print(f"das-jax plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(p.to_json()) if args.json else p.table())
+    if not p.fits:
+        print(f"das-jax plan: does not fit: {p.advice(config)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _subprocess_main() -> None:
+    from das_jax.config import config_from_dict
+    req = json.loads(sys.stdin.read())
+    config = config_from_dict(req["config"])
+    p = plan_in_process(config, req["devices"], req["device_bytes"])
+    print(json.dumps(p.to_json()))
+
+
+if __name__ == "__main__":
+    if "--subprocess" in sys.argv:
+        _subprocess_main()
