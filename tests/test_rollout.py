@@ -137,7 +137,7 @@ def test_rollout_calibrates_once_and_round_trips_its_state():
 
 
 def test_no_calibration_when_disabled_or_not_planning_with_cost_model():
-    engine = Engine(CFG, {}, eos_token_ids=[1])
+    engine = Engine(CFG, None, eos_token_ids=[1], dtype="float32")   # no params needed
     das = DASSection(cost_model=CostModelConfig(calibrate=False))
     for name, d in (("das", das), ("suffix", DASSection())):
         r = Rollout(engine, name, d)

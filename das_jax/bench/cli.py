@@ -49,7 +49,7 @@ def register(subparsers) -> None:
 
 
 def _speculation_names() -> tuple[str, ...]:
-    from das_jax.rollout.speculation import speculation_names  # the registry (no jax / numba)
+    from das_jax.rollout import speculation_names  # the registry (no jax / numba)
     return speculation_names()
 
 
