@@ -150,7 +150,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     from jax.sharding import NamedSharding, PartitionSpec
 
     from das_jax.engine import step as step_lib
-    from das_jax.engine.generate import _pow2_at_least
+    from das_jax.engine import pow2_at_least as _pow2_at_least
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.parallel import sharding as shard_lib
