@@ -37,7 +37,7 @@ from das_jax.engine.cost_model import CostModel, calibrate
 from das_jax.engine.das_policy import DASConfig
 from das_jax.engine.generate import Engine, EngineConfig, Request, RequestOutput
 from das_jax.engine.sampling import SamplingParams, request_seed
-from das_jax.rl.advantages import group_advantages
+from das_jax.rl.advantages import advantage_metrics, group_advantages
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.rewards import combine_rewards, get_reward_fn
 from das_jax.rl.train_step import compute_logprobs, make_batch, make_optimizer, make_train_step
@@ -228,6 +228,8 @@ class GRPOTrainer:
             "epoch": (self.step - 1) // self.steps_per_epoch(),
             "reward_mean": float(rb.rewards.mean()),
             "reward_std": float(rb.rewards.std()),
+            "frac_reward_zero_std": advantage_metrics(
+                rb.rewards, self.config.grpo.num_generations)["frac_reward_zero_std"],
             "accuracy": float(np.mean(acc_part)) if acc_part is not None else None,
             "loss": train_metrics.get("loss"),
             "kl": train_metrics.get("kl"),
