@@ -37,6 +37,7 @@ from das_jax.engine.cost_model import CostModel, calibrate
 from das_jax.engine.das_policy import DASConfig
 from das_jax.engine.generate import Engine, EngineConfig, Request, RequestOutput
 from das_jax.engine.sampling import SamplingParams, request_seed
+from das_jax.models.tokenizer import encode_prompt
 from das_jax.rl.advantages import advantage_metrics, group_advantages
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.rewards import combine_rewards, get_reward_fn
@@ -99,7 +100,7 @@ class GRPOTrainer:
             text = render_prompt(p, self.tokenizer if c.data.chat else None,
                                  instruction=c.data.instruction, chat=c.data.chat)
             self.prompt_text[p.problem_id] = text
-            self.prompt_ids[p.problem_id] = self.tokenizer.encode(text)
+            self.prompt_ids[p.problem_id] = encode_prompt(self.tokenizer, text, chat=c.data.chat)
         self.engine = Engine(
             self.model_config, self.params, eos_token_ids=self.tokenizer.eos_token_ids,
             engine_config=EngineConfig(max_slots=c.rollout.max_slots,
