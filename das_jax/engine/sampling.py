@@ -9,8 +9,14 @@ passes (see ../shared/DESIGN.md, "The sampling rule"). For a point-mass draft, a
 draft equals the sampled token accepts draft token d with probability p(d), the same acceptance
 probability as speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
 
-Temperature 0 is greedy (argmax, lowest id on ties) and its returned log-prob is the model's
-temperature-1 log-prob of the chosen token.
+Returned log-probs are those of the *policy*, not of the truncated sampling distribution: the
+log-prob of the chosen token under the temperature-scaled full softmax ``log_softmax(logits / T)``
+(top-k / top-p shape which token is drawn, not the reported log-prob). This is the distribution
+the trainer scores tokens under (``models.transformer.token_logprobs``, as TRL and verl do), so
+rollout log-probs can serve as the GRPO "old" log-probs and the importance ratio compares the same
+distribution on both sides (see README, "Old log-probs"). :func:`processed_logprobs` gives the
+sampling distribution itself. Temperature 0 is greedy (argmax, lowest id on ties) and its returned
+log-prob is the model's temperature-1 log-prob of the chosen token.
 
 Numerics of ``logits / T`` (:func:`tempered_log_softmax`): the row max is subtracted *before*
 dividing by T, and the max entries are set to exactly 0, so no T > 0 overflows: as T -> 0+ the
@@ -169,8 +175,12 @@ def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, to
 
     temperature must be > 0 here (greedy is handled by the caller).
     """
-    logp = tempered_log_softmax(logits_NxV, temperature)
-    if top_k and top_k < logits_NxV.shape[-1]:
+    return _truncate(tempered_log_softmax(logits_NxV, temperature), top_k, top_p)
+
+
+def _truncate(logp: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Top-k then top-p applied to log-probs `[N, V]`, renormalised; -inf outside the support."""
+    if top_k and top_k < logp.shape[-1]:
         probs = jnp.exp(logp)
         logp = jnp.where(probs >= _top_k_threshold(probs, top_k), logp, -jnp.inf)
         logp = jnp.minimum(logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True), 0.0)
@@ -205,7 +215,9 @@ def sample(
       sampling: `SamplingParams` or its `static_key()` (temperature, top_k, top_p).
 
     Returns:
-      (tokens_N int32, logprobs_N float32 under the sampling distribution).
+      (tokens_N int32, logprobs_N float32): the chosen tokens (drawn from the processed
+      distribution) and their log-probs under the policy, the temperature-scaled *full* softmax
+      (module docstring); finite and <= 0.
     """
     temperature, top_k, top_p = (sampling.static_key() if isinstance(sampling, SamplingParams)
                                  else sampling)
@@ -213,14 +225,15 @@ def sample(
         tokens = jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
         logp = tempered_log_softmax(logits_NxV, 1.0)
         return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    logp = processed_logprobs(logits_NxV, temperature, top_k, top_p)
+    policy_logp = tempered_log_softmax(logits_NxV, temperature)
+    logp = _truncate(policy_logp, top_k, top_p)
     cdf_NxV = jnp.cumsum(jnp.exp(logp), axis=-1)
     u_N = uniforms(seeds_N, index_N)
     target = u_N * cdf_NxV[:, -1]
     # Inverse CDF in token-id order: the first token whose cumulative mass reaches u.
     tokens = jnp.sum(cdf_NxV < target[:, None], axis=-1).astype(jnp.int32)
     tokens = jnp.minimum(tokens, logits_NxV.shape[-1] - 1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, jnp.take_along_axis(policy_logp, tokens[:, None], axis=-1)[:, 0]
 
 
 def validate_stop_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:

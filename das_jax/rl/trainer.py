@@ -192,8 +192,9 @@ class GRPOTrainer:
         if c.grpo.old_logprobs == "recompute":
             recomputed = logprobs(self.params)
             cmask = (positions >= lens_p[:, None]) & valid
-            # How far the sampler's log-probs are from the trainer's (float rounding, plus the
-            # top-k / top-p truncation the sampler applies): a health check of the rollouts.
+            # How far the sampler's log-probs are from the trainer's (both under the
+            # temperature-scaled full softmax, so only float rounding): a health check of the
+            # rollouts. In "rollout" mode the train step's first iteration measures the same gap.
             self.last_logprob_gap = float(np.abs(recomputed - old)[cmask].mean()) if cmask.any() \
                 else 0.0
             old = recomputed
@@ -203,9 +204,12 @@ class GRPOTrainer:
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         batch, _ = self.build_batch(rb)
         metrics = {}
-        for _ in range(self.config.grpo.num_iterations):
+        for it in range(self.config.grpo.num_iterations):
             self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch)
             metrics = {k: float(v) for k, v in m.items()}
+            if it == 0 and self.config.grpo.old_logprobs == "rollout":
+                # on-policy first iteration: mean |trainer logp - rollout logp| is the gap
+                self.last_logprob_gap = metrics.get("logprob_gap")
         return metrics
 
     # ------------------------------------------------------------------ one step
