@@ -96,11 +96,12 @@ def _wrap(region: str, style: int, other: str) -> str:
         f"The answer is $\\boxed{{{region}}}$.",
         f"#### {other}\nWait, I made a mistake. The answer is \\boxed{{{region}}}",
         f"\\boxed{{{other}}} is wrong, so\n#### {region}\nDone.",
+        f"#### **{region}**",
     ][style]
 
 
 @SETTINGS
-@given(region_and_gold(), st.integers(0, 3), values)
+@given(region_and_gold(), st.integers(0, 4), values)
 def test_math_reward_agrees_with_math_verify(rg, style, other_v):
     region, gold = rg
     completion = _wrap(region, style, _plain(other_v))
@@ -112,7 +113,7 @@ def test_math_reward_agrees_with_math_verify(rg, style, other_v):
 
 
 @SETTINGS
-@given(values, st.data(), st.integers(0, 3), values)
+@given(values, st.data(), st.integers(0, 4), values)
 def test_right_number_scores_one_without_math_verify(v, data, style, other_v):
     """Any rendering of the gold's value scores 1 from the exact fallback alone."""
     region = data.draw(rendering(v))

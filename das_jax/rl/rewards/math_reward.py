@@ -146,10 +146,20 @@ def _normalize_number(v: Fraction) -> str:
     return f"{sign}{digits[:-k]}.{digits[-k:]}"
 
 
+_MD_WRAP_RE = re.compile(r"^(\*\*|__|\*|_)(?P<inner>[^*_]+)\1$")
+
+
+def _strip_markdown(line: str) -> str:
+    """``**18**`` / ``*18*`` / ``__18__`` -> ``18``: markdown emphasis around the whole answer."""
+    m = _MD_WRAP_RE.match(line)
+    return m.group("inner").strip() if m else line
+
+
 def extract_answer_region(completion: str) -> tuple[str, str]:
     """Where the completion's last final answer is.
 
-    Returns ``("hash", rest of the line after the last ####)`` or ``("boxed", content of the
+    Returns ``("hash", rest of the line after the last ####, markdown emphasis around it
+    dropped)`` or ``("boxed", content of the
     last complete \\boxed{} / \\fbox{})``, whichever marker comes later in the text (so a
     completion that corrects itself is graded on its last answer); ``("all", completion)`` when
     there is neither.
@@ -163,7 +173,7 @@ def extract_answer_region(completion: str) -> tuple[str, str]:
         return "boxed", boxed
     if hash_idx >= 0:
         line = completion[hash_idx + 4 :].strip().split("\n", 1)[0].strip()
-        return "hash", line
+        return "hash", _strip_markdown(line)
     if boxed is not None:
         return "boxed", boxed
     return "all", completion
