@@ -138,7 +138,9 @@ class GRPOSection:
     reward_weights: Optional[tuple[float, ...]] = None
     # Where the importance ratio's old log-probs come from: "recompute" (a forward pass of the
     # pre-update params over the rollouts, as verl does; a pure function of params and tokens,
-    # so training is reproducible bit for bit) or "rollout" (the engine's sampling log-probs).
+    # so training is reproducible bit for bit) or "rollout" (the engine's log-probs of the sampled
+    # tokens, under the same distribution the trainer scores: the temperature-scaled full softmax,
+    # whatever top_k / top_p). rollout_logprob_gap is reported in both modes.
     old_logprobs: str = _choices("recompute", "rollout", default="recompute")
     # A registered advantage estimator (`das_jax.rl.advantages.register_advantage`).
     advantage_estimator: str = "grpo"

@@ -101,9 +101,13 @@ def test_logprobs_match_teacher_forced_forward(params):
         toks = jnp.asarray([seq], jnp.int32)
         logits, _ = forward(CFG, params, toks, jnp.arange(len(seq))[None])
         P = len(o.request.prompt_ids)
-        logp = sampling_lib.processed_logprobs(logits[0, P - 1:-1], 0.7, 20, 0.9)
+        # reported log-probs are the policy's (temperature-scaled full softmax, what the trainer
+        # scores), while every token lies in the top-k / top-p support it was drawn from
+        logp = jax.nn.log_softmax(logits[0, P - 1:-1] / 0.7, axis=-1)
         expected = np.take_along_axis(np.asarray(logp), np.asarray(o.token_ids)[:, None], 1)[:, 0]
         np.testing.assert_allclose(o.logprobs, expected, atol=1e-4)
+        support = sampling_lib.processed_logprobs(logits[0, P - 1:-1], 0.7, 20, 0.9)
+        assert np.all(np.isfinite(np.take_along_axis(np.asarray(support), np.asarray(o.token_ids)[:, None], 1)))
 
 
 CHI2_CRIT_DF15_P001 = 37.697  # chi-square critical value, 15 degrees of freedom, p = 0.001

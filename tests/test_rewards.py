@@ -44,13 +44,123 @@ def test_math_boxed_fraction_vs_decimal():
     assert _acc(["so $\\boxed{\\frac{\\sqrt{2}}{2}}$"], ["\\frac{\\sqrt 2}{2}"]) == [1.0]
 
 
-def test_math_last_number_fallback():
+def test_math_unmarked_completion_goes_to_math_verify_only():
+    # no #### / \boxed: math-verify's own extraction decides; no number is pulled out by us
     assert _acc(["First 3 apples, then 4, so the total is 7."], ["7"]) == [1.0]
     assert _acc(["First 3 apples, then 4, so the total is 7. Oh wait 8"], ["7"]) == [0.0]
     assert _acc(["no numbers here"], ["7"]) == [0.0]
-    assert extract_final_number("costs $1,234.50 in total.") == "1234.5"
+    assert _acc(["First 3 apples, then 4, so the total is 7."], ["7"], use_math_verify=False) == [0.0]
+    assert _acc(["7"], ["7"], use_math_verify=False) == [1.0]  # the whole completion is a number
+    assert extract_final_number("costs $1,234.50 in total.") is None
+    assert extract_final_number("#### $1,234.50") == "1234.5"
     assert extract_final_number("#### 42\nThe end 7") == "42"
+    assert extract_final_number("\\boxed{\\frac{1}{3}}") == "1/3"
+    assert extract_final_number("#### 3 or 4") is None
     assert extract_final_number("nothing") is None
+
+
+# -------------------------------------------------- issue 13 section 2: no wrong answer accepted
+
+ISSUE13_WRONG = [
+    ("\\boxed{4\\sqrt{2}}", "2"),          # a number pulled out of an expression
+    ("#### 3 \\cdot 7", "3"),                # ... out of a product
+    ("#### 3 or 4", "3"),                     # ... out of a hedge
+    # other inputs of the same kind
+    ("#### 3, 4", "3"), ("#### [3, 4]", "3"), ("\\boxed{(3, 4)}", "3"), ("#### 3 to 4", "3"),
+    ("#### 3 \\pm 1", "3"), ("\\boxed{3^{2}}", "3"), ("#### 2/3", "2"), ("\\boxed{3x}", "3"),
+    ("#### 1 2", "12"), ("#### 1,00", "100"), ("#### 12,34", "1234"), ("#### 3 + 4", "3"),
+    ("\\boxed{\\frac{1}{3}}", "3"), ("#### 3 \\text{ or } 4", "3"), ("#### -3", "3"),
+    ("#### 3%", "3.5"), ("\\boxed{7\\pi}", "7"), ("#### **3 or 4**", "3"),
+    # integer golds compare exactly: no relative tolerance
+    ("#### 17.9999", "18"), ("#### 1000001", "1000000"), ("#### 0.3333", "\\frac{1}{3}"),
+    # the last final answer wins
+    ("#### 5\nWait, that is wrong. \\boxed{3}", "5"), ("\\boxed{5} hmm, no. #### 3", "5"),
+]
+
+
+@pytest.mark.parametrize("completion,gold", ISSUE13_WRONG)
+def test_issue13_wrong_answers_score_zero(completion, gold):
+    assert _acc([completion], [gold]) == [0.0]
+    assert _acc([completion], [gold], use_math_verify=False) == [0.0]
+
+
+ISSUE13_RIGHT = [
+    ("#### 3 ... \\boxed{5}", "5"),          # the last final answer wins
+    ("\\boxed{3} oh wait #### 5", "5"),
+    ("#### \\boxed{5}", "5"),
+    ("#### 1,000", "1000"), ("#### 1,234,567", "1234567"), ("#### 1{,}000", "1000"),
+    ("#### -3", "-3"), ("#### \u22123", "-3"), ("#### +3", "3"), ("#### $18", "18"),
+    ("#### \\$18.", "18"), ("#### -$3", "-3"), ("#### 25%", "25"), ("#### 25\\%", "25"),
+    ("#### 18.", "18"), ("#### 18.00", "18"), ("#### .5", "0.5"), ("#### 007", "7"),
+    ("\\boxed{\\frac{1}{2}}", "0.5"), ("\\boxed{0.5}", "\\frac{1}{2}"), ("\\boxed{-7/2}", "-3.5"),
+    ("\\boxed{\\dfrac{7}{2}}", "3.5"), ("$\\boxed{18}$.", "18"), ("\\boxed{\\text{18}}", "18"),
+    ("#### $18$", "18"), ("#### \\(18\\)", "18"), ("\\boxed{x + 1}", "x+1"),
+    ("#### 12", "She has 5 + 7 = <<5+7=12>>12.\n#### 12"),
+    ("#### **18**", "18"), ("#### *-3*", "-3"),
+]
+
+
+@pytest.mark.parametrize("completion,gold", ISSUE13_RIGHT)
+def test_issue13_right_answers_score_one_without_math_verify(completion, gold):
+    # the exact fallback alone (what runs off the main thread) accepts them, and so does the full path
+    assert _acc([completion], [gold], use_math_verify=False) == [1.0]
+    assert _acc([completion], [gold]) == [1.0]
+
+
+def test_issue13_units_and_text_go_to_math_verify():
+    # a unit is not a number: the fallback refuses, math-verify decides (it strips \text{} units)
+    assert _acc(["\\boxed{18 \\text{ dollars}}"], ["18"], use_math_verify=False) == [0.0]
+    assert _acc(["\\boxed{18 \\text{ dollars}}"], ["18"]) == [1.0]
+    assert _acc(["#### 18 dollars"], ["18"]) == [0.0]  # math-verify says False too
+
+
+def test_issue13_huge_number_scores_only_its_own_sample():
+    big = "9" * 400
+    comps = ["#### 18", "The answer is " + big, "#### " + big, "\\boxed{" + big + "}", "#### 7"]
+    golds = ["18", "5", big, "5", "7"]
+    assert _acc(comps, golds) == [1.0, 0.0, 1.0, 0.0, 1.0]
+    comb = combine_rewards([math_accuracy_reward, format_reward], weights=[1.0, 0.5])
+    assert comb([""] * 5, comps, answer=golds) == [1.5, 0.0, 1.5, 0.5, 1.5]
+    # beyond Python's int-string limit: still only that sample
+    huge = "9" * 6000
+    assert _acc(["#### 18", "#### " + huge], ["18", "18"]) == [1.0, 0.0]
+
+
+def test_math_one_sample_raising_does_not_zero_the_batch(monkeypatch):
+    from das_jax.rl.rewards import math_reward
+
+    real = math_reward.math_answer_correct
+
+    def flaky(completion, answer, **kw):
+        if "BOOM" in completion:
+            raise OverflowError("boom")
+        return real(completion, answer, **kw)
+
+    monkeypatch.setattr(math_reward, "math_answer_correct", flaky)
+    assert _acc(["#### 3", "#### BOOM", "#### 4"], ["3", "3", "4"]) == [1.0, 0.0, 1.0]
+
+
+def test_gsm8k_golds_score_one_and_neighbours_zero():
+    """Every GSM8K test gold, written as a model would, scores 1; gold +- 1 scores 0."""
+    from das_jax.data import load_gsm8k
+
+    probs = load_gsm8k("/work/shared/data/gsm8k/test.jsonl")
+    assert len(probs) > 1000
+    for p in probs:
+        g = p.answer
+        v = int(g) if g.lstrip("-").isdigit() else None
+        forms = [f"So the answer is:\n#### {g}", f"\\boxed{{{g}}}", f"#### {g}."]
+        if v is not None:
+            forms += [f"#### ${v:,}", f"#### {v:,}.00"]
+        for c in forms:
+            assert math_answer_correct(c, g, use_math_verify=False), (c, g)
+            assert math_answer_correct(c, f"... #### {g}", use_math_verify=False), (c, g)
+        if v is not None:
+            assert not math_answer_correct(f"#### {v + 1}", g, use_math_verify=False)
+            assert not math_answer_correct(f"#### {g} or {v + 1}", g, use_math_verify=False)
+    for p in probs[:25]:  # and through math-verify too (slower)
+        assert math_answer_correct(f"#### {p.answer}", p.answer)
+        assert not math_answer_correct(f"#### {p.answer} \\cdot 2", p.answer)
 
 
 def test_math_gold_formats_and_conversational():
@@ -113,6 +223,24 @@ def test_safe_reward_none_nan_and_wrong_length(caplog):
         assert safe_reward(lambda p, c, **k: None, name="none")([""], ["a"]) == [0.0]
     msgs = " ".join(r.getMessage() for r in caplog.records)
     assert "'short'" in msgs and "1 rewards for 2 completions" in msgs and "'none'" in msgs
+
+
+def test_safe_reward_failure_stays_with_its_sample(caplog):
+    def picky(prompts, completions, answer, scale=1.0):
+        out = []
+        for c, a in zip(completions, answer):
+            if c == "bad":
+                raise ValueError("cannot grade 'bad'")
+            out.append(scale * float(c == a))
+        return out
+
+    fn = safe_reward(picky)
+    with caplog.at_level(logging.ERROR):
+        assert fn(["p"] * 4, ["x", "bad", "y", "z"], answer=("x", "x", "y", "q"), scale=2.0) == [2.0, 0.0, 2.0, 0.0]
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "'picky'" in msg and "1 of 4" in msg and "[1]" in msg
+    comb = combine_rewards([picky, _const])
+    assert comb([""] * 3, ["bad", "x", "bad"], answer=["x", "x", "x"]) == [1.0, 2.0, 1.0]
 
 
 def test_combine_rewards_others_still_count(caplog):

@@ -346,6 +346,7 @@ def main(args: argparse.Namespace) -> int:
     from das_jax.data import load_dataset_from_config, render_prompt
     from das_jax.models import load
     from das_jax.rollout import Rollout
+    from das_jax.models.tokenizer import encode_prompt
 
     t0 = time.perf_counter()
     model_config, params, tokenizer = load(cfg.model.source, dtype=getattr(jnp, cfg.model.dtype))
@@ -356,7 +357,7 @@ def main(args: argparse.Namespace) -> int:
     for p in problems:
         text = render_prompt(p, tokenizer if d.chat else None, instruction=d.instruction,
                              chat=d.chat)
-        prompts.append((p.problem_id, tuple(tokenizer.encode(text))))
+        prompts.append((p.problem_id, tuple(encode_prompt(tokenizer, text, chat=d.chat))))
     r = cfg.rollout
     rollout = Rollout.from_config(cfg, model_config, params, tokenizer.eos_token_ids,
                                   speculation="none")

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                         engine_config=EngineConfig(max_slots=args.max_slots,
                                                    max_cache_len=args.max_cache_len,
                                                    draft_widths=widths))
-        prompt_ids = [tokenizer.chat_prompt_ids(p) if args.chat else tokenizer.encode(p)
+        prompt_ids = [tokenizer.chat_prompt_ids(p) if args.chat else tokenizer.encode_prompt(p)
                       for p in prompts]
         requests = [Request(tuple(ids), problem_id=i, sample_index=g)
                     for i, ids in enumerate(prompt_ids) for g in range(args.num_samples)]

@@ -57,7 +57,8 @@ class Request:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """token_ids / logprobs: generated tokens and their log-probs under the sampling distribution;
+    """token_ids / logprobs: generated tokens and their log-probs under the policy (the
+    temperature-scaled full softmax, also with top-k / top-p on; see `sampling.sample`);
     finish_reason: "stop" (a stop token, included) or "length" (max_new_tokens)."""
 
     request: Request

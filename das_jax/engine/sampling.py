@@ -9,8 +9,23 @@ passes (see docs/design.md, "Sampling rule"). For a point-mass draft, accepting 
 draft equals the sampled token accepts draft token d with probability p(d), the same acceptance
 probability as speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
 
-Temperature 0 is greedy (argmax, lowest id on ties) and its returned log-prob is the model's
-temperature-1 log-prob of the chosen token.
+Returned log-probs are those of the *policy*, not of the truncated sampling distribution: the
+log-prob of the chosen token under the temperature-scaled full softmax ``log_softmax(logits / T)``
+(top-k / top-p shape which token is drawn, not the reported log-prob). This is the distribution
+the trainer scores tokens under (``models.transformer.token_logprobs``, as TRL and verl do), so
+rollout log-probs can serve as the GRPO "old" log-probs and the importance ratio compares the same
+distribution on both sides (see README, "Old log-probs"). :func:`processed_logprobs` gives the
+sampling distribution itself. Temperature 0 is greedy (argmax, lowest id on ties) and its returned
+log-prob is the model's temperature-1 log-prob of the chosen token.
+
+Numerics of ``logits / T`` (:func:`tempered_log_softmax`): the row max is subtracted *before*
+dividing by T, and the max entries are set to exactly 0, so no T > 0 overflows: as T -> 0+ the
+distribution tends to a point mass on the argmax (uniform over exact ties) and, once the gaps over
+T leave float range, it *is* that point mass -- the sampled token equals greedy's whenever the
+argmax is unique, and the returned log-prob is 0. Masked tokens (-inf logits) get probability 0,
++inf logits share all the mass, and for large T the shifted logits are divided before they are
+subtracted so that no finite gap overflows. Every returned log-prob is finite and <= 0, jitted or
+not.
 """
 from __future__ import annotations
 
@@ -118,21 +133,62 @@ def _top_k_threshold(probs_NxV: jax.Array, top_k: int) -> jax.Array:
     return _bisect_threshold(probs_NxV, lambda mask: jnp.sum(mask, axis=-1) >= top_k)
 
 
+def tempered_log_softmax(logits_NxV: jax.Array, temperature: float) -> jax.Array:
+    """``log_softmax(logits / temperature)`` computed without overflow for any T > 0.
+
+    Args:
+      logits_NxV: logits, any float dtype (computed in float32); -inf marks a masked token.
+      temperature: a Python float > 0 (static).
+
+    Returns:
+      float32 `[N, V]` log-probs, each <= 0; -inf exactly where the probability is 0 in float32
+      (masked tokens, or gaps beyond float range at tiny T). A row whose entries are all -inf is
+      uniform; rows with +inf entries are uniform over those entries.
+
+    The row max ``m`` is subtracted first and the entries equal to ``m`` become exactly 0 (so
+    ``inf - inf`` never appears); the others become ``(x - m) / T`` for ``T <= 1`` (an overflow
+    to -inf there is the true limit) and ``(x a - m a) a`` with ``a = sqrt(1 / T)`` for
+    ``T > 1`` (no finite gap overflows, and no subnormal ``1 / T`` is flushed to zero).
+    """
+    if not temperature > 0:
+        raise SamplingError(f"temperature must be > 0 here (0 is greedy), got {temperature!r}")
+    x = logits_NxV.astype(jnp.float32)
+    m = jnp.max(x, axis=-1, keepdims=True)
+    if temperature <= 1.0:
+        z = (x - m) / jnp.float32(temperature)
+    else:
+        # XLA turns `/ T` into `* (1 / T)`, and 1 / T is subnormal (flushed to 0) above ~8.5e37:
+        # scale by a = sqrt(1 / T) twice (normal for every finite T), with a barrier so XLA cannot
+        # fold the two factors back into one. x * a - m * a cannot overflow where a finite z could.
+        a = jnp.float32(math.sqrt(1.0 / temperature))
+        z = jax.lax.optimization_barrier(x * a - m * a) * a
+    # the max entries are exactly 0; below a +inf max everything is -inf (no inf - inf, and no
+    # inf * 0 where XLA turns / T into * (1 / T) with 1 / T flushed to zero)
+    z = jnp.where(x == m, 0.0, jnp.where(m == jnp.inf, -jnp.inf, z))
+    logp = z - jnp.log(jnp.sum(jnp.exp(z), axis=-1, keepdims=True))
+    return jnp.minimum(logp, 0.0)
+
+
 def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, top_p: float):
-    """Log-probabilities of the sampling distribution: float32 `[N, V]`, -inf outside the support.
+    """Log-probabilities of the sampling distribution: float32 `[N, V]`, -inf outside the support,
+    every entry <= 0 (see :func:`tempered_log_softmax` for T -> 0+).
 
     temperature must be > 0 here (greedy is handled by the caller).
     """
-    logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32) / temperature, axis=-1)
-    if top_k and top_k < logits_NxV.shape[-1]:
+    return _truncate(tempered_log_softmax(logits_NxV, temperature), top_k, top_p)
+
+
+def _truncate(logp: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Top-k then top-p applied to log-probs `[N, V]`, renormalised; -inf outside the support."""
+    if top_k and top_k < logp.shape[-1]:
         probs = jnp.exp(logp)
         logp = jnp.where(probs >= _top_k_threshold(probs, top_k), logp, -jnp.inf)
-        logp = logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
+        logp = jnp.minimum(logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True), 0.0)
     if top_p < 1.0:
         probs = jnp.exp(logp)
         tau = _top_p_threshold(probs, top_p)
         logp = jnp.where(probs >= tau, logp, -jnp.inf)
-        logp = logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
+        logp = jnp.minimum(logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True), 0.0)
     return logp
 
 
@@ -159,22 +215,25 @@ def sample(
       sampling: `SamplingParams` or its `static_key()` (temperature, top_k, top_p).
 
     Returns:
-      (tokens_N int32, logprobs_N float32 under the sampling distribution).
+      (tokens_N int32, logprobs_N float32): the chosen tokens (drawn from the processed
+      distribution) and their log-probs under the policy, the temperature-scaled *full* softmax
+      (module docstring); finite and <= 0.
     """
     temperature, top_k, top_p = (sampling.static_key() if isinstance(sampling, SamplingParams)
                                  else sampling)
     if temperature == 0:
         tokens = jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
-        logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32), axis=-1)
+        logp = tempered_log_softmax(logits_NxV, 1.0)
         return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    logp = processed_logprobs(logits_NxV, temperature, top_k, top_p)
+    policy_logp = tempered_log_softmax(logits_NxV, temperature)
+    logp = _truncate(policy_logp, top_k, top_p)
     cdf_NxV = jnp.cumsum(jnp.exp(logp), axis=-1)
     u_N = uniforms(seeds_N, index_N)
     target = u_N * cdf_NxV[:, -1]
     # Inverse CDF in token-id order: the first token whose cumulative mass reaches u.
     tokens = jnp.sum(cdf_NxV < target[:, None], axis=-1).astype(jnp.int32)
     tokens = jnp.minimum(tokens, logits_NxV.shape[-1] - 1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, jnp.take_along_axis(policy_logp, tokens[:, None], axis=-1)[:, 0]
 
 
 def validate_stop_ids(ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:

@@ -41,7 +41,8 @@ def prefill_insert(
       seeds_R: int32 request seeds.
 
     Returns:
-      (cache, first_tokens_R int32, first_logprobs_R float32); the first token of slot r is
+      (cache, first_tokens_R int32, first_logprobs_R float32 under the policy, see
+      `sampling.sample`); the first token of slot r is
       sampled at absolute index lengths_U[src_R[r]].
     """
     U, T = tokens_UxT.shape

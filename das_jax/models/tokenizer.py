@@ -137,8 +137,59 @@ class Tokenizer:
         return getattr(self.hf, "chat_template", None)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text` (no BOS/EOS unless `add_special_tokens`)."""
+        """Token ids of `text` (no BOS/EOS unless `add_special_tokens`). For prompts use
+        :meth:`encode_prompt`."""
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The tokenizer's BOS id, or None."""
+        bos = getattr(self.hf, "bos_token_id", None)
+        return None if bos is None else int(bos)
+
+    def prepends_bos(self) -> bool:
+        """Whether the tokenizer's post-processor puts BOS in front of an encoded text (Llama-style
+        tokenizers do, ChatML ones such as SmolLM2 / Qwen do not)."""
+        bos = self.bos_token_id
+        if bos is None:
+            return False
+        with_special = list(self.hf.encode("a", add_special_tokens=True))
+        plain = list(self.hf.encode("a", add_special_tokens=False))
+        return bool(with_special) and with_special[0] == bos and (not plain or plain[0] != bos)
+
+    def encode_prompt(self, text: str, *, chat: bool = False) -> list[int]:
+        """Token ids of a prompt, as the model's tokenizer encodes it. The one function every
+        prompt goes through (generate CLI with and without --chat, trainer, benches).
+
+        Args:
+          text: the prompt. With `chat`, a rendered chat template (see :meth:`apply_chat_template`).
+          chat: False (a raw, completion-style prompt): special tokens are added as the
+            tokenizer's post-processor is configured -- exactly `transformers`'
+            `tokenizer(text)["input_ids"]` (a Llama-style tokenizer prepends BOS, a ChatML one
+            adds nothing). True: the template writes its own special tokens, so nothing else is
+            added, except that the result starts with exactly one BOS when the tokenizer
+            prepends BOS (:meth:`prepends_bos`): a template that writes ``{{ bos_token }}``
+            keeps its one BOS (not two, as encoding with special tokens would give), a template
+            that writes none gets the one the tokenizer would add, and a BOS repeated at the
+            start is kept once. Tokenizers that add no BOS get the template's ids unchanged.
+
+        Returns:
+          list of int ids.
+        """
+        if not chat:
+            return list(self.hf.encode(text, add_special_tokens=True))
+        ids = list(self.hf.encode(text, add_special_tokens=False))
+        bos = self.bos_token_id
+        if bos is None:
+            return ids
+        k = 0
+        while k < len(ids) and ids[k] == bos:
+            k += 1
+        if k > 1:
+            ids = ids[k - 1:]
+        if k == 0 and self.prepends_bos():
+            ids = [bos] + ids
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (any int sequence or 1-D array)."""
@@ -161,7 +212,7 @@ class Tokenizer:
         if not tokenize:
             return out
         # The template writes special tokens (e.g. <|im_start|>) itself: never add BOS on top.
-        return self.encode(out, add_special_tokens=False)
+        return self.encode_prompt(out, chat=True)
 
     def chat_prompt_ids(self, user_text: str, system: str | None = None) -> list[int]:
         """Ids of a one-turn chat prompt (optional system message) ending with the assistant header."""
@@ -172,6 +223,16 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, "
                 f"eos_token_ids={self.eos_token_ids}, pad_token_id={self.pad_token_id})")
+
+
+def encode_prompt(tokenizer: Any, text: str, *, chat: bool = False) -> list[int]:
+    """Prompt ids through :meth:`Tokenizer.encode_prompt` -- the one way the generate CLI, the
+    trainer and the benches encode prompts. Objects without ``encode_prompt`` (test doubles
+    with only ``encode(text)``) fall back to ``encode(text)``."""
+    fn = getattr(tokenizer, "encode_prompt", None)
+    if fn is not None:
+        return list(fn(text, chat=chat))
+    return list(tokenizer.encode(text))
 
 
 def _read_json_if_exists(path: str) -> dict:

@@ -11,8 +11,12 @@ Semantics follow TRL's `GRPOTrainer._generate_and_score_completions` (trl >= 0.2
   * `scale_rewards="group"`  divides by the group std (unbiased, ddof=1, torch's `.std()`),
     `scale_rewards="batch"`  divides by the std of all rewards of the batch (ddof=1),
     `scale_rewards="none"`   does not divide (Dr. GRPO);
-  * the denominator is `std + 1e-4`, so a degenerate group (all rewards equal) gets advantage 0
-    exactly, never NaN. With a single element (G == 1 or a batch of 1) the std is defined as 0.
+  * the denominator is `std + 1e-4`. With a single element (G == 1 or a batch of 1) the std is
+    defined as 0.
+A degenerate group (all G rewards bit-for-bit equal) gets advantage exactly 0 and std exactly 0
+for any G and value, in every mode, jitted or not: it is detected by `max == min` over the group
+(not by a float32 mean, whose rounding residue -- e.g. 8 x 0.7 -> +5.96e-4 advantages -- would
+otherwise pass the std guard), and it is counted in `frac_reward_zero_std`.
 """
 from __future__ import annotations
 
@@ -28,9 +32,11 @@ STD_EPSILON = 1e-4  # TRL's constant in `advantages / (std_rewards + 1e-4)`
 class GroupStats(NamedTuple):
     """Per-sample statistics broadcast back to the `[N]` layout (N = num_prompts * G), float32."""
 
-    mean_N: jnp.ndarray        # group mean of the rewards
-    std_N: jnp.ndarray         # group std (ddof=1), logged even when not used for scaling
-    is_std_zero_N: jnp.ndarray  # bool, group std ~ 0 (degenerate group: no learning signal)
+    mean_N: jnp.ndarray        # group mean of the rewards (exactly the common value if all equal)
+    std_N: jnp.ndarray         # group std (ddof=1), logged even when not used for scaling; exactly
+                               # 0 for an all-equal group
+    is_std_zero_N: jnp.ndarray  # bool, all rewards of the group equal, or std ~ 0 (TRL's isclose):
+                               # a degenerate group, no learning signal
 
 
 def _std_ddof1(x, axis=None):
@@ -54,9 +60,18 @@ def group_stats(rewards_N, num_generations: int) -> GroupStats:
         raise ValueError(f"{N} rewards cannot be split into groups of num_generations="
                          f"{num_generations}")
     rewards_PxG = rewards_N.reshape(-1, num_generations)
-    mean_N = jnp.repeat(jnp.mean(rewards_PxG, axis=1), num_generations)
-    std_N = jnp.repeat(_std_ddof1(rewards_PxG, axis=1), num_generations)
-    return GroupStats(mean_N, std_N, jnp.isclose(std_N, 0.0))
+    equal_P = jnp.max(rewards_PxG, axis=1) == jnp.min(rewards_PxG, axis=1)
+    mean_P = jnp.where(equal_P, rewards_PxG[:, 0], jnp.mean(rewards_PxG, axis=1))
+    std_P = jnp.where(equal_P, 0.0, _std_ddof1(rewards_PxG, axis=1))
+    equal_N = jnp.repeat(equal_P, num_generations)
+    std_N = jnp.repeat(std_P, num_generations)
+    return GroupStats(jnp.repeat(mean_P, num_generations), std_N, equal_N | jnp.isclose(std_N, 0.0))
+
+
+def _equal_groups_N(rewards_N, num_generations: int):
+    rewards_PxG = rewards_N.reshape(-1, num_generations)
+    equal_P = jnp.max(rewards_PxG, axis=1) == jnp.min(rewards_PxG, axis=1)
+    return jnp.repeat(equal_P, num_generations)
 
 
 def group_advantages(rewards_N, num_generations: int, scale_rewards: str = "group") -> jnp.ndarray:
@@ -73,13 +88,18 @@ def group_advantages(rewards_N, num_generations: int, scale_rewards: str = "grou
       scale_rewards: "group", "batch" or "none".
 
     Returns:
-      float32 `[N]` advantages; exactly 0 for every member of a group whose rewards are all equal.
+      float32 `[N]` advantages; exactly 0 for every member of a group whose rewards are all equal
+      (any G, any value, every `scale_rewards`, under `jax.jit` too with `num_generations` and
+      `scale_rewards` static).
+
+    Raises:
+      ValueError: unknown `scale_rewards`, or N not a multiple of `num_generations`.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     rewards_N = jnp.asarray(rewards_N, jnp.float32)
     stats = group_stats(rewards_N, num_generations)
-    centred_N = rewards_N - stats.mean_N
+    centred_N = jnp.where(_equal_groups_N(rewards_N, num_generations), 0.0, rewards_N - stats.mean_N)
     if scale_rewards == "none":
         return centred_N
     if scale_rewards == "group":
@@ -94,7 +114,7 @@ def advantage_metrics(rewards_N, num_generations: int) -> dict[str, float]:
     rewards_N = np.asarray(rewards_N, np.float32)
     stats = group_stats(rewards_N, num_generations)
     return {
-        "reward": float(rewards_N.mean()),
+        "reward": float(rewards_N.astype(np.float64).mean()),
         "reward_std": float(np.asarray(stats.std_N).mean()),
         "frac_reward_zero_std": float(np.asarray(stats.is_std_zero_N).mean()),
     }

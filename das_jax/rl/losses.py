@@ -174,6 +174,7 @@ class PerTokenTerms(NamedTuple):
     low_clip_BxT: jax.Array    # 1.0 where low-clipped
     high_clip_BxT: jax.Array   # 1.0 where high-clipped
     ratio_BxT: jax.Array       # importance ratio (1 off the mask)
+    log_ratio_BxT: jax.Array | None = None  # logp - old_logp (0 off the mask)
 
 
 def token_loss_weights(completion_mask_BxT, loss_type: str, max_completion_length: int | None = None,
@@ -233,7 +234,8 @@ def per_token_terms(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT, *
     ratio_ng = jax.lax.stop_gradient(ratio_BxT)
     low_BxT = ((ratio_ng < 1.0 - epsilon) & (adv_Bx1 < 0) & mask).astype(jnp.float32)
     high_BxT = ((ratio_ng > 1.0 + epsilon_high) & (adv_Bx1 > 0) & mask).astype(jnp.float32)
-    return PerTokenTerms(loss_BxT * maskf, kl_BxT * maskf, low_BxT, high_BxT, ratio_BxT)
+    return PerTokenTerms(loss_BxT * maskf, kl_BxT * maskf, low_BxT, high_BxT, ratio_BxT,
+                         jax.lax.stop_gradient(log_ratio_BxT))
 
 
 def entropy_from_logits(logits_BxTxV, temperature: float = 1.0) -> jax.Array:
@@ -255,6 +257,8 @@ def metric_sums(terms: PerTokenTerms, completion_mask_BxT, entropy_BxT=None) -> 
     }
     if entropy_BxT is not None:
         sums["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * m)
+    if terms.log_ratio_BxT is not None:  # |logp - old_logp|: the sampler/trainer log-prob gap
+        sums["abs_log_ratio"] = jnp.sum(jnp.abs(terms.log_ratio_BxT) * m)
     return sums
 
 
@@ -265,6 +269,8 @@ def finalize_metrics(sums: dict[str, jax.Array], beta: float) -> dict[str, jax.A
     for name in ("clip_low", "clip_high", "clip_region", "entropy") + (("kl",) if beta else ()):
         if name in sums:
             out[name] = sums[name] / denom
+    if "abs_log_ratio" in sums:  # mean |logp - old_logp| over completion tokens
+        out["logprob_gap"] = sums["abs_log_ratio"] / denom
     return out
 
 

@@ -6,14 +6,14 @@ token at position t, `logp_t = log_softmax(logits_{t-1} / temperature)[tokens_t]
 
 Old log-probs. TRL, when `num_iterations == 1`, uses the detached current log-probs as the
 "old" policy (the ratio is then exactly 1 in the forward pass and only its gradient matters).
-Here the rollout engine returns the log-probs of the sampled tokens under its sampling
-distribution, and we use those: with the same params, the same temperature and top-p / top-k
-off, they equal the detached current log-probs up to float rounding (the engine computes them
-with a KV cache and a different matmul width, ~1e-5 relative), so the ratio is 1 up to rounding
-and the clipped objective behaves as in TRL. With top-p / top-k on, the engine's log-probs are
-those of the truncated distribution and the ratio measures the (real) mismatch between sampler
-and trained policy. With `num_iterations > 1` the rollout log-probs are the correct PPO "old"
-policy for every iteration.
+Here the rollout engine returns the log-probs of the sampled tokens under the policy -- the
+temperature-scaled full softmax, the distribution scored here, also when top-k / top-p shape the
+draw (`engine.sampling.sample`; TRL and verl score the same distribution) -- and we use those
+(`grpo.old_logprobs: rollout`): with the same params they equal the detached current log-probs
+up to float rounding (the engine computes them with a KV cache and a different matmul width,
+~1e-5 relative), so the ratio is 1 up to rounding and the clipped objective behaves as in TRL.
+With `num_iterations > 1` the rollout log-probs are the correct PPO "old" policy for every
+iteration.
 
 Micro-batching: the batch of `N` sequences is split into `ceil(N / micro_batch_size)`
 micro-batches, grouped by length (`micro_batch_plan`) and each cut to its own padded length, fed
@@ -241,7 +241,7 @@ def make_optimizer(grpo_config, total_steps: int) -> optax.GradientTransformatio
     return optax.chain(optax.clip_by_global_norm(float(max_norm)), adamw)
 
 
-_SUM_KEYS = ("num_tokens", "kl", "clip_low", "clip_high", "clip_region", "entropy")
+_SUM_KEYS = ("num_tokens", "kl", "clip_low", "clip_high", "clip_region", "entropy", "abs_log_ratio")
 
 
 def zero_carry(params: Params):
@@ -396,7 +396,8 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         params (and so the Adam moments) in float32 "master" dtype, `compute_dtype="bfloat16"`.
 
     Metrics (float32 scalars): loss, grad_norm (before clipping), update_norm, num_completion_tokens,
-    clip_low, clip_high, clip_region, entropy, and kl when beta > 0.
+    clip_low, clip_high, clip_region, entropy, logprob_gap (mean |logp - old_logp| over completion
+    tokens), and kl when beta > 0.
     """
     loss_and_grad = make_loss_and_grad(model_config, grpo_config, temperature=temperature,
                                        activation=activation, compute_dtype=compute_dtype,

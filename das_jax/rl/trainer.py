@@ -38,7 +38,8 @@ from das_jax.config import Config, config_to_dict, save_config
 from das_jax.data import Problem, load_dataset_from_config, render_prompt, reward_kwargs
 from das_jax.engine import Request, RequestOutput, request_seed
 from das_jax.models.transformer import ActivationConfig
-from das_jax.rl.advantages import get_advantage
+from das_jax.models.tokenizer import encode_prompt
+from das_jax.rl.advantages import advantage_metrics, get_advantage
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.rewards import combine_rewards, get_reward_fn
 from das_jax.rl.run_log import sample_rows
@@ -107,7 +108,7 @@ class GRPOTrainer:
             text = render_prompt(p, self.tokenizer if c.data.chat else None,
                                  instruction=c.data.instruction, chat=c.data.chat)
             self.prompt_text[p.problem_id] = text
-            self.prompt_ids[p.problem_id] = self.tokenizer.encode(text)
+            self.prompt_ids[p.problem_id] = encode_prompt(self.tokenizer, text, chat=c.data.chat)
         # The rollout boundary: engine, drafter, policy and cost model, all from the config. The
         # engine keeps no params of its own: every rollout passes the current ones, cast to the
         # compute dtype (`rollout_params`), so nothing stays alive across the update.
@@ -202,8 +203,9 @@ class GRPOTrainer:
         if c.grpo.old_logprobs == "recompute":
             recomputed = logprobs(self.params)
             cmask = (positions >= lens_p[:, None]) & valid
-            # How far the sampler's log-probs are from the trainer's (float rounding, plus the
-            # top-k / top-p truncation the sampler applies): a health check of the rollouts.
+            # How far the sampler's log-probs are from the trainer's (both under the
+            # temperature-scaled full softmax, so only float rounding): a health check of the
+            # rollouts. In "rollout" mode the train step's first iteration measures the same gap.
             self.last_logprob_gap = float(np.abs(recomputed - old)[cmask].mean()) if cmask.any() \
                 else 0.0
             old = recomputed
@@ -213,9 +215,12 @@ class GRPOTrainer:
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         batch, _ = self.build_batch(rb)
         metrics = {}
-        for _ in range(self.config.grpo.num_iterations):
+        for it in range(self.config.grpo.num_iterations):
             self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch)
             metrics = {k: float(v) for k, v in m.items()}
+            if it == 0 and self.config.grpo.old_logprobs == "rollout":
+                # on-policy first iteration: mean |trainer logp - rollout logp| is the gap
+                self.last_logprob_gap = metrics.get("logprob_gap")
         return metrics
 
     # ------------------------------------------------------------------ one step
@@ -239,6 +244,8 @@ class GRPOTrainer:
             "epoch": (self.step - 1) // self.steps_per_epoch(),
             "reward_mean": float(rb.rewards.mean()),
             "reward_std": float(rb.rewards.std()),
+            "frac_reward_zero_std": advantage_metrics(
+                rb.rewards, self.config.grpo.num_generations)["frac_reward_zero_std"],
             "accuracy": float(np.mean(acc_part)) if acc_part is not None else None,
             "loss": train_metrics.get("loss"),
             "kl": train_metrics.get("kl"),

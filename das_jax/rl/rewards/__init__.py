@@ -7,8 +7,9 @@
 
 Public surface:
     math_accuracy_reward(prompts, completions, *, answer, **kw) -> list[float]   1.0 / 0.0
-        math-verify (main thread, bounded by signal timeouts) + numeric fallback (#### N or the
-        last number; commas, $, trailing .0 normalised); off the main thread only the fallback.
+        graded on the last final answer (#### line or \\boxed{}, whichever comes later):
+        exact numeric match only when that whole region is one number, normalised string
+        match, then math-verify (main thread, bounded by signal timeouts); each sample alone.
     format_reward(prompts, completions, **kw) -> list[float]     1.0 if "#### <number>" or \\boxed{}
     code_reward(prompts, completions, *, test, entry_point | answer, code_prompt=None, **kw)
         -> list[float]                   1.0 if the tests pass; judged outside the solution's sandbox
@@ -17,14 +18,16 @@ Public surface:
     run_in_sandbox(program, *, timeout_s=5.0, memory_mb=1024, max_procs=1, max_file_mb=16,
                    guard=True) -> SandboxResult      (``passed`` is not a verdict on hostile code)
     sandbox_capabilities(refresh=False) -> SandboxCapabilities
-    safe_reward(fn, name=None) -> fn        exceptions / wrong length -> zeros + logged error;
-                                            None / NaN per sample -> 0.0
+    safe_reward(fn, name=None) -> fn        an exception -> each sample rescored alone, only the
+                                            failing ones 0.0 (logged); wrong length -> zeros +
+                                            logged error; None / NaN per sample -> 0.0
     combine_rewards(fns, weights=None, *, names=None) -> fn   weighted sum of safe rewards;
                                             fn.breakdown(...) -> (total, {name: values})
     get_reward_fn(name) -> fn               names: math_accuracy, format, code (KeyError otherwise)
     register_reward_fn(name, fn, *, overwrite=False)
     math_answer_correct(completion, answer, *, use_math_verify=True, timeout_s=3) -> bool
-    extract_final_number(completion) -> str | None
+    extract_final_number(completion) -> str | None   the final answer if it is one number
+    parse_number(text) -> Fraction | None   exact value when the whole text is one number
 """
 
 from das_jax.rl.rewards.code_check import CheckResult, check_solution
@@ -34,6 +37,7 @@ from das_jax.rl.rewards.math_reward import (
     format_reward,
     math_accuracy_reward,
     math_answer_correct,
+    parse_number,
 )
 from das_jax.rl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, register_reward_fn
 from das_jax.rl.rewards.safety import RewardFn, combine_rewards, reward_name, safe_reward
@@ -68,4 +72,5 @@ __all__ = [
     "REWARD_FUNCTIONS",
     "math_answer_correct",
     "extract_final_number",
+    "parse_number",
 ]

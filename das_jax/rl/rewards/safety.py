@@ -3,7 +3,8 @@
 A reward function that raises, returns the wrong number of values, or returns None / NaN for a
 sample must never crash a run: the error is logged (``logging``, logger
 ``das_jax.rl.rewards.safety``, naming the function and the exception) and the affected samples
-get 0.0.
+get 0.0. One sample's failure never spills onto the others: when a call on the batch raises,
+each sample is scored again on its own and only the samples that fail alone get 0.0.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ def safe_reward(fn: RewardFn, name: str | None = None) -> Callable[..., list[flo
     length ``len(completions)``:
       * ``None`` for a sample -> 0.0 (TRL's "not applicable"); NaN/inf/non-numeric -> 0.0 with
         a warning;
-      * an exception, a non-list result or a result of the wrong length -> all 0.0, and an
-        ERROR log record naming the function and the exception (with traceback).
+      * an exception on the batch -> each sample is scored on its own (``fn`` called with one
+        prompt, one completion and that sample's slice of every per-sample column, i.e. every
+        list / tuple / array kwarg of length ``len(completions)``; other kwargs passed as they
+        are); samples that fail alone get 0.0, and an ERROR log record names the function, the
+        exception (with traceback) and how many samples it cost;
+      * a non-list result or a result of the wrong length -> all 0.0, and an ERROR log record.
 
     Args:
         fn: the reward function.
@@ -78,15 +83,57 @@ def safe_reward(fn: RewardFn, name: str | None = None) -> Callable[..., list[flo
     def wrapper(prompts: Sequence[str], completions: Sequence[Any], **kwargs: Any) -> list[float]:
         n = len(completions)
         try:
-            return _sanitize(fname, fn(prompts, completions, **kwargs), n)
+            values = fn(prompts, completions, **kwargs)
         except Exception as e:  # noqa: BLE001 - the whole point
+            if n <= 1:
+                logger.error("reward function %r failed (%s: %s); giving 0.0 to %d sample(s)",
+                             fname, type(e).__name__, e, n, exc_info=True)
+                return [0.0] * n
+            return _per_sample(fname, fn, prompts, completions, kwargs, e)
+        try:
+            return _sanitize(fname, values, n)
+        except (TypeError, ValueError) as e:
             logger.error("reward function %r failed (%s: %s); giving 0.0 to %d sample(s)",
-                         fname, type(e).__name__, e, n, exc_info=True)
+                         fname, type(e).__name__, e, n)
             return [0.0] * n
 
     wrapper.__name__ = fname
     wrapper.__das_safe__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _slice_columns(kwargs: dict, n: int, i: int) -> dict:
+    """Sample ``i``'s view of the kwargs: per-sample columns (list / tuple / array of length
+    ``n``) sliced to ``[i : i + 1]``, everything else unchanged."""
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, (list, tuple)) and len(v) == n:
+            out[k] = list(v[i : i + 1])
+        elif hasattr(v, "shape") and getattr(v, "ndim", 0) >= 1 and len(v) == n:
+            out[k] = v[i : i + 1]
+        else:
+            out[k] = v
+    return out
+
+
+def _per_sample(fname: str, fn: RewardFn, prompts: Sequence[str], completions: Sequence[Any],
+                kwargs: dict, batch_error: Exception) -> list[float]:
+    """Score each sample alone after the batch call raised; failures give that sample 0.0."""
+    n = len(completions)
+    prompts = list(prompts) if len(prompts) == n else [prompts[0] if prompts else ""] * n
+    out, failed = [], []
+    for i in range(n):
+        try:
+            v = _sanitize(fname, fn(prompts[i : i + 1], list(completions[i : i + 1]),
+                                    **_slice_columns(kwargs, n, i)), 1)[0]
+        except Exception:  # noqa: BLE001 - the whole point
+            v = 0.0
+            failed.append(i)
+        out.append(v)
+    logger.error("reward function %r failed on the batch (%s: %s); scored each sample alone: "
+                 "%d of %d sample(s) failed and got 0.0 (indices %s)", fname, type(batch_error).__name__,
+                 batch_error, len(failed), n, failed[:20], exc_info=batch_error)
+    return out
 
 
 def combine_rewards(
@@ -98,6 +145,9 @@ def combine_rewards(
         fns: reward functions (TRL signature).
         weights: one weight per function (default all 1.0).
         names: names for logs (default the functions' names).
+
+    Each component is scored per sample (see :func:`safe_reward`): a sample that makes one
+    function fail gets 0.0 from that function only, and no other sample is affected.
 
     Returns:
         ``fn(prompts, completions, **kwargs) -> list[float]``; it also has

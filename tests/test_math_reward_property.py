@@ -1,0 +1,123 @@
+"""Property tests: the math reward agrees with math-verify's own verdicts (issue 13, section 2).
+
+``math_answer_correct`` = exact numeric fallback OR normalised string match OR math-verify. So it
+equals math-verify's verdict on the final-answer region exactly when the two fallbacks never
+accept what math-verify rejects. Regions are drawn from a grammar of numbers written the ways
+models write them and of non-numbers built from them (products, hedges, lists, intervals, powers,
+roots, units, space-separated digits), wrapped as ``#### r`` or ``\\boxed{r}``, sometimes after
+an earlier, different final answer (the last one must win).
+"""
+
+from fractions import Fraction
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from das_jax.rl.rewards.math_reward import math_answer_correct, parse_number
+
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def _mv(region: str, gold: str) -> bool:
+    from math_verify import parse, verify
+
+    g, p = parse(f"${gold}$"), parse(f"${region}$")
+    return bool(g and p and verify(g, p))
+
+
+values = st.one_of(
+    st.integers(-2_000_000, 2_000_000).map(Fraction),
+    st.builds(lambda n, k: Fraction(n, 10**k), st.integers(-99_999, 99_999), st.integers(1, 3)),
+    st.builds(Fraction, st.integers(-50, 50), st.integers(1, 12)),
+)
+
+
+def _terminates(v: Fraction) -> bool:
+    d = v.denominator
+    for p in (2, 5):
+        while d % p == 0:
+            d //= p
+    return d == 1
+
+
+def _plain(v: Fraction) -> str:
+    if v.denominator == 1:
+        return str(v.numerator)
+    if not _terminates(v):
+        return f"\\frac{{{v.numerator}}}{{{v.denominator}}}"
+    return f"{float(v):.6f}".rstrip("0")
+
+
+@st.composite
+def rendering(draw, v: Fraction) -> str:
+    """``v`` written one of the ways a model writes one number."""
+    if not _terminates(v):
+        n, d = abs(v.numerator), v.denominator
+        sign = "-" if v < 0 else ""
+        return draw(st.sampled_from([f"{sign}\\frac{{{n}}}{{{d}}}", f"{sign}\\dfrac{{{n}}}{{{d}}}", f"{sign}{n}/{d}"]))
+    base = _plain(v)
+    forms = [base, f"{base}.", f"${base}$", f"\\text{{{base}}}"]
+    if v >= 0:
+        forms += [f"${base}", f"\\${base}", f"{base}\\%", f"+{base}"]
+    else:
+        forms += [f"-${base[1:]}", f"\u2212{base[1:]}"]
+    if v.denominator == 1:
+        forms += [f"{v.numerator:,}", f"{base}.00"]
+        if abs(v) >= 1000:
+            forms.append(f"{v.numerator:,}".replace(",", "{,}"))
+    else:
+        forms.append(f"\\frac{{{v.numerator}}}{{{v.denominator}}}")
+    return draw(st.sampled_from(forms))
+
+
+@st.composite
+def region_and_gold(draw):
+    gv = draw(values)
+    gold = _plain(gv)
+    # mostly the gold's own value, sometimes a neighbour or an unrelated value
+    near = draw(st.sampled_from([gv, gv, gv, gv + 1, -gv, gv * 10, draw(values)]))
+    a = draw(rendering(near))
+    b = draw(rendering(draw(st.sampled_from([gv, near, draw(values)]))))
+    ai, bi = (_plain(near), _plain(gv))
+    region = draw(st.sampled_from([
+        a, a, a,
+        f"{a} \\cdot {b}", f"{ai}\\sqrt{{{bi}}}", f"{a} or {b}", f"{a}, {b}", f"[{ai}, {bi}]",
+        f"({ai}, {bi})", f"{a} + {b}", f"{ai}^{{2}}", f"{a} \\text{{ or }} {b}", f"{a} to {b}",
+        f"x = {a}", f"{ai} \\pm {bi}", f"{ai} {bi}", f"{a} \\text{{ dollars}}", f"{ai}x",
+        f"\\{{{ai}, {bi}\\}}", f"{ai} \\le x \\le {bi}",
+    ]))
+    return region, gold
+
+
+def _wrap(region: str, style: int, other: str) -> str:
+    return [
+        f"Let me think.\n#### {region}",
+        f"The answer is $\\boxed{{{region}}}$.",
+        f"#### {other}\nWait, I made a mistake. The answer is \\boxed{{{region}}}",
+        f"\\boxed{{{other}}} is wrong, so\n#### {region}\nDone.",
+        f"#### **{region}**",
+    ][style]
+
+
+@SETTINGS
+@given(region_and_gold(), st.integers(0, 4), values)
+def test_math_reward_agrees_with_math_verify(rg, style, other_v):
+    region, gold = rg
+    completion = _wrap(region, style, _plain(other_v))
+    expected = _mv(region, gold)
+    assert math_answer_correct(completion, gold) == expected, (completion, gold)
+    # the fallback alone (off the main thread) never accepts what math-verify rejects
+    if not expected:
+        assert not math_answer_correct(completion, gold, use_math_verify=False), (completion, gold)
+
+
+@SETTINGS
+@given(values, st.data(), st.integers(0, 4), values)
+def test_right_number_scores_one_without_math_verify(v, data, style, other_v):
+    """Any rendering of the gold's value scores 1 from the exact fallback alone."""
+    region = data.draw(rendering(v))
+    completion = _wrap(region, style, _plain(other_v))
+    assert parse_number(region) == v, region
+    assert math_answer_correct(completion, _plain(v), use_math_verify=False), (completion, v)
+    assert math_answer_correct(completion, _plain(v)), (completion, v)
