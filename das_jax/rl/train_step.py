@@ -293,7 +293,8 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
         loss_acc, g_acc, s_acc = carry
         (loss, sums), g = grad_fn(params_c, x)
         g_acc = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-        s_acc = {k: s_acc[k] + sums[k] for k in s_acc}
+        # a registered loss may not produce every metric (e.g. no log-ratio): those stay 0
+        s_acc = {k: s_acc[k] + sums[k] if k in sums else s_acc[k] for k in s_acc}
         return (loss_acc + loss, g_acc, s_acc), None
 
     carry, _ = jax.lax.scan(body, carry, xs)
