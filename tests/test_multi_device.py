@@ -154,7 +154,7 @@ def test_lpt_greedy_rule_and_unknown_lengths():
 def test_predict_lengths_from_policy_or_drafter_history():
     reqs = [Request((2, 3), problem_id=p) for p in ("a", "b", "a", "c")]
     history = {"a": [10, 30, 20], "b": [5]}
-    rollout = Rollout(Engine(CFG, {}), "none")   # no params needed: nothing is generated
+    rollout = Rollout(Engine(CFG, None, dtype="float32"), "none")   # no params needed: nothing is generated
     assert rollout.predicted_lengths(reqs).tolist() == [-1.0] * 4
     rollout.policy = DASPolicy(lambda pid: history.get(pid, []))
     assert rollout.predicted_lengths(reqs).tolist() == [20.0, 5.0, 20.0, -1.0]

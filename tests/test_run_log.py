@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from das_jax.cli import main
@@ -57,7 +58,9 @@ def runs(tmp_path_factory):
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
     out = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rl_cli, "_load_model", lambda config: (CFG, params, CharTokenizer()))
+        # a fresh copy per run: the trainer owns (and donates) the params it is given
+        mp.setattr(rl_cli, "_load_model", lambda config: (
+            CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
         try:
             for drafter, flags in (("none", ["--no-progress"]), ("das", [])):
                 run_dir = tmp / f"run-{drafter}"

@@ -77,7 +77,9 @@ class GRPOTrainer:
     Args:
       config: the resolved run config.
       model: optional (model_config, params, tokenizer) to use instead of loading
-        `config.model.source` (tests pass tiny random models).
+        `config.model.source` (tests pass tiny random models). The trainer takes ownership of
+        the params: when they are already in `train.master_dtype` they become the master copy,
+        which the train step donates, so the caller must not use them afterwards.
       problems: optional problems instead of `config.data`.
       reward_fns: optional TRL-signature reward functions instead of `config.grpo.reward_funcs`.
     """
