@@ -70,7 +70,11 @@ class DataSection:
     generator (num_problems and seed apply to "arithmetic" only: a different value with another
     kind is rejected; the order in which training visits problems follows train.seed); limit: keep
     the first `limit` problems; instruction: prompt instruction (None: the kind's default); chat:
-    apply the chat template."""
+    apply the chat template.
+    Difficulty of the `arithmetic` kind (null: the generator's default; an error for other
+    kinds): min_steps / max_steps: arithmetic steps per problem, drawn uniformly from
+    [min_steps, max_steps] within 1..5 (default 1..5); templates: the problem templates to use
+    (shopping, travel, sharing, bakery, multi_step, counting; default all but counting)."""
 
     kind: str = _registry_choices(_dataset_kinds, default="arithmetic")
     path: Optional[str] = None
@@ -79,6 +83,14 @@ class DataSection:
     seed: int = 0
     instruction: Optional[str] = None
     chat: bool = True
+    min_steps: Optional[int] = None
+    max_steps: Optional[int] = None
+    templates: Optional[tuple[str, ...]] = None
+
+    def task_kwargs(self) -> dict[str, Any]:
+        """The difficulty keys that are set, as keyword arguments of `synthetic_arithmetic`."""
+        return {k: getattr(self, k) for k in ("min_steps", "max_steps", "templates")
+                if getattr(self, k) is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +211,17 @@ class TrainSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """Held-out evaluation (das_jax.rl.evaluate): greedy accuracy on `num_problems` problems the
+    run never trains on (0 disables), at step 0, every `every` steps (0: only at the start and
+    the end) and at the last step; max_new_tokens: the response budget (None: rollout's)."""
+
+    num_problems: int = 0
+    every: int = 0
+    max_new_tokens: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run. drafter: a speculation name (`das_jax.rollout.speculation_names()`: none,
     ngram, suffix, suffix-global, das, das-unlimited, and any registered by the user);
@@ -214,6 +237,7 @@ class Config:
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)
     das: DASSection = dataclasses.field(default_factory=DASSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
 
 
 # ----- removed keys ----------------------------------------------------------------------------------
@@ -414,11 +438,29 @@ def validate(cfg: Config) -> Config:
     _check(d.num_problems >= 1, f"data.num_problems must be >= 1, got {d.num_problems}")
     _check_data_kind_fields(d)
     _check(d.limit is None or d.limit >= 1, f"data.limit must be >= 1 or null, got {d.limit}")
+    _check(d.kind == "arithmetic" or not d.task_kwargs(),
+           f"data.{', data.'.join(d.task_kwargs())} only apply to data.kind=arithmetic (got kind "
+           f"{d.kind!r}); remove them")
+    lo, hi = d.min_steps or 1, d.max_steps or 5
+    _check(1 <= lo <= hi <= 5, f"data.min_steps / data.max_steps must satisfy 1 <= min_steps <= "
+           f"max_steps <= 5, got {d.min_steps}, {d.max_steps}")
+    if d.templates is not None:
+        from das_jax.data.synthetic import ARITHMETIC_TEMPLATES
+        bad = [t for t in d.templates if t not in ARITHMETIC_TEMPLATES]
+        _check(bool(d.templates) and not bad, f"data.templates: unknown {bad or 'empty list'}; "
+               f"choices: {', '.join(ARITHMETIC_TEMPLATES)}")
     _check(das.window >= 1, f"das.window must be >= 1, got {das.window}")
     _check(das.max_depth >= 1, f"das.max_depth must be >= 1, got {das.max_depth}")
     _check(0 <= das.min_token_prob <= 1, f"das.min_token_prob must be in [0, 1], got "
            f"{das.min_token_prob}")
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")
+    e = cfg.eval
+    _check(e.num_problems >= 0, f"eval.num_problems must be >= 0 (0 disables), got "
+           f"{e.num_problems}")
+    _check(e.every >= 0, f"eval.every must be >= 0 (0: only at the start and end), got {e.every}")
+    _check(e.max_new_tokens is None or 1 <= e.max_new_tokens < r.max_cache_len,
+           f"eval.max_new_tokens must be null or in [1, rollout.max_cache_len={r.max_cache_len}), "
+           f"got {e.max_new_tokens}")
     _check(t.save_every >= 0, f"train.save_every must be >= 0 (0 disables), got {t.save_every}")
     _check(t.log_samples >= 0, f"train.log_samples must be >= 0 (0 disables), got {t.log_samples}")
     _check(r.kv_memory_gb is None or r.kv_memory_gb > 0,

@@ -1,7 +1,7 @@
 """A built-in, seeded synthetic arithmetic word-problem task (works on a fresh machine, no files).
 
 Problems come from a few themed templates (shopping, travel, sharing, bakery, multi-step
-running totals). Each problem needs 1 to 5 arithmetic steps, so reference solutions (and the
+running totals, and an easy opt-in one: small counts). Each problem needs 1 to 5 arithmetic steps, so reference solutions (and the
 completions a policy writes) vary in length: short one-liners and long multi-step answers, the
 long tail that DAS targets. Every answer is a non-negative integer.
 
@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from das_jax.data.problems import Problem
 
-__all__ = ["synthetic_arithmetic", "ARITHMETIC_TEMPLATES"]
+__all__ = ["synthetic_arithmetic", "ARITHMETIC_TEMPLATES", "DEFAULT_TEMPLATES"]
 
 _NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas",
           "Kira", "Liam", "Maya", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam", "Tariq"]
@@ -213,13 +213,40 @@ def _running_total(rng: random.Random, steps: int):
     return " ".join(q), v, sol
 
 
+def _counting(rng: random.Random, steps: int):
+    # the easy template: a count of things changed by `steps` (1 or 2) small additions or
+    # removals; every number is at most 20 and every intermediate count is positive
+    if not 1 <= steps <= 2:
+        return None
+    name, (one, many) = rng.choice(_NAMES), rng.choice(_ITEMS)
+    v = rng.randint(2, 20)
+    q, sol = [f"{name} has {_plural(v, (one, many))}."], []
+    for _ in range(steps):
+        if v > 2 and rng.random() < 0.5:
+            a = rng.randint(1, min(v - 1, 20))
+            q.append(f"{name} gives {a} of them away.")
+            sol.append(f"{v} - {a} = {v - a}.")
+            v -= a
+        else:
+            a = rng.randint(1, 20)
+            q.append(f"{name} gets {a} more.")
+            sol.append(f"{v} + {a} = {v + a}.")
+            v += a
+    q.append(f"How many {many} does {name} have now?")
+    return " ".join(q), v, sol
+
+
 ARITHMETIC_TEMPLATES: dict[str, Callable] = {
     "shopping": _shopping,
     "travel": _travel,
     "sharing": _sharing,
     "bakery": _bakery,
     "multi_step": _running_total,
+    "counting": _counting,
 }
+#: The templates used when none are named (``counting``, the easy one, only when asked for, so
+#: that the default problems of a seed stay what they were).
+DEFAULT_TEMPLATES: tuple[str, ...] = ("shopping", "travel", "sharing", "bakery", "multi_step")
 
 
 def synthetic_arithmetic(
@@ -240,7 +267,8 @@ def synthetic_arithmetic(
         min_steps, max_steps: the number of arithmetic steps of each problem is drawn uniformly
             from ``[min_steps, max_steps]`` (1 <= min_steps <= max_steps <= 5).
         templates: subset of ``ARITHMETIC_TEMPLATES`` (``shopping``, ``travel``, ``sharing``,
-            ``bakery``, ``multi_step``); default all.
+            ``bakery``, ``multi_step``, and the easy ``counting``: small counts, 1-2 additions
+            or removals, numbers <= 20); default ``DEFAULT_TEMPLATES`` (all but ``counting``).
         id_prefix: ids are ``f"{id_prefix}-{seed}-{i}"``.
 
     Returns:
@@ -256,7 +284,7 @@ def synthetic_arithmetic(
         raise ValueError(f"num_problems must be >= 0, got {num_problems}")
     if not 1 <= min_steps <= max_steps <= 5:
         raise ValueError(f"need 1 <= min_steps <= max_steps <= 5, got {min_steps}, {max_steps}")
-    names = list(ARITHMETIC_TEMPLATES) if templates is None else list(templates)
+    names = list(DEFAULT_TEMPLATES) if templates is None else list(templates)
     bad = [t for t in names if t not in ARITHMETIC_TEMPLATES]
     if bad or not names:
         raise ValueError(f"unknown template(s) {bad}; valid: {sorted(ARITHMETIC_TEMPLATES)}")

@@ -20,7 +20,7 @@ class RunDirError(ValueError):
 
 
 def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The metrics records of `run_dir`.
+    """The per-step metrics records of `run_dir` (held-out eval records left out).
 
     Raises:
       RunDirError: no metrics.jsonl there, or it holds no steps.
@@ -29,7 +29,7 @@ def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise RunDirError(f"{run_dir}: no {METRICS_FILE} there; pass a run directory written by "
                           "'das-jax train' (its output_dir)")
-    records = read_metrics(path)
+    records = [r for r in read_metrics(path) if r.get("kind") != "eval"]  # steps only
     if not records:
         raise RunDirError(f"{path} holds no steps yet; let the run finish a step first")
     return records

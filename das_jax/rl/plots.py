@@ -94,6 +94,9 @@ def plot_run(records: Records, out_dir: str | Path, *,
         if _series(records, k) == _series(records, "accuracy"):
             continue   # the accuracy reward, already drawn as accuracy
         ax.plot(*_series(records, k), linestyle="--", marker=".", label=k.split("/", 1)[1])
+    if _has(records, "eval_accuracy"):   # the held-out evals (das_jax.rl.evaluate)
+        ax.plot(*_series(records, "eval_accuracy"), marker="*", markersize=11, linestyle=":",
+                color="k", label="held-out accuracy (greedy eval)")
     ax.set_ylabel("reward / accuracy")
     written.append(_finish(fig, [ax], records, out_dir / "reward.png",
                            "Reward and accuracy per step"))

@@ -314,13 +314,15 @@ class RunLogger:
                      "train step's shapes (one-off, excluded from the ETA)",
                      first, total_steps, self.run_dir, first)
         self._last_output = self._step_started = time.perf_counter()
+        self._between_steps = False
+        self.eval_records: list[dict[str, Any]] = []
         self._heartbeat = _Heartbeat(self, heartbeat_s) if heartbeat_s > 0 else None
 
     def report_if_quiet(self, every_s: float) -> None:
         """Logs "step k still running ..." when nothing was printed for `every_s` seconds (called
         by the heartbeat thread)."""
         now = time.perf_counter()
-        if now - self._last_output < every_s:
+        if self._between_steps or now - self._last_output < every_s:
             return
         self._last_output = now
         seconds, programs = self._watch.so_far()
@@ -384,6 +386,33 @@ class RunLogger:
                 log.info("  sample (reward %.2f, %d tokens): %s", s["reward"],
                          s.get("length", 0), _one_line(s["completion"], 100))
 
+    @contextlib.contextmanager
+    def between_steps(self) -> Iterator[None]:
+        """Work between training steps (an evaluation): its wall time and compiles do not count
+        in the next step's `step_s` / ETA, and the heartbeat stays quiet meanwhile."""
+        t0 = _clock()
+        self._between_steps = True
+        try:
+            yield
+        finally:
+            self._t_last += _clock() - t0
+            self._watch.take()
+            self._last_output = self._step_started = time.perf_counter()
+            self._between_steps = False
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """Writes an evaluation record (`{"kind": "eval", "step", "eval_*"...}`, from
+        das_jax.rl.evaluate) to metrics.jsonl and its numbers to TensorBoard."""
+        self.eval_records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" \
+                        and math.isfinite(v):
+                    self._tb.add_scalar(k, v, record["step"])
+            self._tb.flush()
+
     def step_line(self, r: dict[str, Any], eta: float | None) -> str:
         """`step 3/16 | reward 0.150 | acc 0.25 | loss 0.0123 | kl 0.0000 | rollout 12.3 s | ...`"""
         def f(key, fmt):
@@ -413,7 +442,7 @@ class RunLogger:
         if self.records:
             log.info("summary of this run:\n%s", summary_table(
                 self.records, wall_s=_clock() - self._t_start,
-                oneoff_s=self._oneoff_s))
+                oneoff_s=self._oneoff_s, eval_records=self.eval_records))
         log.info("run dir %s: %s, %s (das-jax samples %s), %d plots in plots/; TensorBoard: "
                  "pip install tensorboard && tensorboard --logdir %s",
                  self.run_dir, METRICS_FILE, SAMPLES_FILE, self.run_dir, len(written),
@@ -426,9 +455,11 @@ def _mean(xs):
 
 
 def summary_table(records: Sequence[dict[str, Any]], wall_s: float | None = None,
-                  oneoff_s: float | None = None) -> str:
+                  oneoff_s: float | None = None,
+                  eval_records: Sequence[dict[str, Any]] = ()) -> str:
     """A markdown table summarising a run's records (time split, reward and accuracy at the
-    start and end, forward passes, tokens per forward, peak memory)."""
+    start and end, held-out eval accuracy at the first and last eval, forward passes, tokens
+    per forward, peak memory)."""
     import resource
     first, last = records[:4], records[-4:]
     tot = lambda k: sum(r.get(k) or 0 for r in records)  # noqa: E731
@@ -448,6 +479,11 @@ def summary_table(records: Sequence[dict[str, Any]], wall_s: float | None = None
             ("reward, first 4 -> last 4 steps", span("reward_mean")),
             ("accuracy, first 4 -> last 4 steps", span("accuracy", "{:.2f}")),
             ("response length, first 4 -> last 4", span("response_length_mean", "{:.1f}")),
+            *([(f"eval accuracy (greedy, held out), step {eval_records[0]['step']} -> "
+                 f"{eval_records[-1]['step']}", "{:.3f} -> {:.3f}".format(
+                     eval_records[0]["eval_accuracy"], eval_records[-1]["eval_accuracy"]))]
+              if eval_records and eval_records[0].get("eval_accuracy") is not None
+              and eval_records[-1].get("eval_accuracy") is not None else []),
             ("forward passes (generated tokens)", f"{fp} ({gen})"),
             ("tokens per forward", f"{gen / fp:.2f}" if fp else "-"),
             ("peak RSS (this process)",

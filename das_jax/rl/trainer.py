@@ -16,6 +16,9 @@ One training step (Shao et al. 2024, GRPO; TRL's GRPOTrainer semantics):
    `rollout_logprob_gap` reports either way.
 5. At the end of each pass over the data, the drafter's history advances one epoch.
 
+With `eval.num_problems > 0`, a greedy evaluation on held-out problems runs at step 0, every
+`eval.every` steps and at the end (`das_jax.rl.evaluate`; records with `"kind": "eval"`).
+
 A run directory holds the resolved `config.yaml`, `metrics.jsonl`, the first completions of
 each step in `samples.jsonl`, TensorBoard events under `tb/`, orbax checkpoints under
 `checkpoints/`, and PNG plots under `plots/`.
@@ -100,7 +103,7 @@ class GRPOTrainer:
         if problems is None:
             problems = load_dataset_from_config(
                 c.data.kind, c.data.path, num_problems=c.data.num_problems, limit=c.data.limit,
-                seed=c.data.seed)
+                seed=c.data.seed, **c.data.task_kwargs())
         self.problems = list(problems)
         if not self.problems:
             raise TrainError("the dataset is empty; check data.kind / data.path / data.limit")
@@ -386,7 +389,12 @@ class GRPOTrainer:
                                    progress=progress, max_new_tokens=c.rollout.max_new_tokens,
                                    steps_per_epoch=self.steps_per_epoch())
                 records = []
+                from das_jax.rl.evaluate import Evaluator, eval_due
+                evaluator = Evaluator.for_trainer(self)
                 with _closing(logger):
+                    if evaluator is not None and self.step == 0 < c.train.steps:
+                        with logger.between_steps():
+                            logger.log_eval(evaluator.run(self, 0))
                     while self.step < c.train.steps:
                         if stop_after is not None and len(records) >= stop_after:
                             break
@@ -397,6 +405,10 @@ class GRPOTrainer:
                         every = c.train.save_every
                         if every and (self.step % every == 0 or self.step == c.train.steps):
                             self.save(manager)
+                        if evaluator is not None and eval_due(self.step, c.train.steps,
+                                                              c.eval.every):
+                            with logger.between_steps():
+                                logger.log_eval(evaluator.run(self, self.step))
         return records
 
 
