@@ -21,6 +21,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from das_jax.models import contraction as cx
+
 
 class SamplingError(ValueError):
     """Invalid sampling parameters (names the parameter and its valid range)."""
@@ -107,10 +109,11 @@ def _bisect_threshold(probs_NxV: jax.Array, enough) -> jax.Array:
     return jax.lax.bitcast_convert_type(lo, jnp.float32)[:, None]
 
 
-def _top_p_threshold(probs_NxV: jax.Array, top_p: float) -> jax.Array:
+def _top_p_threshold(probs_NxV: jax.Array, top_p: float, policy=cx.FAST) -> jax.Array:
     """Exact nucleus threshold per row: the largest tau with sum(p[p >= tau]) >= top_p."""
     return _bisect_threshold(
-        probs_NxV, lambda mask: jnp.sum(jnp.where(mask, probs_NxV, 0.0), axis=-1) >= top_p)
+        probs_NxV,
+        lambda mask: cx.row_sum(policy, jnp.where(mask, probs_NxV, 0.0)) >= top_p)
 
 
 def _top_k_threshold(probs_NxV: jax.Array, top_k: int) -> jax.Array:
@@ -118,21 +121,28 @@ def _top_k_threshold(probs_NxV: jax.Array, top_k: int) -> jax.Array:
     return _bisect_threshold(probs_NxV, lambda mask: jnp.sum(mask, axis=-1) >= top_k)
 
 
-def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, top_p: float):
+def _renormalize(logp_NxV: jax.Array, policy) -> jax.Array:
+    if policy.exact:
+        return cx.log_softmax(policy, logp_NxV)
+    return logp_NxV - jax.nn.logsumexp(logp_NxV, axis=-1, keepdims=True)
+
+
+def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, top_p: float,
+                       policy=cx.FAST):
     """Log-probabilities of the sampling distribution: float32 `[N, V]`, -inf outside the support.
 
-    temperature must be > 0 here (greedy is handled by the caller).
+    temperature must be > 0 here (greedy is handled by the caller). policy: a
+    `ContractionPolicy`; exact mode sums every normaliser with a row-count-invariant tree.
     """
-    logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32) / temperature, axis=-1)
+    logp = cx.log_softmax(policy, logits_NxV.astype(jnp.float32) / temperature)
     if top_k and top_k < logits_NxV.shape[-1]:
         probs = jnp.exp(logp)
-        logp = jnp.where(probs >= _top_k_threshold(probs, top_k), logp, -jnp.inf)
-        logp = logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
+        logp = _renormalize(jnp.where(probs >= _top_k_threshold(probs, top_k), logp, -jnp.inf),
+                            policy)
     if top_p < 1.0:
         probs = jnp.exp(logp)
-        tau = _top_p_threshold(probs, top_p)
-        logp = jnp.where(probs >= tau, logp, -jnp.inf)
-        logp = logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True)
+        tau = _top_p_threshold(probs, top_p, policy)
+        logp = _renormalize(jnp.where(probs >= tau, logp, -jnp.inf), policy)
     return logp
 
 
@@ -149,6 +159,7 @@ def sample(
     seeds_N: jax.Array,
     index_N: jax.Array,
     sampling: SamplingParams | tuple,
+    policy=cx.FAST,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row with the position-keyed rule.
 
@@ -157,6 +168,7 @@ def sample(
       seeds_N: int32 request seeds.
       index_N: int32 absolute index (in prompt + completion) of the token being sampled.
       sampling: `SamplingParams` or its `static_key()` (temperature, top_k, top_p).
+      policy: `ContractionPolicy` of the model (exact mode: row-count-invariant normalisers).
 
     Returns:
       (tokens_N int32, logprobs_N float32 under the sampling distribution).
@@ -165,9 +177,9 @@ def sample(
                                  else sampling)
     if temperature == 0:
         tokens = jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
-        logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32), axis=-1)
+        logp = cx.log_softmax(policy, logits_NxV.astype(jnp.float32))
         return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    logp = processed_logprobs(logits_NxV, temperature, top_k, top_p)
+    logp = processed_logprobs(logits_NxV, temperature, top_k, top_p, policy)
     cdf_NxV = jnp.cumsum(jnp.exp(logp), axis=-1)
     u_N = uniforms(seeds_N, index_N)
     target = u_N * cdf_NxV[:, -1]

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from das_jax.models import contraction as cx
 from das_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -91,10 +92,11 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return params
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, policy=cx.FAST) -> jax.Array:
     """RMSNorm computed in float32, cast back to x's dtype before the weight (HF Llama order)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    ms = cx.row_sum(policy, x32 * x32, keepdims=True) / x32.shape[-1]
+    x32 = x32 * jax.lax.rsqrt(ms + eps)
     return weight * x32.astype(x.dtype)
 
 
@@ -123,26 +125,30 @@ def _attention(config: ModelConfig, q_BxTxHxK, k_BxSxKVHxK, v_BxSxKVHxK, mask_Bx
 
 def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, cache_k, cache_v, mask_BxTxS):
     """One pre-norm block. Returns the new residual and this block's new (k, v) `[B, T, KVH, K]`."""
-    h = rms_norm(x_BxTxD, lp["attn_norm"], config.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
-    k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
-    v = jnp.einsum("btd,dhk->bthk", h, lp["wv"])
+    cp = config.contraction
+    h = rms_norm(x_BxTxD, lp["attn_norm"], config.rms_norm_eps, cp)
+    q = cx.einsum(cp, "btd,dhk->bthk", h, lp["wq"], rows="bt")
+    k = cx.einsum(cp, "btd,dhk->bthk", h, lp["wk"], rows="bt")
+    v = cx.einsum(cp, "btd,dhk->bthk", h, lp["wv"], rows="bt")
     if config.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if config.qk_norm:
-        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
+        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps, cp)
+        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps, cp)
     q, k = rope(q, positions_BxT, inv_freq), rope(k, positions_BxT, inv_freq)
-    if cache_k is not None:
-        keys, values = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
+    if cp.exact:  # shape-invariant attention (keys at absolute positions, fixed blocks)
+        attn = cx.cached_attention(cp, q, k, v, cache_k, cache_v, mask_BxTxS)
     else:
-        keys, values = k, v
-    attn = _attention(config, q, keys, values, mask_BxTxS)
-    x_BxTxD = x_BxTxD + jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
-    h = rms_norm(x_BxTxD, lp["mlp_norm"], config.rms_norm_eps)
-    gate = jax.nn.silu(jnp.einsum("btd,df->btf", h, lp["w_gate"]))
-    up = jnp.einsum("btd,df->btf", h, lp["w_up"])
-    x_BxTxD = x_BxTxD + jnp.einsum("btf,fd->btd", gate * up, lp["w_down"])
+        if cache_k is not None:
+            keys, values = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
+        else:
+            keys, values = k, v
+        attn = _attention(config, q, keys, values, mask_BxTxS)
+    x_BxTxD = x_BxTxD + cx.einsum(cp, "bthk,hkd->btd", attn, lp["wo"], rows="bt")
+    h = rms_norm(x_BxTxD, lp["mlp_norm"], config.rms_norm_eps, cp)
+    gate = jax.nn.silu(cx.einsum(cp, "btd,df->btf", h, lp["w_gate"], rows="bt"))
+    up = cx.einsum(cp, "btd,df->btf", h, lp["w_up"], rows="bt")
+    x_BxTxD = x_BxTxD + cx.einsum(cp, "btf,fd->btd", gate * up, lp["w_down"], rows="bt")
     return x_BxTxD, k, v
 
 
@@ -213,7 +219,8 @@ def forward_hidden(
             k=kv_cache.k.at[:, rows_Bx1, cols_BxT].set(k_new.astype(kv_cache.k.dtype), mode="drop"),
             v=kv_cache.v.at[:, rows_Bx1, cols_BxT].set(v_new.astype(kv_cache.v.dtype), mode="drop"),
         )
-    h = rms_norm(x_BxTxD, params["final_norm"], config.rms_norm_eps)
+    h = rms_norm(x_BxTxD, params["final_norm"], config.rms_norm_eps,
+                 config.contraction)
     return h, new_cache
 
 
@@ -225,8 +232,8 @@ def lm_head(config: ModelConfig, params: Params, hidden_BxTxD: jax.Array) -> jax
     """
     B, T, D = hidden_BxTxD.shape
     w_VxD = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    logits_VxN = jnp.einsum("vd,nd->vn", w_VxD, hidden_BxTxD.reshape(B * T, D),
-                            preferred_element_type=jnp.float32)
+    logits_VxN = cx.einsum(config.contraction, "vd,nd->vn", w_VxD, hidden_BxTxD.reshape(B * T, D),
+                           rows="n", preferred_element_type=jnp.float32)
     return logits_VxN.T.reshape(B, T, -1)
 
 
