@@ -57,7 +57,9 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
-    """Sampling and engine settings. draft_widths: compiled draft widths of the verify step."""
+    """Sampling and engine settings. draft_widths: compiled draft widths of the verify step;
+    exact: shape-invariant contractions, so rollouts are token-identical with and without
+    speculation (README, "Exact mode"; costs some rollout time)."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -67,6 +69,7 @@ class RolloutSection:
     max_cache_len: int = 1024
     draft_widths: tuple[int, ...] = (1, 4, 8)
     stop_token_ids: tuple[int, ...] = ()
+    exact: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

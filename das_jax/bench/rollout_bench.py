@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run a GRPO update between epochs (the policy drifts as in training)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip cost-model calibration (DAS plans with the default prior)")
+    p.add_argument("--exact", action="store_true",
+                   help="exact mode (rollout.exact=true): rollouts must be 100%% identical")
     p.add_argument("--out", default="bench_out/rollout", help="output directory")
 
 
@@ -114,7 +116,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
         "num_problems": len(setup.prompts), "num_generations": setup.num_generations,
         "max_new_tokens": setup.max_new_tokens, "temperatures": setup.temperatures,
         "engine": {"max_slots": ec.max_slots, "max_cache_len": ec.max_cache_len,
-                   "draft_widths": list(ec.draft_widths)},
+                   "draft_widths": list(ec.draft_widths), "exact": ec.exact},
         "drafter_kwargs": setup.drafter_kwargs, "update_policy": setup.update_fn is not None,
         "runs": [],
     }
@@ -384,7 +386,8 @@ def main(args: argparse.Namespace) -> int:
     r = cfg.rollout
     engine = Engine(model_config, params, eos_token_ids=tokenizer.eos_token_ids,
                     engine_config=EngineConfig(max_slots=r.max_slots, max_cache_len=r.max_cache_len,
-                                               draft_widths=tuple(r.draft_widths)))
+                                               draft_widths=tuple(r.draft_widths),
+                                               exact=r.exact or args.exact))
     print(f"loaded {cfg.model.source} and {len(problems)} problems in "
           f"{time.perf_counter() - t0:.1f}s; prompts {min(len(p) for _, p in prompts)}-"
           f"{max(len(p) for _, p in prompts)} tokens", flush=True)

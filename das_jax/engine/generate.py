@@ -11,7 +11,8 @@ cache length); the device runs `step.prefill_insert` and `step.verify` on a dona
   once (ahead of time, timed separately as `compile_s`).
 * Exactness: every token is sampled with the position-keyed rule of `sampling.py`, seeded by the
   request's own seed, so outputs do not depend on drafts, slots, buckets or batch neighbours
-  (up to float rounding of the logits across shapes: see ../shared/DESIGN.md).
+  (up to float rounding of the logits across shapes: see ../shared/DESIGN.md; with
+  `EngineConfig(exact=True)` the logits themselves are shape-invariant and outputs token-identical).
 """
 from __future__ import annotations
 
@@ -107,12 +108,16 @@ class EngineConfig:
       `generate` call is sized to what its requests need, up to this.
     draft_widths: compiled W values (1 + draft tokens); must contain 1.
     min_prompt_bucket: smallest prompt-length bucket.
+    exact: exact mode: every contraction and reduction feeding the logits is shape-invariant
+      (`das_jax.models.contraction`), so rollouts are token-identical with and without
+      speculation, whatever the batch bucket, width or attended length (README, "Exact mode").
     """
 
     max_slots: int = 16
     max_cache_len: int = 2048
     draft_widths: tuple[int, ...] = (1, 4, 8)
     min_prompt_bucket: int = 16
+    exact: bool = False
 
     def __post_init__(self):
         if self.max_slots < 1:
@@ -203,6 +208,9 @@ class Engine:
 
     def __init__(self, config: ModelConfig, params: Params, eos_token_ids: Sequence[int] = (),
                  engine_config: EngineConfig = EngineConfig(), device: jax.Device | None = None):
+        if engine_config.exact:
+            from das_jax.models.contraction import EXACT
+            config = dataclasses.replace(config, contraction=EXACT)
         self.config = config
         self.device = device
         self.params = params if device is None else jax.device_put(params, device)

@@ -84,14 +84,14 @@ def row_classes(chunk_spec: str, act_index: int, act_shape: tuple, other_shape: 
     The activation operand (`act_index`) has layout [batch..., M rows, rest...] with its
     `row_axis` leading axes shared with the other operand and the output (batch axes); the output
     has the same batch + row prefix. For every power of two M in 1..max_rows, row r's result is
-    computed with r at position 0 and at position M-1 (different neighbours), and with every batch
-    axis at size 3 and at size 1. M is *usable* when all of these agree; usable M are grouped by
+    computed twice with r at position 0, once at position M-1 (different neighbours), and with
+    every batch axis at size 3 and at size 1. M is *usable* when all of these agree; usable M are grouped by
     the bits of row r. Returns the longest run of consecutive powers of two in one class (ties:
     the larger rows). Batch and row sizes are not part of the cached signature.
 
     Raises:
-      ExactModeUnavailable: no M is usable (a row's result depends on its neighbours, its position
-        or the batch size on this backend), so no chunking makes the contraction invariant.
+      ExactModeUnavailable: no M is usable (a row's result depends on its neighbours, its position,
+        the batch size or the run on this backend), so no chunking makes it invariant.
     """
     ins = chunk_spec.split("->")[0].split(",")
     s_act, s_oth = ins[act_index], ins[1 - act_index]
@@ -137,9 +137,11 @@ def _probe(chunk_spec, act_index, act_shape, other_shape, row_axis, dtypes, pet,
         a[row_sel + (0,)] = row
         b[row_sel + (M - 1,)] = row
         out_a = np.take(np.asarray(jfn(a, other)), 0, axis=row_axis)
+        again = np.take(np.asarray(jfn(a, other)), 0, axis=row_axis)  # run-to-run determinism
         out_b = np.take(np.asarray(jfn(b, other)), M - 1, axis=row_axis)
         out_1 = np.take(np.asarray(jfn(a[first_b], other1)), 0, axis=row_axis)
-        if np.array_equal(out_a, out_b) and np.array_equal(out_a[first_b], out_1):
+        if (np.array_equal(out_a, again) and np.array_equal(out_a, out_b)
+                and np.array_equal(out_a[first_b], out_1)):
             bits[M] = out_a
     classes: list[list[int]] = []
     for M, r in bits.items():
@@ -152,8 +154,8 @@ def _probe(chunk_spec, act_index, act_shape, other_shape, row_axis, dtypes, pet,
     if not classes:
         raise ExactModeUnavailable(
             f"exact mode: on backend {jax.default_backend()!r} the contraction {chunk_spec!r} "
-            f"gives a row a result that depends on its position, its neighbours or the batch size "
-            f"at every row count 1..{max_rows}; no chunking makes it shape-invariant. Use the "
+            f"gives a row a result that depends on its position, its neighbours, the batch size or "
+            f"the run at every row count 1..{max_rows}; no chunking makes it shape-invariant. Use the "
             f"fast mode (rollout.exact: false)")
     best = None
     for c in classes:
@@ -219,8 +221,11 @@ def einsum(policy: ContractionPolicy, spec: str, a: jax.Array, b: jax.Array, *, 
                       preferred_element_type, policy.max_probe_rows)
 
     def chunk(xc):
-        ops = (xc, other) if act_index == 0 else (other, xc)
-        return jnp.einsum(chunk_spec, *ops, preferred_element_type=preferred_element_type)
+        # The barrier keeps XLA from folding neighbouring transposes / broadcasts into the
+        # contraction, which would pick a different kernel than the probed one.
+        ops = jax.lax.optimization_barrier((xc, other) if act_index == 0 else (other, xc))
+        out = jnp.einsum(chunk_spec, *ops, preferred_element_type=preferred_element_type)
+        return jax.lax.optimization_barrier(out)
 
     def pad_rows(x, to):
         return jnp.pad(x, [(0, 0)] * nb + [(0, to - M)] + [(0, 0)] * (x.ndim - nb - 1))
@@ -242,6 +247,31 @@ def einsum(policy: ContractionPolicy, spec: str, a: jax.Array, b: jax.Array, *, 
 
 
 # ---------------------------------------------------------------------------- reductions
+def _tree(x: jax.Array, axis: int, keepdims: bool, op, fill) -> jax.Array:
+    """Reduces `axis` with a fixed halving tree of elementwise `op` (padded with `fill` to a
+    power of two): no reduce op, so no backend reduction kernel is chosen by shape."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)], constant_values=fill)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = op(x[..., :h], x[..., h:])
+    return jnp.moveaxis(x, -1, axis) if keepdims else x[..., 0]
+
+
+def row_max(policy: ContractionPolicy, x: jax.Array, axis: int = -1,
+            keepdims: bool = False) -> jax.Array:
+    """`jnp.max(x, axis)` under `policy`. The max is exact in any order, but on XLA CPU a reduce
+    may be handed with its elementwise consumers (e.g. the softmax's exp) to a library fusion
+    (YNNPACK) for some shapes and not others, and that library's exp rounds differently; exact
+    mode therefore uses an elementwise halving tree, which keeps those consumers in XLA's own
+    loop code at every shape."""
+    if not policy.exact:
+        return jnp.max(x, axis=axis, keepdims=keepdims)
+    return _tree(x, axis, keepdims, jnp.maximum, -jnp.inf)
+
+
 def row_sum(policy: ContractionPolicy, x: jax.Array, axis: int = -1,
             keepdims: bool = False) -> jax.Array:
     """`jnp.sum(x, axis)` under `policy`.
@@ -255,21 +285,14 @@ def row_sum(policy: ContractionPolicy, x: jax.Array, axis: int = -1,
     """
     if not policy.exact:
         return jnp.sum(x, axis=axis, keepdims=keepdims)
-    x = jnp.moveaxis(x, axis, -1)
-    n = x.shape[-1]
-    p = 1 << max(n - 1, 0).bit_length()
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, p - n)])
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
-    return jnp.moveaxis(x, -1, axis) if keepdims else x[..., 0]
+    return _tree(x, axis, keepdims, jnp.add, 0)
 
 
 def log_softmax(policy: ContractionPolicy, x: jax.Array) -> jax.Array:
     """`jax.nn.log_softmax(x, axis=-1)` with the normaliser summed by `row_sum`."""
     if not policy.exact:
         return jax.nn.log_softmax(x, axis=-1)
-    shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    shifted = x - jax.lax.stop_gradient(row_max(policy, x, keepdims=True))
     return shifted - jnp.log(row_sum(policy, jnp.exp(shifted), keepdims=True))
 
 
@@ -324,10 +347,12 @@ def cached_attention(policy: ContractionPolicy, q_BxTxHxK: jax.Array, k_BxTxKVHx
                     preferred_element_type=jnp.float32) * (K ** -0.5)
     mask6 = mask_BxTxA2.reshape(B, T, n_blk, Sb).transpose(0, 2, 1, 3)[:, None, :, None]
     scores = jnp.where(mask6, scores, _MASK_VALUE)
-    m = jnp.max(scores, axis=(2, 5), keepdims=True)
+    m = row_max(policy, row_max(policy, scores, axis=5, keepdims=True), axis=2, keepdims=True)
     e = jnp.exp(scores - m)
     denom = row_sum(policy, row_sum(policy, e, axis=5, keepdims=True), axis=2, keepdims=True)
-    probs = (e / denom).astype(v_BxTxKVHxK.dtype)
-    out_blk = einsum(policy, "bncgts,bncsk->bncgtk", probs, vb, rows="gt")
-    out_BxKVHxGxTxK = row_sum(policy, out_blk, axis=2)
+    # Unnormalised weights through the value contraction, one division at the end.
+    out_blk = einsum(policy, "bncgts,bncsk->bncgtk", e.astype(v_BxTxKVHxK.dtype), vb, rows="gt",
+                     preferred_element_type=jnp.float32)
+    out_BxKVHxGxTxK = (row_sum(policy, out_blk, axis=2) / denom[:, :, 0]).astype(
+        v_BxTxKVHxK.dtype)
     return out_BxKVHxGxTxK.transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)

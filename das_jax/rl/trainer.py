@@ -104,7 +104,8 @@ class GRPOTrainer:
             self.model_config, self.params, eos_token_ids=self.tokenizer.eos_token_ids,
             engine_config=EngineConfig(max_slots=c.rollout.max_slots,
                                        max_cache_len=c.rollout.max_cache_len,
-                                       draft_widths=tuple(c.rollout.draft_widths)))
+                                       draft_widths=tuple(c.rollout.draft_widths),
+                                       exact=c.rollout.exact))
         self.sampling_template = SamplingParams(
             temperature=c.rollout.temperature, top_k=c.rollout.top_k, top_p=c.rollout.top_p,
             max_new_tokens=c.rollout.max_new_tokens,
