@@ -214,3 +214,18 @@ def test_smollm2_row_logits_invariant_in_exact_mode(smollm2_das):
     for shape in [(4, 8, 128, 64), (16, 4, 256, 128)]:
         got = row_logits(exact, params, *shape, seed=1, S=256)
         np.testing.assert_array_equal(got[0], ref[0], err_msg=f"shape {shape}")
+
+
+def test_config_and_cli_expose_exact_mode():
+    import argparse
+
+    from das_jax.config import config_from_dict
+    from das_jax.engine import cli as engine_cli
+    assert config_from_dict(None, ["rollout.exact=true"]).rollout.exact is True
+    assert config_from_dict(None).rollout.exact is False
+    parser = argparse.ArgumentParser()
+    engine_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["generate", "--prompt", "x", "--exact"])
+    assert args.exact is True
+    eng = Engine(CFG, init_params(CFG, jax.random.PRNGKey(1)), engine_config=EngineConfig(exact=True))
+    assert eng.config.contraction.exact and not CFG.contraction.exact

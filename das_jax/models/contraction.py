@@ -11,11 +11,18 @@ How (measured on XLA CPU, float32; see the README's "Exact mode" section):
 * Row classes. For `x[M, ...] . w` a row's result depends only on which *class* its row count M
   falls in (e.g. {1}, {2..32}, {33+} for K=576), never on its position or on the other rows at a
   fixed M. `einsum` with `rows=` flattens the varying row axes to M, pads M to a power of two
-  inside the probed invariant range [min_rows, chunk_rows], and runs larger M as a `lax.map` over
-  fixed chunks of `chunk_rows` rows. The classes are not hard-coded: `row_classes` probes each
-  contraction signature once per process on the running backend (powers of two 1..max_probe_rows,
-  row position and neighbour content varied, batch dims varied) and picks the longest run of
-  powers of two in one class. No invariant run raises `ExactModeUnavailable`.
+  inside the probed invariant range [min_rows, chunk_rows], and runs larger M as independent
+  fixed chunks of `chunk_rows` rows. Each chunk's contraction sits between optimization
+  barriers so that XLA cannot fuse neighbouring ops into it (without them a tiny model's prefill
+  logits changed). The classes are not hard-coded: `row_classes` probes each contraction
+  signature once per process on the running backend (powers of two 1..max_probe_rows; row
+  position, neighbours, batch size and run-to-run determinism varied) and picks the longest run
+  of powers of two in one class. No usable row count raises `ExactModeUnavailable`.
+* Masked positions of the attention have probability exactly 0 (see below), so a longer
+  attended-length bucket only appends exact zeros to fixed-order sums.
+* Reductions (`row_sum`, `row_max`): fixed halving trees of elementwise ops. XLA CPU's reduce
+  depends on the number of rows reduced together, and for some shapes it hands a reduce and its
+  elementwise consumers to a YNNPACK fusion whose exp rounds differently from XLA's own.
 * Attention (`cached_attention`). New keys are written at their absolute cache positions (not
   appended after the attended prefix), the attended length is padded to whole `kv_block`s, and
   scores / values are contracted per block with a fixed block shape (the block index is a batch
@@ -23,8 +30,9 @@ How (measured on XLA CPU, float32; see the README's "Exact mode" section):
   the extra blocks of a longer attended-length bucket add exact zeros: x + 0.0 == x, and the max
   is order-free, so the bucket cannot change the result. The tests check this bitwise.
 
-Everything else in the forward (norms, RoPE, softmax over a fixed vocabulary, sampling) is row-wise
-with fixed reduction lengths; the tests in tests/test_exact_mode.py check the whole step.
+RMSNorm and the sampling normalisers use `row_sum` / `log_softmax` from here; RoPE, SiLU and the
+other elementwise ops were measured shape-invariant as they are. tests/test_exact_mode.py checks
+the whole step bitwise.
 """
 from __future__ import annotations
 
@@ -82,8 +90,8 @@ def row_classes(chunk_spec: str, act_index: int, act_shape: tuple, other_shape: 
     """Probes (once per process) the row classes of `einsum(chunk_spec)`.
 
     The activation operand (`act_index`) has layout [batch..., M rows, rest...] with its
-    `row_axis` leading axes shared with the other operand and the output (batch axes); the output
-    has the same batch + row prefix. For every power of two M in 1..max_rows, row r's result is
+    `row_axis` leading axes shared with the other operand and the output (batch axes); the row
+    letter may sit anywhere in the output. For every power of two M in 1..max_rows, row r's result is
     computed twice with r at position 0, once at position M-1 (different neighbours), and with
     every batch axis at size 3 and at size 1. M is *usable* when all of these agree; usable M are grouped by
     the bits of row r. Returns the longest run of consecutive powers of two in one class (ties:
