@@ -47,6 +47,7 @@ import numpy as np
 from das_jax.models.config import ContractionPolicy
 
 _MASK_VALUE = -1e30
+_MAX_UNROLLED_CHUNKS = 8
 FAST = ContractionPolicy()
 EXACT = ContractionPolicy(mode="exact")
 
@@ -253,9 +254,13 @@ def einsum(policy: ContractionPolicy, spec: str, a: jax.Array, b: jax.Array, *, 
         C = cls.chunk_rows
         n = -(-M // C)
         xs = pad_rows(x, n * C)
-        # Independent fixed-shape chunks (unrolled: XLA CPU may run them concurrently).
-        y = jnp.concatenate([chunk(jax.lax.slice_in_dim(xs, i * C, (i + 1) * C, axis=nb))
-                             for i in range(n)], axis=pos)
+        if n <= _MAX_UNROLLED_CHUNKS:  # decode steps: independent chunks XLA may run in parallel
+            y = jnp.concatenate([chunk(jax.lax.slice_in_dim(xs, i * C, (i + 1) * C, axis=nb))
+                                 for i in range(n)], axis=pos)
+        else:  # prefill: a loop over the same chunk keeps the program (and compile time) small
+            xs = jnp.moveaxis(xs.reshape(batch_shape + (n, C) + x.shape[nb + 1:]), nb, 0)
+            ys = jnp.moveaxis(jax.lax.map(chunk, xs), 0, pos)
+            y = ys.reshape(ys.shape[:pos] + (n * C,) + ys.shape[pos + 2:])
     y = jax.lax.slice_in_dim(y, 0, M, axis=pos)
     y = y.reshape(y.shape[:pos] + row_shape + y.shape[pos + 1:])
     cur = s_out.replace(m, rows)
