@@ -97,7 +97,9 @@ class DataSection:
 class RolloutSection:
     """Sampling and engine settings. temperature: sampling temperature, > 0 for training (the
     GRPO importance ratio needs the sampling distribution; `das-jax generate --temperature 0`
-    decodes greedily); draft_widths: compiled draft widths of the verify step."""
+    decodes greedily); draft_widths: compiled draft widths of the verify step;
+    exact: shape-invariant contractions, so rollouts are token-identical with and without
+    speculation (README, "Exact mode"; costs some rollout time)."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -112,6 +114,7 @@ class RolloutSection:
     # when not one row of max_cache_len fits.
     kv_memory_gb: Optional[float] = None
     kv_memory_fraction: float = 0.5
+    exact: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="approximate prompt length (the verify step attends to this many cached "
                         "positions)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
+    p.add_argument("--exact", action="store_true",
+                   help="exact mode: shape-invariant contractions (README 'Exact mode')")
     p.add_argument("--threads", type=positive_int, default=2, help="torch threads for the HF run")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 

@@ -125,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
 
     engine = Engine(config, params, eos_token_ids=tokenizer.eos_token_ids,
                     engine_config=EngineConfig(max_slots=16, max_cache_len=2048,
-                                               draft_widths=(1, 8)))
+                                               draft_widths=(1, 8), exact=args.exact))
     steps = {}
     for B in (1, 16):
         for W in (1, 8):

@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run a GRPO update between epochs (the policy drifts as in training)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip cost-model calibration (DAS plans with the default prior)")
+    p.add_argument("--exact", action="store_true",
+                   help="exact mode (rollout.exact=true): rollouts must be 100%% identical")
     p.add_argument("--out", default="bench_out/rollout", help="output directory")
 
 
@@ -104,7 +106,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
         "num_problems": len(setup.prompts), "num_generations": setup.num_generations,
         "max_new_tokens": setup.max_new_tokens, "temperatures": setup.temperatures,
         "engine": {"max_slots": ec.max_slots, "max_cache_len": ec.max_cache_len,
-                   "draft_widths": list(ec.draft_widths)},
+                   "draft_widths": list(ec.draft_widths), "exact": ec.exact},
         "das": dataclasses.asdict(das), "update_policy": setup.update_fn is not None,
         "runs": [],
     }
@@ -359,6 +361,8 @@ def main(args: argparse.Namespace) -> int:
                              chat=d.chat)
         prompts.append((p.problem_id, tuple(encode_prompt(tokenizer, text, chat=d.chat))))
     r = cfg.rollout
+    if args.exact and not cfg.rollout.exact:
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, exact=True))
     rollout = Rollout.from_config(cfg, model_config, params, tokenizer.eos_token_ids,
                                   speculation="none")
     print(f"loaded {cfg.model.source} and {len(problems)} problems in "

@@ -37,6 +37,9 @@ def register(subparsers) -> None:
                    help="compiled verify widths W = 1 + draft tokens, comma separated")
     p.add_argument("--max-slots", type=positive_int, default=16, help="most concurrent sequences")
     p.add_argument("--max-cache-len", type=positive_int, default=4096)
+    p.add_argument("--exact", action="store_true",
+                   help="exact mode: shape-invariant contractions, so the tokens are identical "
+                        "with and without speculation (slower; see README 'Exact mode')")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per sample, then one with the stats")
     p.set_defaults(func=run)
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(config, params, eos_token_ids=tokenizer.eos_token_ids,
                         engine_config=EngineConfig(max_slots=args.max_slots,
                                                    max_cache_len=args.max_cache_len,
-                                                   draft_widths=widths))
+                                                   draft_widths=widths, exact=args.exact))
         prompt_ids = [tokenizer.chat_prompt_ids(p) if args.chat else tokenizer.encode_prompt(p)
                       for p in prompts]
         requests = [Request(tuple(ids), problem_id=i, sample_index=g)

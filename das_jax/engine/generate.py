@@ -11,7 +11,8 @@ cache length); the device runs `step.prefill_insert` and `step.verify` on a dona
   once (ahead of time, timed separately as `compile_s`).
 * Exactness: every token is sampled with the position-keyed rule of `sampling.py`, seeded by the
   request's own seed, so outputs do not depend on drafts, slots, buckets or batch neighbours
-  (up to float rounding of the logits across shapes: see docs/design.md, "Exactness").
+  (up to float rounding of the logits across shapes: see docs/design.md, "Exactness"; with
+  `EngineConfig(exact=True)` the logits themselves are shape-invariant and outputs token-identical).
 """
 from __future__ import annotations
 
@@ -113,6 +114,9 @@ class EngineConfig:
       device's free memory when the engine is built (both None: no budget). The engine then runs
       `min(max_slots, rows of max_cache_len that fit)` slots (`Engine.slots`), and refuses to
       start (`GenerateError` naming `rollout.kv_memory_gb`) when not one row fits.
+    exact: exact mode: every contraction and reduction feeding the logits is shape-invariant
+      (`das_jax.models.contraction`), so rollouts are token-identical with and without
+      speculation, whatever the batch bucket, width or attended length (README, "Exact mode").
     """
 
     max_slots: int = 16
@@ -121,6 +125,7 @@ class EngineConfig:
     min_prompt_bucket: int = 16
     kv_memory_gb: float | None = None
     kv_memory_fraction: float | None = None
+    exact: bool = False
 
     def __post_init__(self):
         if self.max_slots < 1:
@@ -235,8 +240,11 @@ class Engine:
     """
 
     def __init__(self, config: ModelConfig, params: Params | None,
-                 eos_token_ids: Sequence[int] = (), engine_config: EngineConfig = EngineConfig(), device: jax.Device | None = None,
-                 dtype=None):
+                 eos_token_ids: Sequence[int] = (), engine_config: EngineConfig = EngineConfig(),
+                 device: jax.Device | None = None, dtype=None):
+        if engine_config.exact:
+            from das_jax.models.contraction import EXACT
+            config = dataclasses.replace(config, contraction=EXACT)
         self.config = config
         self.device = device
         self.params = params if device is None or params is None else jax.device_put(params,

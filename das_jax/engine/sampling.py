@@ -36,6 +36,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from das_jax.models import contraction as cx
+
 
 class SamplingError(ValueError):
     """Invalid sampling parameters (names the parameter and its valid range)."""
@@ -122,10 +124,11 @@ def _bisect_threshold(probs_NxV: jax.Array, enough) -> jax.Array:
     return jax.lax.bitcast_convert_type(lo, jnp.float32)[:, None]
 
 
-def _top_p_threshold(probs_NxV: jax.Array, top_p: float) -> jax.Array:
+def _top_p_threshold(probs_NxV: jax.Array, top_p: float, policy=cx.FAST) -> jax.Array:
     """Exact nucleus threshold per row: the largest tau with sum(p[p >= tau]) >= top_p."""
     return _bisect_threshold(
-        probs_NxV, lambda mask: jnp.sum(jnp.where(mask, probs_NxV, 0.0), axis=-1) >= top_p)
+        probs_NxV,
+        lambda mask: cx.row_sum(policy, jnp.where(mask, probs_NxV, 0.0)) >= top_p)
 
 
 def _top_k_threshold(probs_NxV: jax.Array, top_k: int) -> jax.Array:
@@ -133,12 +136,14 @@ def _top_k_threshold(probs_NxV: jax.Array, top_k: int) -> jax.Array:
     return _bisect_threshold(probs_NxV, lambda mask: jnp.sum(mask, axis=-1) >= top_k)
 
 
-def tempered_log_softmax(logits_NxV: jax.Array, temperature: float) -> jax.Array:
+def tempered_log_softmax(logits_NxV: jax.Array, temperature: float,
+                         policy=cx.FAST) -> jax.Array:
     """``log_softmax(logits / temperature)`` computed without overflow for any T > 0.
 
     Args:
       logits_NxV: logits, any float dtype (computed in float32); -inf marks a masked token.
       temperature: a Python float > 0 (static).
+      policy: the model's `ContractionPolicy` (exact mode: row-count-invariant max and sum).
 
     Returns:
       float32 `[N, V]` log-probs, each <= 0; -inf exactly where the probability is 0 in float32
@@ -153,7 +158,7 @@ def tempered_log_softmax(logits_NxV: jax.Array, temperature: float) -> jax.Array
     if not temperature > 0:
         raise SamplingError(f"temperature must be > 0 here (0 is greedy), got {temperature!r}")
     x = logits_NxV.astype(jnp.float32)
-    m = jnp.max(x, axis=-1, keepdims=True)
+    m = cx.row_max(policy, x, keepdims=True)
     if temperature <= 1.0:
         z = (x - m) / jnp.float32(temperature)
     else:
@@ -165,30 +170,37 @@ def tempered_log_softmax(logits_NxV: jax.Array, temperature: float) -> jax.Array
     # the max entries are exactly 0; below a +inf max everything is -inf (no inf - inf, and no
     # inf * 0 where XLA turns / T into * (1 / T) with 1 / T flushed to zero)
     z = jnp.where(x == m, 0.0, jnp.where(m == jnp.inf, -jnp.inf, z))
-    logp = z - jnp.log(jnp.sum(jnp.exp(z), axis=-1, keepdims=True))
+    logp = z - jnp.log(cx.row_sum(policy, jnp.exp(z), keepdims=True))
     return jnp.minimum(logp, 0.0)
 
 
-def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, top_p: float):
+def _renormalize(logp_NxV: jax.Array, policy) -> jax.Array:
+    if policy.exact:
+        return jnp.minimum(cx.log_softmax(policy, logp_NxV), 0.0)
+    return jnp.minimum(logp_NxV - jax.nn.logsumexp(logp_NxV, axis=-1, keepdims=True), 0.0)
+
+
+def processed_logprobs(logits_NxV: jax.Array, temperature: float, top_k: int, top_p: float,
+                       policy=cx.FAST):
     """Log-probabilities of the sampling distribution: float32 `[N, V]`, -inf outside the support,
     every entry <= 0 (see :func:`tempered_log_softmax` for T -> 0+).
 
-    temperature must be > 0 here (greedy is handled by the caller).
+    temperature must be > 0 here (greedy is handled by the caller). policy: a
+    `ContractionPolicy`; exact mode sums every normaliser with a row-count-invariant tree.
     """
-    return _truncate(tempered_log_softmax(logits_NxV, temperature), top_k, top_p)
+    return _truncate(tempered_log_softmax(logits_NxV, temperature, policy), top_k, top_p, policy)
 
 
-def _truncate(logp: jax.Array, top_k: int, top_p: float) -> jax.Array:
+def _truncate(logp: jax.Array, top_k: int, top_p: float, policy=cx.FAST) -> jax.Array:
     """Top-k then top-p applied to log-probs `[N, V]`, renormalised; -inf outside the support."""
     if top_k and top_k < logp.shape[-1]:
         probs = jnp.exp(logp)
-        logp = jnp.where(probs >= _top_k_threshold(probs, top_k), logp, -jnp.inf)
-        logp = jnp.minimum(logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True), 0.0)
+        logp = _renormalize(jnp.where(probs >= _top_k_threshold(probs, top_k), logp, -jnp.inf),
+                            policy)
     if top_p < 1.0:
         probs = jnp.exp(logp)
-        tau = _top_p_threshold(probs, top_p)
-        logp = jnp.where(probs >= tau, logp, -jnp.inf)
-        logp = jnp.minimum(logp - jax.nn.logsumexp(logp, axis=-1, keepdims=True), 0.0)
+        tau = _top_p_threshold(probs, top_p, policy)
+        logp = _renormalize(jnp.where(probs >= tau, logp, -jnp.inf), policy)
     return logp
 
 
@@ -205,6 +217,7 @@ def sample(
     seeds_N: jax.Array,
     index_N: jax.Array,
     sampling: SamplingParams | tuple,
+    policy=cx.FAST,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row with the position-keyed rule.
 
@@ -213,6 +226,7 @@ def sample(
       seeds_N: int32 request seeds.
       index_N: int32 absolute index (in prompt + completion) of the token being sampled.
       sampling: `SamplingParams` or its `static_key()` (temperature, top_k, top_p).
+      policy: `ContractionPolicy` of the model (exact mode: row-count-invariant normalisers).
 
     Returns:
       (tokens_N int32, logprobs_N float32): the chosen tokens (drawn from the processed
@@ -223,10 +237,10 @@ def sample(
                                  else sampling)
     if temperature == 0:
         tokens = jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
-        logp = tempered_log_softmax(logits_NxV, 1.0)
+        logp = tempered_log_softmax(logits_NxV, 1.0, policy)
         return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    policy_logp = tempered_log_softmax(logits_NxV, temperature)
-    logp = _truncate(policy_logp, top_k, top_p)
+    policy_logp = tempered_log_softmax(logits_NxV, temperature, policy)
+    logp = _truncate(policy_logp, top_k, top_p, policy)
     cdf_NxV = jnp.cumsum(jnp.exp(logp), axis=-1)
     u_N = uniforms(seeds_N, index_N)
     target = u_N * cdf_NxV[:, -1]

@@ -55,7 +55,7 @@ def prefill_insert(
     logits_UxV = lm_head(config, params, last_Ux1xD)[:, 0]
     new_cache = cache.insert_rows(slots_R, scratch, src_R)
     tokens_R, logprobs_R = sampling_lib.sample(logits_UxV[src_R], seeds_R, lengths_U[src_R],
-                                               sampling_key)
+                                               sampling_key, config.contraction)
     return new_cache, tokens_R, logprobs_R
 
 
@@ -90,7 +90,7 @@ def verify(
                                   kv_len=kv_len)
     y_N, logp_N = sampling_lib.sample(
         logits_BxWxV.reshape(B * W, -1), jnp.repeat(seeds_B, W), (positions_BxW + 1).reshape(-1),
-        sampling_key)
+        sampling_key, config.contraction)
     y_BxW, logp_BxW = y_N.reshape(B, W), logp_N.reshape(B, W)
     if W > 1:
         match_Bx = (tokens_BxW[:, 1:] == y_BxW[:, :-1]) & (

@@ -33,6 +33,35 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContractionPolicy:
+    """How the model's contractions are computed (a static, hashable part of `ModelConfig`).
+
+    mode: "fast" (plain `jnp.einsum`, the default) or "exact": every contraction feeding a
+      token's logits is shape-invariant across batch buckets, draft widths, attended-length and
+      prefill buckets (`das_jax.models.contraction`), so rollouts are token-identical with and
+      without speculation.
+    kv_block: keys per attention block in exact mode (attention reduces over fixed-size blocks).
+    max_probe_rows: largest row count the exact-mode probe tries (a power of two).
+    """
+
+    mode: str = "fast"
+    kv_block: int = 128
+    max_probe_rows: int = 64
+
+    def __post_init__(self):
+        if self.mode not in ("fast", "exact"):
+            raise ModelConfigError(f"contraction mode must be 'fast' or 'exact', got {self.mode!r}")
+        for name in ("kv_block", "max_probe_rows"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 2 or v & (v - 1):
+                raise ModelConfigError(f"contraction {name} must be a power of two >= 2, got {v!r}")
+
+    @property
+    def exact(self) -> bool:
+        return self.mode == "exact"
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer (Llama family with switches).
 
@@ -52,6 +81,7 @@ class ModelConfig:
       attention_bias: q/k/v projections have biases (Qwen2).
       qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
       max_position_embeddings: the model's trained context length (informational).
+      contraction: `ContractionPolicy` (fast by default; the engine sets exact mode).
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -69,6 +99,7 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int = 8192
+    contraction: ContractionPolicy = ContractionPolicy()
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from das_jax.models import contraction as cx
 from das_jax.models.config import ModelConfig
 from das_jax.models.kv_cache import DenseKVCache, KVCache  # noqa: F401  (re-exported)
 
@@ -102,10 +103,11 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: f
     return params
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, policy=cx.FAST) -> jax.Array:
     """RMSNorm computed in float32, cast back to x's dtype before the weight (HF Llama order)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    ms = cx.row_sum(policy, x32 * x32, keepdims=True) / x32.shape[-1]
+    x32 = x32 * jax.lax.rsqrt(ms + eps)
     return weight * x32.astype(x.dtype)
 
 
@@ -169,18 +171,24 @@ def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, cache_kv, 
     """One pre-norm block. Returns the new residual and this block's new (k, v) `[B, T, KVH, K]`.
 
     With `cache_kv` (the attended cache prefix) the einsum attention over `mask_BxTxS` is used
-    (decode / verify: T is small); without it, `_train_attention` (teacher-forced, causal)."""
-    h = rms_norm(x_BxTxD, lp["attn_norm"], config.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, lp["wq"])
-    k = jnp.einsum("btd,dhk->bthk", h, lp["wk"])
-    v = jnp.einsum("btd,dhk->bthk", h, lp["wv"])
+    (decode / verify: T is small; in exact mode `contraction.cached_attention`, shape-invariant);
+    without it, `_train_attention` (teacher-forced, causal). The contractions go through
+    `config.contraction` (`das_jax.models.contraction`: fast, or exact mode)."""
+    cp = config.contraction
+    h = rms_norm(x_BxTxD, lp["attn_norm"], config.rms_norm_eps, cp)
+    q = cx.einsum(cp, "btd,dhk->bthk", h, lp["wq"], rows="bt")
+    k = cx.einsum(cp, "btd,dhk->bthk", h, lp["wk"], rows="bt")
+    v = cx.einsum(cp, "btd,dhk->bthk", h, lp["wv"], rows="bt")
     if config.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     if config.qk_norm:
-        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
+        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps, cp)
+        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps, cp)
     q, k = rope(q, positions_BxT, inv_freq), rope(k, positions_BxT, inv_freq)
-    if cache_kv is not None:
+    if cache_kv is not None and cp.exact:  # shape-invariant attention (fixed blocks)
+        cache_k, cache_v = cache_kv
+        attn = cx.cached_attention(cp, q, k, v, cache_k, cache_v, mask_BxTxS)
+    elif cache_kv is not None:
         cache_k, cache_v = cache_kv
         keys, values = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
         attn = _attention(config, q, keys, values, mask_BxTxS)
@@ -188,11 +196,11 @@ def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, cache_kv, 
         attn = _train_attention(q, k, v, valid_BxT, act)
     else:
         attn = _attention(config, q, k, v, mask_BxTxS)
-    x_BxTxD = x_BxTxD + jnp.einsum("bthk,hkd->btd", attn, lp["wo"])
-    h = rms_norm(x_BxTxD, lp["mlp_norm"], config.rms_norm_eps)
-    gate = jax.nn.silu(jnp.einsum("btd,df->btf", h, lp["w_gate"]))
-    up = jnp.einsum("btd,df->btf", h, lp["w_up"])
-    x_BxTxD = x_BxTxD + jnp.einsum("btf,fd->btd", gate * up, lp["w_down"])
+    x_BxTxD = x_BxTxD + cx.einsum(cp, "bthk,hkd->btd", attn, lp["wo"], rows="bt")
+    h = rms_norm(x_BxTxD, lp["mlp_norm"], config.rms_norm_eps, cp)
+    gate = jax.nn.silu(cx.einsum(cp, "btd,df->btf", h, lp["w_gate"], rows="bt"))
+    up = cx.einsum(cp, "btd,df->btf", h, lp["w_up"], rows="bt")
+    x_BxTxD = x_BxTxD + cx.einsum(cp, "btf,fd->btd", gate * up, lp["w_down"], rows="bt")
     return x_BxTxD, k, v
 
 
@@ -274,7 +282,7 @@ def forward_hidden(
             return x, (k, v)
         x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.layers()))
         new_cache = kv_cache.write(k_new, v_new, cache_len_B)
-    h = rms_norm(x_BxTxD, params["final_norm"], config.rms_norm_eps)
+    h = rms_norm(x_BxTxD, params["final_norm"], config.rms_norm_eps, config.contraction)
     return h, new_cache
 
 
@@ -286,8 +294,8 @@ def lm_head(config: ModelConfig, params: Params, hidden_BxTxD: jax.Array) -> jax
     """
     B, T, D = hidden_BxTxD.shape
     w_VxD = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    logits_VxN = jnp.einsum("vd,nd->vn", w_VxD, hidden_BxTxD.reshape(B * T, D),
-                            preferred_element_type=jnp.float32)
+    logits_VxN = cx.einsum(config.contraction, "vd,nd->vn", w_VxD, hidden_BxTxD.reshape(B * T, D),
+                           rows="n", preferred_element_type=jnp.float32)
     return logits_VxN.T.reshape(B, T, -1)
 
 
