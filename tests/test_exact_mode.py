@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from das_jax.engine.generate import Engine, EngineConfig, Request
-from das_jax.engine.reference_drafters import AdversaryDrafter, OracleDrafter
+from das_jax.testing import AdversaryDrafter, OracleDrafter
 from das_jax.engine.sampling import SamplingParams
 from das_jax.models import KVCache, ModelConfig, forward, init_params
 from das_jax.models import contraction as cx
