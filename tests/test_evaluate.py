@@ -17,22 +17,10 @@ from das_jax.models import ModelConfig, init_params
 from das_jax.rl.evaluate import EvalError, eval_due, held_out_problems
 from das_jax.rl.rewards import format_reward, math_accuracy_reward
 from das_jax.rl.trainer import GRPOTrainer
+from das_jax.testing import CharTokenizer
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
-
-
-class CharTokenizer:
-    """ids 2..63 <-> a 62-character alphabet; id 1 is eos."""
-
-    alphabet = "0123456789#abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ "[:62]
-    eos_token_ids = (1,)
-
-    def encode(self, text):
-        return [2 + (self.alphabet.index(c) if c in self.alphabet else 61) for c in text]
-
-    def decode(self, ids):
-        return "".join(self.alphabet[i - 2] for i in ids if i >= 2)
 
 
 def make_config(tmp_path, data=None, eval_=None, steps=3):

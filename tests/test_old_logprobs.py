@@ -20,20 +20,10 @@ from das_jax.engine.sampling import SamplingParams
 from das_jax.models import ModelConfig, init_params
 from das_jax.rl.train_step import compute_logprobs
 from das_jax.rl.trainer import GRPOTrainer
+from das_jax.testing import CharTokenizer
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
-
-
-class CharTokenizer:
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ?"[:62]
-    eos_token_ids = (1,)
-
-    def encode(self, text):
-        return [2 + (self.alphabet.index(c) if c in self.alphabet else 61) for c in text]
-
-    def decode(self, ids):
-        return "".join(self.alphabet[i - 2] for i in ids if i >= 2)
 
 
 def vowel_reward(prompts, completions, **kw):

@@ -22,25 +22,13 @@ from das_jax.rl import cli as rl_cli
 from das_jax.rl import run_log
 from das_jax.rl.compare import compare_table
 from das_jax.rl.plots import plot_run
+from das_jax.testing import CharTokenizer
 
 TINY_YAML = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8)
 PLOTS = ("reward.png", "loss_kl.png", "response_length.png", "speculation.png",
          "rollout_time.png")
-
-
-class CharTokenizer:
-    """ids 2..63 <-> a fixed 62-character alphabet (other characters -> the last id); 1 = eos."""
-
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ?"[:62]
-    eos_token_ids = (1,)
-
-    def encode(self, text):
-        return [2 + (self.alphabet.index(c) if c in self.alphabet else 61) for c in text]
-
-    def decode(self, ids):
-        return "".join(self.alphabet[i - 2] for i in ids if i >= 2)
 
 
 def _run_cli(argv: list[str]) -> tuple[int, str, str]:

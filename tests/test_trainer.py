@@ -18,21 +18,9 @@ from das_jax.models import init_params
 from das_jax.rl.run_dir import RunDirError
 from das_jax.rl.trainer import GRPOTrainer, TrainError
 from das_jax.testing import tiny_model_config, tiny_params
+from das_jax.testing import CharTokenizer
 
 CFG = tiny_model_config(rope_theta=100000.0)   # the config these runs were tuned with
-
-
-class CharTokenizer:
-    """ids 2..63 <-> a fixed 62-character alphabet; id 1 is eos."""
-
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ?"[:62]
-    eos_token_ids = (1,)
-
-    def encode(self, text):
-        return [2 + (self.alphabet.index(c) if c in self.alphabet else 61) for c in text]
-
-    def decode(self, ids):
-        return "".join(self.alphabet[i - 2] for i in ids if i >= 2)
 
 
 def even_char_reward(prompts, completions, **kw):

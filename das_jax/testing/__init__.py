@@ -4,6 +4,7 @@ Public surface:
   tiny_model_config(**overrides) -> ModelConfig   the tiny random-model config of the tests
   tiny_params(config=None, seed=0, scale=0.5)      its random params (`init_params`)
   OracleDrafter, AdversaryDrafter                   drafters that test verification (drafters.py)
+  CharTokenizer                                     a 62-character tokenizer (tokenizers.py)
 
 Names are imported lazily (PEP 562): the drafters need numpy only, the model helpers import jax.
 """
@@ -14,6 +15,7 @@ from das_jax._lazy import lazy_exports
 _EXPORTS = {
     "tiny_model_config": "models", "tiny_params": "models",
     "OracleDrafter": "drafters", "AdversaryDrafter": "drafters",
+    "CharTokenizer": "tokenizers",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from das_jax.rl.rewards.code_check import check_solution, free_names, stub_functions
+from das_jax.rl.rewards.math_reward import as_text as _as_text
 from das_jax.rl.rewards.sandbox import SandboxLimits
 
 logger = logging.getLogger(__name__)
@@ -171,18 +172,6 @@ def make_code_reward(
 
     code_reward.__name__ = "code_reward"
     return code_reward
-
-
-def _as_text(c: Any) -> str:
-    """A completion as text: strings pass through; TRL conversational completions (a list of
-    ``{"role", "content"}`` dicts) are joined; anything else becomes ``str(c)``."""
-    if isinstance(c, str):
-        return c
-    if isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c):
-        return "".join(str(m.get("content", "")) for m in c)
-    if isinstance(c, dict) and "content" in c:
-        return str(c["content"])
-    return "" if c is None else str(c)
 
 
 #: The default code reward: 5 s timeout, 1 GiB per sandbox, no fork, 2 parallel workers.
