@@ -37,7 +37,8 @@ import numpy as np
 import optax
 
 from das_jax.models.config import ModelConfig
-from das_jax.models.transformer import ActivationConfig, forward, forward_hidden, token_logprobs
+from das_jax.models.transformer import (ActivationConfig, forward, forward_hidden, lm_head,
+                                        token_logprobs)
 from das_jax.rl import losses
 
 Params = Any
@@ -112,7 +113,8 @@ def chunked_head_logprobs(config: ModelConfig, params: Params, hidden_BxTxD, tar
     B, T, D = hidden_BxTxD.shape
     C = min(T, max(1, chunk_tokens // B))
     n = -(-T // C)
-    w_VxD = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    head_key = "embed" if config.tie_word_embeddings else "lm_head"
+    w_VxD = params[head_key]
     h = jnp.pad(hidden_BxTxD, ((0, 0), (0, n * C - T), (0, 0)))
     t = jnp.pad(targets_BxT, ((0, 0), (0, n * C - T)))
     h_NxBxCxD = h.reshape(B, n, C, D).swapaxes(0, 1)
@@ -120,9 +122,7 @@ def chunked_head_logprobs(config: ModelConfig, params: Params, hidden_BxTxD, tar
 
     @jax.checkpoint
     def one(w, h_BxCxD, t_BxC):
-        logits_VxM = jnp.einsum("vd,md->vm", w, h_BxCxD.reshape(B * C, D),
-                                preferred_element_type=jnp.float32)
-        logits_BxCxV = logits_VxM.T.reshape(B, C, -1)
+        logits_BxCxV = lm_head(config, {head_key: w}, h_BxCxD)
         logp = token_logprobs(logits_BxCxV, t_BxC, temperature)
         ent = (losses.entropy_from_logits(jax.lax.stop_gradient(logits_BxCxV), temperature)
                if with_entropy else jnp.zeros_like(logp))
