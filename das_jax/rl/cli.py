@@ -179,13 +179,13 @@ def run_samples(args: argparse.Namespace) -> int:
     from das_jax.rl.run_log import SAMPLES_FILE, format_sample, read_jsonl
     path = Path(args.run_dir) / SAMPLES_FILE
     if not path.exists():
-        print(f"das-jax samples: {path} does not exist; pass a run directory written by "
+        print(f"das-jax samples: error: {path} does not exist; pass a run directory written by "
               "'das-jax train' with train.log_samples > 0", file=sys.stderr)
         return 2
     samples = read_jsonl(path)
     steps = sorted({s["step"] for s in samples})
     if not steps:
-        print(f"das-jax samples: {path} holds no samples yet", file=sys.stderr)
+        print(f"das-jax samples: error: {path} holds no samples yet", file=sys.stderr)
         return 2
     if args.all:
         shown = samples
@@ -193,7 +193,7 @@ def run_samples(args: argparse.Namespace) -> int:
         step = steps[-1] if args.step is None else args.step
         shown = [s for s in samples if s["step"] == step]
         if not shown:
-            print(f"das-jax samples: no samples for --step {step}; logged steps: "
+            print(f"das-jax samples: error: no samples for --step {step}; logged steps: "
                   f"{_ranges(steps)}", file=sys.stderr)
             return 2
     for i, s in enumerate(shown):
@@ -216,7 +216,7 @@ def run_compare(args: argparse.Namespace) -> int:
     try:
         runs = [load_run(args.run_a), load_run(args.run_b)]
     except RunDirError as e:
-        print(f"das-jax compare: {e}", file=sys.stderr)
+        print(f"das-jax compare: error: {e}", file=sys.stderr)
         return 2
     names = [Path(args.run_a).resolve().name, Path(args.run_b).resolve().name]
     if names[0] == names[1]:

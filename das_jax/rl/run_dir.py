@@ -138,12 +138,12 @@ def check_new_run(run_dir: str | os.PathLike, *, has_checkpoint: bool) -> None:
     if not found:
         return
     if has_checkpoint:
-        how = f"pass --resume {run_dir} to continue it"
+        how = f"pass --resume {run_dir} to continue it, choose"
     else:
-        how = "it has no checkpoint, so it cannot be resumed"
+        how = "it has no checkpoint, so it cannot be resumed; choose"
     raise RunDirError(f"output_dir {str(run_dir)!r} already holds a run ({', '.join(found)}); "
-                      f"{how}, or choose another output_dir (--set output_dir=DIR), or pass "
-                      "--overwrite to replace it")
+                      f"{how} another output_dir (--set output_dir=DIR), or pass --overwrite to "
+                      "replace it")
 
 
 def clear_run(run_dir: str | os.PathLike) -> list[str]:
