@@ -8,7 +8,8 @@ from das_jax.drafter.base import Draft
 from das_jax.engine.cost_model import CostModel
 from das_jax.engine.das_policy import LONG, MEDIUM, SHORT, DASConfig, DASPolicy
 from das_jax.engine.generate import Engine, EngineConfig, Request
-from das_jax.engine.policy import RowView, StepRecord
+from das_jax.engine.policy import (FixedPolicy, RowView, StepRecord, packed_step_shape,
+                                   padded_step_shape, width_for)
 from das_jax.engine.sampling import SamplingParams
 from das_jax.rollout import build_speculation
 from das_jax.testing import OracleDrafter, tiny_model_config, tiny_params
@@ -26,7 +27,8 @@ def policy_with_history(history: dict, **cfg) -> DASPolicy:
 
 def test_classes_follow_history_and_promote():
     history = {"short": [10, 12, 11, 200], "mid": [50, 55, 60], "long": [200, 220, 20, 210]}
-    pol = policy_with_history(history)
+    # The class-caps ablation: short 0, medium 3, long the widest.
+    pol = policy_with_history(history, budget_short=0, budget_medium=3)
     lo, hi = pol.thresholds()
     assert 12 <= lo < 50 and 60 <= hi <= 200
     assert pol.initial_class("short") == SHORT
@@ -40,6 +42,13 @@ def test_classes_follow_history_and_promote():
     assert pol.draft_budgets([RowView(7, "short", int(lo) + 1, 400)], 1, 8).tolist() == [3]
     assert pol.draft_budgets([RowView(7, "short", int(hi) + 1, 300)], 1, 8).tolist() == [7]
     assert pol.step_classes([RowView(7, "short", 0, 1)]) == {SHORT: 0, MEDIUM: 0, LONG: 1}
+    # Class weights: a long row weighs weight_long, an unseen (medium) one weight_medium.
+    pol.begin(8, "unseen", 5)
+    assert pol.row_weights([RowView(7, "short", 0, 1), RowView(8, "unseen", 0, 9)]).tolist() == [
+        2.0, 1.0]
+    # Without caps (the default) every row may draft up to the widest width.
+    assert policy_with_history(history).draft_budgets([RowView(9, "short", 0, 50)], 1, 8).tolist() \
+        == [7]
     # Admission: predicted-long first.
     assert pol.admission_order(["short", "mid", "long", "unseen"]) == [2, 1, 0, 3]
 
@@ -74,7 +83,8 @@ def test_width_grows_as_batch_shrinks():
     for B in (32, 16, 8, 4, 2, 1):
         rows = [RowView(i, "p", 100, 1000) for i in range(B)]
         assert (pol.draft_budgets(rows, B, 16) == 15).all()
-        W, n_draft, t = pol.choose(rows, [probs] * B, B, (1, 2, 4, 8, 16), 0)
+        n_draft, t = pol.choose(rows, [probs] * B, padded_step_shape(B, (1, 2, 4, 8, 16), 0))
+        W = width_for(n_draft, (1, 2, 4, 8, 16))
         chosen[B] = W
         assert (n_draft == W - 1).all() and t == pytest.approx(0.05 + 0.003 * B * W)
     widths = [chosen[B] for B in (32, 16, 8, 4, 2, 1)]
@@ -85,8 +95,8 @@ def test_unlimited_drafts_everyone():
     pol = policy_with_history({"s": [1, 1, 1], "l": [100, 100, 100, 1, 2]}, unlimited=True)
     pol.begin(0, "s", 3)
     assert pol.draft_budgets([RowView(0, "s", 0, 50)], 1, 8).tolist() == [7]
-    W, n, _ = pol.choose([RowView(0, "s", 0, 50)], [np.ones(5)], 1, (1, 4, 8), 0)
-    assert W == 8 and n.tolist() == [5]
+    n, _ = pol.choose([RowView(0, "s", 0, 50)], [np.ones(5)], padded_step_shape(1, (1, 4, 8), 0))
+    assert n.tolist() == [5]
 
 
 class CountingDrafter(OracleDrafter):
@@ -157,8 +167,8 @@ def test_short_drafts_can_use_a_wider_compiled_width():
     pol = DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0),
                     cost_model=CostModel(c_base=0.05, c_tok=0.0001))
     rows = [RowView(0, "p", 10, 100)]
-    W, n, _ = pol.choose(rows, [np.array([0.95, 0.9])], 1, (1, 4, 8), 0)
-    assert W == 4 and n.tolist() == [2]
+    n, _ = pol.choose(rows, [np.array([0.95, 0.9])], padded_step_shape(1, (1, 4, 8), 0))
+    assert n.tolist() == [2]
 
 
 def test_acceptance_calibration_learns_overconfident_drafts():
@@ -168,12 +178,113 @@ def test_acceptance_calibration_learns_overconfident_drafts():
     overconfident = [np.full(7, 0.9)] * 4
     widths = []
     for _ in range(60):
-        W, n, t = pol.choose(rows, overconfident, 4, (1, 4, 8), 0)
+        n, t = pol.choose(rows, overconfident, padded_step_shape(4, (1, 4, 8), 0))
+        W = width_for(n, (1, 4, 8))
         widths.append(W)
         # Verification accepts nothing: the drafter claims 90% but is always wrong.
         pol.observe(StepRecord(batch=4, active=4, width=W, kv_len=0, drafted=int(n.sum()),
-                               accepted=0, emitted=4, seconds=t))
+                               accepted=0, emitted=4, seconds=t, accepted_per_row=(0,) * 4))
     assert widths[0] == 8                      # trusts the drafter at first
-    assert pol.acceptance_scale < 0.1          # learns it is overconfident
+    assert pol.depth_scale[:3].max() < 0.1     # learns it is overconfident (at the depths it
+    assert pol.acceptance_scale < 0.5          # keeps exploring; deeper ones less often)
     assert widths[-8:].count(1) >= 6           # then mostly stops speculating ...
     assert any(w > 1 for w in widths[-8:])     # ... but keeps exploring
+
+
+def test_cost_model_follows_drift_within_its_window():
+    # A machine whose speed doubles mid-run: once the window holds only new steps, the fit is
+    # the new machine's.
+    rng = np.random.default_rng(1)
+    cm = CostModel(history=64)
+    old = dict(c_base=0.040, c_tok=0.002, c_kv=4e-6)
+    new = {k: v / 2 for k, v in old.items()}
+    shapes = [(n, k) for n in (16, 64, 128) for k in (2048, 8192)]
+
+    def run(true, steps):
+        for i in range(steps):
+            n, k = shapes[int(rng.integers(len(shapes)))]
+            cm.observe_step(n, k, true["c_base"] + true["c_tok"] * n + true["c_kv"] * k)
+    run(old, 200)
+    assert cm.predict_step(64, 4096) == pytest.approx(0.040 + 0.128 + 0.016384, rel=1e-6)
+    run(new, 64)
+    assert len(cm.observations) == 64
+    for k in ("c_base", "c_tok", "c_kv"):
+        assert getattr(cm, k) == pytest.approx(new[k], rel=1e-6)
+    # The padded spelling is the same model.
+    assert cm.predict(4, 8, 512) == cm.predict_step(32, 2048)
+
+
+def test_per_depth_calibration_learns_where_drafts_break():
+    # The drafter claims 0.9 at every depth; verification accepts the first 2 tokens, never more.
+    pol = DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0, acceptance_ema=0.3),
+                    cost_model=CostModel(c_base=0.05, c_tok=2e-3))
+    rows = [RowView(i, "p", 10, 100) for i in range(4)]
+    chosen = []
+    for _ in range(40):
+        n, t = pol.choose(rows, [np.full(7, 0.9)] * 4, packed_step_shape(np.full(4, 64)))
+        chosen.append(n.copy())
+        acc = tuple(int(min(k, 2)) for k in n)
+        pol.observe(StepRecord(batch=4, active=4, width=8, kv_len=64, drafted=int(n.sum()),
+                               accepted=sum(acc), emitted=4 + sum(acc), seconds=t,
+                               accepted_per_row=acc))
+    scale = pol.depth_scale
+    assert scale[0] == pytest.approx(1 / 0.9, rel=0.05) and scale[1] == pytest.approx(1 / 0.9,
+                                                                                      rel=0.05)
+    assert scale[2:].max() < 0.5       # lowered until speculating there stops paying
+    # Speculates on the whole draft at first, then only as deep as drafts are accepted.
+    assert chosen[0].tolist() == [7] * 4 and chosen[-1].tolist() == [2] * 4
+
+
+def _objective(cm, n, weights, q, step_shape):
+    t = cm.predict_step(*step_shape(n))
+    value = weights.sum() + sum(weights[b] * q[b, :n[b]].sum() for b in range(len(n)))
+    return t / value
+
+
+@pytest.mark.parametrize("engine", ["padded", "packed"])
+def test_budget_never_worse_than_no_drafts_or_all_drafts(engine):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=150, deadline=None, derandomize=True)
+    @hypothesis.given(
+        c_base=st.floats(1e-4, 0.1), c_tok=st.floats(0.0, 5e-3), c_kv=st.floats(0.0, 1e-5),
+        seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 12))
+    def check(c_base, c_tok, c_kv, seed, batch):
+        rng = np.random.default_rng(seed)
+        cm = CostModel(c_base=c_base, c_tok=c_tok, c_kv=c_kv)
+        history = {"s": [5] * 4, "m": [50] * 4, "l": [500] * 4}
+        pol = DASPolicy(lambda pid: history.get(pid, []), DASConfig(explore_every=0), cm)
+        for lens in history.values():
+            for n in lens:
+                pol.end(-1, n)
+        rows = []
+        for i in range(batch):
+            pid = ["s", "m", "l"][int(rng.integers(3))]
+            pol.begin(i, pid, 4)
+            rows.append(RowView(i, pid, int(rng.integers(0, 600)), 1000))
+        pol.depth_scale = rng.uniform(0.3, 1.5, size=int(rng.integers(1, 16)))
+        probs = [np.sort(rng.uniform(0, 1, int(rng.integers(0, 16))))[::-1].astype(np.float32)
+                 for _ in range(batch)]
+        kv = rng.integers(16, 4096, batch)
+        shape = (padded_step_shape(batch, (1, 2, 4, 8, 16), int(kv.max())) if engine == "padded"
+                 else packed_step_shape(kv, (8, 16, 32, 64, 128, 256)))
+        n, t = pol.choose(rows, probs, shape)
+        lens = np.array([len(p) for p in probs], np.int32)
+        assert n.dtype == np.int32 and (0 <= n).all() and (n <= lens).all()
+        assert t == pytest.approx(cm.predict_step(*shape(n)))
+        q = pol.calibrated(probs)
+        w = pol.row_weights(rows)
+        j = _objective(cm, n, w, q, shape)
+        assert j <= _objective(cm, np.zeros_like(lens), w, q, shape) * (1 + 1e-9)
+        assert j <= _objective(cm, lens, w, q, shape) * (1 + 1e-9)
+    check()
+
+
+def test_fixed_policy_verifies_whole_drafts_and_plan_sets_the_width():
+    n, t = FixedPolicy().choose([RowView(0, 0, 0, 9)] * 2, [np.ones(2), np.ones(5)],
+                                padded_step_shape(2, (1, 4, 8), 128))
+    assert n.tolist() == [2, 5] and t is None
+    assert padded_step_shape(2, (1, 4, 8), 128)(n) == (16, 256)
+    assert packed_step_shape(np.array([100, 28]), (4, 16))(n) == (16, 128)
+    assert packed_step_shape(np.array([100, 28]))(n) == (9, 128)

@@ -22,7 +22,8 @@ then one line per rollout: {"epoch", "temperature", "problem_id", "sample_index"
 * acceptance is exact: speculation never changes the sampled tokens, so the target token at every
   position is the recorded one, and a draft is accepted up to its first disagreement with the
   recorded continuation;
-* a step's time is the cost model t(B, W, S) = c_base + c_tok*B*W + c_kv*B*S (`CostModel`).
+* a step's time is the cost model t(N, K) = c_base + c_tok*N + c_kv*K (`CostModel.predict_step`)
+  at the padded engine's step shape N = B*W token slots, K = B*S attended positions.
 
 Modelling assumptions (what the prediction leaves out or approximates):
 
@@ -34,8 +35,7 @@ Modelling assumptions (what the prediction leaves out or approximates):
    from the measured plain (`none`) run of the first epoch. Drafter and policy time are the real
    host time of the simulated calls on this machine.
 3. Tokens past a recorded stop token are unknown, so a draft that runs past the end of a rollout
-   is accepted only up to the end; the engine may count such a draft's post-stop tokens as
-   accepted (they are never emitted). Forward passes and emitted tokens are unaffected.
+   is accepted only up to the end; the engine counts the same (only committed tokens).
 4. The simulated policy plans with a frozen cost model (the trace's coefficients); in the real
    engine the DAS policy refines its cost model online from measured step times, so a real DAS run
    may choose other widths than the replay (forward passes then differ slightly). With a frozen
@@ -67,7 +67,7 @@ from das_jax.engine import (CostModel, EngineConfig, FixedPolicy, RowView, StepR
 class FrozenCostModel(CostModel):
     """A cost model that ignores observations (the replay plans with fixed coefficients)."""
 
-    def observe(self, batch, width, kv_len, seconds, refit=True):
+    def observe_step(self, num_tokens, attended_kv, seconds, refit=True):
         pass
 
     @classmethod
@@ -282,11 +282,11 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
         stats.policy_s += plan.policy_s
         W = plan.width
 
-        seconds = float(cost_model.predict(B, W, kv_len))
+        seconds = float(cost_model.predict_step(B * W, B * kv_len))
         stats.decode_s += seconds
         stats.forward_passes += 1
         drafted = accepted = emitted_total = 0
-        n_emit = []
+        n_emit, accepted_rows = [], []
         for j, r in enumerate(live):
             ri = int(row_req[r])
             k = len(plan.tokens[j])
@@ -301,6 +301,7 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
                 while acc < lim and int(d[acc]) == rec[g + acc]:
                     acc += 1
             accepted += acc
+            accepted_rows.append(acc)
             n_emit.append(acc + 1)
         classes = policy.step_classes(views)
         for j, r in enumerate(live):
@@ -313,7 +314,8 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
         stats.accepted_draft_tokens += accepted
         record = StepRecord(batch=B, active=len(live), width=W, kv_len=kv_len, drafted=drafted,
                             accepted=accepted, emitted=emitted_total, seconds=seconds,
-                            predicted_seconds=seconds, classes=classes)
+                            predicted_seconds=seconds, classes=classes, num_tokens=B * W,
+                            attended_kv=B * kv_len, accepted_per_row=tuple(accepted_rows))
         stats.steps.append(record)
         t0 = time.perf_counter()
         policy.observe(record)

@@ -1,20 +1,32 @@
 """The decode-step cost model the DAS policy plans with, fitted from the engine's own timings.
 
-    t(B, W, S) = c_base + c_tok * B * W + c_kv * B * S          [seconds]
+    t(N, K) = c_base + c_tok * N + c_kv * K                      [seconds]
 
-c_base is the per-step cost independent of batch (reading the weights once, launch and host
-overhead), c_tok the cost of each verified token row (matmul FLOPs, logits, sampling), c_kv the
-cost of reading one cached position of one row (attention). This is the cost decomposition of DAS
-(arXiv 2511.13841, §4: "base and token-level costs") with an attention term added, since on a
-CPU at long contexts the cache read is not negligible. The coefficients are fitted by
-non-negative least squares over recent (B, W, S, seconds) observations: first at warm-up
+N (`num_tokens`) is the number of token slots the verify step computes (padded engine:
+B_bucket * W; packed engine: its N bucket), K (`attended_kv`) the sum over the computed rows of
+the cache positions attention reads for that row (padded engine: B_bucket * the attended-length
+bucket). c_base is the per-step cost independent of both (reading the weights once, launch and
+host overhead), c_tok the cost of each computed token slot (matmul FLOPs, logits, sampling),
+c_kv the cost of reading one cached position of one row (attention). This is the cost
+decomposition of DAS (arXiv 2511.13841, §4: "base and token-level costs") with an attention
+term added. The coefficients are fitted by non-negative least squares over the most recent
+`history` observations (a bounded window, so the fit follows a machine whose speed drifts: once
+the window holds only new steps, the fit is that of the new machine): first at warm-up
 (`calibrate`), then refined with every step the engine runs.
+
+`predict(batch, width, kv_len)` / `observe(batch, width, kv_len, seconds)` are the padded-engine
+spelling of `predict_step(batch * width, batch * kv_len)` / `observe_step(...)`.
+
+Cost models can be saved to / read from a JSON file (`save_cost_model`, `load_cost_model`; format
+in `COST_MODEL_FORMAT`); `das_jax.engine.gpu_cost` derives GPU models from published figures.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
+import math
 import time
 from typing import Iterable
 
@@ -27,10 +39,15 @@ log = logging.getLogger("das_jax.engine")
 class CostModelConfig:
     """Settings of the step-cost model: the `das.cost_model` section of a run config.
 
-    c_base, c_tok, c_kv: the prior coefficients (seconds per step, seconds per verified token
-      row, seconds per cached position per row) the policy plans with until observations
-      arrive; the defaults are neutral (a step costs about as much as 16 extra token rows).
-    history: how many recent (B, W, S, seconds) observations the fit uses.
+    c_base, c_tok, c_kv: the prior coefficients (seconds per step, seconds per computed token
+      slot, seconds per attended cached position per row) the policy plans with until
+      observations arrive; the defaults are neutral (a step costs about as much as 16 extra
+      token slots).
+    source: where the prior comes from instead of c_base / c_tok / c_kv: null (those keys), a
+      named model (`cpu`, `h100-7b`, `h200-7b`: `das_jax.engine.gpu_cost.PRESETS`) or the path of
+      a cost-model JSON file (`save_cost_model`; e.g. one measured on a GPU).
+    history: how many recent (N, K, seconds) observations the fit uses (the window that lets
+      it follow drift).
     calibrate: time the verify step at a few shapes before the first rollout of a policy that
       plans with the cost model (`das`), and fit the model to them (`calibrate` below).
     calibrate_kv_lens: attended lengths S timed by the calibration (each at batch 1 and
@@ -41,6 +58,7 @@ class CostModelConfig:
     c_base: float = 0.05
     c_tok: float = 0.003
     c_kv: float = 0.0
+    source: str | None = None
     history: int = 512
     calibrate: bool = True
     calibrate_kv_lens: tuple[int, ...] = (128, 512)
@@ -64,14 +82,15 @@ _PRIOR = CostModelConfig()
 
 @dataclasses.dataclass
 class CostModel:
-    """t(B, W, S) = c_base + c_tok * B * W + c_kv * B * S, seconds.
+    """t(N, K) = c_base + c_tok * N + c_kv * K, seconds (module docstring).
 
     Attributes:
-      c_base, c_tok, c_kv: coefficients (seconds, seconds per token row, seconds per cached
-        position per row). The defaults are a neutral prior (a step costs about as much as 16
-        extra token rows) used until observations arrive.
+      c_base, c_tok, c_kv: coefficients (seconds, seconds per computed token slot, seconds per
+        attended cached position per row). The defaults are a neutral prior used until
+        observations arrive.
       history: how many recent observations the fit uses (older ones are dropped, so the model
         follows drift such as thermal throttling or a co-tenant).
+      observations: the window, (num_tokens, attended_kv, seconds) tuples, oldest first.
     """
 
     c_base: float = _PRIOR.c_base
@@ -82,32 +101,56 @@ class CostModel:
 
     @classmethod
     def from_config(cls, config: CostModelConfig) -> "CostModel":
-        """A model starting from `config`'s prior coefficients and history length."""
-        return cls(c_base=config.c_base, c_tok=config.c_tok, c_kv=config.c_kv,
+        """A model starting from `config`'s prior (its `source` when set, else c_base / c_tok /
+        c_kv) and history length.
+
+        Raises:
+          ValueError: `source` is neither a known name nor a readable cost-model file.
+        """
+        coef = {"c_base": config.c_base, "c_tok": config.c_tok, "c_kv": config.c_kv}
+        if config.source is not None:
+            from das_jax.engine.gpu_cost import resolve_cost_model
+            coef = resolve_cost_model(config.source)
+        return cls(c_base=coef["c_base"], c_tok=coef["c_tok"], c_kv=coef["c_kv"],
                    history=config.history)
 
-    def predict(self, batch: int, width: int, kv_len: int = 0) -> float:
-        return self.c_base + self.c_tok * batch * width + self.c_kv * batch * kv_len
+    # ----- the step-shape interface (shared contract with the packed engine) -------------------
+    def predict_step(self, num_tokens: int, attended_kv: int) -> float:
+        """Predicted seconds of a verify step computing `num_tokens` token slots that attend
+        `attended_kv` cached positions in total (summed over rows)."""
+        return self.c_base + self.c_tok * num_tokens + self.c_kv * attended_kv
 
-    def observe(self, batch: int, width: int, kv_len: int, seconds: float, refit: bool = True):
-        self.observations.append((batch, width, kv_len, seconds))
+    def observe_step(self, num_tokens: int, attended_kv: int, seconds: float,
+                     refit: bool = True) -> None:
+        """Adds one measured step to the window (dropping the oldest beyond `history`) and, with
+        `refit`, refits the coefficients."""
+        self.observations.append((int(num_tokens), int(attended_kv), float(seconds)))
         while len(self.observations) > self.history:
             self.observations.popleft()
         if refit:
             self.fit()
 
+    # ----- padded-engine spelling -----------------------------------------------------------------
+    def predict(self, batch: int, width: int, kv_len: int = 0) -> float:
+        """`predict_step(batch * width, batch * kv_len)`."""
+        return self.predict_step(batch * width, batch * kv_len)
+
+    def observe(self, batch: int, width: int, kv_len: int, seconds: float, refit: bool = True):
+        """`observe_step(batch * width, batch * kv_len, seconds, refit)`."""
+        self.observe_step(batch * width, batch * kv_len, seconds, refit)
+
     def fit(self) -> None:
-        """Non-negative least squares over the observations. Terms the observations cannot
-        identify (e.g. every step at one width) keep their ratio to the identified ones."""
+        """Non-negative least squares over the window. Terms the observations cannot identify
+        (e.g. every step at one shape) keep their ratio to the identified ones."""
         if len(self.observations) < 3:
             return
         # One point per shape, its median time: robust to stray slow steps (first runs, GC).
         by_shape: dict[tuple, list[float]] = {}
-        for b, w, s, t in self.observations:
-            by_shape.setdefault((b, w, s), []).append(t)
-        obs = np.array([(b, w, s, np.median(ts)) for (b, w, s), ts in by_shape.items()], np.float64)
-        X = np.stack([np.ones(len(obs)), obs[:, 0] * obs[:, 1], obs[:, 0] * obs[:, 2]], axis=1)
-        y = obs[:, 3]
+        for n, k, t in self.observations:
+            by_shape.setdefault((n, k), []).append(t)
+        obs = np.array([(n, k, np.median(ts)) for (n, k), ts in by_shape.items()], np.float64)
+        X = np.stack([np.ones(len(obs)), obs[:, 0], obs[:, 1]], axis=1)
+        y = obs[:, 2]
         cols = [0] + [j for j in (1, 2) if np.ptp(X[:, j]) > 0]
         if len(cols) == 1:
             # One shape cannot separate the terms: keep the current ratios, match the level.
@@ -127,6 +170,59 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"c_base": self.c_base, "c_tok": self.c_tok, "c_kv": self.c_kv}
+
+
+# ----- the cost-model file ---------------------------------------------------------------------
+
+COST_MODEL_FORMAT = "das-jax-cost-model/1"
+"""A cost-model file is one JSON object:
+
+    {"format": "das-jax-cost-model/1",
+     "c_base": seconds per step, "c_tok": seconds per computed token slot,
+     "c_kv": seconds per attended cached position per row,
+     "device": "...", "model": "...", "source": "how it was obtained", ...any other notes}
+
+Only format, c_base, c_tok and c_kv are read; the rest is free-form provenance (a derivation, or
+the measured shapes of a GPU check)."""
+
+
+def save_cost_model(path, coef: dict, **provenance) -> None:
+    """Writes `coef` (c_base, c_tok, c_kv in seconds) and free-form provenance as a cost-model
+    file (`COST_MODEL_FORMAT`)."""
+    obj = {"format": COST_MODEL_FORMAT, **{k: float(coef[k]) for k in ("c_base", "c_tok", "c_kv")},
+           **provenance}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.write("\n")
+
+
+def load_cost_model(path) -> dict:
+    """{"c_base", "c_tok", "c_kv"} (seconds) from a cost-model file.
+
+    Raises:
+      ValueError: one line naming the file and what is wrong (missing, not JSON, wrong format,
+        a coefficient missing, negative or not a number).
+    """
+    hint = ("expected a JSON object {\"format\": \"%s\", \"c_base\": s, \"c_tok\": s, "
+            "\"c_kv\": s}" % COST_MODEL_FORMAT)
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cost model file {path}: cannot read it ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"cost model file {path}: not JSON ({e}); {hint}") from None
+    if not isinstance(obj, dict) or obj.get("format") != COST_MODEL_FORMAT:
+        got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"cost model file {path}: format is {got!r}; {hint}")
+    out = {}
+    for k in ("c_base", "c_tok", "c_kv"):
+        v = obj.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"cost model file {path}: {k} must be a number >= 0 (seconds), got "
+                             f"{v!r}")
+        out[k] = float(v)
+    return out
 
 
 def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:

@@ -1,32 +1,45 @@
-"""The DAS length-aware speculation policy (arXiv 2511.13841, §4).
+"""The DAS length-aware speculation policy (arXiv 2511.13841, §4), with the budget as an
+optimisation.
 
 Decides how much to speculate, for whom, at each decode step:
 
 1. Length classes. A request starts in the class (short / medium / long) most common among its
    problem's past rollout lengths (ties go to the longer class; no history: medium). Class
    thresholds default to the 1/3 and 2/3 quantiles of the run's own finished lengths. At run time
-   a request is re-classed by its partial length: one that has outgrown its class is promoted.
-2. Budgets. Short requests get no draft, medium a moderate budget, long ones the widest budget
-   from their first decode step (early speculation: long rollouts decide the makespan).
-3. Width. Given the drafts and their path probabilities p_b,i (the drafter's expected
-   acceptance of the first i tokens of row b), the step width is
+   a request is re-classed by its partial length: one that has outgrown its class is promoted,
+   so rows still running in the tail of the length distribution count as long.
+2. Row weights. A synchronous RL step ends with its longest rollout, so a token of a row that is
+   predicted long (or still running in the tail) shortens the step more than a token of a row
+   that will finish soon: each row weighs w_b = `weight_short` / `weight_medium` /
+   `weight_long` by its class.
+3. The budget. Each step chooses every row's draft length n_b in 0..len(draft_b) to minimise
+   the expected time per weighted emitted token,
 
-       W* = argmax_W  sum_b (1 + sum_{i < min(len_b, W-1)} p_b,i)  /  t(B, W, S)
+       J(n) = t(step_shape(n)) / sum_b w_b * (1 + sum_{d <= n_b} q_b,d)
 
-   i.e. expected emitted tokens per second under the fitted cost model t (`cost_model.py`).
-   Rows share W (one static-shape step), so each row verifies min(len_b, W-1) of its tokens.
-   The path probabilities are calibrated online: they are scaled by the running ratio of
-   accepted to predicted draft tokens, and every `explore_every`-th step that would not
-   speculate verifies the next width anyway, so both the cost model and the calibration keep
-   learning.
-   Because t grows with B * W, the argmax speculates little while the batch is large and
-   compute-bound, and more as the batch shrinks to the memory-bound stragglers. This replaces the
-   paper's closed-form per-class budget (its Eq. 7) with an argmax over the measured cost model;
-   the class budgets above are the caps the argmax works under.
-4. Admission. Predicted-long requests enter slots first, so they start early.
+   where t is the fitted cost model (`CostModel.predict_step`), `step_shape` the engine's map
+   from a choice to the token slots and attended KV it computes (padded: B * W(max n_b);
+   packed: sum_b (1 + n_b)), and q_b,d the calibrated chance that row b's first d draft tokens
+   are all accepted (the drafter's path probability times a per-depth calibration factor, made
+   nonincreasing in d). Draft tokens are added greedily in the order of their marginal value
+   w_b * q_b,d (the value of a row's d-th token never exceeds that of its (d-1)-th, so every
+   prefix of that order is a valid choice), and since a padded step's cost jumps with the
+   widest draft, also depth by depth (every row up to depth L, L = 1..longest); J is evaluated
+   at every depth cap and at up to `MAX_VALUE_CUTS` value cut-offs of the greedy order, and the
+   choice with the smallest J wins. No drafts (the empty prefix) and all drafts (depth cap =
+   longest) are among the candidates, so the chosen budget is never predicted slower per
+   weighted token than either (tests/test_das_policy.py checks it on random cost models).
+   Because t grows with the computed tokens, the optimum speculates little while the batch is
+   large and compute-bound, and more as the batch shrinks to the memory-bound stragglers.
+4. Calibration. The chance of acceptance at depth d is calibrated online: per depth, an EMA
+   (`acceptance_ema`) of committed accepted tokens at that depth over the predicted ones. Every
+   `explore_every`-th step whose best choice is no drafts although drafts exist verifies the best
+   speculative candidate anyway, so the cost model and the calibration keep learning.
+5. Admission. Predicted-long requests enter slots first, so they start early.
 
-`unlimited=True` gives the "das-unlimited" ablation: every request gets the widest budget and W
-is the smallest compiled width that holds the longest draft (no classes, no cost model).
+Ablations: `unlimited=True` is "das-unlimited" (every row verifies its whole draft; no classes,
+no cost model); `budget_short` / `budget_medium` / `budget_long` cap the draft tokens requested
+per class (the paper's class budgets; the optimiser still chooses within the caps).
 """
 from __future__ import annotations
 
@@ -42,32 +55,40 @@ from das_jax.engine.policy import RowView, StepRecord
 
 SHORT, MEDIUM, LONG = "short", "medium", "long"
 _ORDER = {SHORT: 0, MEDIUM: 1, LONG: 2}
+MAX_VALUE_CUTS = 24        # value cut-offs of the greedy order evaluated per step
+_SCALE_RANGE = (0.02, 4.0)  # bounds of the per-depth calibration factor
 
 
 @dataclasses.dataclass(frozen=True)
 class DASConfig:
-    """Settings of the DAS policy.
+    """Settings of the DAS policy (the `das.policy` section of a run config).
 
     short_quantile / long_quantile: quantiles of the run's finished lengths that separate the
       classes (used unless short_threshold / long_threshold, in tokens, are given).
-    budget_short / budget_medium / budget_long: draft-token caps per class (None = widest).
+    weight_short / weight_medium / weight_long: weight of a row's emitted tokens in the budget's
+      objective, by class (> 0; long rows decide when the step ends, so they weigh most).
+    budget_short / budget_medium / budget_long: optional caps on the draft tokens requested per
+      class (null: no cap; the class-caps ablation is 0 / 3 / null).
     min_history: finished rollouts needed before quantile thresholds are trusted (before that
       every request is medium).
     length_history: most recent finished lengths the quantile thresholds are taken over.
-    acceptance_ema: weight of each step in the running ratio of accepted to predicted draft
-      tokens, which rescales the drafter's path probabilities (calibration).
-    explore_every: every n-th step whose best choice is W = 1 although drafts exist verifies
-      the next width instead, so the cost model and the calibration keep seeing speculative
-      steps (0 disables).
-    unlimited: the das-unlimited ablation (see module docstring).
+    acceptance_ema: weight of each step in the per-depth running ratio of committed accepted to
+      predicted draft tokens, which rescales the drafter's path probabilities (calibration).
+    explore_every: every n-th step whose best choice is no drafts although drafts exist verifies
+      the best speculative choice instead, so the cost model and the calibration keep seeing
+      speculative steps (0 disables).
+    unlimited: the das-unlimited ablation (module docstring).
     """
 
     short_quantile: float = 1 / 3
     long_quantile: float = 2 / 3
     short_threshold: int | None = None
     long_threshold: int | None = None
-    budget_short: int = 0
-    budget_medium: int = 3
+    weight_short: float = 0.5
+    weight_medium: float = 1.0
+    weight_long: float = 2.0
+    budget_short: int | None = None
+    budget_medium: int | None = None
     budget_long: int | None = None
     min_history: int = 8
     length_history: int = 4096
@@ -79,9 +100,16 @@ class DASConfig:
         if not 0 < self.short_quantile < self.long_quantile < 1:
             raise ValueError("DAS quantiles need 0 < short_quantile < long_quantile < 1, got "
                              f"{self.short_quantile}, {self.long_quantile}")
-        for name in ("budget_short", "budget_medium"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+        for name in ("budget_short", "budget_medium", "budget_long"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 or null, got {getattr(self, name)}")
+        for name in ("weight_short", "weight_medium", "weight_long"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.acceptance_ema <= 1:
+            raise ValueError(f"acceptance_ema must be in (0, 1], got {self.acceptance_ema}")
+        if self.explore_every < 0:
+            raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
 
 
 class DASPolicy:
@@ -91,7 +119,8 @@ class DASPolicy:
       lengths_fn: problem id -> generated lengths of that problem's past rollouts (the drafter's
         `ProblemHistory.lengths`); may return [] for an unseen problem.
       config: `DASConfig`.
-      cost_model: the `CostModel` (fitted at warm-up by `cost_model.calibrate`, refined online).
+      cost_model: the `CostModel` (fitted at warm-up by `cost_model.calibrate`, refined online
+        from every step's (num_tokens, attended_kv, seconds)).
     """
 
     def __init__(self, lengths_fn: Callable[[Hashable], Sequence[int]] | None = None,
@@ -101,8 +130,8 @@ class DASPolicy:
         self.cost_model = cost_model or CostModel()
         self.finished_lengths: collections.deque = collections.deque(maxlen=config.length_history)
         self.classes: dict[int, str] = {}
-        self.acceptance_scale = 1.0
-        self._expected_accepted: float | None = None
+        self.depth_scale = np.zeros(0)     # per-depth calibration factors (grown on demand)
+        self._pending = None               # (n_draft, raw path probabilities) of the last choice
         self._steps = 0
 
     # ----- classes ------------------------------------------------------------------------------
@@ -156,56 +185,115 @@ class DASPolicy:
             cls = self.classes[row.request_id] = grown   # promotion: outgrew its class
         return cls
 
+    def row_weights(self, rows: Sequence[RowView]) -> np.ndarray:
+        """float64 `[len(rows)]`: each row's class weight (promoting rows that outgrew it)."""
+        th = self.thresholds()
+        c = self.config
+        w = {SHORT: c.weight_short, MEDIUM: c.weight_medium, LONG: c.weight_long}
+        return np.array([w[self.current_class(r, th)] for r in rows], np.float64)
+
     def draft_budgets(self, rows: Sequence[RowView], batch: int, max_width: int) -> np.ndarray:
         widest = max_width - 1
         c = self.config
-        if c.unlimited:
-            return np.array([min(widest, max(r.remaining - 1, 0)) for r in rows], np.int32)
-        th = self.thresholds()
-        caps = {SHORT: c.budget_short, MEDIUM: c.budget_medium,
-                LONG: widest if c.budget_long is None else c.budget_long}
-        return np.array([min(caps[self.current_class(r, th)], widest, max(r.remaining - 1, 0))
-                         for r in rows], np.int32)
+        th = None if c.unlimited else self.thresholds()
+        caps = {SHORT: c.budget_short, MEDIUM: c.budget_medium, LONG: c.budget_long}
+        out = []
+        for r in rows:
+            k = min(widest, max(r.remaining - 1, 0))
+            if not c.unlimited:
+                cap = caps[self.current_class(r, th)]
+                k = k if cap is None else min(k, cap)
+            out.append(k)
+        return np.array(out, np.int32)
 
-    def choose(self, rows, draft_probs, batch, widths, kv_len):
+    def calibrated(self, draft_probs: Sequence[np.ndarray]) -> np.ndarray:
+        """float64 `[rows, longest draft]`: q_b,d, the calibrated chance that row b's first d + 1
+        draft tokens are accepted (0 past a row's draft; nonincreasing along d)."""
+        D = max((len(p) for p in draft_probs), default=0)
+        P = np.zeros((len(draft_probs), D))
+        for b, p in enumerate(draft_probs):
+            P[b, :len(p)] = p
+        scale = self._scale(D)
+        return np.minimum.accumulate(np.clip(P * scale[None, :], 0.0, 1.0), axis=1)
+
+    def _scale(self, depth: int) -> np.ndarray:
+        if len(self.depth_scale) < depth:
+            fill = self.depth_scale[-1] if len(self.depth_scale) else 1.0
+            self.depth_scale = np.concatenate(
+                [self.depth_scale, np.full(depth - len(self.depth_scale), fill)])
+        return self.depth_scale[:depth]
+
+    @property
+    def acceptance_scale(self) -> float:
+        """Mean calibration factor over the depths seen so far (1.0 before any)."""
+        return float(np.mean(self.depth_scale)) if len(self.depth_scale) else 1.0
+
+    def candidates(self, lens: np.ndarray, value_BxD: np.ndarray) -> list[np.ndarray]:
+        """The choices the budget evaluates: no drafts, every depth cap 1..longest (the last is
+        all drafts), and up to `MAX_VALUE_CUTS` cut-offs of the greedy marginal-value order."""
+        D = value_BxD.shape[1]
+        out = [np.zeros_like(lens)] + [np.minimum(lens, L) for L in range(1, D + 1)]
+        pos = value_BxD[value_BxD > 0]
+        if pos.size:
+            cuts = np.unique(pos)[::-1]
+            if len(cuts) > MAX_VALUE_CUTS:
+                cuts = cuts[np.linspace(0, len(cuts) - 1, MAX_VALUE_CUTS).round().astype(int)]
+            for tau in cuts:
+                out.append(np.minimum((value_BxD >= tau).sum(axis=1).astype(np.int32), lens))
+        return out
+
+    def objective(self, n: np.ndarray, weights: np.ndarray, cum_value_BxD1: np.ndarray,
+                  step_shape) -> tuple[float, float]:
+        """(J, predicted seconds) of choice n: predicted seconds per expected weighted token."""
+        t = float(self.cost_model.predict_step(*step_shape(n)))
+        value = float(weights.sum() + cum_value_BxD1[np.arange(len(n)), n].sum())
+        return t / max(value, 1e-12), t
+
+    def choose(self, rows, draft_probs, step_shape):
         lens = np.array([len(p) for p in draft_probs], np.int32)
-        longest = int(lens.max(initial=0))
-        self._expected_accepted = None
-        if self.config.unlimited or longest == 0:
-            need = 1 + longest
-            width = next((w for w in sorted(widths) if w >= need), max(widths))
-            return width, np.minimum(lens, width - 1), self.cost_model.predict(batch, width, kv_len)
-        # Candidate widths: every width up to the smallest one that holds the longest draft.
-        cands = []
-        for w in sorted(widths):
-            cands.append(w)
-            if w >= 1 + longest:
-                break
-        scale = self.acceptance_scale
+        self._pending = None
+        if self.config.unlimited or lens.max(initial=0) == 0:
+            return lens, float(self.cost_model.predict_step(*step_shape(lens)))
+        q_BxD = self.calibrated(draft_probs)
+        weights = self.row_weights(rows)
+        value_BxD = weights[:, None] * q_BxD
+        cum = np.concatenate([np.zeros((len(lens), 1)), np.cumsum(value_BxD, axis=1)], axis=1)
         scored = []
-        for w in cands:
-            raw = sum(float(np.sum(p[:w - 1])) for p in draft_probs)
-            expected = len(draft_probs) + float(sum(np.sum(np.minimum(p[:w - 1] * scale, 1.0))
-                                                    for p in draft_probs))
-            t = self.cost_model.predict(batch, w, kv_len)
-            scored.append((expected / max(t, 1e-9), w, t, raw))
-        best = max(scored, key=lambda x: (x[0], -x[1]))
+        for n in self.candidates(lens, value_BxD):
+            J, t = self.objective(n, weights, cum, step_shape)
+            scored.append((J, t, int(n.sum()), n))
+        best = min(scored, key=lambda x: (x[0], x[1], x[2]))
         self._steps += 1
-        if (best[1] == cands[0] and len(cands) > 1 and self.config.explore_every
+        if (best[2] == 0 and self.config.explore_every
                 and self._steps % self.config.explore_every == 0):
-            best = scored[1]   # exploration: keep measuring a speculative width
-        _, width, t, raw = best
-        self._expected_accepted = raw if width > 1 else None
-        return width, np.minimum(lens, width - 1), t
+            best = min((x for x in scored if x[2] > 0), key=lambda x: (x[0], x[1], x[2]))
+        n = best[3]
+        if n.sum():
+            self._pending = (n.copy(), [np.asarray(p, np.float64) for p in draft_probs])
+        return n.astype(np.int32), best[1]
 
     def observe(self, record: StepRecord) -> None:
-        self.cost_model.observe(record.batch, record.width, record.kv_len, record.seconds)
-        if self._expected_accepted and record.drafted:
-            # Calibrate the drafter's path probabilities against what verification accepted.
-            ratio = record.accepted / self._expected_accepted
-            a = self.config.acceptance_ema
-            self.acceptance_scale = float(np.clip((1 - a) * self.acceptance_scale + a * ratio,
-                                                  0.02, 2.0))
+        self.cost_model.observe_step(*record.step_shape(), record.seconds)
+        pending, self._pending = self._pending, None
+        if pending is None or not record.drafted:
+            return
+        n, probs = pending
+        D = int(n.max())
+        expected = np.zeros(D)
+        for b, k in enumerate(n):
+            expected[:k] += probs[b][:k]
+        a = self.config.acceptance_ema
+        scale = self._scale(D)
+        if record.accepted_per_row is not None and len(record.accepted_per_row) == len(n):
+            acc = np.minimum(np.asarray(record.accepted_per_row), n)
+            accepted = np.array([(acc >= d + 1).sum() for d in range(D)], np.float64)
+            seen = expected > 0
+            ratio = np.where(seen, accepted / np.maximum(expected, 1e-12), 1.0)
+            scale[seen] = (1 - a) * scale[seen] + a * ratio[seen]
+        else:   # only the step's total is known: one factor for every depth
+            ratio = record.accepted / max(float(expected.sum()), 1e-12)
+            scale[:] = (1 - a) * scale + a * ratio
+        np.clip(scale, *_SCALE_RANGE, out=scale)
 
     def end(self, request_id: int, num_tokens: int) -> None:
         self.classes.pop(request_id, None)
@@ -224,17 +312,21 @@ class DASPolicy:
         lengths_fn = drafter.lengths if drafter is not None else self.lengths_fn
         p = DASPolicy(lengths_fn, self.config, copy.deepcopy(self.cost_model))
         p.finished_lengths.extend(self.finished_lengths)
+        p.depth_scale = self.depth_scale.copy()
         return p
 
     # ----- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"finished_lengths": list(self.finished_lengths),
                 "cost_model": self.cost_model.to_dict(),
-                "acceptance_scale": self.acceptance_scale}
+                "acceptance_by_depth": [float(x) for x in self.depth_scale]}
 
     def load_state_dict(self, state: dict) -> None:
         self.finished_lengths.clear()
         self.finished_lengths.extend(int(n) for n in state.get("finished_lengths", ()))
         for k, v in state.get("cost_model", {}).items():
             setattr(self.cost_model, k, float(v))
-        self.acceptance_scale = float(state.get("acceptance_scale", 1.0))
+        if "acceptance_by_depth" in state:
+            self.depth_scale = np.asarray(state["acceptance_by_depth"], np.float64)
+        else:   # a checkpoint of the single-factor calibration
+            self.depth_scale = np.full(1, float(state.get("acceptance_scale", 1.0)))

@@ -74,7 +74,8 @@ class RequestOutput:
 @dataclasses.dataclass
 class GenerateStats:
     """Counters and timers of one `generate` call (seconds of wall time; compile time excluded
-    from the phase timers and reported as `compile_s`)."""
+    from the phase timers and reported as `compile_s`). accepted_draft_tokens counts accepted
+    draft tokens that were committed (not those past a stop token or max_new_tokens)."""
 
     forward_passes: int = 0
     generated_tokens: int = 0
@@ -518,25 +519,31 @@ class Engine:
             stats.decode_s += seconds
             stats.forward_passes += 1
             drafted = int(n_draft_B.sum())
-            accepted = int((n_emit_B[live] - 1).sum())
             stats.drafted_tokens += drafted
-            stats.accepted_draft_tokens += accepted
             emitted_total = 0
+            accepted_rows = []
             classes = policy.step_classes(views)
             for r in live:
                 ne = int(n_emit_B[r])
                 out = outputs[row_req[r]]
                 out.forward_passes += 1
                 out.drafted_tokens += int(n_draft_B[r])
-                out.accepted_draft_tokens += ne - 1
                 before = len(out.token_ids)
                 cache_len[r] += ne
                 pending[r] = y_BxW[r, ne - 1]
                 emit(r, y_BxW[r, :ne], logp_BxW[r, :ne])
-                emitted_total += len(out.token_ids) - before
+                # Count what was committed: tokens past a stop token or max_new_tokens are not.
+                committed = len(out.token_ids) - before
+                emitted_total += committed
+                accepted_rows.append(max(committed - 1, 0))
+                out.accepted_draft_tokens += accepted_rows[-1]
+            accepted = sum(accepted_rows)
+            stats.accepted_draft_tokens += accepted
             record = StepRecord(batch=B, active=len(live), width=W, kv_len=kv_len, drafted=drafted,
                                 accepted=accepted, emitted=emitted_total, seconds=seconds,
-                                predicted_seconds=predicted, classes=classes)
+                                predicted_seconds=predicted, classes=classes,
+                                num_tokens=B * W, attended_kv=B * kv_len,
+                                accepted_per_row=tuple(accepted_rows))
             stats.steps.append(record)
             policy.observe(record)
 

@@ -1,16 +1,20 @@
 """The speculation-policy protocol the engine consults each decode step, and the fixed policy.
 
 A policy decides *how much* to speculate: how many draft tokens to ask the drafter for per row,
-then, seeing the drafts and their path probabilities, the step's width W (from the compiled set)
-and each row's `n_draft <= W - 1`. It also sees every step's measured time (to fit a cost model)
-and may reorder admission. The DAS length-aware policy (`das_jax.engine.das_policy`) implements
+then, seeing the drafts and their path probabilities, each row's `n_draft` (0..its draft's
+length). The engine says what a choice costs through a step-shape function
+`step_shape(n_draft_B) -> (num_tokens, attended_kv)` (the token slots the verify step computes
+and the cached positions it attends, summed over rows; `padded_step_shape` for the padded engine,
+where every row pays for the widest draft, `packed_step_shape` for a packed one), which the
+policy prices with its cost model (`CostModel.predict_step`). It also sees every step's measured
+time and shape (to fit the cost model) and may reorder admission. The DAS length-aware policy (`das_jax.engine.das_policy`) implements
 the same protocol.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Hashable, Protocol, Sequence
+from typing import Callable, Hashable, Protocol, Sequence
 
 import numpy as np
 
@@ -33,10 +37,15 @@ class StepRecord:
     """What one verify step did (also the per-step stats `generate` returns).
 
     batch: compiled batch bucket B; active: live rows; width: W; kv_len: attended cache length;
-    drafted / accepted: draft tokens verified / accepted this step; emitted: tokens emitted;
-    seconds: measured wall time of the step (device + host sync); predicted_seconds: the
-    policy's prediction for it (None without a cost model); classes: per-class live row counts
-    (policy-defined, e.g. {"long": 3, "medium": 5, "short": 0}).
+    drafted: draft tokens verified; accepted: accepted draft tokens *committed* (a row that stops
+    at a stop token or max_new_tokens inside its draft counts only the tokens up to there, i.e.
+    committed tokens - 1 per row); emitted: tokens committed; seconds: measured wall time of the
+    step (device + host sync); predicted_seconds: the policy's prediction for it (None without a
+    cost model); classes: per-class live row counts (policy-defined, e.g.
+    {"long": 3, "medium": 5, "short": 0}); num_tokens / attended_kv: the token slots the step
+    computed and the cached positions it attended, summed over rows (what the cost model
+    observes; None: batch * width and batch * kv_len); accepted_per_row: committed accepted draft
+    tokens of each live row, in the order of the rows the policy was shown (None: unknown).
     """
 
     batch: int
@@ -49,6 +58,54 @@ class StepRecord:
     seconds: float
     predicted_seconds: float | None = None
     classes: dict | None = None
+    num_tokens: int | None = None
+    attended_kv: int | None = None
+    accepted_per_row: tuple[int, ...] | None = None
+
+    def step_shape(self) -> tuple[int, int]:
+        """(num_tokens, attended_kv) of the step (from batch, width, kv_len when not given)."""
+        n = self.batch * self.width if self.num_tokens is None else self.num_tokens
+        k = self.batch * self.kv_len if self.attended_kv is None else self.attended_kv
+        return int(n), int(k)
+
+
+StepShape = Callable[[np.ndarray], "tuple[int, int]"]
+
+
+def padded_step_shape(batch: int, widths: Sequence[int], kv_len: int) -> StepShape:
+    """The step shape of the padded engine: every row of the batch bucket computes W token slots,
+    W the smallest compiled width holding 1 + the longest draft (the widest width when none
+    does), and attends the attended-length bucket `kv_len`:
+    (batch * W, batch * kv_len)."""
+    ws = sorted(int(w) for w in widths)
+
+    def shape(n_draft_B: np.ndarray) -> tuple[int, int]:
+        return batch * width_for(n_draft_B, ws), batch * kv_len
+    return shape
+
+
+def width_for(n_draft_B: np.ndarray, widths: Sequence[int]) -> int:
+    """The smallest of the ascending `widths` >= 1 + max(n_draft_B) (the largest when none is)."""
+    need = 1 + int(np.max(n_draft_B, initial=0))
+    return next((w for w in widths if w >= need), widths[-1])
+
+
+def packed_step_shape(kv_lens_B: np.ndarray, token_buckets: Sequence[int] | None = None,
+                      ) -> StepShape:
+    """A reference step shape of a packed engine: each live row computes 1 + n_b token slots
+    (its pending token and its own draft) and attends its own cache length;
+    num_tokens = sum_b (1 + n_b), rounded up to the smallest of `token_buckets` (ascending)
+    that holds it (None: no buckets); attended_kv = sum_b kv_lens_B[b].
+    (The packed engine passes its own function; this one is for tests and the replay.)"""
+    kv = int(np.sum(kv_lens_B))
+    buckets = sorted(token_buckets) if token_buckets else None
+
+    def shape(n_draft_B: np.ndarray) -> tuple[int, int]:
+        n = int(len(n_draft_B) + np.sum(n_draft_B))
+        if buckets:
+            n = next((b for b in buckets if b >= n), buckets[-1])
+        return n, kv
+    return shape
 
 
 def acceptance_length(steps: Sequence[StepRecord]) -> float:
@@ -68,9 +125,14 @@ class SpeculationPolicy(Protocol):
     def draft_budgets(self, rows: Sequence[RowView], batch: int, max_width: int) -> np.ndarray:
         """int `[len(rows)]`: draft tokens to request per row (0 = do not draft for it)."""
 
-    def choose(self, rows: Sequence[RowView], draft_probs: Sequence[np.ndarray], batch: int,
-               widths: Sequence[int], kv_len: int) -> tuple[int, np.ndarray, float | None]:
-        """(W from `widths`, int n_draft per row <= min(len(draft), W - 1), predicted seconds)."""
+    def choose(self, rows: Sequence[RowView], draft_probs: Sequence[np.ndarray],
+               step_shape: StepShape) -> tuple[np.ndarray, float | None]:
+        """(int32 n_draft per row, each in 0..len(draft_probs[b]), predicted seconds or None).
+
+        draft_probs[b]: the drafter's path probabilities of row b's draft (float `[len]`,
+        nonincreasing: the chance that its first i + 1 tokens are all accepted).
+        step_shape: n_draft_B -> (num_tokens, attended_kv) of the verify step the engine would
+        run for that choice (`padded_step_shape`, `packed_step_shape`)."""
 
     def observe(self, record: StepRecord) -> None:
         """Called after each step with what it measured."""
@@ -107,11 +169,8 @@ class FixedPolicy:
         k = max_width - 1 if self.max_draft is None else min(self.max_draft, max_width - 1)
         return np.array([min(k, max(r.remaining - 1, 0)) for r in rows], np.int32)
 
-    def choose(self, rows, draft_probs, batch, widths, kv_len):
-        lens = np.array([len(p) for p in draft_probs], np.int32)
-        need = 1 + int(lens.max(initial=0))
-        width = next((w for w in sorted(widths) if w >= need), max(widths))
-        return width, np.minimum(lens, width - 1), None
+    def choose(self, rows, draft_probs, step_shape):
+        return np.array([len(p) for p in draft_probs], np.int32), None
 
     def observe(self, record):
         pass
@@ -139,9 +198,12 @@ class DraftPlan:
 
 
 def plan_step(drafter, policy: "SpeculationPolicy", rows: Sequence[RowView], batch: int,
-              widths: Sequence[int], kv_len: int) -> DraftPlan:
-    """Asks the policy for budgets, the drafter for drafts, the policy for W and n_draft.
+              widths: Sequence[int], kv_len: int,
+              step_shape: StepShape | None = None) -> DraftPlan:
+    """Asks the policy for budgets, the drafter for drafts, the policy for n_draft per row; W is
+    the smallest compiled width holding the longest chosen draft.
 
+    step_shape: what a choice costs (default: `padded_step_shape(batch, widths, kv_len)`).
     Shared by `Engine.generate` and the trace-replay simulator, so both take exactly the same
     decisions. With no drafter: W = 1 and no drafts.
     """
@@ -163,7 +225,11 @@ def plan_step(drafter, policy: "SpeculationPolicy", rows: Sequence[RowView], bat
             tokens.append(np.asarray(d.tokens[:k], np.int32))
             probs.append(np.asarray(d.probs[:k], np.float32))
     t2 = time.perf_counter()
-    width, n_draft, predicted = policy.choose(rows, probs, batch, widths, kv_len)
+    ws = sorted(int(w) for w in widths)
+    shape = step_shape or padded_step_shape(batch, ws, kv_len)
+    n_draft, predicted = policy.choose(rows, probs, shape)
     t3 = time.perf_counter()
-    tokens = [t[:int(min(n, width - 1))] for t, n in zip(tokens, n_draft)]
+    n_draft = np.minimum(np.asarray(n_draft, np.int32), ws[-1] - 1)
+    tokens = [t[:int(n)] for t, n in zip(tokens, n_draft)]
+    width = width_for(np.array([len(t) for t in tokens], np.int32), ws)
     return DraftPlan(width, tokens, predicted, draft_s=t2 - t1, policy_s=(t1 - t0) + (t3 - t2))
