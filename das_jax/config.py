@@ -174,10 +174,13 @@ class DASSection:
     max_depth: suffix-tree depth (longest match + draft), in tokens.
     min_token_prob: a suffix draft stops when its path probability drops below this.
     policy: the DAS length-aware policy (`das_jax.engine.DASConfig`): short_quantile,
-      long_quantile, short_threshold, long_threshold, budget_short, budget_medium, budget_long,
-      min_history, length_history, acceptance_ema, explore_every, unlimited.
+      long_quantile, short_threshold, long_threshold (length classes), weight_short,
+      weight_medium, weight_long (row weights of the draft budget's objective), budget_short,
+      budget_medium, budget_long (optional per-class caps), min_history, length_history,
+      acceptance_ema, explore_every, unlimited.
     cost_model: the step-cost model the policy plans with (`das_jax.engine.CostModelConfig`):
-      c_base, c_tok, c_kv, history, calibrate, calibrate_kv_lens, calibrate_repeats.
+      c_base, c_tok, c_kv, source (cpu | h100-7b | h200-7b | PATH.json instead of the three
+      coefficients), history, calibrate, calibrate_kv_lens, calibrate_repeats.
     """
 
     window: int = 16

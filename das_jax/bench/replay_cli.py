@@ -8,10 +8,8 @@ import time
 
 import numpy as np
 
-# Paper-scale defaults when no coefficients are given: a GPU-like, memory-bound decode step
-# (7B model in bf16 on one H100-class GPU): ~20 ms to stream the weights, ~30 us per verified
-# token row of compute, ~20 ns per cached position per row (KV read, GQA, bf16).
-PAPER_COST = {"c_base": 0.020, "c_tok": 3e-5, "c_kv": 2e-8}
+# Paper-scale defaults: a 7B bf16 model on one H100 SXM (`das_jax.engine.gpu_cost`), 256 slots.
+PAPER_COST_MODEL = "h100-7b"
 PAPER_SLOTS = 256
 PAPER_WIDTHS = (1, 4, 8, 16)
 
@@ -20,9 +18,14 @@ def main(args: argparse.Namespace) -> int:
     from das_jax.bench import replay as rp
     from das_jax.engine import EngineConfig, cache_len_for
 
+    from das_jax.engine.gpu_cost import resolve_cost_model
+
+    paper = args.scale == "paper"
     try:
         trace = rp.read_trace(args.trace)
         das = rp.das_from_header(trace.header)
+        spec = args.cost_model or (PAPER_COST_MODEL if paper else None)
+        coef = resolve_cost_model(spec) if spec else dict(trace.header["cost_model"])
     except (OSError, ValueError) as e:
         print(f"das-jax bench replay: {e}", file=sys.stderr)
         return 2
@@ -30,8 +33,6 @@ def main(args: argparse.Namespace) -> int:
     names = [d.strip() for d in args.drafters.split(",") if d.strip()]
     if "none" not in names:
         names = ["none"] + names
-    paper = args.scale == "paper"
-    coef = dict(PAPER_COST if paper else h["cost_model"])
     for k in ("c_base", "c_tok", "c_kv"):
         v = getattr(args, k)
         if v is not None:
@@ -59,8 +60,9 @@ def main(args: argparse.Namespace) -> int:
         if args.temperature is not None:
             groups = {t: g for t, g in groups.items() if abs(t - args.temperature) < 1e-9}
         max_new = int(h["max_new_tokens"])
-    print(f"cost model: c_base={coef['c_base'] * 1e3:.3f} ms, c_tok={coef['c_tok'] * 1e6:.3f} "
-          f"us/token-row, c_kv={coef['c_kv'] * 1e9:.3f} ns/pos-row; widths {widths}", flush=True)
+    print(f"cost model ({args.cost_model or (PAPER_COST_MODEL if paper else 'trace')}): "
+          f"c_base={coef['c_base'] * 1e3:.3f} ms, c_tok={coef['c_tok'] * 1e6:.3f} us/token slot, "
+          f"c_kv={coef['c_kv'] * 1e9:.3f} ns/attended position; widths {widths}", flush=True)
     results = []
     for temp, epochs in groups.items():
         lens = [len(r.token_ids) for rs in epochs.values() for r in rs]

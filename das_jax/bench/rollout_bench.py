@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run a GRPO update between epochs (the policy drifts as in training)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip cost-model calibration (DAS plans with the default prior)")
+    p.add_argument("--cost-model", default=None, metavar="cpu|h100-7b|h200-7b|PATH.json",
+                   help="plan DAS (and time the replay prediction) with this step-cost model "
+                        "instead of calibrating one on this machine (das.cost_model.source)")
     p.add_argument("--exact", action="store_true",
                    help="exact mode (rollout.exact=true): rollouts must be 100%% identical")
     p.add_argument("--out", default="bench_out/rollout", help="output directory")
@@ -328,6 +331,9 @@ def main(args: argparse.Namespace) -> int:
     if args.max_new_tokens is not None:
         overrides += [f"rollout.max_new_tokens={args.max_new_tokens}",
                       f"grpo.max_completion_length={args.max_new_tokens}"]
+    if args.cost_model is not None:
+        overrides += [f"das.cost_model.source={args.cost_model}",
+                      "das.cost_model.calibrate=false"]
     try:
         cfg = load_config(args.config or default_config_path(), overrides)
     except ConfigError as e:
@@ -377,7 +383,8 @@ def main(args: argparse.Namespace) -> int:
         temperatures=temps, num_generations=cfg.grpo.num_generations,
         max_new_tokens=r.max_new_tokens, top_p=r.top_p, top_k=r.top_k,
         das=cfg.das,
-        model_name=cfg.model.source, calibrate=not args.no_calibrate, update_fn=update_fn)
+        model_name=cfg.model.source,
+        calibrate=not args.no_calibrate and args.cost_model is None, update_fn=update_fn)
     result = run_bench(setup, args.out, log=lambda s: print(s, flush=True))
     print()
     print(result["table"])

@@ -75,6 +75,9 @@ class CostModelConfig:
                              f"got {list(self.calibrate_kv_lens)}")
         if self.calibrate_repeats < 1:
             raise ValueError(f"calibrate_repeats must be >= 1, got {self.calibrate_repeats}")
+        if self.source is not None:
+            from das_jax.engine.gpu_cost import resolve_cost_model
+            resolve_cost_model(self.source)   # a bad name or file fails at config load
 
 
 _PRIOR = CostModelConfig()
