@@ -128,3 +128,67 @@ def test_paper_workload_shapes(params):
     ec = EngineConfig(max_slots=8, max_cache_len=1024, draft_widths=(1, 4, 8, 16))
     pred = rp.replay_epochs(wl, ["none", "das"], ec, 300, COEF, DASSection(window=4))
     assert pred["none"][0]["generated_tokens"] == sum(len(r.token_ids) for r in wl[0])
+
+
+def test_gpu_cost_models_from_published_figures():
+    from das_jax.engine import gpu_cost as g
+    # Qwen2-7B: 7.07 G streamed parameters (14.1 GB bf16), 57,344 B of K/V per position.
+    assert g.QWEN2_7B.weight_bytes() == pytest.approx(14.14e9, rel=1e-3)
+    assert g.QWEN2_7B.kv_bytes_per_position() == 57344
+    h100, h200 = g.PRESETS["h100-7b"], g.PRESETS["h200-7b"]
+    assert h100["c_base"] == pytest.approx(14.14e9 / (0.9 * 3.35e12) + 0.5e-3, rel=1e-3)
+    assert h100["c_kv"] == pytest.approx(57344 / (0.9 * 3.35e12))
+    assert h200["c_kv"] == pytest.approx(57344 / (0.9 * 4.8e12))
+    # Same compute (same die): the token term barely differs; bandwidth terms scale 3.35 / 4.8.
+    assert h200["c_tok"] == pytest.approx(h100["c_tok"], rel=0.05)
+    assert h200["c_base"] < h100["c_base"]
+    assert g.resolve_cost_model("cpu") == g.PRESETS["cpu"]
+
+
+def test_cost_model_file_roundtrip_and_errors(tmp_path):
+    from das_jax.engine.cost_model import (COST_MODEL_FORMAT, CostModel, CostModelConfig,
+                                           load_cost_model, save_cost_model)
+    from das_jax.engine.gpu_cost import resolve_cost_model
+    path = tmp_path / "gpu.json"
+    save_cost_model(path, {"c_base": 0.004, "c_tok": 2e-5, "c_kv": 1e-8}, device="H200",
+                    shapes=[[16, 1024]])
+    assert load_cost_model(path) == {"c_base": 0.004, "c_tok": 2e-5, "c_kv": 1e-8}
+    assert resolve_cost_model(str(path))["c_base"] == 0.004
+    cm = CostModel.from_config(CostModelConfig(source=str(path), history=8))
+    assert (cm.c_base, cm.c_tok, cm.c_kv, cm.history) == (0.004, 2e-5, 1e-8, 8)
+    bad = {"notjson.json": "{", "format.json": '{"c_base": 1, "c_tok": 1, "c_kv": 1}',
+           "neg.json": '{"format": "%s", "c_base": -1, "c_tok": 1, "c_kv": 1}' % COST_MODEL_FORMAT,
+           "list.json": "[1, 2]"}
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"cost model file .*{name}") as e:
+            load_cost_model(tmp_path / name)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="cost model file .*missing.json: cannot read"):
+        load_cost_model(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="unknown cost model 'h300'.*h100-7b"):
+        resolve_cost_model("h300")
+    with pytest.raises(ValueError, match="unknown cost model"):
+        CostModelConfig(source="h300")
+
+
+def test_replay_cli_cost_model_flag(params, tmp_path, capsys):
+    import argparse
+    from das_jax.bench import arguments, replay_cli
+    _, _, rollouts = _run_real_and_replay(params, "none", 0.0, epochs=1)
+    header = {"model": "tiny", "cost_model": COEF, "max_new_tokens": 40,
+              "engine": {"max_slots": 4, "max_cache_len": 256, "draft_widths": [1, 4, 8]}}
+    trace = tmp_path / "trace.jsonl"
+    rp.write_trace(trace, header, rollouts[0])
+    p = argparse.ArgumentParser()
+    arguments.add_replay_arguments(p)
+    (tmp_path / "bad.json").write_text("{")
+    assert replay_cli.main(p.parse_args([str(trace), "--cost-model", str(tmp_path / "bad.json")])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("das-jax bench replay: cost model file") and "\n" not in err
+    out_json = tmp_path / "out.json"
+    assert replay_cli.main(p.parse_args([str(trace), "--cost-model", "h200-7b", "--drafters",
+                                         "none,das", "--json", str(out_json)])) == 0
+    import json
+    res = json.loads(out_json.read_text())["results"][0]
+    assert res["cost_model"]["c_kv"] == pytest.approx(57344 / (0.9 * 4.8e12))

@@ -21,8 +21,12 @@ the benchmarks. Built-in names:
 | ngram           | prompt lookup (vLLM `ngram`)               | fixed: widest width           |
 | suffix          | per-problem suffix trees (the DAS drafter) | fixed: widest width           |
 | suffix-global   | global + per-request tree (SuffixDecoding) | fixed: widest width           |
-| das             | per-problem suffix trees                   | DAS length-aware policy       |
-| das-unlimited   | per-problem suffix trees                   | every request, widest budget  |
+| das             | per-problem suffix trees                   | DAS: per-row draft lengths    |
+|                 |                                            | minimising the expected time  |
+|                 |                                            | per weighted token (ablations |
+|                 |                                            | in `das.policy`)              |
+| das-unlimited   | per-problem suffix trees                   | ablation: every row verifies  |
+|                 |                                            | its whole draft               |
 
 This module imports neither jax nor numpy (builders import what they build when called), so
 `das_jax.config` and the CLIs list the names at no cost.
@@ -164,14 +168,16 @@ def _das(das, cost_model, unlimited: bool):
     return drafter, DASPolicy(drafter.lengths, config, cost_model)
 
 
-@register_speculation("das", description="per-problem suffix trees, DAS length-aware policy",
+@register_speculation("das", description="per-problem suffix trees, DAS budget (per-row draft "
+                      "lengths minimising expected time per weighted token)",
                       uses_cost_model=True)
 def _das_policy(das, cost_model):
     return _das(das, cost_model, unlimited=False)
 
 
 @register_speculation("das-unlimited",
-                      description="per-problem suffix trees, every request at the widest budget",
+                      description="ablation: per-problem suffix trees, every row verifies its "
+                      "whole draft",
                       uses_cost_model=True)
 def _das_unlimited(das, cost_model):
     return _das(das, cost_model, unlimited=True)
