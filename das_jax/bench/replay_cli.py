@@ -18,7 +18,7 @@ def main(args: argparse.Namespace) -> int:
     from das_jax.bench import replay as rp
     from das_jax.engine import EngineConfig, cache_len_for
 
-    from das_jax.engine.gpu_cost import resolve_cost_model
+    from das_jax.engine import resolve_cost_model
 
     paper = args.scale == "paper"
     try:

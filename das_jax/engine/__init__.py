@@ -4,9 +4,10 @@ Public surface:
   Engine, EngineConfig, Request, RequestOutput, GenerateStats, GenerateError   (generate.py)
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
   SpeculationPolicy, FixedPolicy, RowView, StepRecord, DraftPlan, plan_step,
-    acceptance_length                                                          (policy.py)
+    acceptance_length, padded_step_shape, packed_step_shape, width_for         (policy.py)
   DASPolicy, DASConfig                                                         (das_policy.py)
-  CostModel, CostModelConfig, calibrate                                        (cost_model.py)
+  CostModel, CostModelConfig, calibrate, save_cost_model, load_cost_model      (cost_model.py)
+  resolve_cost_model (named models: GPU models from published figures)         (gpu_cost.py)
   bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
 
 The jitted device functions (`prefill_insert`, `verify`) are in `step.py`. Names are imported
@@ -22,8 +23,11 @@ _EXPORTS = {
     "SamplingParams": "sampling", "SamplingError": "sampling", "request_seed": "sampling",
     "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy",
     "StepRecord": "policy", "DraftPlan": "policy", "plan_step": "policy",
-    "acceptance_length": "policy", "DASPolicy": "das_policy", "DASConfig": "das_policy",
+    "acceptance_length": "policy", "padded_step_shape": "policy", "packed_step_shape": "policy",
+    "width_for": "policy", "DASPolicy": "das_policy", "DASConfig": "das_policy",
     "CostModel": "cost_model", "CostModelConfig": "cost_model", "calibrate": "cost_model",
+    "save_cost_model": "cost_model", "load_cost_model": "cost_model",
+    "resolve_cost_model": "gpu_cost",
     "bucket": "schedule", "pow2_at_least": "schedule", "cache_len_for": "schedule",
     "kv_len_bucket": "schedule", "tail_bucket": "schedule", "compact_rows": "schedule",
 }

@@ -133,6 +133,8 @@ class DASPolicy:
         self.depth_scale = np.zeros(0)     # per-depth calibration factors (grown on demand)
         self._pending = None               # (n_draft, raw path probabilities) of the last choice
         self._steps = 0
+        self._finished_count = 0           # finished rollouts seen (invalidates _th_cache)
+        self._th_cache = None
 
     # ----- classes ------------------------------------------------------------------------------
     def thresholds(self) -> tuple[float, float] | None:
@@ -142,6 +144,13 @@ class DASPolicy:
             return float(c.short_threshold), float(c.long_threshold)
         if len(self.finished_lengths) < c.min_history:
             return None
+        if self._th_cache is not None and self._th_cache[0] == self._finished_count:
+            return self._th_cache[1]
+        self._th_cache = (self._finished_count, self._quantile_thresholds())
+        return self._th_cache[1]
+
+    def _quantile_thresholds(self) -> tuple[float, float]:
+        c = self.config
         lens = np.asarray(self.finished_lengths, np.float64)
         lo = c.short_threshold if c.short_threshold is not None else np.quantile(lens, c.short_quantile)
         hi = c.long_threshold if c.long_threshold is not None else np.quantile(lens, c.long_quantile)
@@ -209,10 +218,12 @@ class DASPolicy:
     def calibrated(self, draft_probs: Sequence[np.ndarray]) -> np.ndarray:
         """float64 `[rows, longest draft]`: q_b,d, the calibrated chance that row b's first d + 1
         draft tokens are accepted (0 past a row's draft; nonincreasing along d)."""
-        D = max((len(p) for p in draft_probs), default=0)
+        lens = np.fromiter((len(p) for p in draft_probs), np.int64, len(draft_probs))
+        D = int(lens.max(initial=0))
         P = np.zeros((len(draft_probs), D))
-        for b, p in enumerate(draft_probs):
-            P[b, :len(p)] = p
+        if D:
+            P[np.arange(D)[None, :] < lens[:, None]] = np.concatenate(
+                [np.asarray(p, np.float64) for p in draft_probs])
         scale = self._scale(D)
         return np.minimum.accumulate(np.clip(P * scale[None, :], 0.0, 1.0), axis=1)
 
@@ -298,6 +309,7 @@ class DASPolicy:
     def end(self, request_id: int, num_tokens: int) -> None:
         self.classes.pop(request_id, None)
         self.finished_lengths.append(num_tokens)
+        self._finished_count += 1
 
     def step_classes(self, rows: Sequence[RowView]) -> dict:
         counts = {SHORT: 0, MEDIUM: 0, LONG: 0}
@@ -312,6 +324,7 @@ class DASPolicy:
         lengths_fn = drafter.lengths if drafter is not None else self.lengths_fn
         p = DASPolicy(lengths_fn, self.config, copy.deepcopy(self.cost_model))
         p.finished_lengths.extend(self.finished_lengths)
+        p._finished_count += 1
         p.depth_scale = self.depth_scale.copy()
         return p
 
@@ -324,6 +337,7 @@ class DASPolicy:
     def load_state_dict(self, state: dict) -> None:
         self.finished_lengths.clear()
         self.finished_lengths.extend(int(n) for n in state.get("finished_lengths", ()))
+        self._finished_count += 1
         for k, v in state.get("cost_model", {}).items():
             setattr(self.cost_model, k, float(v))
         if "acceptance_by_depth" in state:
