@@ -36,8 +36,8 @@ MESH_CHECK = textwrap.dedent('''
     from das_jax.engine import CostModelConfig, DASConfig, Engine, EngineConfig, Request
     from das_jax.engine import SamplingParams
     from das_jax.parallel.sharding import make_mesh, param_shardings
-    from das_jax.rollout import (Rollout, ShardedRollout, assign_groups, replica_meshes,
-                                 reshard_for_rollout)
+    from das_jax.rollout import (Rollout, ShardedRollout, assign_groups, gather_to_local,
+                                 replica_meshes, reshard_for_rollout)
     from das_jax.testing import tiny_model_config, tiny_params
 
     scenario = sys.argv[1]
@@ -138,6 +138,12 @@ MESH_CHECK = textwrap.dedent('''
                                    jax.tree_util.tree_leaves(params)):
             assert a.sharding == s, (path, a.sharding, s)
             assert a.devices() == set(meshes[1].devices.flat)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(x))
+        # The multi-host path (all-gather on device, then a local copy), forced in one process.
+        with jax.transfer_guard("disallow"):
+            local = gather_to_local(train_params, force=True)
+        for a, x in zip(jax.tree_util.tree_leaves(local), jax.tree_util.tree_leaves(params)):
+            assert len(a.devices()) == 1
             np.testing.assert_array_equal(np.asarray(a), np.asarray(x))
         assert placed["layers"]["wk"].sharding.spec[2] == "tensor"
         assert placed["layers"]["wq"].sharding.spec[2] == "tensor"

@@ -173,8 +173,8 @@ class _Compiled:
         compiled = self._cache.get(key)
         if compiled is None:
             t0 = time.perf_counter()
-            if self._placement is not None and not static:
-                compiled = self._placement.compile(fn, args)
+            if self._placement is not None:
+                compiled = self._placement.compile(fn, args, **static)
             else:
                 compiled = fn.lower(*args, **static).compile()
             self.compile_s += time.perf_counter() - t0

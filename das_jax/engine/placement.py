@@ -139,14 +139,15 @@ class MeshPlacement:
         return self.replicated
 
     # ------------------------------------------------------------------ the jit boundary
-    def compile(self, fn, args: Sequence[Any]):
-        """`fn` (a `jax.jit` function whose static arguments lead `args`) compiled for this mesh.
+    def compile(self, fn, args: Sequence[Any], **static_kwargs):
+        """`fn` (a `jax.jit` function whose static positional arguments lead `args`; keyword
+        arguments are static) compiled for this mesh.
 
-        The static arguments are bound; the executable takes the dynamic ones (as `fn`'s own
-        compiled executable does), with in/out shardings from this placement and `fn`'s own
-        donation. Returns the `jax.stages.Compiled`.
+        The static arguments are bound; the executable takes the dynamic positional ones (as
+        `fn`'s own compiled executable does), with in/out shardings from this placement and
+        `fn`'s own donation. Returns the `jax.stages.Compiled`.
         """
-        dyn_info = fn.trace(*args).args_info[0]     # the dynamic positional arguments
+        dyn_info = fn.trace(*args, **static_kwargs).args_info[0]   # dynamic positional args
         n_static = len(args) - len(dyn_info)
         static, dyn = tuple(args[:n_static]), tuple(args[n_static:])
         donate = tuple(i for i, info in enumerate(dyn_info)
@@ -154,7 +155,7 @@ class MeshPlacement:
                               for a in jax.tree_util.tree_leaves(info)))
 
         def call(*dynamic):
-            return fn(*static, *dynamic)
+            return fn(*static, *dynamic, **static_kwargs)
 
         out = jax.eval_shape(call, *dyn)
         out_sh = jax.tree_util.tree_map(

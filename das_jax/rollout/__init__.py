@@ -7,7 +7,7 @@ Public surface:
   build_speculation,
   SpeculationSpec, SpeculationError           the registry of speculation names (speculation.py)
   ShardedRollout, replica_meshes,
-  reshard_for_rollout                         data-parallel replicas on device meshes, each
+  reshard_for_rollout, gather_to_local       data-parallel replicas on device meshes, each
                                               tensor-parallel over KV heads (sharded.py)
   LockedDrafter, DataParallelStats, assign_lpt, assign_contiguous, assign_groups,
   group_indices, assignment_loads             placement of whole groups over replicas
@@ -27,6 +27,7 @@ _EXPORTS = {
     "get_speculation": "speculation", "build_speculation": "speculation",
     "SpeculationSpec": "speculation", "SpeculationError": "speculation",
     "ShardedRollout": "sharded", "replica_meshes": "sharded", "reshard_for_rollout": "sharded",
+    "gather_to_local": "sharded",
     "LockedDrafter": "multi_device",
     "DataParallelStats": "multi_device", "assign_lpt": "multi_device",
     "assign_contiguous": "multi_device", "assignment_loads": "multi_device",

@@ -21,8 +21,10 @@ cache sharded over the T devices on the heads axis, `das_jax.engine.placement`).
     outputs, stats = rollout.generate(requests, params)                  # > 1 local device
     stats.assignment, stats.makespan_s, stats.device_forward_passes
 
-Multi-host: each process builds replicas over its own local devices; params sharded over devices
-of other processes must first be gathered onto local devices (not done here).
+Multi-host: each process builds replicas over its own local devices (`jax.local_devices()`) and
+generates the requests it is given; params sharded over devices of several processes are first
+all-gathered on device (`gather_to_local`, one collective that every process runs in the same
+`generate` call), then resharded to the local replicas.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from das_jax.rollout.multi_device import (DataParallelStats, assign_groups, assi
                                           check_partition)
 from das_jax.rollout.rollout import Rollout
 
-__all__ = ["replica_meshes", "reshard_for_rollout", "ShardedRollout"]
+__all__ = ["replica_meshes", "reshard_for_rollout", "gather_to_local", "ShardedRollout"]
 
 
 def replica_meshes(devices: Sequence[jax.Device] | None = None,
@@ -90,6 +92,28 @@ def reshard_for_rollout(params, target):
     if isinstance(target, MeshPlacement):
         return target.put_params(params)
     return jax.device_put(params, target)
+
+
+def gather_to_local(params, force: bool = False):
+    """`params` with every leaf readable from this process: leaves that are fully addressable
+    are returned as they are; if any is not (sharded over devices of other processes), the
+    whole tree is all-gathered on device by one jitted identity with replicated out-shardings
+    over each leaf's devices, and each leaf becomes its copy on this process's first device.
+    A collective: under `jax.distributed`, every process must call it with the same tree.
+    `force`: gather even when every leaf is addressable (tests exercise the gather this way in
+    one process)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    leaves = jax.tree_util.tree_leaves(params)
+    if not force and all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        return params
+
+    def replicated(x):
+        devs = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
+        return NamedSharding(Mesh(np.asarray(devs), ("all",)), PartitionSpec())
+
+    full = jax.jit(lambda t: t, out_shardings=jax.tree_util.tree_map(replicated, params))(params)
+    return jax.tree_util.tree_map(lambda x: x.addressable_shards[0].data, full)
 
 
 class ShardedRollout(Rollout):
@@ -195,6 +219,8 @@ class ShardedRollout(Rollout):
             raise GenerateError(f"request_ids needs one id per request ({n}), got {len(ids)}")
 
         # On-device resharding to every replica (async dispatch), before any thread starts.
+        if params is not None:
+            params = gather_to_local(params)
         placed = [None if params is None else r.engine.place_params(params)
                   for r in self.replicas]
         for r, rep, p in zip(self.replicas, assign, placed):
