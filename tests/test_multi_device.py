@@ -44,7 +44,8 @@ MESH_CHECK = textwrap.dedent('''
     devices = jax.devices()
     assert len(devices) == 8, devices
     # GQA with 4 KV heads, so a 4-device replica splits the KV cache one head per device.
-    cfg = tiny_model_config(num_heads=8, num_kv_heads=4) if scenario == "tp" else tiny_model_config()
+    cfg = (tiny_model_config(num_heads=8, num_kv_heads=4) if scenario == "tp"
+           else tiny_model_config())
     params = tiny_params(cfg)
     rng = np.random.default_rng(0)
     # 5 problems x 2 samples (GRPO groups), prompts within one prompt bucket.

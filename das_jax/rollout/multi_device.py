@@ -277,7 +277,8 @@ class DataParallelStats(GenerateStats):
         d.update({
             "devices": self.devices, "assignment": self.assignment,
             "predicted_work": self.predicted_work, "predicted_makespan": self.predicted_makespan,
-            "device_wall_s": self.device_wall_s, "device_forward_passes": self.device_forward_passes,
+            "device_wall_s": self.device_wall_s,
+            "device_forward_passes": self.device_forward_passes,
             "device_tokens": self.device_tokens, "makespan_s": self.makespan_s,
             "makespan_forward_passes": self.makespan_forward_passes,
             "makespan_tokens": self.makespan_tokens,

@@ -222,8 +222,8 @@ class Rollout:
     def fork(self, device) -> "Rollout":
         """A copy of this rollout for `device` (a `jax.Device`, or a replica `Mesh`: the engine
         is then tensor-parallel over it, `das_jax.engine.placement`): its own engine there
-        (params placed on device), its own policy (`policy.fork`: the learned state so far), and this
-        rollout's drafter, shared behind one lock (`LockedDrafter`), so siblings of a problem
+        (params placed on device), its own policy (`policy.fork`: the learned state so far), and
+        this rollout's drafter, shared behind one lock (`LockedDrafter`), so siblings of a problem
         generated on other devices feed the same history. The first fork wraps this rollout's
         own drafter in the lock, so keep using this rollout (or its forks) afterwards."""
         from das_jax.engine import Engine
