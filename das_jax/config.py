@@ -115,6 +115,10 @@ class RolloutSection:
     kv_memory_gb: Optional[float] = None
     kv_memory_fraction: float = 0.5
     exact: bool = False
+    # Data-parallel rollout replicas over this process's devices (None: one per local device).
+    # Each replica gets devices / replicas devices and runs tensor-parallel over KV heads on
+    # them; whole GRPO groups stay on one replica (das_jax.rollout.sharded).
+    replicas: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +405,8 @@ def validate(cfg: Config) -> Config:
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     _check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 disables), got {r.top_k}")
     _check(r.max_slots >= 1, f"rollout.max_slots must be >= 1, got {r.max_slots}")
+    _check(r.replicas is None or r.replicas >= 1,
+           f"rollout.replicas must be >= 1 (or unset: one per local device), got {r.replicas}")
     _check(r.max_cache_len > r.max_new_tokens,
            f"rollout.max_cache_len={r.max_cache_len} must exceed rollout.max_new_tokens="
            f"{r.max_new_tokens} (the cache holds prompt + completion)")

@@ -1,13 +1,16 @@
-"""Makespan of LPT against contiguous request placement over several devices (tiny random model).
+"""Makespan of LPT against contiguous request placement over data-parallel rollout replicas
+(tiny random model).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
-      python -m das_jax.bench.multi_device_bench [hidden_size num_layers]
+      python -m das_jax.bench.multi_device_bench [hidden_size num_layers [replicas]]
 
 Lengths are controlled by selection: requests are drawn from a pool and kept by their exact
 single-device output length (deterministic given the seeds), so the skewed set has
 `long_per_device * D` rollouts of `max_new_tokens` tokens and `short_per_device * D` of at most
 `short_max`, listed longest first (the order a contiguous split piles onto device 0); those exact
-lengths are the predicted lengths (an oracle history). Placement is `das_jax.rollout.multi_device`.
+lengths are the predicted lengths (an oracle history). The replicas are a
+`das_jax.rollout.ShardedRollout` (default one per device; fewer replicas run tensor-parallel over
+their devices); placement is `das_jax.rollout.multi_device`.
 """
 from __future__ import annotations
 
@@ -48,8 +51,11 @@ def _skewed_requests(rollout, num_devices: int, long_per_device: int, short_per_
 def makespan_report(num_devices: int | None = None, long_per_device: int = 2,
                     short_per_device: int = 6, max_new_tokens: int = 96, short_max: int = 12,
                     max_slots: int = 2, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-                    print_fn=print) -> dict:
+                    replicas: int | None = None, print_fn=print) -> dict:
     """Makespan of LPT vs contiguous placement on a skewed length distribution.
+
+    `replicas`: data-parallel replicas over the devices (default: one per device); the
+    `long_per_device` / `short_per_device` counts are per replica.
 
     `hidden_size` / `num_layers` size the random model (larger: device time dominates the
     Python host loop). Besides the concurrent run, each device's share is also timed alone
@@ -62,11 +68,11 @@ def makespan_report(num_devices: int | None = None, long_per_device: int = 2,
     import jax
 
     from das_jax.engine import Engine, EngineConfig
-    from das_jax.rollout import Rollout, generate_data_parallel
+    from das_jax.rollout import Rollout, ShardedRollout
     from das_jax.testing import tiny_model_config, tiny_params
 
     devices = jax.devices()[:num_devices] if num_devices else jax.devices()
-    D = len(devices)
+    D = len(devices) if replicas is None else int(replicas)
     cfg = tiny_model_config(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                             num_layers=num_layers, head_dim=hidden_size // 4,
                             rope_theta=100000.0)
@@ -75,37 +81,45 @@ def makespan_report(num_devices: int | None = None, long_per_device: int = 2,
                           engine_config=EngineConfig(max_slots=16, max_cache_len=256)))
     requests, lengths, sampling = _skewed_requests(pool, D, long_per_device, short_per_device,
                                                    max_new_tokens, short_max, seed)
-    forks = Rollout(Engine(cfg, params, eos_token_ids=[1], engine_config=EngineConfig(
-        max_slots=max_slots, max_cache_len=256)), sampling=sampling).forks(devices)
-    report: dict[str, Any] = {"devices": D, "requests": len(requests), "hidden_size": hidden_size,
+    rollout = ShardedRollout.from_rollout(Rollout(Engine(
+        cfg, None, eos_token_ids=[1], engine_config=EngineConfig(max_slots=max_slots,
+                                                                 max_cache_len=256),
+        dtype="float32"), sampling=sampling), devices, D)
+    report: dict[str, Any] = {"devices": len(devices), "replicas": D,
+                              "tensor_parallel": rollout.tensor_parallel,
+                              "requests": len(requests), "hidden_size": hidden_size,
                               "num_layers": num_layers,
                               "lengths": lengths.astype(int).tolist(), "max_slots": max_slots}
     outs_by = {}
     for name in ("contiguous", "lpt"):
-        generate_data_parallel(forks, requests, assignment=name,
-                               predicted_lengths=lengths)  # compile
-        outs, st = generate_data_parallel(forks, requests, assignment=name,
-                                          predicted_lengths=lengths)
+        rollout.generate(requests, params, assignment=name,
+                         predicted_lengths=lengths)  # compile
+        outs, st = rollout.generate(requests, params, assignment=name,
+                                    predicted_lengths=lengths)
         outs_by[name] = [o.token_ids for o in outs]
-        # Each device's share alone (the others idle): the wall time it would take on hardware
+        # Each replica's share alone (the others idle): the wall time it would take on hardware
         # of its own, which forced host devices sharing the same CPU cores do not give.
         solo = []
         for d, idx in enumerate(st.assignment):
-            solo.append(forks[d].generate([requests[i] for i in idx])[1].wall_s if idx else 0.0)
+            solo.append(rollout.replicas[d].generate([requests[i] for i in idx], params,
+                                                     request_ids=idx)[1].wall_s
+                        if idx else 0.0)
         report[name] = {
             "predicted_work": [int(x) for x in st.predicted_work],
             "tokens": st.device_tokens, "forward_passes": st.device_forward_passes,
             "wall_s": [round(x, 4) for x in st.device_wall_s],
             "makespan_tokens": st.makespan_tokens,
             "makespan_forward_passes": st.makespan_forward_passes,
-            "makespan_s": round(st.makespan_s, 4), "call_wall_s": round(st.wall_s, 4),
+            "makespan_s": round(st.makespan_s, 4), "call_wall_s": round(st.call_wall_s, 4),
             "solo_wall_s": [round(x, 4) for x in solo], "makespan_solo_s": round(max(solo), 4)}
     report["identical_outputs"] = outs_by["lpt"] == outs_by["contiguous"]
-    print_fn(f"makespan report: {D} devices, {len(requests)} requests, max_slots={max_slots}, "
+    print_fn(f"makespan report: {len(devices)} devices as {D} replicas x "
+             f"{rollout.tensor_parallel} (tensor-parallel), {len(requests)} requests, "
+             f"max_slots={max_slots}, "
              f"model d={hidden_size} L={num_layers}, lengths={report['lengths']}")
     for name in ("contiguous", "lpt"):
         r = report[name]
-        print_fn(f"  {name:10s} predicted work/device {r['predicted_work']}  "
+        print_fn(f"  {name:10s} predicted work/replica {r['predicted_work']}  "
                  f"tokens {r['tokens']}  forward passes {r['forward_passes']}  "
                  f"wall s {r['wall_s']}  solo wall s {r['solo_wall_s']}")
         print_fn(f"  {'':10s} makespan: {r['makespan_tokens']} tokens, "
@@ -119,4 +133,5 @@ def makespan_report(num_devices: int | None = None, long_per_device: int = 2,
 if __name__ == "__main__":
     import sys
     makespan_report(hidden_size=int(sys.argv[1]) if len(sys.argv) > 1 else 64,
-                    num_layers=int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+                    num_layers=int(sys.argv[2]) if len(sys.argv) > 2 else 2,
+                    replicas=int(sys.argv[3]) if len(sys.argv) > 3 else None)

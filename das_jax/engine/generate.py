@@ -155,12 +155,17 @@ class _Compiled:
     The executables are shared by every engine of the process (`_COMPILED_EXECUTABLES`): the key
     holds the model config, the param dtype and every static shape, never the param values; an
     engine placed on a device (`Engine(device=...)`) adds the device to the key, since an
-    executable only accepts arguments on the device it was compiled for.
+    executable only accepts arguments on the device it was compiled for; an engine on a mesh
+    (`Engine(mesh=...)`) adds its devices and compiles with the mesh's shardings at the jit
+    boundary (`placement.MeshPlacement.compile`).
     """
 
-    def __init__(self, device: jax.Device | None = None):
+    def __init__(self, device: jax.Device | None = None, placement=None):
         self._cache = _COMPILED_EXECUTABLES
         self._device_key = None if device is None else (device.platform, device.id)
+        self._placement = placement
+        if placement is not None:
+            self._device_key = placement.key
         self.compile_s = 0.0
 
     def get(self, key: tuple, fn, *args, **static):
@@ -169,7 +174,10 @@ class _Compiled:
         compiled = self._cache.get(key)
         if compiled is None:
             t0 = time.perf_counter()
-            compiled = fn.lower(*args, **static).compile()
+            if self._placement is not None:
+                compiled = self._placement.compile(fn, args, **static)
+            else:
+                compiled = fn.lower(*args, **static).compile()
             self.compile_s += time.perf_counter() - t0
             self._cache[key] = compiled
         return compiled
@@ -193,9 +201,12 @@ def device_free_bytes(device: jax.Device | None = None) -> int | None:
         return None
 
 
-def size_slots(config: ModelConfig, ec: "EngineConfig", dtype, device=None) -> "EngineConfig":
+def size_slots(config: ModelConfig, ec: "EngineConfig", dtype, device=None,
+               kv_shards: int = 1) -> "EngineConfig":
     """`ec` with `max_slots` lowered to the rows of `max_cache_len` positions that fit the KV
     budget (`EngineConfig.kv_memory_gb`, else `kv_memory_fraction` of the free device memory).
+    `kv_shards`: devices one row's KV is split over (tensor parallelism over KV heads), so a
+    row takes 1/kv_shards of its bytes on each device.
 
     Raises:
       GenerateError: not one row fits; names `rollout.kv_memory_gb` / `rollout.max_cache_len`.
@@ -211,7 +222,7 @@ def size_slots(config: ModelConfig, ec: "EngineConfig", dtype, device=None) -> "
                   "free device memory")
     else:
         return ec
-    per_row = KVCache.nbytes_for(config, 1, ec.max_cache_len, dtype)
+    per_row = -(-KVCache.nbytes_for(config, 1, ec.max_cache_len, dtype) // kv_shards)
     rows = budget // per_row
     if rows < 1:
         raise GenerateError(
@@ -233,31 +244,66 @@ class Engine:
       engine_config: `EngineConfig`.
       device: optional `jax.Device` this engine runs on: its params, KV cache and compiled
         executables live there (params passed to `generate` are copied there); None = JAX's
-        default placement. One engine per device gives data-parallel rollouts
-        (`das_jax.rollout.multi_device`).
+        default placement.
+      mesh: optional `jax.sharding.Mesh` (instead of `device`) this engine runs on,
+        tensor-parallel over its `tensor` axis: params and KV cache sharded on the heads
+        (`das_jax.engine.placement`); params passed to `generate` on any sharding are resharded
+        there on device. One engine per replica mesh gives data-parallel rollouts
+        (`das_jax.rollout.sharded`).
       dtype: the compute dtype the KV cache is sized for (default: the params' dtype). An engine
         built with params=None (a trainer that passes fresh params to every `generate`, so the
         engine keeps none alive) needs it.
+
+    Raises:
+      GenerateError: both `device` and `mesh`, or neither params nor dtype.
     """
 
     def __init__(self, config: ModelConfig, params: Params | None,
                  eos_token_ids: Sequence[int] = (), engine_config: EngineConfig = EngineConfig(),
-                 device: jax.Device | None = None, dtype=None):
+                 device: jax.Device | None = None, dtype=None, mesh=None):
         if engine_config.exact:
             from das_jax.models.contraction import EXACT
             config = dataclasses.replace(config, contraction=EXACT)
+        if device is not None and mesh is not None:
+            raise GenerateError("give an Engine a device or a mesh, not both")
         self.config = config
         self.device = device
-        self.params = params if device is None or params is None else jax.device_put(params,
-                                                                                      device)
+        self.mesh = mesh
+        if mesh is not None:
+            from das_jax.engine.placement import MeshPlacement
+            self.placement = MeshPlacement(mesh)
+        else:
+            self.placement = None
+        self.params = None if params is None else self.place_params(params)
         self.eos_token_ids = validate_stop_ids(eos_token_ids, config.vocab_size)
         if dtype is None:
             if params is None:
                 raise GenerateError("an Engine built without params needs its compute dtype "
                                     "(dtype=...) to size the KV cache")
             dtype = params["embed"].dtype
-        self.engine_config = size_slots(config, engine_config, jnp.dtype(dtype), device)
-        self._compiled = _Compiled(device)
+        self.dtype = jnp.dtype(dtype)
+        self.engine_config = size_slots(
+            config, engine_config, self.dtype,
+            device if mesh is None else self.placement.devices[0],
+            kv_shards=1 if mesh is None else self.placement.kv_shards(config))
+        self._compiled = _Compiled(device, self.placement)
+
+    def place_params(self, params: Params) -> Params:
+        """`params` where this engine computes: on its mesh's shardings, its device, or as given
+        (no copy when already there; device-to-device when on other devices)."""
+        if self.placement is not None:
+            return self.placement.put_params(params)
+        if self.device is not None:
+            return jax.device_put(params, self.device)
+        return params
+
+    def _zeros_cache(self, batch: int, cache_len: int, dtype):
+        """An empty KV cache where this engine computes."""
+        if self.placement is not None:
+            return self.placement.zeros_cache(self.config, batch, cache_len, dtype)
+        with (jax.default_device(self.device) if self.device is not None
+              else contextlib.nullcontext()):
+            return KVCache.zeros(self.config, batch, cache_len, dtype)
 
     @property
     def slots(self) -> int:
@@ -318,19 +364,18 @@ class Engine:
         `cache_len` and `sampling_key` = `SamplingParams.static_key()` match) and discards the
         first timed call. Used by the cost-model calibration and the engine benchmark.
         """
-        dtype = jnp.dtype(self.params["embed"].dtype)
-        with (jax.default_device(self.device) if self.device is not None
-              else contextlib.nullcontext()):
-            cache = KVCache.zeros(self.config, batch, cache_len, dtype)
+        params = self.place_params(self.params)
+        dtype = jnp.dtype(params["embed"].dtype)
+        cache = self._zeros_cache(batch, cache_len, dtype)
         skey = tuple(sampling_key)
-        args = (self.config, skey, kv_len, self.params, cache,
+        args = (self.config, skey, kv_len, params, cache,
                 np.full((batch,), kv_len, np.int32), np.full((batch, width), 7, np.int32),
                 np.full((batch,), width - 1, np.int32), np.arange(batch, dtype=np.int32))
         fn = self._verify_executable(batch, width, cache_len, kv_len, skey, dtype.name, args)
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            cache, y, *_ = fn(self.params, cache, *args[5:])
+            cache, y, *_ = fn(params, cache, *args[5:])
             np.asarray(y)
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
@@ -363,9 +408,7 @@ class Engine:
           GenerateError / SamplingError: bad input, before any compilation.
         """
         self.validate(requests, sampling)
-        params = self.params if params is None else params
-        if self.device is not None:
-            params = jax.device_put(params, self.device)  # no copy when already there
+        params = self.place_params(self.params if params is None else params)
         ec = self.engine_config
         policy = policy or FixedPolicy()
         widths = ec.draft_widths if drafter is not None else (1,)
@@ -386,9 +429,7 @@ class Engine:
 
         B = bucket(min(n, ec.max_slots), ec.batch_buckets)
         dtype = jnp.dtype(params["embed"].dtype).name
-        with (jax.default_device(self.device) if self.device is not None
-              else contextlib.nullcontext()):
-            cache = KVCache.zeros(self.config, B, S, dtype)
+        cache = self._zeros_cache(B, S, dtype)
         row_req = np.full(B, -1, np.int64)      # request index in each row, -1 = free
         cache_len = np.zeros(B, np.int32)       # tokens in the cache per row
         pending = np.zeros(B, np.int32)         # sampled, not yet fed token per row

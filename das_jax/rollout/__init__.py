@@ -6,8 +6,11 @@ Public surface:
   register_speculation, unregister_speculation, speculation_names, get_speculation,
   build_speculation,
   SpeculationSpec, SpeculationError           the registry of speculation names (speculation.py)
-  generate_data_parallel, LockedDrafter, DataParallelStats, assign_lpt, assign_contiguous,
-  assignment_loads                            data-parallel placement over devices
+  ShardedRollout, replica_meshes,
+  reshard_for_rollout, gather_to_local       data-parallel replicas on device meshes, each
+                                              tensor-parallel over KV heads (sharded.py)
+  LockedDrafter, DataParallelStats, assign_lpt, assign_contiguous, assign_groups,
+  group_indices, assignment_loads             placement of whole groups over replicas
                                               (multi_device.py)
 
 Dependencies: `rl` and `bench` -> `rollout` -> `engine`, `drafter` -> `models`. Names are
@@ -23,9 +26,12 @@ _EXPORTS = {
     "speculation_names": "speculation",
     "get_speculation": "speculation", "build_speculation": "speculation",
     "SpeculationSpec": "speculation", "SpeculationError": "speculation",
-    "generate_data_parallel": "multi_device", "LockedDrafter": "multi_device",
+    "ShardedRollout": "sharded", "replica_meshes": "sharded", "reshard_for_rollout": "sharded",
+    "gather_to_local": "sharded",
+    "LockedDrafter": "multi_device",
     "DataParallelStats": "multi_device", "assign_lpt": "multi_device",
     "assign_contiguous": "multi_device", "assignment_loads": "multi_device",
+    "assign_groups": "multi_device", "group_indices": "multi_device",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,43 +1,42 @@
-"""Data-parallel rollouts over several JAX devices, with length-aware (LPT) request placement.
+"""Placement of rollouts over data-parallel replicas: LPT assignment of whole GRPO groups, the
+shared locked drafter, and per-replica stats. The replicas themselves (engines on device meshes,
+params resharded on device, one host thread per replica) are `das_jax.rollout.sharded`.
 
-One `Rollout` fork per device (`Rollout.forks`: an engine there with the params replicated by
-`jax.device_put`, its own speculation policy), each device's host loop in its own Python thread
-(JAX releases the GIL while XLA runs, so the devices overlap), and one drafter shared by all
-devices behind a lock (`LockedDrafter`: siblings of a problem placed on other devices still feed
-the same per-problem history).
-
-Placement. A synchronous rollout step ends when its slowest device ends, so requests are assigned
-by longest-processing-time-first (`assign_lpt`) on their predicted length (the problem's history:
+Placement. A synchronous rollout step ends when its slowest replica ends, so work is assigned by
+longest-processing-time-first (`assign_lpt`) on predicted lengths (the problem's history:
 `Rollout.predicted_lengths`, or lengths the caller passes): long requests are interleaved across
-devices instead of piling up on one, as a naive contiguous split (`assign_contiguous`) does when a
-hard problem's whole group sits next to each other in the batch.
+replicas instead of piling up on one, as a naive contiguous split (`assign_contiguous`) does when
+a hard problem's whole group sits next to each other in the batch. `assign_groups_lpt` does it
+for whole groups (all requests of one problem: GRPO's `num_generations` samples), so a group
+never spans replicas and its siblings feed one drafter history in one order.
+
+Drafter. All replicas share one drafter behind one lock (`LockedDrafter`); each replica's view
+maps its local request ids to indices into the full request list. One shared history (rather
+than one drafter per replica) because LPT moves a problem between replicas from step to step,
+and the problem's history (drafts and predicted lengths) must follow it; since a group stays on
+one replica within a step, the per-problem trees see the same appends in the same order as on
+one device, so drafts stay deterministic.
 
 Exactness. A request's seed derives from (run seed, problem id, sample index) only
-(`sampling.request_seed`), never from its device, slot or batch position, so placement cannot
+(`sampling.request_seed`), never from its replica, slot or batch position, so placement cannot
 change a token (up to float rounding of the logits across batch shapes; see docs/design.md).
-
-    forks = Rollout.from_config(config, model_config, params, eos_ids).forks()  # one per device
-    outputs, stats = generate_data_parallel(forks, requests, params)
-    stats.makespan_s, stats.makespan_forward_passes
 
 The benchmark of LPT against contiguous placement is `das_jax.bench.multi_device_bench`.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import heapq
 import threading
-import time
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from das_jax.engine import GenerateError, GenerateStats, Request, RequestOutput
+from das_jax.engine import GenerateError, GenerateStats
 
 __all__ = [
     "LockedDrafter", "DataParallelStats", "assign_lpt", "assign_contiguous", "assignment_loads",
-    "generate_data_parallel",
+    "group_indices", "assign_groups", "check_partition",
 ]
 
 
@@ -92,6 +91,49 @@ def assignment_loads(assignment: Sequence[Sequence[int]], predicted_lengths: Seq
     predicted makespan is the max."""
     w = _fill_unknown(predicted_lengths, default_length)
     return [float(sum(w[i] for i in dev)) for dev in assignment]
+
+
+def group_indices(problem_ids: Sequence[Hashable]) -> list[list[int]]:
+    """Request indices grouped by problem id, groups in order of first appearance, members in
+    request order (a GRPO group: the `num_generations` samples of one problem)."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, pid in enumerate(problem_ids):
+        groups.setdefault(pid, []).append(i)
+    return list(groups.values())
+
+
+def assign_groups(problem_ids: Sequence[Hashable], predicted_lengths: Sequence[float],
+                  num_replicas: int, how: str = "lpt",
+                  default_length: float = 1.0) -> list[list[int]]:
+    """Whole groups (`group_indices`) placed on replicas: "lpt" on each group's predicted work
+    (the sum of its requests' predicted lengths, unknown = mean of the known ones), or
+    "contiguous" (groups in order, counts differing by at most one). Returns per-replica lists
+    of request indices: groups in placement order (longest first under LPT), members in request
+    order. With one request per problem this is `assign_lpt` / `assign_contiguous` itself.
+
+    Raises:
+      ValueError: num_replicas < 1, or an unknown `how`.
+    """
+    groups = group_indices(problem_ids)
+    w = _fill_unknown(predicted_lengths, default_length) if len(problem_ids) else np.zeros(0)
+    if how == "lpt":
+        placed = assign_lpt([float(sum(w[i] for i in g)) for g in groups], num_replicas,
+                            default_length)
+    elif how == "contiguous":
+        placed = assign_contiguous(len(groups), num_replicas)
+    else:
+        raise ValueError(f"unknown assignment {how!r}; valid: lpt, contiguous")
+    return [[i for gi in rep for i in groups[gi]] for rep in placed]
+
+
+def check_partition(assignment: Sequence[Sequence[int]], n: int, num_replicas: int) -> None:
+    """Raises GenerateError unless `assignment` has `num_replicas` lists placing every index in
+    [0, n) exactly once."""
+    if len(assignment) != num_replicas:
+        raise GenerateError(f"assignment has {len(assignment)} replicas, expected {num_replicas}")
+    flat = sorted(int(i) for dev in assignment for i in dev)
+    if flat != list(range(n)):
+        raise GenerateError("assignment must place every request index exactly once")
 
 
 # ---------------------------------------------------------------------------------- drafter
@@ -163,25 +205,36 @@ class LockedDrafter:
         return lengths
 
 
-# ---------------------------------------------------------------------------------- placement
+# ---------------------------------------------------------------------------------- stats
 @dataclasses.dataclass
-class DataParallelStats:
-    """What one `generate_data_parallel` call did.
+class DataParallelStats(GenerateStats):
+    """What one data-parallel `generate` did: the counters of `GenerateStats` summed over
+    replicas (`wall_s` = the makespan: max replica wall time, compile excluded; `compile_s` =
+    max over replicas; `steps` = every replica's steps), plus per replica:
 
-    devices: device names; assignment: request indices per device (admission order);
-    predicted_work: predicted tokens per device (sum of predicted lengths);
-    per_device: each device's `GenerateStats` (None for a device that got no request);
-    combined: counters summed over devices, `wall_s` = the makespan (max device wall time,
-      compile excluded), `compile_s` = max over devices, `steps` = all devices' steps;
-    wall_s: wall time of the whole call (threads, compiles and all).
+    devices: each replica's device names; assignment: request indices per replica (admission
+    order); predicted_work: predicted tokens per replica (sum of predicted lengths);
+    per_device: each replica's `GenerateStats` (None for a replica that got no request);
+    call_wall_s: wall time of the whole call (resharding, threads, compiles and all).
     """
 
-    devices: list[str]
-    assignment: list[list[int]]
-    predicted_work: list[float]
-    per_device: list[GenerateStats | None]
-    combined: GenerateStats
-    wall_s: float
+    devices: list[list[str]] = dataclasses.field(default_factory=list)
+    assignment: list[list[int]] = dataclasses.field(default_factory=list)
+    predicted_work: list[float] = dataclasses.field(default_factory=list)
+    per_device: list[GenerateStats | None] = dataclasses.field(default_factory=list)
+    call_wall_s: float = 0.0
+
+    @classmethod
+    def combine(cls, per_device: Sequence[GenerateStats | None], **fields) -> "DataParallelStats":
+        out = cls(per_device=list(per_device), **fields)
+        stats = [s for s in per_device if s is not None]
+        for f in ("forward_passes", "generated_tokens", "drafted_tokens",
+                  "accepted_draft_tokens", "prefill_s", "decode_s", "draft_s", "policy_s"):
+            setattr(out, f, sum(getattr(s, f) for s in stats))
+        out.wall_s = max((s.wall_s for s in stats), default=0.0)
+        out.compile_s = max((s.compile_s for s in stats), default=0.0)
+        out.steps = [r for s in stats for r in s.steps]
+        return out
 
     def _per(self, attr: str) -> list:
         return [getattr(s, attr) if s is not None else 0 for s in self.per_device]
@@ -200,129 +253,34 @@ class DataParallelStats:
 
     @property
     def makespan_s(self) -> float:
-        """Max over devices of the measured wall time (compile excluded)."""
-        return max(self.device_wall_s)
+        """Max over replicas of the measured wall time (compile excluded)."""
+        return max(self.device_wall_s, default=0.0)
 
     @property
     def makespan_forward_passes(self) -> int:
-        """Max over devices of forward passes (hardware-independent makespan)."""
-        return max(self.device_forward_passes)
+        """Max over replicas of forward passes (hardware-independent makespan)."""
+        return max(self.device_forward_passes, default=0)
 
     @property
     def makespan_tokens(self) -> int:
-        """Max over devices of generated tokens (the work LPT balances)."""
-        return max(self.device_tokens)
+        """Max over replicas of generated tokens (the work LPT balances)."""
+        return max(self.device_tokens, default=0)
 
     @property
     def predicted_makespan(self) -> float:
-        return max(self.predicted_work)
+        return max(self.predicted_work, default=0.0)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
+    def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
+        d = GenerateStats.to_dict(self, with_steps)
+        for k in ("devices", "assignment", "predicted_work", "per_device"):
+            d.pop(k, None)
+        d.update({
             "devices": self.devices, "assignment": self.assignment,
             "predicted_work": self.predicted_work, "predicted_makespan": self.predicted_makespan,
-            "device_wall_s": self.device_wall_s, "device_forward_passes": self.device_forward_passes,
+            "device_wall_s": self.device_wall_s,
+            "device_forward_passes": self.device_forward_passes,
             "device_tokens": self.device_tokens, "makespan_s": self.makespan_s,
             "makespan_forward_passes": self.makespan_forward_passes,
-            "makespan_tokens": self.makespan_tokens, "wall_s": self.wall_s,
-            "combined": self.combined.to_dict(),
-        }
-
-
-def _combine(stats: Sequence[GenerateStats]) -> GenerateStats:
-    out = GenerateStats()
-    for f in ("forward_passes", "generated_tokens", "drafted_tokens", "accepted_draft_tokens",
-              "prefill_s", "decode_s", "draft_s", "policy_s"):
-        setattr(out, f, sum(getattr(s, f) for s in stats))
-    out.wall_s = max((s.wall_s for s in stats), default=0.0)
-    out.compile_s = max((s.compile_s for s in stats), default=0.0)
-    out.steps = [r for s in stats for r in s.steps]
-    return out
-
-
-def _check_partition(assignment: Sequence[Sequence[int]], n: int, num_devices: int):
-    if len(assignment) != num_devices:
-        raise GenerateError(f"assignment has {len(assignment)} devices, expected {num_devices}")
-    flat = sorted(int(i) for dev in assignment for i in dev)
-    if flat != list(range(n)):
-        raise GenerateError("assignment must place every request index exactly once")
-
-
-def generate_data_parallel(
-    rollouts: Sequence[Any],
-    requests: Sequence[Request],
-    params: Any = None,
-    sampling: Any = None,
-    assignment: str | Sequence[Sequence[int]] = "lpt",
-    predicted_lengths: Sequence[float] | None = None,
-) -> tuple[list[RequestOutput], DataParallelStats]:
-    """Generates `requests` data-parallel, one `Rollout` fork and one host thread per device.
-
-    Args:
-      rollouts: one `das_jax.rollout.Rollout` per device, from `Rollout.forks` (they share one
-        locked drafter; each device's drafter view maps its local request ids to indices into
-        `requests`). Keep the list across calls so each fork's policy state persists.
-      requests: outputs come back in request order.
-      params: params to sample from (default: each engine's own); copied to each device.
-      sampling: `SamplingParams` (default: the first rollout's).
-      assignment: "lpt" (on predicted lengths), "contiguous", or explicit per-device index lists.
-      predicted_lengths: per request (-1 = unknown); default: `rollouts[0].predicted_lengths`
-        (the problems' history).
-
-    Returns:
-      (outputs in request order, `DataParallelStats`).
-
-    Raises:
-      GenerateError / SamplingError on bad input, before any thread starts; an exception raised
-      on a device is re-raised here once every device has stopped.
-    """
-    rollouts = list(rollouts)
-    if not rollouts:
-        raise GenerateError("generate_data_parallel needs at least one rollout (one per device; "
-                            "see Rollout.forks)")
-    D = len(rollouts)
-    sampling = sampling if sampling is not None else rollouts[0].sampling
-    rollouts[0].engine.validate(requests, sampling)
-    n = len(requests)
-    if predicted_lengths is None:
-        predicted_lengths = rollouts[0].predicted_lengths(requests)
-    predicted_lengths = np.asarray(predicted_lengths, np.float64)
-    if predicted_lengths.shape != (n,):
-        raise GenerateError(f"predicted_lengths needs one entry per request ({n}), got "
-                            f"shape {predicted_lengths.shape}")
-    if isinstance(assignment, str):
-        if assignment == "lpt":
-            assign = assign_lpt(predicted_lengths, D)
-        elif assignment == "contiguous":
-            assign = assign_contiguous(n, D)
-        else:
-            raise GenerateError(f"unknown assignment {assignment!r}; valid: lpt, contiguous")
-    else:
-        assign = [list(map(int, dev)) for dev in assignment]
-    _check_partition(assign, n, D)
-
-    def run(d: int):
-        if not assign[d]:
-            return None, None
-        return rollouts[d].generate([requests[i] for i in assign[d]], params, sampling,
-                                    request_ids=assign[d])
-
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=D,
-                                               thread_name_prefix="das-device") as pool:
-        futures = [pool.submit(run, d) for d in range(D)]
-        concurrent.futures.wait(futures)
-    wall = time.perf_counter() - t0
-    results = [f.result() for f in futures]  # re-raises a device's exception
-
-    outputs: list[RequestOutput | None] = [None] * n
-    per_device: list[GenerateStats | None] = []
-    for d, (outs, st) in enumerate(results):
-        per_device.append(st)
-        for i, o in zip(assign[d], outs or ()):
-            outputs[i] = o
-    stats = DataParallelStats(
-        devices=[str(r.engine.device) for r in rollouts], assignment=assign,
-        predicted_work=assignment_loads(assign, predicted_lengths), per_device=per_device,
-        combined=_combine([s for s in per_device if s is not None]), wall_s=wall)
-    return outputs, stats  # type: ignore[return-value]
+            "makespan_tokens": self.makespan_tokens,
+        })
+        return d

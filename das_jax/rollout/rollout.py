@@ -11,6 +11,10 @@ only (in the spirit of Tunix's `BaseRollout`):
     state = rollout.state_dict(); rollout.load_state_dict(state)   # checkpoints
     forks = rollout.forks(jax.devices())                  # per-device copies, shared drafter
 
+With more than one local device, `from_config` returns a `ShardedRollout`
+(`das_jax.rollout.sharded`): the same interface over data-parallel replicas on device meshes
+(`rollout.replicas`), each tensor-parallel over KV heads when it has several devices.
+
 Every setting comes from the config: `rollout:` (engine shapes and sampling), `drafter:` (the
 speculation name) and `das:` (drafter, DAS-policy and cost-model settings).
 """
@@ -56,11 +60,22 @@ class Rollout:
 
     @classmethod
     def from_config(cls, config, model_config, params, eos_token_ids: Sequence[int] = (), *,
-                    device=None, speculation: str | None = None) -> "Rollout":
+                    device=None, speculation: str | None = None,
+                    devices=None) -> "Rollout":
         """A rollout for a run `config` (`das_jax.config.Config`): an `Engine` over
         (model_config, params) with the `rollout:` shapes, the `drafter:` speculation (or
         `speculation`), the `das:` settings, and sampling from `rollout:` seeded by
-        `train.seed`."""
+        `train.seed`.
+
+        Placement: on `device` when given; else over `devices` (default `jax.local_devices()`):
+        with more than one, a `ShardedRollout` of `rollout.replicas` data-parallel replicas
+        (default: one per device), each tensor-parallel over its devices / replicas devices.
+
+        Raises:
+          GenerateError: `rollout.replicas` does not divide the device count.
+        """
+        import jax
+
         from das_jax.engine import Engine, EngineConfig, SamplingParams
 
         r = config.rollout
@@ -75,7 +90,14 @@ class Rollout:
         sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                   max_new_tokens=r.max_new_tokens,
                                   stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
-        return cls(engine, speculation or config.drafter, config.das, sampling)
+        rollout = cls(engine, speculation or config.drafter, config.das, sampling)
+        if device is not None:
+            return rollout
+        devices = list(devices) if devices is not None else jax.local_devices()
+        if len(devices) == 1 and getattr(r, "replicas", None) in (None, 1):
+            return rollout
+        from das_jax.rollout.sharded import ShardedRollout
+        return ShardedRollout.from_rollout(rollout, devices, getattr(r, "replicas", None))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -190,14 +212,18 @@ class Rollout:
         """Restores what `state_dict` returned (missing or None parts are skipped)."""
         if self.drafter is not None and state.get("drafter") is not None:
             self.drafter.load_state_dict(state["drafter"])
-        if state.get("policy") and hasattr(self.policy, "load_state_dict"):
-            self.policy.load_state_dict(state["policy"])
+        policy = state.get("policy")
+        if isinstance(policy, dict) and "replicas" in policy:   # a ShardedRollout's state
+            policy = policy["replicas"][0] if policy["replicas"] else None
+        if policy and hasattr(self.policy, "load_state_dict"):
+            self.policy.load_state_dict(policy)
 
     # ------------------------------------------------------------------ devices
     def fork(self, device) -> "Rollout":
-        """A copy of this rollout for `device`: its own engine there (params copied with
-        `jax.device_put`), its own policy (`policy.fork`: the learned state so far), and this
-        rollout's drafter, shared behind one lock (`LockedDrafter`), so siblings of a problem
+        """A copy of this rollout for `device` (a `jax.Device`, or a replica `Mesh`: the engine
+        is then tensor-parallel over it, `das_jax.engine.placement`): its own engine there
+        (params placed on device), its own policy (`policy.fork`: the learned state so far), and
+        this rollout's drafter, shared behind one lock (`LockedDrafter`), so siblings of a problem
         generated on other devices feed the same history. The first fork wraps this rollout's
         own drafter in the lock, so keep using this rollout (or its forks) afterwards."""
         from das_jax.engine import Engine
@@ -205,8 +231,12 @@ class Rollout:
 
         if self.drafter is not None and not isinstance(self.drafter, LockedDrafter):
             self.drafter = LockedDrafter(self.drafter)
+        from jax.sharding import Mesh
+
         e = self.engine
-        engine = Engine(e.config, e.params, e.eos_token_ids, e.engine_config, device=device)
+        mesh = device if isinstance(device, Mesh) else None
+        engine = Engine(e.config, e.params, e.eos_token_ids, e.engine_config,
+                        device=None if mesh is not None else device, dtype=e.dtype, mesh=mesh)
         policy = self.policy.fork(self.drafter) if self.policy is not None else None
         return Rollout(engine, self.name, self.das, self.sampling,
                        _parts=(self.drafter, policy, getattr(policy, "cost_model",
