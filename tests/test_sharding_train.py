@@ -55,7 +55,8 @@ WORKER = textwrap.dedent('''
         if mesh is not None:
             sh = S.TrainShardings(params, mesh)
             params = S.place(params, sh.params)
-            opt_state = jax.jit(opt.init, out_shardings=sh.like(jax.eval_shape(opt.init, params)))(params)
+            o_sh = sh.like(jax.eval_shape(opt.init, params))
+            opt_state = jax.jit(opt.init, out_shardings=o_sh)(params)
         else:
             opt_state = opt.init(params)
         step = make_train_step(cfg, grpo, opt, temperature=TEMP, donate=True, activation=act,

@@ -77,9 +77,10 @@ def resolve(section, environ: Mapping[str, str] | None = None) -> DistributedSpe
                                     ("num_processes (or JAX_NUM_PROCESSES)", n),
                                     ("process_id (or JAX_PROCESS_ID)", pid)) if v is None]
     if missing:
-        raise DistributedError(f"a multi-process run needs distributed.{', distributed.'.join(missing)}"
-                               "; set them in the config (--set distributed.KEY=VALUE) or the "
-                               "environment on every process")
+        keys = ", distributed.".join(missing)
+        raise DistributedError(f"a multi-process run needs distributed.{keys}; set them in the "
+                               "config (--set distributed.KEY=VALUE) or the environment on "
+                               "every process")
     if not 0 <= pid < n:
         raise DistributedError(f"distributed.process_id={pid} must be in 0..{n - 1} "
                                f"(num_processes={n})")

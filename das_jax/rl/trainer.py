@@ -205,9 +205,12 @@ class GRPOTrainer:
         mesh (for a rollout that places them itself)."""
         if self.mesh is None:
             return cast_params(self.params, self.compute_dtype)
-        from das_jax.parallel.sharding import replicated
-        full = jax.jit(lambda p: cast_params(p, self.compute_dtype),
-                       out_shardings=replicated(self.mesh))(self.params)
+        if getattr(self, "_gather_rollout_params", None) is None:
+            from das_jax.parallel.sharding import replicated
+            dtype = self.compute_dtype
+            self._gather_rollout_params = jax.jit(lambda p: cast_params(p, dtype),
+                                                  out_shardings=replicated(self.mesh))
+        full = self._gather_rollout_params(self.params)
         if on_mesh:
             return full
         return jax.tree_util.tree_map(lambda x: x.addressable_data(0), full)
