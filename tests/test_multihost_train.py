@@ -28,7 +28,7 @@ WORKER = textwrap.dedent('''
         "rollout": {"max_new_tokens": 10, "temperature": 1.0, "max_slots": 8,
                     "max_cache_len": 256, "draft_widths": [1, 4]},
         "grpo": {"num_generations": 4, "prompts_per_step": 2, "micro_batch_size": 4,
-                 "learning_rate": 1e-3, "loss_type": "dapo"},
+                 "learning_rate": 1e-4, "loss_type": "dapo"},
         "train": {"steps": steps, "save_every": 1, "log_samples": 0, "memory_check": False},
         "das": {"cost_model": {"calibrate": False}},
     }

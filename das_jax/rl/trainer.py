@@ -474,10 +474,12 @@ def _train_mesh(c: Config):
     Raises:
       TrainError: the mesh sizes do not fit the devices (one line).
     """
-    from das_jax.parallel.sharding import MeshError, mesh_from_config
-    if jax.device_count() == 1:
-        return None
+    from das_jax.parallel.sharding import MESH_AXES, MeshError, mesh_from_config, \
+        resolve_mesh_shape
     try:
+        if jax.device_count() == 1:
+            resolve_mesh_shape({a: getattr(c.mesh, a) for a in MESH_AXES}, 1)  # checks only
+            return None
         return mesh_from_config(c.mesh)
     except MeshError as e:
         raise TrainError(f"{e} (mesh: in the config; jax sees {jax.device_count()} devices in "
