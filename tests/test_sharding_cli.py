@@ -40,7 +40,7 @@ def _train(tmp_path, devices: int, *extra: str):
          "--set", "data.instruction=", "--set", "rollout.max_new_tokens=12",
          "--set", "rollout.draft_widths=[1]", "--set", "data.num_problems=2",
          "--set", "train.steps=2", "--set", "train.save_every=0", *extra],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"DEVICES {devices}" in p.stdout
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -65,7 +65,7 @@ def test_a_mesh_that_does_not_fit_is_a_one_line_error(tmp_path):
     p = subprocess.run(
         [sys.executable, "-c", RUN, "train", "--config", str(TINY_YAML), "--no-progress",
          "--set", f"output_dir={tmp_path / 'bad'}", "--set", "mesh.fsdp=3"],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 2, p.stderr[-2000:]
     err = [x for x in p.stderr.splitlines() if "error" in x]
     assert len(err) == 1 and "mesh {data: 1, fsdp: 3, tensor: 1}" in err[0], p.stderr[-2000:]

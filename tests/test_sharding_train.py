@@ -106,7 +106,7 @@ def forced_8():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=1800)
     assert p.returncode == 0, p.stderr[-4000:]
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])

@@ -106,8 +106,7 @@ def initialize_from_config(section) -> DistributedSpec | None:
         jax.distributed.initialize(
             spec.coordinator_address, spec.num_processes, spec.process_id,
             initialization_timeout=spec.initialization_timeout,
-            heartbeat_timeout_seconds=spec.heartbeat_timeout,
-            shutdown_timeout_seconds=max(spec.heartbeat_timeout, 10))
+            heartbeat_timeout_seconds=spec.heartbeat_timeout)
     except RuntimeError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DistributedError(

@@ -461,6 +461,9 @@ class GRPOTrainer:
                                                               c.eval.every):
                             with logger.between_steps():
                                 logger.log_eval(evaluator.run(self, self.step))
+        # process 0 closes the logs (plots) last: the others wait, so that none reaches jax's
+        # shutdown barrier long before it
+        dist.sync("das_jax.train.done")
         return records
 
 
