@@ -232,6 +232,36 @@ class EvalSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """The device mesh training runs on (`das_jax.parallel.sharding`): the size of each named
+    axis; -1 (at most one axis) takes the remaining devices. data: pure data parallelism (params
+    replicated); fsdp: data parallelism with params, master weights, gradients and Adam moments
+    sharded (FSDP); tensor: heads / MLP / vocabulary sharded. The product must equal the number of
+    devices of the run (all processes' devices together). Default: every device on fsdp."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    """Multi-host runs (`jax.distributed.initialize`, before JAX touches a device). Each key left
+    null is read from the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID); with neither, the run is single-process. coordinator_address: host:port of
+    process 0; num_processes; process_id: this process (0..num_processes-1; not saved with the
+    run's config.yaml); initialization_timeout: seconds to wait for every process to connect;
+    heartbeat_timeout: seconds after which a silent process counts as dead and every other
+    process exits with an error."""
+
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    initialization_timeout: int = 300
+    heartbeat_timeout: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run. drafter: a speculation name (`das_jax.rollout.speculation_names()`: none,
     ngram, suffix, suffix-global, das, das-unlimited, and any registered by the user);
@@ -248,6 +278,8 @@ class Config:
     das: DASSection = dataclasses.field(default_factory=DASSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
 
 
 # ----- removed keys ----------------------------------------------------------------------------------
@@ -482,7 +514,32 @@ def validate(cfg: Config) -> Config:
     _check(t.logits_chunk >= 1 and t.attention_chunk >= 1,
            "train.logits_chunk and train.attention_chunk must be >= 1")
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
+    _check_mesh(cfg.mesh)
+    _check_distributed(cfg.distributed)
     return dataclasses.replace(cfg, grpo=g)
+
+
+def _check_mesh(m: MeshSection) -> None:
+    sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+    bad = {k: v for k, v in sizes.items() if v == 0 or v < -1}
+    _check(not bad, f"mesh.{next(iter(bad), '')}={next(iter(bad.values()), '')}: an axis size "
+           "must be >= 1, or -1 for the remaining devices")
+    rest = [k for k, v in sizes.items() if v == -1]
+    _check(len(rest) <= 1, f"mesh: only one axis may be -1 (the remaining devices), got "
+           f"{', '.join('mesh.' + k for k in rest)}; give the others explicit sizes")
+
+
+def _check_distributed(d: DistributedSection) -> None:
+    _check(d.num_processes is None or d.num_processes >= 1,
+           f"distributed.num_processes must be >= 1 or null, got {d.num_processes}")
+    _check(d.process_id is None or d.process_id >= 0,
+           f"distributed.process_id must be >= 0 or null, got {d.process_id}")
+    _check(d.process_id is None or d.num_processes is None or d.process_id < d.num_processes,
+           f"distributed.process_id={d.process_id} must be < distributed.num_processes="
+           f"{d.num_processes}")
+    _check(d.initialization_timeout >= 1 and d.heartbeat_timeout >= 1,
+           "distributed.initialization_timeout and distributed.heartbeat_timeout must be >= 1 "
+           "(seconds)")
 
 
 def _check_reward_names(names: Sequence[str]) -> None:

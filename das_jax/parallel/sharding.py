@@ -149,3 +149,121 @@ def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES, leading: int = 0)
     rows = [m for m in (rules.get("batch") or ()) if mesh.shape[m] > 1]
     spec[leading] = tuple(rows) if len(rows) > 1 else (rows[0] if rows else None)
     return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+# ----- meshes from the config ---------------------------------------------------------------------
+
+class MeshError(ValueError):
+    """A `mesh:` config that does not fit the devices (one line: the sizes, the count, the fix)."""
+
+
+def resolve_mesh_shape(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """The axis sizes of `sizes` (axis name -> size, -1 for at most one axis: the remaining
+    devices) resolved for `num_devices` devices, in `MESH_AXES` order (missing axes: 1).
+
+    Raises:
+      MeshError: an unknown axis name, a size < 1 other than -1, two -1 axes, or sizes whose
+        product is not `num_devices`.
+    """
+    unknown = [k for k in sizes if k not in MESH_AXES]
+    if unknown:
+        raise MeshError(f"mesh: unknown axis {unknown[0]!r}; the axes are {', '.join(MESH_AXES)}")
+    shape = {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+    rest = [a for a, n in shape.items() if n == -1]
+    bad = [a for a, n in shape.items() if n < 1 and n != -1]
+    if bad or len(rest) > 1:
+        raise MeshError(f"mesh: axis sizes must be >= 1 with at most one -1 (the remaining "
+                        f"devices), got {_fmt(shape)}")
+    fixed = int(np.prod([n for n in shape.values() if n != -1]))
+    if rest:
+        if num_devices % fixed:
+            raise MeshError(f"mesh {_fmt(shape)}: the fixed axes ({fixed} devices) do not divide "
+                            f"the {num_devices} devices of this run; pick sizes whose product "
+                            f"divides {num_devices}")
+        shape[rest[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise MeshError(f"mesh {_fmt(shape)} has {fixed} devices but this run has {num_devices}; "
+                        f"make the sizes multiply to {num_devices} (or set one axis to -1)")
+    return shape
+
+
+def _fmt(shape: Mapping[str, int]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in shape.items()) + "}"
+
+
+def mesh_from_config(mesh_section, devices=None) -> Mesh:
+    """The training mesh of a `config.MeshSection` (or a mapping of axis sizes) over `devices`
+    (default: every device of every process, `jax.devices()`).
+
+    Raises:
+      MeshError: see `resolve_mesh_shape`.
+    """
+    sizes = (dict(mesh_section) if isinstance(mesh_section, Mapping)
+             else {a: getattr(mesh_section, a) for a in MESH_AXES})
+    devices = list(devices if devices is not None else jax.devices())
+    shape = resolve_mesh_shape(sizes, len(devices))
+    return make_mesh(**shape, devices=devices)
+
+
+def shardings_for(params, mesh: Mesh, rules=DEFAULT_RULES):
+    """NamedSharding per param leaf by the rules table (alias of `param_shardings`)."""
+    return param_shardings(params, mesh, rules)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A fully replicated sharding on `mesh`."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_shards(mesh: Mesh, rules=DEFAULT_RULES) -> int:
+    """Into how many pieces a batch's rows are split (the product of the `batch` rule's axes)."""
+    return int(np.prod([mesh.shape[m] for m in (rules.get("batch") or ())]))
+
+
+def global_array(x, sharding: NamedSharding) -> jax.Array:
+    """A global `jax.Array` with `sharding` from a host value `x` that every process holds in
+    full (numpy or a jax array); each process places only the shards its devices own, so it also
+    works when the mesh spans several processes."""
+    x = np.asarray(x) if not isinstance(x, jax.Array) else x
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def place(tree, shardings):
+    """`global_array` over a pytree (leaves and shardings matched by structure)."""
+    return jax.tree_util.tree_map(global_array, tree, shardings)
+
+
+def to_host(x) -> np.ndarray:
+    """A host copy of a fully replicated (or fully addressable) array, also when the array spans
+    devices of other processes (each process reads its own replica)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            raise ValueError("to_host needs a fully replicated array when it spans processes")
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x)
+
+
+class TrainShardings:
+    """The shardings of the training state for one params tree on `mesh`: `params` (FSDP /
+    tensor by the rules), `like(tree)` for params-shaped trees (optimizer state, float32 grads:
+    `like_params_shardings`), `rows(ndim, leading)` for batch arrays, `replicated` for scalars."""
+
+    def __init__(self, params, mesh: Mesh, rules=DEFAULT_RULES):
+        self.mesh = mesh
+        self.rules = rules
+        self._params_like = jax.tree_util.tree_map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+        self.params = param_shardings(self._params_like, mesh, rules)
+        self.replicated = replicated(mesh)
+
+    def like(self, tree):
+        return like_params_shardings(tree, self._params_like, self.mesh, self.rules)
+
+    def rows(self, ndim: int, leading: int = 0) -> NamedSharding:
+        return batch_sharding(self.mesh, ndim, self.rules, leading)
+
+    @property
+    def row_multiple(self) -> int:
+        return batch_shards(self.mesh, self.rules)

@@ -4,7 +4,13 @@ Layout (one orbax step directory per saved step, under `<run_dir>/checkpoints/`)
 
     <step>/state/     params + optimizer state (orbax `StandardSave`, OCDBT/Tensorstore arrays)
     <step>/meta/      JSON: the caller's meta dict (data position, seeds, ...) + step + RNG key
-    <step>/drafter/   pickle of the opaque drafter state dict (absent state pickles `None`)
+    <step>/drafter/   pickle of the opaque drafter state dict (absent state pickles `None`):
+                      `drafter_state.pkl` from process 0, `drafter_state.p<i>.pkl` from process
+                      i > 0 of a multi-process run (each restores its own, else process 0's)
+
+Multi-process runs (`jax.distributed`): every process calls save / restore with the same step;
+orbax writes each process's shards of the sharded params and optimizer state and process 0 the
+metadata and meta JSON (the checkpoint directory must be on a filesystem every process sees).
 
 Atomicity: orbax writes every item of a step into a temporary directory and renames it to
 `<step>` only after all items are committed (`commit_success.txt`), so a run killed mid-save
@@ -45,15 +51,23 @@ class CheckpointMismatchError(CheckpointError):
 
 # ----- an orbax item for the opaque, picklable drafter state ---------------------------------------
 
+def _process_file(process_index: int) -> str:
+    return DRAFTER_FILE if process_index == 0 else DRAFTER_FILE.replace(
+        ".pkl", f".p{process_index}.pkl")
+
+
 class PickleCheckpointHandler(ocp.CheckpointHandler):
-    """Saves any picklable object as one file in the item directory (synchronous)."""
+    """Saves any picklable object as one file per process in the item directory (synchronous):
+    each process of a multi-process run keeps its own object (e.g. its drafter history)."""
 
     def save(self, directory: epath.Path, args: "PickleSave"):
-        (directory / DRAFTER_FILE).write_bytes(
+        (directory / _process_file(jax.process_index())).write_bytes(
             pickle.dumps(args.item, protocol=pickle.HIGHEST_PROTOCOL))
 
     def restore(self, directory: epath.Path, args: "PickleRestore | None" = None):
-        path = directory / DRAFTER_FILE
+        path = directory / _process_file(jax.process_index())
+        if not path.exists():
+            path = directory / DRAFTER_FILE  # saved by fewer processes: take process 0's
         if not path.exists():
             raise FileNotFoundError(f"{path} not found")
         return pickle.loads(path.read_bytes())

@@ -127,10 +127,17 @@ def load_run_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    import contextlib
+
     from das_jax.config import apply_platform
+    from das_jax.parallel import distributed as dist
     from das_jax.rl import run_dir as rd
     config = load_run_config(args)
-    with rd.lock_run_dir(config.output_dir):
+    # A multi-process run connects its processes first (before JAX touches a device); process
+    # 0 holds the run directory's lock, the others share it.
+    spec = dist.resolve(config.distributed)
+    primary = spec is None or spec.process_id == 0
+    with rd.lock_run_dir(config.output_dir) if primary else contextlib.nullcontext():
         steps_on_disk = rd.checkpoint_steps(config.output_dir)
         if args.resume:
             if not steps_on_disk:
@@ -145,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
         elif not args.overwrite:
             rd.check_new_run(config.output_dir, has_checkpoint=bool(steps_on_disk))
+        dist.initialize_from_config(config.distributed)
         apply_platform(config)
         from das_jax.data import load_dataset_from_config
         d = config.data

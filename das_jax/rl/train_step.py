@@ -170,14 +170,21 @@ def cast_params(params: Params, dtype) -> Params:
 def compute_logprobs(model_config: ModelConfig, params: Params, tokens, positions, valid,
                      temperature: float = 1.0, micro_batch_size: int | None = None, *,
                      activation: ActivationConfig | None = ActivationConfig(),
-                     compute_dtype: str | None = None) -> jax.Array:
+                     compute_dtype: str | None = None, mesh=None) -> jax.Array:
     """Teacher-forced log-probs of every token given its prefix (no KV cache), float32 `[B, T]`.
 
     `out[b, t] = log_softmax(logits[b, t-1] / temperature)[tokens[b, t]]`; 0 at t = 0 and at
     invalid positions. Used for old / reference-policy log-probs and tests. Runs in micro-batches
     of `micro_batch_size` rows (default: all rows at once) under one jit, with the chunked head
     of `activation` (None: full logits) and params cast to `compute_dtype` (None: as given).
+    With a `mesh` (params already placed on it), the rows are split over its batch axes (padded
+    to a multiple of the split) and the result is a host `np.ndarray` (every process gets all
+    rows).
     """
+    if mesh is not None:
+        return _compute_logprobs_on_mesh(model_config, params, tokens, positions, valid,
+                                         temperature, micro_batch_size, activation,
+                                         compute_dtype, mesh)
     tokens = jnp.asarray(tokens, jnp.int32)
     B = tokens.shape[0]
     mb = B if not micro_batch_size else min(micro_batch_size, B)
@@ -200,6 +207,35 @@ def _compute_logprobs_jit(config, params, tokens, positions, valid, temperature,
 
     _, logp = jax.lax.scan(body, None, (tok, pos, val))
     return logp.reshape((-1,) + logp.shape[2:])[:B]
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-int(n) // k) * k
+
+
+@functools.lru_cache(maxsize=64)
+def _logprobs_kernel_on_mesh(config, temperature, mb, activation, compute_dtype, row_sharding,
+                             out_sharding):
+    fn = functools.partial(_compute_logprobs_jit.__wrapped__, config, temperature=temperature,
+                           mb=mb, activation=activation, compute_dtype=compute_dtype)
+    return jax.jit(lambda p, t, pos, v: fn(p, t, pos, v), out_shardings=out_sharding)
+
+
+def _compute_logprobs_on_mesh(config, params, tokens, positions, valid, temperature,
+                              micro_batch_size, activation, compute_dtype, mesh):
+    from das_jax.parallel import sharding as shard_lib
+    tokens = np.asarray(tokens, np.int32)
+    B = tokens.shape[0]
+    k = shard_lib.batch_shards(mesh)
+    B_pad = _round_up(B, k)
+    mb = _round_up(B if not micro_batch_size else min(micro_batch_size, B), k)
+    rows = shard_lib.batch_sharding(mesh, 2)
+    cols = [np.pad(np.asarray(x, dt), [(0, B_pad - B), (0, 0)])
+            for x, dt in ((tokens, np.int32), (positions, np.int32), (valid, bool))]
+    kernel = _logprobs_kernel_on_mesh(config, float(temperature), int(mb), activation,
+                                      compute_dtype, rows, shard_lib.replicated(mesh))
+    out = kernel(params, *(shard_lib.global_array(c, rows) for c in cols))
+    return shard_lib.to_host(out)[:B]
 
 
 def make_lr_schedule(grpo_config, total_steps: int) -> optax.Schedule:
@@ -328,7 +364,8 @@ def micro_batch_plan(lengths_N, micro_batch_size: int, T: int, group_by_length: 
 
 def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: float = 1.0,
                        activation: ActivationConfig | None = ActivationConfig(),
-                       compute_dtype: str | None = None, group_by_length: bool = True
+                       compute_dtype: str | None = None, group_by_length: bool = True,
+                       mesh=None
                        ) -> Callable[[Params, TrainBatch], tuple[jax.Array, Params, dict]]:
     """Builds `(params, batch) -> (loss, grads, metrics)` with micro-batched accumulation.
 
@@ -338,6 +375,12 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
     sums `w * per_token_loss` and its gradient: the full-batch loss for every `loss_type`.
     Gradients are accumulated in float32 and cast back to each param's dtype. Host-side driver
     (reads the row lengths); the kernels are jitted.
+
+    With a `mesh` (`jax.sharding.Mesh`; params placed by `das_jax.parallel.sharding`), the
+    kernel is jitted with explicit in/out shardings: params and the float32 gradient accumulator
+    sharded by the rules table (FSDP), each micro-batch's rows split over the mesh's batch axes
+    (`micro_batch_size` rounded up to a multiple of that split, the extra rows being zero-weight
+    padding), the accumulator donated. Every process must call it with the same batch.
     """
     if not temperature > 0:
         raise ValueError(f"training needs temperature > 0 (got {temperature}); log-probs of a "
@@ -359,14 +402,23 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
                 np.asarray(batch.ref_logprobs_BxT, np.float32),
                 np.asarray(batch.advantages_B, np.float32), w)
         lengths = np.where(valid.any(1), T - np.argmax(valid[:, ::-1], axis=1), 1)
-        carry = zero_carry(params)
         size = min(mb, N)
+        if mesh is None:
+            carry = zero_carry(params)
+            kernel = functools.partial(accumulate_grads, model_config, loss_config,
+                                       activation=activation, compute_dtype=compute_dtype)
+        else:
+            sharded = _sharded_kernels(params)
+            size = _round_up(size, sharded.row_multiple)
+            carry = sharded.zero_carry(params)
+            kernel = sharded.accumulate
         for rows, T_mb in micro_batch_plan(lengths, size, T, group_by_length):
             pad = size - len(rows)
             xs = tuple(np.pad(c[rows][:, :T_mb] if c.ndim == 2 else c[rows],
                               [(0, pad)] + [(0, 0)] * (c.ndim - 1))[None] for c in cols)
-            carry = accumulate_grads(model_config, loss_config, params, xs, carry,
-                                     activation=activation, compute_dtype=compute_dtype)
+            if mesh is not None:
+                xs = sharded.place_rows(xs)
+            carry = kernel(params, xs, carry)
         loss, grads, sums = carry
         grads = jax.tree_util.tree_map(lambda g, p: g if g.dtype == p.dtype else g.astype(p.dtype),
                                        grads, params)
@@ -374,13 +426,49 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
         metrics["loss"] = loss
         return loss, grads, metrics
 
+    kernels: dict = {}
+
+    def _sharded_kernels(params):
+        key = jax.tree_util.tree_structure(params)
+        if key not in kernels:
+            kernels[key] = _ShardedKernels(model_config, loss_config, params, mesh, activation,
+                                           compute_dtype)
+        return kernels[key]
+
+    loss_and_grad.mesh = mesh
     return loss_and_grad
+
+
+class _ShardedKernels:
+    """`accumulate_grads` and `zero_carry` jitted with explicit shardings on a mesh."""
+
+    def __init__(self, model_config, loss_config, params, mesh, activation, compute_dtype):
+        from das_jax.parallel import sharding as shard_lib
+        self.shard_lib = shard_lib
+        self.shardings = shard_lib.TrainShardings(params, mesh)
+        self.row_multiple = self.shardings.row_multiple
+        carry_sh = self.shardings.like(jax.eval_shape(zero_carry, params))
+        self.zero_carry = jax.jit(zero_carry, out_shardings=carry_sh)
+        # xs: 6 [1, mb, T] columns, the [1, mb] advantages and the [1, mb, T] loss weights, the
+        # rows on the batch axes.
+        mat, vec = self.shardings.rows(3, leading=1), self.shardings.rows(2, leading=1)
+        self.xs_shardings = (mat,) * 6 + (vec, mat)
+        fn = functools.partial(accumulate_grads.__wrapped__, model_config, loss_config,
+                               activation=activation, compute_dtype=compute_dtype)
+        self.accumulate = jax.jit(lambda p, xs, c: fn(p, xs, c),
+                                  in_shardings=(self.shardings.params, self.xs_shardings,
+                                                carry_sh),
+                                  out_shardings=carry_sh, donate_argnums=(2,))
+
+    def place_rows(self, xs):
+        return tuple(self.shard_lib.global_array(x, s) for x, s in zip(xs, self.xs_shardings))
 
 
 def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.GradientTransformation,
                     *, temperature: float = 1.0, jit: bool = True, donate: bool = False,
                     activation: ActivationConfig | None = ActivationConfig(),
-                    compute_dtype: str | None = None, group_by_length: bool = True):
+                    compute_dtype: str | None = None, group_by_length: bool = True,
+                    mesh=None):
     """Builds the GRPO train step `(params, opt_state, batch) -> (params, opt_state, metrics)`.
 
     Args:
@@ -395,6 +483,10 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         params and moments reuse their buffers; the caller must not reuse the inputs afterwards.
       activation / compute_dtype / group_by_length: as `make_loss_and_grad`. Mixed precision:
         params (and so the Adam moments) in float32 "master" dtype, `compute_dtype="bfloat16"`.
+      mesh: None (one device) or a `jax.sharding.Mesh`: params, opt_state and gradients must be
+        placed by `das_jax.parallel.sharding` (`TrainShardings`); the gradient kernel and the
+        update are jitted with those in/out shardings (FSDP) and the batch rows are split over
+        the mesh's batch axes. Loss and metrics equal the one-device step up to float rounding.
 
     Metrics (float32 scalars): loss, grad_norm (before clipping), update_norm, num_completion_tokens,
     clip_low, clip_high, clip_region, entropy, logprob_gap (mean |logp - old_logp| over completion
@@ -402,7 +494,7 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
     """
     loss_and_grad = make_loss_and_grad(model_config, grpo_config, temperature=temperature,
                                        activation=activation, compute_dtype=compute_dtype,
-                                       group_by_length=group_by_length)
+                                       group_by_length=group_by_length, mesh=mesh)
 
     def apply(params, opt_state, grads):
         metrics = {"grad_norm": optax.tree.norm(grads)}
@@ -411,8 +503,25 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         params = optax.apply_updates(params, updates)
         return params, opt_state, metrics
 
+    plain_apply = apply
     if jit:
         apply = jax.jit(apply, donate_argnums=(0, 1) if donate else ())
+    sharded_apply: dict = {}
+
+    def apply_on_mesh(params, opt_state, grads):
+        key = jax.tree_util.tree_structure((params, opt_state))
+        if key not in sharded_apply:
+            from das_jax.parallel.sharding import TrainShardings
+            sh = TrainShardings(params, mesh)
+            o_sh = sh.like(opt_state)
+            sharded_apply[key] = jax.jit(
+                plain_apply, in_shardings=(sh.params, o_sh, sh.params),
+                out_shardings=(sh.params, o_sh, sh.replicated),
+                donate_argnums=(0, 1) if donate else ())
+        return sharded_apply[key](params, opt_state, grads)
+
+    if mesh is not None:
+        apply = apply_on_mesh
 
     def train_step(params, opt_state, batch: TrainBatch):
         loss, grads, metrics = loss_and_grad(params, batch)

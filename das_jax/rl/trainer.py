@@ -98,8 +98,18 @@ class GRPOTrainer:
         # Mixed precision: the trainer holds master params (and Adam moments) in
         # train.master_dtype; forward passes and the engine run in model.dtype.
         self.compute_dtype = c.model.dtype
+        # Several devices or processes: the train state lives on the `mesh:` (FSDP by the rules
+        # of das_jax.parallel.sharding); one device keeps the plain single-device path.
+        from das_jax.parallel import distributed as dist
+        dist.check_same_config(c)
+        self.mesh = _train_mesh(c)
         self.params = cast_params(params, c.train.master_dtype)
         del params, model
+        self.shardings = None
+        if self.mesh is not None:
+            from das_jax.parallel.sharding import TrainShardings, place
+            self.shardings = TrainShardings(self.params, self.mesh)
+            self.params = place(self.params, self.shardings.params)
         if problems is None:
             problems = load_dataset_from_config(
                 c.data.kind, c.data.path, num_problems=c.data.num_problems, limit=c.data.limit,
@@ -123,16 +133,25 @@ class GRPOTrainer:
             reward_fns = [get_reward_fn(n) for n in c.grpo.reward_funcs]
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
         self.optimizer = make_optimizer(c.grpo, c.train.steps)
-        self.opt_state = self.optimizer.init(self.params)
+        if self.mesh is None:
+            self.opt_state = self.optimizer.init(self.params)
+        else:
+            opt_sh = self.shardings.like(jax.eval_shape(self.optimizer.init, self.params))
+            self.opt_state = jax.jit(self.optimizer.init, out_shardings=opt_sh)(self.params)
         self.activation = ActivationConfig(remat=c.train.remat, logits_chunk=c.train.logits_chunk,
                                            attention_chunk=c.train.attention_chunk)
         self.train_step = make_train_step(self.model_config, c.grpo, self.optimizer,
                                           temperature=c.rollout.temperature, donate=True,
                                           activation=self.activation,
-                                          compute_dtype=self.compute_dtype)
-        # The reference policy: a copy in the compute dtype (the master params are donated).
-        self.ref_params = (jax.tree_util.tree_map(jnp.copy, self.rollout_params())
-                           if c.grpo.beta > 0 else None)
+                                          compute_dtype=self.compute_dtype, mesh=self.mesh)
+        # The reference policy: a copy in the compute dtype (the master params are donated),
+        # sharded like the master params on a mesh.
+        self.ref_params = None
+        if c.grpo.beta > 0:
+            self.ref_params = (jax.tree_util.tree_map(jnp.copy, self.rollout_params())
+                               if self.mesh is None else
+                               jax.jit(lambda p: cast_params(p, self.compute_dtype),
+                                       out_shardings=self.shardings.params)(self.params))
         self.step = 0
         self.run_dir = Path(c.output_dir)
         self.last_logprob_gap: float | None = None
@@ -176,24 +195,45 @@ class GRPOTrainer:
                             stats)
 
     # ------------------------------------------------------------------ update
-    def rollout_params(self):
+    def rollout_params(self, on_mesh: bool = False):
         """The params the engine samples from: the master params cast to model.dtype (the same
-        arrays when the dtypes agree)."""
-        return cast_params(self.params, self.compute_dtype)
+        arrays when the dtypes agree).
+
+        On a mesh the cast runs on the devices and gathers the params replicated (no host round
+        trip); `on_mesh=False` (what today's single-device engine takes) returns this process's
+        copy on its first local device, `on_mesh=True` the arrays replicated over the whole
+        mesh (for a rollout that places them itself)."""
+        if self.mesh is None:
+            return cast_params(self.params, self.compute_dtype)
+        if getattr(self, "_gather_rollout_params", None) is None:
+            from das_jax.parallel.sharding import replicated
+            dtype = self.compute_dtype
+            self._gather_rollout_params = jax.jit(lambda p: cast_params(p, dtype),
+                                                  out_shardings=replicated(self.mesh))
+        full = self._gather_rollout_params(self.params)
+        if on_mesh:
+            return full
+        return jax.tree_util.tree_map(lambda x: x.addressable_data(0), full)
 
     def build_batch(self, rb: RolloutBatch):
         c = self.config
         advantages = np.asarray(get_advantage(c.grpo.advantage_estimator)(
             jnp.asarray(rb.rewards), c.grpo))
-        lens_p = np.array([len(p) for p in rb.prompt_ids])
-        lens_c = np.array([max(len(o.token_ids), 0) for o in rb.outputs])
-        T = _token_bucket(int((lens_p + lens_c).max()))
+        lens_p = np.array([len(p) for p in rb.prompt_ids], np.int32)
+        lens_c = np.array([max(len(o.token_ids), 0) for o in rb.outputs], np.int32)
+        from das_jax.parallel import distributed as dist
+        T = _token_bucket(dist.max_over_processes(int((lens_p + lens_c).max())))
         tokens = np.zeros((len(rb.outputs), T), np.int32)
         old = np.zeros((len(rb.outputs), T), np.float32)
         for b, (p, o) in enumerate(zip(rb.prompt_ids, rb.outputs)):
             tokens[b, :len(p)] = p
             tokens[b, len(p):len(p) + len(o.token_ids)] = o.token_ids
             old[b, len(p):len(p) + len(o.token_ids)] = o.logprobs
+        if dist.process_count() > 1:
+            # Every process rolled out the same batch; take process 0's, so that a rare
+            # rounding difference between processes' speculative steps cannot split the update.
+            tokens, old, lens_p, lens_c, advantages = dist.broadcast_from_primary(
+                (tokens, old, lens_p, lens_c, np.asarray(advantages, np.float32)))
         positions = np.broadcast_to(np.arange(T), tokens.shape)
         valid = positions < (lens_p + lens_c)[:, None]
 
@@ -201,7 +241,7 @@ class GRPOTrainer:
             return np.asarray(compute_logprobs(
                 self.model_config, params, jnp.asarray(tokens), jnp.asarray(positions),
                 jnp.asarray(valid), c.rollout.temperature, c.grpo.micro_batch_size,
-                activation=self.activation, compute_dtype=self.compute_dtype))
+                activation=self.activation, compute_dtype=self.compute_dtype, mesh=self.mesh))
 
         ref = logprobs(self.ref_params) if self.ref_params is not None else None
         self.last_logprob_gap = None
@@ -297,7 +337,7 @@ class GRPOTrainer:
         from das_jax.errors import is_disk_full
         try:
             manager.save(self.step, self.params, self.opt_state, self._meta(),
-                         self.rollouts.state_dict()["drafter"])
+                         {ROLLOUT_STATE_KEY: self.rollouts.state_dict()})
         except Exception as e:  # noqa: BLE001 - orbax / tensorstore wrap OSErrors in many types
             if not is_disk_full(e):
                 raise
@@ -347,8 +387,12 @@ class GRPOTrainer:
                         "readable checkpoint (the unreadable one moved to %s)",
                         ", ".join(str(s) for s, _ in unreadable), unreadable[0][1], step, moved)
         self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])
-        self.rollouts.load_state_dict({"drafter": drafter_state,
-                                       "policy": meta.get("policy_state")})
+        if isinstance(drafter_state, dict) and ROLLOUT_STATE_KEY in drafter_state:
+            # this process's drafter and DAS policy state
+            self.rollouts.load_state_dict(drafter_state[ROLLOUT_STATE_KEY])
+        else:  # a checkpoint written before per-process rollout state
+            self.rollouts.load_state_dict({"drafter": drafter_state,
+                                           "policy": meta.get("policy_state")})
         return self.step
 
     # ------------------------------------------------------------------ the loop
@@ -367,15 +411,18 @@ class GRPOTrainer:
           TrainError: nothing to resume; a non-finite loss (nothing of that step is saved); the
             disk filled up while checkpointing.
         """
+        from das_jax.parallel import distributed as dist
         from das_jax.rl import run_dir as rd
         from das_jax.rl.run_log import RunLogger
         c = self.config
-        with rd.lock_run_dir(self.run_dir):
-            if not resume:
+        primary = dist.is_primary()  # process 0 owns the run directory's files and logs
+        with rd.lock_run_dir(self.run_dir) if primary else contextlib.nullcontext():
+            if not resume and primary:
                 if overwrite:
                     rd.clear_run(self.run_dir)
                 rd.check_new_run(self.run_dir,
                                  has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
+            dist.sync("das_jax.train.run_dir_checked")
             manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints)
             with _closing(manager):
                 if resume:
@@ -384,10 +431,15 @@ class GRPOTrainer:
                         log.warning("%s", rd.complete_message(self.run_dir, self.step,
                                                               c.train.steps))
                         return []
-                save_config(c, self.run_dir / "config.yaml")
-                logger = RunLogger(self.run_dir, total_steps=c.train.steps, start_step=self.step,
-                                   progress=progress, max_new_tokens=c.rollout.max_new_tokens,
-                                   steps_per_epoch=self.steps_per_epoch())
+                if primary:
+                    save_config(dataclasses.replace(c, distributed=dataclasses.replace(
+                        c.distributed, process_id=None)), self.run_dir / "config.yaml")
+                    logger = RunLogger(self.run_dir, total_steps=c.train.steps,
+                                       start_step=self.step, progress=progress,
+                                       max_new_tokens=c.rollout.max_new_tokens,
+                                       steps_per_epoch=self.steps_per_epoch())
+                else:
+                    logger = _SilentLogger()
                 records = []
                 from das_jax.rl.evaluate import Evaluator, eval_due
                 evaluator = Evaluator.for_trainer(self)
@@ -409,7 +461,49 @@ class GRPOTrainer:
                                                               c.eval.every):
                             with logger.between_steps():
                                 logger.log_eval(evaluator.run(self, self.step))
+        # process 0 closes the logs (plots) last: the others wait, so that none reaches jax's
+        # shutdown barrier long before it
+        dist.sync("das_jax.train.done")
         return records
+
+
+ROLLOUT_STATE_KEY = "rollout_state"
+
+
+def _train_mesh(c: Config):
+    """The `mesh:` over every device of every process; None for one device in one process (the
+    plain single-device path).
+
+    Raises:
+      TrainError: the mesh sizes do not fit the devices (one line).
+    """
+    from das_jax.parallel.sharding import MESH_AXES, MeshError, mesh_from_config, \
+        resolve_mesh_shape
+    try:
+        if jax.device_count() == 1:
+            resolve_mesh_shape({a: getattr(c.mesh, a) for a in MESH_AXES}, 1)  # checks only
+            return None
+        return mesh_from_config(c.mesh)
+    except MeshError as e:
+        raise TrainError(f"{e} (mesh: in the config; jax sees {jax.device_count()} devices in "
+                         f"{jax.process_count()} process(es))") from None
+
+
+class _SilentLogger:
+    """The run logger of processes other than 0: they log nothing."""
+
+    def log(self, record, samples=None) -> None:
+        pass
+
+    def log_eval(self, record) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def between_steps(self):
+        yield
+
+    def close(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
