@@ -7,9 +7,10 @@ Public surface:
     acceptance_length                                                          (policy.py)
   DASPolicy, DASConfig                                                         (das_policy.py)
   CostModel, CostModelConfig, calibrate                                        (cost_model.py)
-  bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
+  bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows,
+    token_buckets, packed_step_shape                                           (schedule.py)
 
-The jitted device functions (`prefill_insert`, `verify`) are in `step.py`. Names are imported
+The jitted device functions (`prefill_insert`, `verify`, `verify_packed`) are in `step.py`. Names are imported
 lazily (PEP 562) so `das_jax.engine.cli` registers without importing jax.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ _EXPORTS = {
     "CostModel": "cost_model", "CostModelConfig": "cost_model", "calibrate": "cost_model",
     "bucket": "schedule", "pow2_at_least": "schedule", "cache_len_for": "schedule",
     "kv_len_bucket": "schedule", "tail_bucket": "schedule", "compact_rows": "schedule",
+    "token_buckets": "schedule", "packed_step_shape": "schedule",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

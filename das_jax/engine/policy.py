@@ -36,7 +36,10 @@ class StepRecord:
     drafted / accepted: draft tokens verified / accepted this step; emitted: tokens emitted;
     seconds: measured wall time of the step (device + host sync); predicted_seconds: the
     policy's prediction for it (None without a cost model); classes: per-class live row counts
-    (policy-defined, e.g. {"long": 3, "medium": 5, "short": 0}).
+    (policy-defined, e.g. {"long": 3, "medium": 5, "short": 0}); num_tokens: token slots the
+    step computed (padded: batch * width; packed: the slot bucket N); attended_kv: cached
+    positions its attention read, summed over computed rows (batch * kv_len): the cost model's
+    inputs (None where not recorded).
     """
 
     batch: int
@@ -49,6 +52,8 @@ class StepRecord:
     seconds: float
     predicted_seconds: float | None = None
     classes: dict | None = None
+    num_tokens: int | None = None
+    attended_kv: int | None = None
 
 
 def acceptance_length(steps: Sequence[StepRecord]) -> float:
