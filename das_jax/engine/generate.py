@@ -1,13 +1,16 @@
 """Continuous-batching generation with speculative verification: `Engine.generate`.
 
 The host loop owns the bookkeeping (which request is in which cache row, its pending token, its
-cache length); the device runs `step.prefill_insert` and `step.verify` on a donated KV cache.
+cache length); the device runs `step.prefill_insert` and `step.verify_packed` (or the padded
+`step.verify`, `EngineConfig.verify`) on a donated KV cache.
 
 * Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
   refilled from the queue; when the queue is empty and the live rows fit a smaller bucket, they
   are compacted into it, so the long tail runs a small, cheap batch.
-* Shapes: W from `draft_widths`, B from batch buckets, the attended cache length from
-  power-of-two buckets, prompt lengths from power-of-two buckets. Each distinct shape is compiled
+* Shapes: B from batch buckets; packed verify: N token slots from `schedule.token_buckets` (a
+  bucket of sum_b (1 + n_draft_b) over the live rows) and a query block W from `draft_widths`
+  (the step's longest row); padded verify: B x W; the attended cache length from quarter-octave
+  buckets of the longest live row, prompt lengths from power-of-two buckets. Each distinct shape is compiled
   once (ahead of time, timed separately as `compile_s`).
 * Exactness: every token is sampled with the position-keyed rule of `sampling.py`, seeded by the
   request's own seed, so outputs do not depend on drafts, slots, buckets or batch neighbours

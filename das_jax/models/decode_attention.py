@@ -7,21 +7,23 @@ new tokens up to and including itself (causal), the new tokens' K/V not yet in t
 Design (issue 12, "attention that reads each cached position once"):
 
 * Write first, then attend. The attended view is the cache prefix `[0, A)` with
-  `A = min(kv_len + T, S)` (one slice of the layer), and the new keys are scattered into that
+  `A = min(kv_len + T, S)` (one slice of the layer), and the new keys are placed into that
   view at their absolute positions `cache_len[b] + t`; queries then attend over the one view with
   the mask `position <= own position` and `key written`. The previous code concatenated the
   attended cache with the new keys in every layer (a second copy of the whole attended cache per
-  layer per step); the view here is the only copy, and XLA fuses the scatter into it. The cache
-  itself is updated once per step after the layer loop (`KVCache.write` / `write_slots`), so no
-  loop-carried cache buffer is needed (a scatter into a scanned-over cache slice would copy the
-  full `[B, S]` layer every layer). A two-part softmax (cache part and new part merged by their
-  log-sum-exp) would avoid even the scatter, but not the slice, and rules out
-  `jax.nn.dot_product_attention`, which returns no log-sum-exp.
-* The attention itself is `jax.nn.dot_product_attention` (implementation "xla": grouped-query
-  einsums, f32 softmax; the cuDNN kernel takes no per-query mask of this form, and the engine's
-  query blocks are small). The attended length is a static bucket (`engine.schedule.kv_len_bucket`:
-  multiples of 128 up to 512, then quarter octaves), so a row reads close to the longest row's
-  length, not the next power of two.
+  layer per step). The placement is one elementwise select per new token (T is a draft width),
+  which XLA fuses into the single pass that materialises the view; a scatter there was measured
+  ~3x slower on XLA CPU. The cache itself is updated once per step after the layer loop
+  (`KVCache.write` / `write_slots`), so no loop-carried cache buffer is needed (a scatter into a
+  scanned-over cache slice would copy the full `[B, S]` layer every layer). Prefill into an
+  empty scratch cache (`kv_len == 0`) attends over the new keys alone.
+* The attention is a grouped-query einsum with an f32 softmax (`_grouped_attention`, the
+  query heads of one KV head as an axis, so K/V are never repeated).
+  `jax.nn.dot_product_attention(implementation="xla")` computes the same but vmaps over the
+  query groups, and was measured ~5x slower for the whole SmolLM2-shaped step on XLA CPU; its
+  cuDNN kernel takes no per-query mask of this form. The attended length is a static bucket
+  (`engine.schedule.kv_len_bucket`: quarter octaves, multiples of 128 up to 1024), so a row
+  reads close to the longest row's length, not the next power of two.
 * Exact mode (`config.contraction.exact`) keeps its shape-invariant blocked attention
   (`contraction.cached_attention`, which places new keys at absolute positions the same way).
 
@@ -35,6 +37,8 @@ import jax.numpy as jnp
 
 from das_jax.models import contraction as cx
 from das_jax.models.config import ModelConfig
+
+_MAX_SELECTS = 16   # new tokens placed by selects; more (a long prefix-extending T) by a scatter
 
 
 def attended_length(kv_len: int, new_tokens: int, cache_max_len: int) -> int:
@@ -77,13 +81,42 @@ def attend_cache(config: ModelConfig, q_BxTxHxK: jax.Array, k_BxTxKVHxK: jax.Arr
     rows_Bx1 = jnp.arange(B)[:, None]
     cols_BxT = cache_len_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     dtype = q_BxTxHxK.dtype
-    keys_BxAxKVHxK = k_l.astype(dtype).at[rows_Bx1, cols_BxT].set(
-        k_BxTxKVHxK.astype(dtype), mode="drop")
-    values_BxAxKVHxK = v_l.astype(dtype).at[rows_Bx1, cols_BxT].set(
-        v_BxTxKVHxK.astype(dtype), mode="drop")
     pos_A = jnp.arange(A, dtype=jnp.int32)
-    key_ok_BxA = (pos_A[None, :] < cache_len_B[:, None]).at[rows_Bx1, cols_BxT].set(
-        valid_BxT, mode="drop")
+    if kv_len == 0:  # no cached prefix (prefill into a scratch cache): the view is the new keys
+        keys_BxAxKVHxK, values_BxAxKVHxK = k_BxTxKVHxK.astype(dtype), v_BxTxKVHxK.astype(dtype)
+        pos_T = jnp.arange(T, dtype=jnp.int32)
+        mask_BxTxT = valid_BxT[:, None, :] & (pos_T[None, None, :] <= pos_T[None, :, None])
+        return _grouped_attention(q_BxTxHxK, keys_BxAxKVHxK, values_BxAxKVHxK, mask_BxTxT)
+    key_ok_BxA = pos_A[None, :] < cache_len_B[:, None]
+    keys_BxAxKVHxK, values_BxAxKVHxK = k_l.astype(dtype), v_l.astype(dtype)
+    if T > _MAX_SELECTS:
+        keys_BxAxKVHxK = keys_BxAxKVHxK.at[rows_Bx1, cols_BxT].set(k_BxTxKVHxK.astype(dtype),
+                                                                  mode="drop")
+        values_BxAxKVHxK = values_BxAxKVHxK.at[rows_Bx1, cols_BxT].set(
+            v_BxTxKVHxK.astype(dtype), mode="drop")
+        key_ok_BxA = key_ok_BxA.at[rows_Bx1, cols_BxT].set(valid_BxT, mode="drop")
+    for t in range(T if T <= _MAX_SELECTS else 0):
+        # One select per new token (T is a draft width here): elementwise, fused by XLA into
+        # one pass over the view; a scatter into the view was measured ~3x slower on XLA CPU.
+        at_BxA = pos_A[None, :] == cols_BxT[:, t:t + 1]
+        keys_BxAxKVHxK = jnp.where(at_BxA[:, :, None, None], k_BxTxKVHxK[:, t:t + 1].astype(dtype),
+                                   keys_BxAxKVHxK)
+        values_BxAxKVHxK = jnp.where(at_BxA[:, :, None, None],
+                                     v_BxTxKVHxK[:, t:t + 1].astype(dtype), values_BxAxKVHxK)
+        key_ok_BxA = jnp.where(at_BxA, valid_BxT[:, t:t + 1], key_ok_BxA)
     mask_BxTxA = key_ok_BxA[:, None, :] & (pos_A[None, None, :] <= cols_BxT[:, :, None])
-    return jax.nn.dot_product_attention(q_BxTxHxK, keys_BxAxKVHxK, values_BxAxKVHxK,
-                                        mask=mask_BxTxA[:, None], implementation="xla")
+    return _grouped_attention(q_BxTxHxK, keys_BxAxKVHxK, values_BxAxKVHxK, mask_BxTxA)
+
+
+def _grouped_attention(q_BxTxHxK, k_BxAxKVHxK, v_BxAxKVHxK, mask_BxTxA):
+    """Grouped-query attention `[B, T, H, K]` over keys `[B, A, KVH, K]` under a bool mask
+    `[B, T, A]`: f32 scores and softmax, the query heads of a key/value head as one axis."""
+    B, T, H, K = q_BxTxHxK.shape
+    KVH = k_BxAxKVHxK.shape[2]
+    q = q_BxTxHxK.reshape(B, T, KVH, H // KVH, K)
+    scores = jnp.einsum("btngk,bsnk->bngts", q, k_BxAxKVHxK,
+                        preferred_element_type=jnp.float32) * (K ** -0.5)
+    scores = jnp.where(mask_BxTxA[:, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxAxKVHxK.dtype)
+    out = jnp.einsum("bngts,bsnk->btngk", probs, v_BxAxKVHxK)
+    return out.reshape(B, T, H, K)

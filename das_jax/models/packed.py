@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from das_jax.models.config import ModelConfig
 from das_jax.models.decode_attention import attend_cache, attended_length
 from das_jax.models.kv_cache import KVCache
-from das_jax.models.transformer import Params, _layer, rms_norm
+from das_jax.models.transformer import Params, decoder_layer, rms_norm
 
 
 def slot_positions(cache_len_B: jax.Array, row_N: jax.Array, offset_N: jax.Array) -> jax.Array:
@@ -107,7 +107,7 @@ def forward_packed_hidden(
             q, k, v = (to_rows(a[0], row_N, offset_N, B, width) for a in (q_1xN, k_1xN, v_1xN))
             out_BxWxHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_BxW, S)
             return to_slots(out_BxWxHxK, row_N, offset_N)[None]
-        x, k, v = _layer(config, inv_freq, x, lp, pos_N[None], attend=attend)
+        x, k, v = decoder_layer(config, inv_freq, x, lp, pos_N[None], attend=attend)
         return x, (k[0], v[0])
 
     x_1xNxD, (k_LxN, v_LxN) = jax.lax.scan(body, x_1xNxD, (params["layers"], kv_cache.layers()))

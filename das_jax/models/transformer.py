@@ -167,8 +167,8 @@ def _train_attention(q_BxTxHxK, k_BxTxKVHxK, v_BxTxKVHxK, valid_BxT, act: Activa
     return out_N.swapaxes(0, 1).reshape(B, n * C, *q_pad.shape[2:])[:, :T]
 
 
-def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, mask_BxTxS=None,
-           valid_BxT=None, act: "ActivationConfig | None" = None, attend=None):
+def decoder_layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, mask_BxTxS=None,
+                  valid_BxT=None, act: "ActivationConfig | None" = None, attend=None):
     """One pre-norm block. Returns the new residual and this block's new (k, v) `[B, T, KVH, K]`.
 
     `attend(q, k, v) -> [B, T, H, K]`, when given, is the attention (decode / verify / packed:
@@ -257,7 +257,7 @@ def forward_hidden(
             mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BxT[:, None, :]
 
         def body(x, lp):
-            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT, mask, valid_BxT,
+            x, k, v = decoder_layer(config, inv_freq, x, lp, positions_BxT, mask, valid_BxT,
                              activation)
             return x, None
         body = _remat(body, activation.remat if activation is not None else "none")
@@ -275,7 +275,7 @@ def forward_hidden(
 
             def attend(q, k, v):
                 return attend_cache(config, q, k, v, view, cache_len_B, valid_BxT, S)
-            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT, attend=attend)
+            x, k, v = decoder_layer(config, inv_freq, x, lp, positions_BxT, attend=attend)
             return x, (k, v)
         x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.layers()))
         new_cache = kv_cache.write(k_new, v_new, cache_len_B)
