@@ -178,9 +178,14 @@ def test_generate_packed_equals_padded_and_plain(params):
             results[mode, name] = (outs, stats)
             for o, b in zip(outs, base):
                 assert o.token_ids == b.token_ids and o.finish_reason == b.finish_reason
-                np.testing.assert_allclose(o.logprobs, b.logprobs, atol=1e-5)
-    # Same drafts (same seeds) in both modes: the same accepted counts and forward passes.
+                # plain decoding ran other step shapes (fast mode: ~1e-6 relative)
+                np.testing.assert_allclose(o.logprobs, b.logprobs, atol=1e-4)
+    # Same drafts (same seeds) in both modes: the same tokens, log-probs within 1e-5, accepted
+    # counts and forward passes.
     for name in ("oracle", "adversary"):
+        for p, d in zip(results["packed", name][0], results["padded", name][0]):
+            assert p.token_ids == d.token_ids
+            np.testing.assert_allclose(p.logprobs, d.logprobs, atol=1e-5, rtol=0)
         sp, sd = results["packed", name][1], results["padded", name][1]
         assert sp.forward_passes == sd.forward_passes
         assert sp.accepted_draft_tokens == sd.accepted_draft_tokens
