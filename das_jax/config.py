@@ -99,7 +99,9 @@ class RolloutSection:
     GRPO importance ratio needs the sampling distribution; `das-jax generate --temperature 0`
     decodes greedily); draft_widths: compiled draft widths of the verify step;
     exact: shape-invariant contractions, so rollouts are token-identical with and without
-    speculation (README, "Exact mode"; costs some rollout time)."""
+    speculation (README, "Exact mode"; costs some rollout time); verify: packed (each row's
+    own draft tokens as flat slots, the default) or padded (every row padded to the step's
+    widest draft); same tokens either way."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -119,6 +121,7 @@ class RolloutSection:
     # Each replica gets devices / replicas devices and runs tensor-parallel over KV heads on
     # them; whole GRPO groups stay on one replica (das_jax.rollout.sharded).
     replicas: Optional[int] = None
+    verify: str = _choices("packed", "padded", default="packed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,10 @@ memory-bandwidth floor, measured side by side in one process.
    `torch.set_num_threads(--threads)`), the same prompts (left-padded at B = 16), greedy, the same
    max_new_tokens; tok/s counts tokens up to and including the first eos per row.
 
+5. Issue 12: a ragged B = 16 step (one row drafting 7 tokens) packed vs padded, and the KV term
+   (step time slope per cached position-row between 128 and 1024 attended positions) against
+   bytes per position / bandwidth (`packed_and_kv_terms`).
+
 Targets printed next to the numbers: plain decoding >= 2x HF tok/s at B = 1 and B = 16; the B = 1
 W = 1 step within 1.5x of the floor; the W = 8 step at B = 1 <= 1.5x the W = 1 step.
 """
@@ -75,6 +79,52 @@ def time_verify(engine, B: int, W: int, prompt_len: int, repeats: int) -> float:
     return engine.time_verify_step(B, W, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
 
 
+def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: int,
+                        repeats: int) -> dict:
+    """Two measurements of issue 12, printed and returned.
+
+    * Ragged step, packed vs padded: B = 16 with one row drafting 7 tokens and 15 rows none.
+      Packed computes a bucket of 16 + 7 = 23 slots (24); padded computes 16 x 8 = 128 rows.
+    * The KV term: the B = 16, W = 1 step timed at two attended lengths (128 and 1024 cached
+      positions per row); the slope per position-row against `bytes per position / bandwidth`
+      (K and V of every layer read once), the floor of an attention that reads the cache once.
+    """
+    import dataclasses
+
+    from das_jax.engine import Engine
+    from das_jax.models.kv_cache import DenseKVCache
+
+    out = {}
+    kv_len = engine_kv_len(prompt_len, 8)
+    padded = Engine(config, params, eos_token_ids=(),
+                    engine_config=dataclasses.replace(engine.engine_config, verify="padded"))
+    t_packed = engine.time_verify_step(16, 8, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0),
+                                       num_tokens=24)
+    t_padded = padded.time_verify_step(16, 8, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
+    out["ragged_step_s"] = {"packed_N24": t_packed, "padded_16x8": t_padded}
+    print(f"ragged step B=16 (one row drafts 7): packed N=24 {t_packed * 1e3:.1f} ms, padded "
+          f"16x8 {t_padded * 1e3:.1f} ms ({t_padded / t_packed:.2f}x)", flush=True)
+    lo, hi = 128, 1024
+    t_lo = engine.time_verify_step(16, 1, lo, hi + 16, repeats, (0.0, 0, 1.0))
+    t_hi = engine.time_verify_step(16, 1, hi, hi + 16, repeats, (0.0, 0, 1.0))
+    per_pos = max(t_hi - t_lo, 0.0) / (16 * (hi - lo))
+    nbytes = DenseKVCache.bytes_per_position(config, params["embed"].dtype)
+    floor = nbytes / bandwidth
+    out["kv_term"] = {"step_s_kv128": t_lo, "step_s_kv1024": t_hi, "s_per_position_row": per_pos,
+                      "bytes_per_position": nbytes, "floor_s_per_position_row": floor,
+                      "ratio_to_floor": per_pos / floor}
+    print(f"KV term (B=16 W=1, kv 128 -> 1024): {t_lo * 1e3:.1f} -> {t_hi * 1e3:.1f} ms = "
+          f"{per_pos * 1e6:.2f} us per cached position-row; {nbytes / 1e3:.1f} KB / "
+          f"{bandwidth / 1e9:.1f} GB/s = {floor * 1e6:.2f} us ({per_pos / floor:.2f}x the floor)",
+          flush=True)
+    return out
+
+
+def engine_kv_len(prompt_len: int, width: int) -> int:
+    from das_jax.engine import pow2_at_least
+    return pow2_at_least(prompt_len + width, 128)
+
+
 def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_ids) -> tuple:
     import torch
     L = max(len(p) for p in prompts)
@@ -134,6 +184,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"verify step B={B:2d} W={W}: {s * 1e3:7.1f} ms  ({B / s:7.1f} tok/s at W=1 "
                   f"rate, {B * W / s:7.1f} verified tok/s)", flush=True)
     res["step_s"] = steps
+    res.update(packed_and_kv_terms(engine, config, params, bw, args.prompt_len, repeats))
 
     prompts = _prompts(tokenizer, 16, args.prompt_len)
     res["prompt_lens"] = [len(p) for p in prompts]
@@ -214,6 +265,13 @@ def main(args: argparse.Namespace) -> int:
             res[f"ratio_vs_hf_B{B}"] = r
             rows.append(f"| HF generate B={B} | {hf[B]['tok_s']:.1f} tok/s | | |")
             rows.append(f"| das-jax / HF at B={B} | {r:.2f}x | >= 2x | {'yes' if r >= 2 else 'no'} |")
+    rs = res["ragged_step_s"]
+    rows.append(f"| ragged step B=16 (1 row drafts 7): packed N=24 / padded 16x8 | "
+                f"{rs['packed_N24'] * 1e3:.1f} / {rs['padded_16x8'] * 1e3:.1f} ms | | |")
+    kt = res["kv_term"]
+    rows.append(f"| KV term per cached position-row | {kt['s_per_position_row'] * 1e6:.2f} us "
+                f"({kt['ratio_to_floor']:.2f}x bytes/bandwidth) | <= 1.5x | "
+                f"{'yes' if kt['ratio_to_floor'] <= 1.5 else 'no'} |")
     rows.append(f"| memory bandwidth | {bw / 1e9:.1f} GB/s | | |")
     rows.append(f"| floor = param bytes / bandwidth | {res['floor_s'] * 1e3:.1f} ms | | |")
     rows.append(f"| B=1 W=1 step / floor | {f1:.2f}x | <= 1.5x | {'yes' if f1 <= 1.5 else 'no'} |")

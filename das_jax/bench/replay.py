@@ -61,7 +61,7 @@ import numpy as np
 # parse time).
 from das_jax.engine import (CostModel, EngineConfig, FixedPolicy, RowView, StepRecord,
                             acceptance_length, bucket, cache_len_for, compact_rows, kv_len_bucket,
-                            plan_step, pow2_at_least, tail_bucket)
+                            plan_step, pow2_at_least, step_shape_fn, tail_bucket)
 
 
 class FrozenCostModel(CostModel):
@@ -277,15 +277,16 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
         views = [RowView(int(row_req[r]), rollouts[row_req[r]].problem_id,
                          generated[row_req[r]], max_new_tokens - generated[row_req[r]])
                  for r in live]
-        plan = plan_step(drafter, policy, views, B, widths, kv_len)
+        step_shape = step_shape_fn(ec.verify, B, kv_len, widths)
+        plan = plan_step(drafter, policy, views, B, widths, kv_len, step_shape)
         stats.draft_s += plan.draft_s
         stats.policy_s += plan.policy_s
         W = plan.width
-
-        seconds = float(cost_model.predict_step(B * W, B * kv_len))
+        num_tokens, attended_kv = step_shape(np.array([len(t) for t in plan.tokens], np.int32))
+        seconds = float(cost_model.predict_step(num_tokens, attended_kv))
         stats.decode_s += seconds
         stats.forward_passes += 1
-        drafted = accepted = emitted_total = 0
+        drafted = emitted_total = 0
         n_emit, accepted_rows = [], []
         for j, r in enumerate(live):
             ri = int(row_req[r])
@@ -300,8 +301,6 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
                 lim = min(k, len(rec) - g - 1)
                 while acc < lim and int(d[acc]) == rec[g + acc]:
                     acc += 1
-            accepted += acc
-            accepted_rows.append(acc)
             n_emit.append(acc + 1)
         classes = policy.step_classes(views)
         for j, r in enumerate(live):
@@ -309,13 +308,16 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
             before = generated[ri]
             cache_len[r] += n_emit[j]
             emit(int(r), n_emit[j])
-            emitted_total += generated[ri] - before
+            committed = generated[ri] - before   # tokens past a stop / the budget do not count
+            emitted_total += committed
+            accepted_rows.append(max(committed - 1, 0))
+        accepted = sum(accepted_rows)
         stats.drafted_tokens += drafted
         stats.accepted_draft_tokens += accepted
         record = StepRecord(batch=B, active=len(live), width=W, kv_len=kv_len, drafted=drafted,
                             accepted=accepted, emitted=emitted_total, seconds=seconds,
-                            predicted_seconds=seconds, classes=classes, num_tokens=B * W,
-                            attended_kv=B * kv_len, accepted_per_row=tuple(accepted_rows))
+                            predicted_seconds=seconds, classes=classes, num_tokens=num_tokens,
+                            attended_kv=attended_kv, accepted_per_row=tuple(accepted_rows))
         stats.steps.append(record)
         t0 = time.perf_counter()
         policy.observe(record)

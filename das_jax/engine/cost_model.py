@@ -244,11 +244,46 @@ def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
     return coef
 
 
+def _observe_step(cost_model, num_tokens: int, attended_kv: int, seconds: float) -> None:
+    """One calibration observation in the step terms (num_tokens, attended_kv): through
+    `observe_step` where the model has it, else as the old (batch 1, width N, kv attended)."""
+    if hasattr(cost_model, "observe_step"):
+        cost_model.observe_step(num_tokens, attended_kv, seconds)
+    else:
+        cost_model.observe(1, num_tokens, attended_kv, seconds, refit=False)
+
+
+def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
+                       kv_lens: Iterable[int]) -> list[tuple[int, int, int, int]]:
+    """The (batch, width, num_tokens, kv_len) shapes `calibrate` times.
+
+    Packed engine: at each batch bucket and attended length, for each compiled width W, a step
+    where every row drafts W - 1 tokens (N = the slot bucket of B * W) and one where a single
+    row does (N = the slot bucket of B + W - 1), so the fit sees N vary at fixed attended KV and
+    the attended KV vary at fixed N. Padded engine: N = B * W.
+    """
+    from das_jax.engine.schedule import bucket, token_buckets
+
+    out = []
+    for B in batches:
+        nb = token_buckets(engine.max_step_tokens(B))
+        for S in kv_lens:
+            for W in widths:
+                if engine.engine_config.verify == "packed":
+                    ns = sorted({bucket(B * W, nb), bucket(B + W - 1, nb)})
+                else:
+                    ns = [B * W]
+                out.extend((B, W, n, S) for n in ns)
+    return list(dict.fromkeys(out))
+
+
 def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
               batches: Iterable[int] | None = None, widths: Iterable[int] | None = None,
               kv_lens: Iterable[int] = (128, 512), repeats: int = 3,
               sampling_key: tuple = (1.0, 0, 1.0)) -> CostModel:
-    """Times the engine's verify step at several (B, W, S) shapes and fits `cost_model`.
+    """Times the engine's verify step at several shapes and fits `cost_model` on what each step
+    computes: num_tokens (token slots: the packed slot bucket N, or B * W padded) and
+    attended_kv (B * kv_len), the terms of `predict_step` (see `calibration_shapes`).
 
     Runs on dummy tokens, compiling each shape once (not timed; with `cache_len` equal to what
     `generate` will use, those executables are reused there). The median of `repeats` timed calls
@@ -259,17 +294,17 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     widths = tuple(widths or ec.draft_widths)
     cache_len = cache_len or ec.max_cache_len
     kv = sorted({min(s, cache_len - max(widths)) for s in kv_lens})
-    log.info("calibrating the cost model: timing the verify step at %d shapes (B %s, W %s, S %s; "
-             "each compiled once) ...", len(batches) * len(kv) * len(widths),
-             list(batches), list(widths), kv)
+    shapes = calibration_shapes(engine, batches, widths, kv)
+    log.info("calibrating the cost model: timing the %s verify step at %d shapes (B %s, W %s, "
+             "S %s; each compiled once) ...", ec.verify, len(shapes), list(batches),
+             list(widths), kv)
     t0 = time.perf_counter()
-    for B in batches:
-        for S in kv:
-            for W in widths:
-                seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key)
-                cost_model.observe(B, W, S, seconds, refit=False)
+    for B, W, N, S in shapes:
+        seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key,
+                                          num_tokens=N)
+        _observe_step(cost_model, N, B * S, seconds)
     cost_model.fit()
-    log.info("calibrated the cost model in %.1f s: t = %.1f ms + %.2f ms * B*W + %.2f us * B*S",
-             time.perf_counter() - t0, cost_model.c_base * 1e3, cost_model.c_tok * 1e3,
-             cost_model.c_kv * 1e6)
+    log.info("calibrated the cost model in %.1f s: t = %.1f ms + %.2f ms * tokens + %.2f us * "
+             "attended KV", time.perf_counter() - t0, cost_model.c_base * 1e3,
+             cost_model.c_tok * 1e3, cost_model.c_kv * 1e6)
     return cost_model

@@ -1,13 +1,16 @@
 """Continuous-batching generation with speculative verification: `Engine.generate`.
 
 The host loop owns the bookkeeping (which request is in which cache row, its pending token, its
-cache length); the device runs `step.prefill_insert` and `step.verify` on a donated KV cache.
+cache length); the device runs `step.prefill_insert` and `step.verify_packed` (or the padded
+`step.verify`, `EngineConfig.verify`) on a donated KV cache.
 
 * Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
   refilled from the queue; when the queue is empty and the live rows fit a smaller bucket, they
   are compacted into it, so the long tail runs a small, cheap batch.
-* Shapes: W from `draft_widths`, B from batch buckets, the attended cache length from
-  power-of-two buckets, prompt lengths from power-of-two buckets. Each distinct shape is compiled
+* Shapes: B from batch buckets; packed verify: N token slots from `schedule.token_buckets` (a
+  bucket of sum_b (1 + n_draft_b) over the live rows) and a query block W from `draft_widths`
+  (the step's longest row); padded verify: B x W; the attended cache length from quarter-octave
+  buckets of the longest live row, prompt lengths from power-of-two buckets. Each distinct shape is compiled
   once (ahead of time, timed separately as `compile_s`).
 * Exactness: every token is sampled with the position-keyed rule of `sampling.py`, seeded by the
   request's own seed, so outputs do not depend on drafts, slots, buckets or batch neighbours
@@ -30,7 +33,8 @@ from das_jax.engine import step as step_lib
 from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
                                    acceptance_length, plan_step)
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
-                                     pow2_at_least, tail_bucket)
+                                     packed_width, pow2_at_least, step_shape_fn, tail_bucket,
+                                     token_buckets)
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
 from das_jax.models.transformer import KVCache, Params
@@ -118,6 +122,9 @@ class EngineConfig:
     exact: exact mode: every contraction and reduction feeding the logits is shape-invariant
       (`das_jax.models.contraction`), so rollouts are token-identical with and without
       speculation, whatever the batch bucket, width or attended length (README, "Exact mode").
+    verify: "packed" (default: `step.verify_packed`, dense work on the live rows' own tokens,
+      N = a bucket of sum_b (1 + n_draft_b)) or "padded" (`step.verify`, B x W token rows: every
+      row pays the widest draft). Same tokens either way.
     """
 
     max_slots: int = 16
@@ -127,8 +134,11 @@ class EngineConfig:
     kv_memory_gb: float | None = None
     kv_memory_fraction: float | None = None
     exact: bool = False
+    verify: str = "packed"
 
     def __post_init__(self):
+        if self.verify not in ("packed", "padded"):
+            raise GenerateError(f"verify must be 'packed' or 'padded', got {self.verify!r}")
         if self.max_slots < 1:
             raise GenerateError(f"max_slots must be >= 1, got {self.max_slots}")
         widths = tuple(sorted(set(int(w) for w in self.draft_widths)))
@@ -181,6 +191,22 @@ class _Compiled:
             self.compile_s += time.perf_counter() - t0
             self._cache[key] = compiled
         return compiled
+
+
+def _dummy_slots(batch: int, width: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row_N, offset_N) of `num_tokens` timing slots: full-width rows first, then one slot per
+    remaining row, then padding (row index = batch)."""
+    rows, offs = [], []
+    full = max(0, min(batch, (num_tokens - batch) // max(width - 1, 1))) if width > 1 else 0
+    for b in range(batch):
+        w = width if b < full else 1
+        for o in range(w):
+            if len(rows) < num_tokens:
+                rows.append(b)
+                offs.append(o)
+    rows += [batch] * (num_tokens - len(rows))
+    offs += [0] * (num_tokens - len(offs))
+    return np.asarray(rows, np.int32), np.asarray(offs, np.int32)
 
 
 def device_free_bytes(device: jax.Device | None = None) -> int | None:
@@ -356,29 +382,82 @@ class Engine:
         return self._compiled.get(("verify", B, W, S, kv_len, skey, self.config, dtype),
                                   step_lib.verify, *args)
 
+    def _packed_executable(self, B: int, N: int, W: int, S: int, kv_len: int, skey: tuple,
+                           dtype: str, args: tuple):
+        """The compiled packed verify step for these shapes (compiled on first use, shared)."""
+        return self._compiled.get(("verify_packed", B, N, W, S, kv_len, skey, self.config, dtype),
+                                  step_lib.verify_packed, *args)
+
+    def max_step_tokens(self, batch: int) -> int:
+        """The largest packed slot bucket at this batch bucket: batch x the widest draft width."""
+        return batch * max(self.engine_config.draft_widths)
+
+    def step_shape(self, batch: int, kv_len: int, widths: Sequence[int] | None = None):
+        """`step_shape(n_draft_B) -> (num_tokens, attended_kv)` of this engine's verify step at
+        batch bucket `batch` and attended length `kv_len`, for per-row draft lengths of the live
+        rows (the cost model's inputs; `EngineConfig.verify` decides packed or padded)."""
+        return step_shape_fn(self.engine_config.verify, batch, kv_len,
+                             widths or self.engine_config.draft_widths)
+
     def time_verify_step(self, batch: int, width: int, kv_len: int, cache_len: int,
-                         repeats: int = 3, sampling_key: tuple = (1.0, 0, 1.0)) -> float:
+                         repeats: int = 3, sampling_key: tuple = (1.0, 0, 1.0),
+                         num_tokens: int | None = None) -> float:
         """Median seconds of the verify step at (B, W, attended length), on dummy tokens.
 
-        Compiles the shape once (not timed; the executable is the one `generate` uses when
-        `cache_len` and `sampling_key` = `SamplingParams.static_key()` match) and discards the
-        first timed call. Used by the cost-model calibration and the engine benchmark.
+        Packed (`EngineConfig.verify`): `num_tokens` slots (default `batch * width`, every row
+        drafting `width - 1` tokens; fewer: the first rows get full width, the remaining slots
+        go one per row, then padding) with a query block of `width`. Padded: B x W. Every row
+        attends `kv_len` cached positions. Compiles the shape once (not timed; the executable
+        is the one `generate` uses when `cache_len` and `sampling_key` =
+        `SamplingParams.static_key()` match) and discards the first timed call. Used by the
+        cost-model calibration and the engine benchmark.
         """
         params = self.place_params(self.params)
         dtype = jnp.dtype(params["embed"].dtype)
         cache = self._zeros_cache(batch, cache_len, dtype)
         skey = tuple(sampling_key)
-        args = (self.config, skey, kv_len, params, cache,
-                np.full((batch,), kv_len, np.int32), np.full((batch, width), 7, np.int32),
-                np.full((batch,), width - 1, np.int32), np.arange(batch, dtype=np.int32))
-        fn = self._verify_executable(batch, width, cache_len, kv_len, skey, dtype.name, args)
+        cache_len_B = np.full((batch,), kv_len, np.int32)
+        seeds_B = np.arange(batch, dtype=np.int32)
+        if self.engine_config.verify == "packed":
+            N = batch * width if num_tokens is None else int(num_tokens)
+            rows, offs = _dummy_slots(batch, width, N)
+            n_draft_B = np.bincount(rows[rows < batch], minlength=batch).astype(np.int32) - 1
+            args = (self.config, skey, kv_len, width, params, cache, cache_len_B,
+                    np.full((N,), 7, np.int32), rows, offs, np.maximum(n_draft_B, 0), seeds_B)
+            fn = self._packed_executable(batch, N, width, cache_len, kv_len, skey, dtype.name,
+                                         args)
+            rest = args[6:]
+        else:
+            args = (self.config, skey, kv_len, params, cache, cache_len_B,
+                    np.full((batch, width), 7, np.int32), np.full((batch,), width - 1, np.int32),
+                    seeds_B)
+            fn = self._verify_executable(batch, width, cache_len, kv_len, skey, dtype.name, args)
+            rest = args[5:]
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            cache, y, *_ = fn(params, cache, *args[5:])
+            cache, y, *_ = fn(params, cache, *rest)
             np.asarray(y)
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
+
+    def _packed_args(self, B, W, N, kv_len, skey, params, cache, cache_len_B, pending_B, seeds_B,
+                     live, drafts, n_draft_B) -> tuple:
+        """Arguments of `step.verify_packed`: each live row's pending token then its drafts, as
+        consecutive slots; the rest of the N slots are padding (row index B)."""
+        tokens_N = np.zeros(N, np.int32)
+        row_N = np.full(N, B, np.int32)
+        offset_N = np.zeros(N, np.int32)
+        i = 0
+        for j, r in enumerate(live):
+            k = len(drafts[j])
+            tokens_N[i] = pending_B[r]
+            tokens_N[i + 1:i + 1 + k] = drafts[j]
+            row_N[i:i + 1 + k] = r
+            offset_N[i:i + 1 + k] = np.arange(1 + k)
+            i += 1 + k
+        return (self.config, skey, kv_len, W, params, cache, cache_len_B, tokens_N, row_N,
+                offset_N, n_draft_B, seeds_B)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -537,24 +616,34 @@ class Engine:
                              len(outputs[row_req[r]].token_ids),
                              sampling.max_new_tokens - len(outputs[row_req[r]].token_ids))
                      for r in live]
-            plan = plan_step(drafter, policy, views, B, widths, kv_len)
+            step_shape = self.step_shape(B, kv_len, widths)
+            plan = plan_step(drafter, policy, views, B, widths, kv_len, step_shape)
             stats.draft_s += plan.draft_s
             stats.policy_s += plan.policy_s
             W, predicted = plan.width, plan.predicted_seconds
 
             # ---- verify ----
-            tokens_BxW = np.zeros((B, W), np.int32)
             n_draft_B = np.zeros(B, np.int32)
-            tokens_BxW[:, 0] = pending
             for j, r in enumerate(live):
-                k = len(plan.tokens[j])
-                tokens_BxW[r, 1:1 + k] = plan.tokens[j]
-                n_draft_B[r] = k
-            args = (self.config, skey, kv_len, params, cache, cache_len, tokens_BxW, n_draft_B,
-                    row_seed)
-            fn = self._verify_executable(B, W, S, kv_len, skey, dtype, args)
+                n_draft_B[r] = len(plan.tokens[j])
+            num_tokens, attended_kv = step_shape(n_draft_B[live])
+            if ec.verify == "packed":
+                args = self._packed_args(B, W, num_tokens, kv_len, skey, params, cache,
+                                         cache_len, pending, row_seed, live, plan.tokens,
+                                         n_draft_B)
+                fn = self._packed_executable(B, num_tokens, W, S, kv_len, skey, dtype, args)
+                run_args = args[4:]
+            else:
+                tokens_BxW = np.zeros((B, W), np.int32)
+                tokens_BxW[:, 0] = pending
+                for j, r in enumerate(live):
+                    tokens_BxW[r, 1:1 + len(plan.tokens[j])] = plan.tokens[j]
+                args = (self.config, skey, kv_len, params, cache, cache_len, tokens_BxW,
+                        n_draft_B, row_seed)
+                fn = self._verify_executable(B, W, S, kv_len, skey, dtype, args)
+                run_args = args[3:]
             t0 = time.perf_counter()
-            cache, y_BxW, logp_BxW, n_emit_B = fn(*args[3:])
+            cache, y_BxW, logp_BxW, n_emit_B = fn(*run_args)
             y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)
             seconds = time.perf_counter() - t0
             stats.decode_s += seconds
@@ -583,7 +672,7 @@ class Engine:
             record = StepRecord(batch=B, active=len(live), width=W, kv_len=kv_len, drafted=drafted,
                                 accepted=accepted, emitted=emitted_total, seconds=seconds,
                                 predicted_seconds=predicted, classes=classes,
-                                num_tokens=B * W, attended_kv=B * kv_len,
+                                num_tokens=num_tokens, attended_kv=attended_kv,
                                 accepted_per_row=tuple(accepted_rows))
             stats.steps.append(record)
             policy.observe(record)

@@ -18,6 +18,8 @@ from typing import Callable, Hashable, Protocol, Sequence
 
 import numpy as np
 
+from das_jax.engine import schedule
+
 
 @dataclasses.dataclass(frozen=True)
 class RowView:
@@ -78,16 +80,12 @@ def padded_step_shape(batch: int, widths: Sequence[int], kv_len: int) -> StepSha
     does), and attends the attended-length bucket `kv_len`:
     (batch * W, batch * kv_len)."""
     ws = sorted(int(w) for w in widths)
-
-    def shape(n_draft_B: np.ndarray) -> tuple[int, int]:
-        return batch * width_for(n_draft_B, ws), batch * kv_len
-    return shape
+    return lambda n_draft_B: schedule.padded_step_shape(n_draft_B, batch, kv_len, ws)
 
 
 def width_for(n_draft_B: np.ndarray, widths: Sequence[int]) -> int:
-    """The smallest of the ascending `widths` >= 1 + max(n_draft_B) (the largest when none is)."""
-    need = 1 + int(np.max(n_draft_B, initial=0))
-    return next((w for w in widths if w >= need), widths[-1])
+    """The smallest of `widths` >= 1 + max(n_draft_B) (the largest when none is)."""
+    return schedule.packed_width(n_draft_B, widths)
 
 
 def packed_step_shape(kv_lens_B: np.ndarray, token_buckets: Sequence[int] | None = None,

@@ -2,8 +2,8 @@
 trace-replay simulator (`das_jax.bench.replay`), so both take the same scheduling decisions.
 
 Every shape the engine compiles comes from a bucket: batch buckets (powers of two up to
-`max_slots`), prompt-length and attended-length buckets (powers of two above a floor), and one
-cache length per `generate` call. Pure host code (numpy only).
+`max_slots`), prompt-length buckets (powers of two above a floor), attended-length buckets
+(quarter octaves), packed slot-count buckets, and one cache length per `generate` call. Pure host code (numpy only).
 """
 from __future__ import annotations
 
@@ -40,8 +40,61 @@ def cache_len_for(max_cache_len: int, draft_widths: Sequence[int], max_prompt: i
 
 
 def kv_len_bucket(cache_len_live: np.ndarray, cache_len: int) -> int:
-    """The attended length of a verify step: the longest live row's cache length, bucketed."""
-    return min(pow2_at_least(int(cache_len_live.max()), KV_LEN_FLOOR), cache_len)
+    """The attended length of a verify step: the longest live row's cache length, rounded up to
+    a quarter octave: multiples of 128 up to 1024, of 256 up to 2048, of 512 up to 4096, ...
+    (at most 25% above the longest row beyond 512, 4 compiled lengths per doubling; the floor
+    is 128), capped at the cache length."""
+    n = max(int(cache_len_live.max()), 1)
+    step = max(KV_LEN_FLOOR, pow2_at_least(n, KV_LEN_FLOOR) // 8)
+    return min(-(-n // step) * step, cache_len)
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The compiled slot counts N of the packed verify step: powers of two up to 16, then
+    powers of two and their 1.5x (24, 32, 48, 64, 96, ...: at most 50% padding where a slot
+    costs most), up to and including `max_tokens`. Few buckets, since each is compiled per
+    (batch bucket, width, attended length)."""
+    out, p = [], 1
+    while p < max_tokens:
+        out.append(p)
+        if p >= 16 and p + p // 2 < max_tokens:
+            out.append(p + p // 2)
+        p *= 2
+    return tuple(out) + (max_tokens,)
+
+
+def packed_width(n_draft: Sequence[int], widths: Sequence[int]) -> int:
+    """The query-block width of a packed step: the smallest compiled width holding the longest
+    row (1 + its draft tokens)."""
+    need = 1 + max((int(n) for n in n_draft), default=0)
+    return next((w for w in sorted(widths) if w >= need), max(widths))
+
+
+def packed_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int, max_tokens: int
+                      ) -> tuple[int, int]:
+    """(num_tokens, attended_kv) a packed verify step computes for these per-row draft lengths
+    (live rows only): the slot bucket of sum_b (1 + n_b), and `batch * kv_len` cached positions
+    (every cache row of the batch bucket attends the step's `kv_len`)."""
+    need = sum(1 + int(n) for n in n_draft_B)
+    return bucket(max(need, 1), token_buckets(max_tokens)), batch * kv_len
+
+
+def padded_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int,
+                      widths: Sequence[int]) -> tuple[int, int]:
+    """(num_tokens, attended_kv) of the padded verify step: every row pays the widest draft."""
+    return batch * packed_width(n_draft_B, widths), batch * kv_len
+
+
+def step_shape_fn(verify: str, batch: int, kv_len: int, widths: Sequence[int]):
+    """`step_shape(n_draft_B) -> (num_tokens, attended_kv)` of the verify step at batch bucket
+    `batch` and attended length `kv_len`: `packed_step_shape` (slot buckets up to
+    batch x the widest width) or `padded_step_shape`, by `verify` ("packed" | "padded"). Shared
+    by the engine and the trace replay, so both price a choice of drafts the same way."""
+    widths = tuple(sorted(int(w) for w in widths))
+    if verify == "packed":
+        max_tokens = batch * widths[-1]
+        return lambda n_draft_B: packed_step_shape(n_draft_B, batch, kv_len, max_tokens)
+    return lambda n_draft_B: padded_step_shape(n_draft_B, batch, kv_len, widths)
 
 
 def tail_bucket(num_live: int, batch: int, batch_buckets: Sequence[int],

@@ -5,8 +5,12 @@ update is in place. Shapes are static per compiled variant:
 
 * prefill: `U` unique prompts padded to `T` tokens (a prompt-length bucket), inserted into `R`
   slots (GRPO's `num_generations` samples of one prompt share one prefill).
-* verify: `tokens[B, W]`, W = 1 + draft width from a small compiled set, B from batch buckets,
-  attending to the first `kv_len` cache positions (a bucket of the longest live row).
+* verify (padded): `tokens[B, W]`, W = 1 + draft width from a small compiled set, B from batch
+  buckets, attending to the first `kv_len` cache positions (a bucket of the longest live row).
+  Every row pays for the widest draft: dense work on B * W token rows.
+* verify_packed (the engine's default): N flat token slots, each live row's pending token and its
+  own drafts (`das_jax.models.packed`); dense work on N = a bucket of sum_b (1 + n_draft_b)
+  slots, attention per row over its cache. Same sampling rule, same outputs.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 
 from das_jax.engine import sampling as sampling_lib
 from das_jax.models.config import ModelConfig
+from das_jax.models.packed import forward_packed_hidden, slot_positions, to_rows
 from das_jax.models.transformer import KVCache, Params, forward, forward_hidden, lm_head
 
 
@@ -92,13 +97,66 @@ def verify(
         logits_BxWxV.reshape(B * W, -1), jnp.repeat(seeds_B, W), (positions_BxW + 1).reshape(-1),
         sampling_key, config.contraction)
     y_BxW, logp_BxW = y_N.reshape(B, W), logp_N.reshape(B, W)
-    if W > 1:
-        match_Bx = (tokens_BxW[:, 1:] == y_BxW[:, :-1]) & (
-            jnp.arange(1, W)[None, :] <= n_draft_B[:, None])
-        n_acc_B = jnp.sum(jnp.cumprod(match_Bx.astype(jnp.int32), axis=1), axis=1)
-    else:
-        n_acc_B = jnp.zeros((B,), jnp.int32)
-    return cache, y_BxW, logp_BxW, (n_acc_B + 1).astype(jnp.int32)
+    return cache, y_BxW, logp_BxW, _emitted(tokens_BxW, y_BxW, n_draft_B)
+
+
+def _emitted(tokens_BxW, y_BxW, n_draft_B):
+    """int32 `[B]` tokens emitted per row: 1 + the accepted drafts (d_j accepted while
+    d_j == y_{j-1} for every j' <= j <= n_draft)."""
+    B, W = tokens_BxW.shape
+    if W == 1:
+        return jnp.ones((B,), jnp.int32)
+    match_Bx = (tokens_BxW[:, 1:] == y_BxW[:, :-1]) & (
+        jnp.arange(1, W)[None, :] <= n_draft_B[:, None])
+    n_acc_B = jnp.sum(jnp.cumprod(match_Bx.astype(jnp.int32), axis=1), axis=1)
+    return (n_acc_B + 1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling_key", "kv_len", "width"),
+                   donate_argnames=("cache",))
+def verify_packed(
+    config: ModelConfig,
+    sampling_key: tuple,
+    kv_len: int,
+    width: int,
+    params: Params,
+    cache: KVCache,
+    cache_len_B: jax.Array,
+    tokens_N: jax.Array,
+    row_N: jax.Array,
+    offset_N: jax.Array,
+    n_draft_B: jax.Array,
+    seeds_B: jax.Array,
+):
+    """The packed speculative decode step: the rule of `verify` on N flat token slots.
+
+    Row b's slots are its pending token (offset 0) and its own draft tokens d_1..d_{n_draft_B[b]}
+    (offsets 1..n_draft_B[b]); rows have different draft lengths and no padding to a shared
+    width (`das_jax.models.packed`). At every slot the target token for the next absolute index
+    is sampled with the position-keyed rule; acceptance and emission are those of `verify`.
+
+    Args:
+      kv_len: static attended-length bucket (>= every live row's cache_len).
+      width: static query-block width W >= 1 + max_b n_draft_B[b] (a compiled draft width).
+      tokens_N, row_N, offset_N: int32 slot token, cache row (>= B: a padding slot) and offset in
+        the row; N is a compiled slot bucket >= sum_b (1 + n_draft_B[b]).
+      cache_len_B, n_draft_B, seeds_B: int32 per cache row (rows without slots: anything).
+
+    Returns:
+      (cache, y_BxW int32, logprobs_BxW float32, n_emit_B int32), laid out as `verify`'s: row b's
+      column i is slot (b, i); columns past a row's slots, and rows without slots, are garbage.
+    """
+    B = cache.batch
+    pos_N = slot_positions(cache_len_B, row_N, offset_N)
+    hidden_NxD, cache = forward_packed_hidden(config, params, tokens_N, row_N, offset_N, cache,
+                                              cache_len_B, width=width, kv_len=kv_len)
+    logits_NxV = lm_head(config, params, hidden_NxD[None])[0]
+    y_N, logp_N = sampling_lib.sample(logits_NxV, seeds_B[jnp.minimum(row_N, B - 1)], pos_N + 1,
+                                      sampling_key, config.contraction)
+    y_BxW = to_rows(y_N, row_N, offset_N, B, width)
+    logp_BxW = to_rows(logp_N, row_N, offset_N, B, width)
+    tokens_BxW = to_rows(tokens_N, row_N, offset_N, B, width)
+    return cache, y_BxW, logp_BxW, _emitted(tokens_BxW, y_BxW, n_draft_B)
 
 
 @jax.jit

@@ -323,7 +323,7 @@ def cached_attention(policy: ContractionPolicy, q_BxTxHxK: jax.Array, k_BxTxKVHx
                      cache_v_BxSxKVHxK: jax.Array | None, mask_BxTxA: jax.Array) -> jax.Array:
     """Exact-mode attention of T new queries over a cached prefix and the new keys.
 
-    Inputs follow `transformer._layer`: the cache slice holds S positions, row b's first
+    Inputs follow `transformer.decoder_layer`: the cache slice holds S positions, row b's first
     `cache_len[b]` valid; `mask_BxTxA` (A = S + T) is the fast path's mask over the
     concatenation [cache, new] (cache part `s < cache_len[b]`, new part causal and valid), from
     which cache_len and the valid new keys are read back. The new keys are placed at their

@@ -7,6 +7,7 @@ Every user of the cache goes through these operations (and never indexes `k` / `
     layers()                                 the per-layer pytree `forward_hidden` scans over
     attended(layer, kv_len)                  that layer's attended view `[B, kv_len, KVH, K]`
     write(k_new, v_new, cache_len_B)         store new tokens' K/V at positions cache_len[b] + t
+    write_slots(k_new, v_new, rows, pos)     store packed token slots' K/V at (row, position)
     insert_rows(slots_R, src, src_R)         copy rows of a (prefill scratch) cache into slots
     gather_rows(rows_B)                      a cache of the given rows (tail compaction)
 
@@ -114,6 +115,17 @@ class DenseKVCache:
                                                    mode="drop"),
             v=self.v.at[:, rows_Bx1, cols_BxT].set(v_new_LxBxTxKVHxK.astype(self.v.dtype),
                                                    mode="drop"))
+
+    def write_slots(self, k_new_LxNxKVHxK, v_new_LxNxKVHxK, rows_N, positions_N
+                    ) -> "DenseKVCache":
+        """Stores packed token slot i at row `rows_N[i]`, position `positions_N[i]` in every layer
+        (one scatter; the packed verify step). A row index >= B (a padding slot) or a position
+        >= S is dropped."""
+        return DenseKVCache(
+            k=self.k.at[:, rows_N, positions_N].set(k_new_LxNxKVHxK.astype(self.k.dtype),
+                                                    mode="drop"),
+            v=self.v.at[:, rows_N, positions_N].set(v_new_LxNxKVHxK.astype(self.v.dtype),
+                                                    mode="drop"))
 
     def insert_rows(self, slots_R, src: "DenseKVCache", src_R) -> "DenseKVCache":
         """Copies rows `src_R` of `src` (positions `[0, src.max_len)`) into rows `slots_R`; a slot

@@ -33,6 +33,7 @@ import numpy as np
 
 from das_jax.models import contraction as cx
 from das_jax.models.config import ModelConfig
+from das_jax.models.decode_attention import attend_cache, attended_length
 from das_jax.models.kv_cache import DenseKVCache, KVCache  # noqa: F401  (re-exported)
 
 Params = dict[str, Any]
@@ -166,14 +167,15 @@ def _train_attention(q_BxTxHxK, k_BxTxKVHxK, v_BxTxKVHxK, valid_BxT, act: Activa
     return out_N.swapaxes(0, 1).reshape(B, n * C, *q_pad.shape[2:])[:, :T]
 
 
-def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, cache_kv, mask_BxTxS,
-           valid_BxT=None, act: "ActivationConfig | None" = None):
+def decoder_layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, mask_BxTxS=None,
+                  valid_BxT=None, act: "ActivationConfig | None" = None, attend=None):
     """One pre-norm block. Returns the new residual and this block's new (k, v) `[B, T, KVH, K]`.
 
-    With `cache_kv` (the attended cache prefix) the einsum attention over `mask_BxTxS` is used
-    (decode / verify: T is small; in exact mode `contraction.cached_attention`, shape-invariant);
-    without it, `_train_attention` (teacher-forced, causal). The contractions go through
-    `config.contraction` (`das_jax.models.contraction`: fast, or exact mode)."""
+    `attend(q, k, v) -> [B, T, H, K]`, when given, is the attention (decode / verify / packed:
+    `decode_attention.attend_cache` over the KV cache); else with `act`, `_train_attention`
+    (teacher-forced, causal); else the einsum attention over `mask_BxTxS` (the reference). The
+    contractions go through `config.contraction` (`das_jax.models.contraction`: fast, or exact
+    mode)."""
     cp = config.contraction
     h = rms_norm(x_BxTxD, lp["attn_norm"], config.rms_norm_eps, cp)
     q = cx.einsum(cp, "btd,dhk->bthk", h, lp["wq"], rows="bt")
@@ -185,13 +187,8 @@ def _layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, cache_kv, 
         q = rms_norm(q, lp["q_norm"], config.rms_norm_eps, cp)
         k = rms_norm(k, lp["k_norm"], config.rms_norm_eps, cp)
     q, k = rope(q, positions_BxT, inv_freq), rope(k, positions_BxT, inv_freq)
-    if cache_kv is not None and cp.exact:  # shape-invariant attention (fixed blocks)
-        cache_k, cache_v = cache_kv
-        attn = cx.cached_attention(cp, q, k, v, cache_k, cache_v, mask_BxTxS)
-    elif cache_kv is not None:
-        cache_k, cache_v = cache_kv
-        keys, values = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
-        attn = _attention(config, q, keys, values, mask_BxTxS)
+    if attend is not None:
+        attn = attend(q, k, v)
     elif act is not None:
         attn = _train_attention(q, k, v, valid_BxT, act)
     else:
@@ -260,7 +257,7 @@ def forward_hidden(
             mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BxT[:, None, :]
 
         def body(x, lp):
-            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT, None, mask, valid_BxT,
+            x, k, v = decoder_layer(config, inv_freq, x, lp, positions_BxT, mask, valid_BxT,
                              activation)
             return x, None
         body = _remat(body, activation.remat if activation is not None else "none")
@@ -270,15 +267,15 @@ def forward_hidden(
         if cache_len_B is None:
             raise ValueError("forward with a kv_cache needs cache_len_B")
         S = kv_cache.max_len if kv_len is None else min(kv_len, kv_cache.max_len)
-        new_mask_BxTxT = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BxT[:, None, :]
-        old_mask_BxS = jnp.arange(S)[None, :] < cache_len_B[:, None]
-        mask_BxTxS = jnp.concatenate(
-            [jnp.broadcast_to(old_mask_BxS[:, None, :], (B, T, S)), new_mask_BxTxT], axis=-1)
+        A = attended_length(S, T, kv_cache.max_len)
 
         def body(x, inputs):
             lp, layer = inputs
-            x, k, v = _layer(config, inv_freq, x, lp, positions_BxT,
-                             kv_cache.attended(layer, S), mask_BxTxS)
+            view = kv_cache.attended(layer, A)
+
+            def attend(q, k, v):
+                return attend_cache(config, q, k, v, view, cache_len_B, valid_BxT, S)
+            x, k, v = decoder_layer(config, inv_freq, x, lp, positions_BxT, attend=attend)
             return x, (k, v)
         x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.layers()))
         new_cache = kv_cache.write(k_new, v_new, cache_len_B)

@@ -1,0 +1,116 @@
+"""The packed forward over the KV cache: N token slots of ragged rows in one flat buffer.
+
+A packed step holds, for each live cache row b, its `w_b` new tokens (the pending token and its
+own draft tokens) as consecutive slots of a flat buffer of N slots, with per-slot row index and
+offset in the row (0 = the pending token, at absolute position `cache_len[b]`). N is a bucket of
+`sum_b w_b`, never `B * max_b w_b`.
+
+Design (issue 12, item 1):
+
+* Dense work on `[N, D]`: embedding, q/k/v and output projections, MLP, final norm (and the
+  caller's lm_head and sampling) run on the N slots only, so a row that speculates does not tax
+  the rows that do not.
+* Attention per row: the slots' queries, keys and values are scattered into a `[B, W]` query
+  block (W = the step's widest row, a small compiled set) and attend with
+  `decode_attention.attend_cache`, which reads each row's attended cache view once (one read per
+  row for all of its queries, which is what matters while attention is memory-bound: decode on a
+  GPU, long contexts) and writes no concatenation. The block costs `B * W` query rows of
+  attention arithmetic; the alternative, attention on the flat slots with each slot gathering its
+  row's cache, would read a row's cache once per slot (`N * kv` bytes instead of `B * kv`), the
+  wrong trade for memory-bound attention. Results are gathered back to the N slots.
+* The cache is written once per step after the layer loop: slot i's K/V at
+  `(row_N[i], cache_len[row] + offset_N[i])` (`KVCache.write_slots`).
+* Exact mode: every dense contraction is a `contraction.einsum` over the N slot rows (row-count
+  invariant) and the attention is the same exact blocked attention as the padded path, so a
+  packed step gives a row the same bits as a padded one.
+
+Tensor names carry shapes: N slots, B cache rows, W query-block width, D model width.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from das_jax.models.config import ModelConfig
+from das_jax.models.decode_attention import attend_cache, attended_length
+from das_jax.models.kv_cache import KVCache
+from das_jax.models.transformer import Params, decoder_layer, rms_norm
+
+
+def slot_positions(cache_len_B: jax.Array, row_N: jax.Array, offset_N: jax.Array) -> jax.Array:
+    """int32 `[N]` absolute position of each slot: `cache_len[row] + offset` (padding slots, row
+    index >= B, get row B-1's length: they are never written or read)."""
+    B = cache_len_B.shape[0]
+    return cache_len_B[jnp.minimum(row_N, B - 1)] + offset_N
+
+
+def to_rows(a_NxE: jax.Array, row_N: jax.Array, offset_N: jax.Array, batch: int, width: int,
+            fill=0) -> jax.Array:
+    """Scatters slot values `[N, ...]` into a `[B, W, ...]` block at (row, offset); positions
+    without a slot hold `fill`; padding slots (row >= B or offset >= W) are dropped."""
+    out = jnp.full((batch, width) + a_NxE.shape[1:], fill, a_NxE.dtype)
+    return out.at[row_N, offset_N].set(a_NxE, mode="drop")
+
+
+def to_slots(a_BxWxE: jax.Array, row_N: jax.Array, offset_N: jax.Array) -> jax.Array:
+    """Gathers `[B, W, ...]` back to the slots `[N, ...]` (padding slots read a clipped cell)."""
+    B, W = a_BxWxE.shape[:2]
+    return a_BxWxE[jnp.minimum(row_N, B - 1), jnp.minimum(offset_N, W - 1)]
+
+
+def forward_packed_hidden(
+    config: ModelConfig,
+    params: Params,
+    tokens_N: jax.Array,
+    row_N: jax.Array,
+    offset_N: jax.Array,
+    kv_cache: KVCache,
+    cache_len_B: jax.Array,
+    *,
+    width: int,
+    kv_len: int,
+) -> tuple[jax.Array, KVCache]:
+    """Runs the decoder stack on packed token slots against the KV cache.
+
+    Args:
+      config: static model config.
+      params: params pytree (`das_jax.models.transformer`).
+      tokens_N: int32 token of each slot.
+      row_N: int32 cache row of each slot; a value >= B marks a padding slot (computed on, never
+        written, its outputs meaningless).
+      offset_N: int32 offset of the slot within its row's new tokens, in [0, width); a row's
+        offsets must be 0..w_b-1 (each once). Slot i sits at absolute position
+        `cache_len_B[row] + offset` and attends to the row's cached positions `< cache_len` and
+        to the row's slots with offset `<= ` its own.
+      kv_cache: the cache (`KVCache`), B rows.
+      cache_len_B: int32 valid cached positions per row (<= kv_len).
+      width: static query-block width W (>= every row's slot count).
+      kv_len: static attended-length bucket (>= every live row's cache_len).
+
+    Returns:
+      (final-normed hidden `[N, D]` in the param dtype, the cache with every real slot's K/V
+      written).
+    """
+    B = kv_cache.batch
+    pos_N = slot_positions(cache_len_B, row_N, offset_N)
+    valid_BxW = to_rows(jnp.ones(tokens_N.shape, bool), row_N, offset_N, B, width, False)
+    x_1xNxD = params["embed"][tokens_N][None]
+    inv_freq = config.rope_inv_freq()
+    S = min(kv_len, kv_cache.max_len)
+    A = attended_length(S, width, kv_cache.max_len)
+
+    def body(x, inputs):
+        lp, layer = inputs
+        view = kv_cache.attended(layer, A)
+
+        def attend(q_1xN, k_1xN, v_1xN):
+            q, k, v = (to_rows(a[0], row_N, offset_N, B, width) for a in (q_1xN, k_1xN, v_1xN))
+            out_BxWxHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_BxW, S)
+            return to_slots(out_BxWxHxK, row_N, offset_N)[None]
+        x, k, v = decoder_layer(config, inv_freq, x, lp, pos_N[None], attend=attend)
+        return x, (k[0], v[0])
+
+    x_1xNxD, (k_LxN, v_LxN) = jax.lax.scan(body, x_1xNxD, (params["layers"], kv_cache.layers()))
+    new_cache = kv_cache.write_slots(k_LxN, v_LxN, row_N, pos_N)
+    h = rms_norm(x_1xNxD, params["final_norm"], config.rms_norm_eps, config.contraction)
+    return h[0], new_cache

@@ -1,0 +1,251 @@
+"""Packed verification (issue 12): the packed step gives the padded step's tokens and log-probs
+with ragged drafts, a row's output does not depend on the other rows' draft lengths, the engine's
+packed and padded paths produce the same rollouts, and the step records / calibration use the
+packed shapes. Tiny random models, float32, fixed seeds."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from das_jax.engine import step as step_lib
+from das_jax.engine.cost_model import CostModel, calibrate, calibration_shapes
+from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
+from das_jax.engine.sampling import SamplingParams
+from das_jax.engine.schedule import (kv_len_bucket, packed_step_shape, packed_width,
+                                     token_buckets)
+from das_jax.models import KVCache, ModelConfig, init_params
+from das_jax.models import contraction as cx
+from das_jax.testing import AdversaryDrafter, OracleDrafter
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+EXACT_CFG = dataclasses.replace(CFG, contraction=cx.EXACT)
+SKEY = (0.8, 0, 1.0)
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+
+
+def random_cache(B, S, seed):
+    rng = np.random.default_rng(seed)
+    shape = (CFG.num_layers, B, S, CFG.num_kv_heads, CFG.head_dim)
+    return KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                   v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+
+
+def pack(tokens_BxW, n_draft_B, rows, N, B):
+    """Flat slots of `rows` (each row's pending token then its drafts), padded to N."""
+    t, r, o = [], [], []
+    for b in rows:
+        for i in range(int(n_draft_B[b]) + 1):
+            t.append(tokens_BxW[b, i])
+            r.append(b)
+            o.append(i)
+    pad = N - len(t)
+    assert pad >= 0
+    return (np.array(t + [0] * pad, np.int32), np.array(r + [B] * pad, np.int32),
+            np.array(o + [0] * pad, np.int32))
+
+
+def run_padded(config, params, cache, cache_len, tokens_BxW, n_draft_B, seeds, kv_len):
+    c = jax.tree_util.tree_map(jnp.copy, cache)
+    c, y, lp, ne = step_lib.verify(config, SKEY, kv_len, params, c, cache_len, tokens_BxW,
+                                   n_draft_B, seeds)
+    return c, np.asarray(y), np.asarray(lp), np.asarray(ne)
+
+
+def run_packed(config, params, cache, cache_len, tokens_BxW, n_draft_B, seeds, kv_len, rows, N,
+               width):
+    B = cache_len.shape[0]
+    t, r, o = pack(tokens_BxW, n_draft_B, rows, N, B)
+    c = jax.tree_util.tree_map(jnp.copy, cache)
+    c, y, lp, ne = step_lib.verify_packed(config, SKEY, kv_len, width, params, c, cache_len, t, r,
+                                          o, n_draft_B, seeds)
+    return c, np.asarray(y), np.asarray(lp), np.asarray(ne)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_step_equals_padded_step_with_ragged_drafts(params, exact, seed):
+    config = EXACT_CFG if exact else CFG
+    rng = np.random.default_rng(seed)
+    B, W, S, kv_len = 6, 8, 256, 128
+    cache = random_cache(B, S, seed)
+    cache_len = rng.integers(1, 120, size=B).astype(np.int32)
+    n_draft = rng.integers(0, W, size=B).astype(np.int32)
+    n_draft[0], n_draft[1] = 0, W - 1                     # the extremes in every case
+    tokens = rng.integers(0, CFG.vocab_size, size=(B, W)).astype(np.int32)
+    seeds = rng.integers(0, 2**31 - 1, size=B).astype(np.int32)
+    # Make some drafts right, so acceptance is exercised: draft j+1 := the padded step's y_j.
+    _, y_ref, _, _ = run_padded(config, params, cache, cache_len, tokens, n_draft, seeds, kv_len)
+    for b in range(B):
+        cut = int(rng.integers(0, n_draft[b] + 1))
+        tokens[b, 1:1 + cut] = y_ref[b, :cut] if cut else tokens[b, 1:1]
+    # Rows 4 and 5 are padding rows of the batch bucket in the packed step (no slots).
+    live = [0, 1, 2, 3]
+    need = int(sum(n_draft[b] + 1 for b in live))
+    N = next(n for n in token_buckets(B * W) if n >= need)
+    c1, y1, l1, e1 = run_padded(config, params, cache, cache_len, tokens, n_draft, seeds, kv_len)
+    c2, y2, l2, e2 = run_packed(config, params, cache, cache_len, tokens, n_draft, seeds, kv_len,
+                                live, N, W)
+    accepted_any = False
+    for b in live:
+        n = int(n_draft[b]) + 1
+        np.testing.assert_array_equal(y2[b, :n], y1[b, :n])
+        np.testing.assert_allclose(l2[b, :n], l1[b, :n], atol=0 if exact else 1e-5, rtol=0)
+        assert e2[b] == e1[b]
+        accepted_any |= e1[b] > 1
+        written = slice(int(cache_len[b]), int(cache_len[b]) + n)
+        for a, c in ((c1.k, c2.k), (c1.v, c2.v)):
+            np.testing.assert_allclose(np.asarray(c[:, b, written]), np.asarray(a[:, b, written]),
+                                       atol=0 if exact else 1e-5, rtol=0)
+            np.testing.assert_array_equal(np.asarray(c[:, b, :cache_len[b]]),
+                                          np.asarray(cache.k if a is c1.k else cache.v)[
+                                              :, b, :cache_len[b]])
+    if seed == 0:
+        assert accepted_any
+    # Padding rows' cache rows are untouched by the packed step.
+    for b in (4, 5):
+        np.testing.assert_array_equal(np.asarray(c2.k[:, b]), np.asarray(cache.k[:, b]))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_row_output_independent_of_other_rows_draft_lengths(params, exact):
+    config = EXACT_CFG if exact else CFG
+    B, W, S, kv_len = 4, 8, 256, 128
+    cache = random_cache(B, S, 7)
+    cache_len = np.array([40, 90, 7, 120], np.int32)
+    seeds = np.array([11, 12, 13, 14], np.int32)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, CFG.vocab_size, size=(B, W)).astype(np.int32)
+    outs = []
+    for others in ([0, 0, 0], [7, 7, 7], [3, 0, 5], [1, 6, 2]):
+        n_draft = np.array([3] + others, np.int32)
+        need = int((n_draft + 1).sum())
+        N = next(n for n in token_buckets(B * W) if n >= need)
+        _, y, lp, e = run_packed(config, params, cache, cache_len, tokens, n_draft, seeds, kv_len,
+                                 range(B), N, W)
+        outs.append((y[0, :4], lp[0, :4], e[0]))
+    for y, lp, e in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0][0])
+        np.testing.assert_allclose(lp, outs[0][1], atol=0 if exact else 1e-5, rtol=0)
+        assert e == outs[0][2]
+
+
+class RaggedOracle(OracleDrafter):
+    """The oracle's drafts cut to a seeded random length per call (0 .. max_tokens)."""
+
+    def __init__(self, futures, seed=0):
+        super().__init__(futures)
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, request_id, max_tokens):
+        d = super().propose(request_id, max_tokens)
+        k = int(self.rng.integers(0, len(d.tokens) + 1))
+        return dataclasses.replace(d, tokens=d.tokens[:k], probs=d.probs[:k])
+
+
+def make_requests(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Request(tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(3, 20)))),
+                    problem_id=f"p{i // 2}", sample_index=i % 2) for i in range(n)]
+
+
+def engine(params, **kw):
+    ec = dict(max_slots=4, max_cache_len=256, draft_widths=(1, 4))
+    ec.update(kw)
+    return Engine(CFG, params, eos_token_ids=[EOS], engine_config=EngineConfig(**ec))
+
+
+def test_generate_packed_equals_padded_and_plain(params):
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=16)
+    reqs = make_requests(5)
+    base, _ = engine(params).generate(reqs, sampling)
+    futures = {i: o.token_ids for i, o in enumerate(base)}
+    results = {}
+    for mode in ("packed", "padded"):
+        eng = engine(params, verify=mode)
+        for name, drafter in (("oracle", RaggedOracle(futures, seed=3)),
+                              ("adversary", AdversaryDrafter(64, seed=1))):
+            outs, stats = eng.generate(reqs, sampling, drafter=drafter)
+            results[mode, name] = (outs, stats)
+            for o, b in zip(outs, base):
+                assert o.token_ids == b.token_ids and o.finish_reason == b.finish_reason
+                # plain decoding ran other step shapes (fast mode: ~1e-6 relative)
+                np.testing.assert_allclose(o.logprobs, b.logprobs, atol=1e-4)
+    # Same drafts (same seeds) in both modes: the same tokens, log-probs within 1e-5, accepted
+    # counts and forward passes.
+    for name in ("oracle", "adversary"):
+        for p, d in zip(results["packed", name][0], results["padded", name][0]):
+            assert p.token_ids == d.token_ids
+            np.testing.assert_allclose(p.logprobs, d.logprobs, atol=1e-5, rtol=0)
+        sp, sd = results["packed", name][1], results["padded", name][1]
+        assert sp.forward_passes == sd.forward_passes
+        assert sp.accepted_draft_tokens == sd.accepted_draft_tokens
+    # Packed steps compute only the live rows' own tokens; padded ones B x W.
+    packed_steps = results["packed", "oracle"][1].steps
+    padded_steps = results["padded", "oracle"][1].steps
+    assert results["packed", "oracle"][1].accepted_draft_tokens > 0
+    for s in packed_steps:
+        assert s.active + s.drafted <= s.num_tokens <= s.batch * s.width
+        assert s.attended_kv == s.batch * s.kv_len
+    for s in padded_steps:
+        assert s.num_tokens == s.batch * s.width
+    assert (sum(s.num_tokens for s in packed_steps)
+            < sum(s.num_tokens for s in padded_steps))
+
+
+def test_schedule_helpers():
+    assert token_buckets(128) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+    assert token_buckets(1) == (1,) and token_buckets(5) == (1, 2, 4, 5)
+    assert packed_width([0, 0], (1, 4, 8)) == 1
+    assert packed_width([3, 0], (1, 4, 8)) == 4 and packed_width([4], (1, 4, 8)) == 8
+    # One row drafting 7 among 16: 23 slots -> bucket 24, not 16 x 8 = 128.
+    assert packed_step_shape([7] + [0] * 15, 16, 256, 128) == (24, 16 * 256)
+    for n in range(1, 5000, 37):
+        b = kv_len_bucket(np.array([n, 1]), 1 << 14)
+        assert b >= n and b % 128 == 0
+        assert b <= max(128, 1.25 * n) or n <= 512 and b - n < 128
+    assert kv_len_bucket(np.array([300]), 256) == 256  # capped at the cache length
+
+
+class RecordingCostModel:
+    """Records `observe_step` calls (the shared cost-model contract)."""
+
+    c_base = c_tok = c_kv = 0.0
+
+    def __init__(self):
+        self.steps = []
+
+    def observe_step(self, num_tokens, attended_kv, seconds):
+        self.steps.append((num_tokens, attended_kv, seconds))
+
+    def fit(self):
+        pass
+
+
+def test_calibrate_times_packed_shapes(params):
+    eng = engine(params, max_slots=4, draft_widths=(1, 4))
+    shapes = calibration_shapes(eng, (4,), (1, 4), (128,))
+    assert shapes == [(4, 1, 4, 128), (4, 4, 8, 128), (4, 4, 16, 128)]  # plain, ragged, full
+    rec = calibrate(eng, RecordingCostModel(), cache_len=256, batches=(4,), kv_lens=(128,),
+                    repeats=1)
+    assert len(rec.steps) == len(shapes)
+    assert {(n, a) for n, a, _ in rec.steps} == {(n, b * s) for b, _, n, s in shapes}
+    assert all(t > 0 for _, _, t in rec.steps)
+    # The current CostModel (no observe_step yet) is fitted on the same step terms.
+    cm = calibrate(eng, CostModel(), cache_len=256, batches=(4,), kv_lens=(128,), repeats=1)
+    assert len(cm.observations) == len(shapes)
+    assert cm.c_base >= 0 and cm.c_tok >= 0 and cm.c_kv >= 0
+
+
+def test_bad_verify_mode():
+    with pytest.raises(GenerateError, match="verify must be"):
+        EngineConfig(verify="ragged")
