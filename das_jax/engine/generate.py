@@ -33,7 +33,7 @@ from das_jax.engine import step as step_lib
 from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
                                    acceptance_length, plan_step)
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
-                                     packed_width, pow2_at_least, step_shape_fn, tail_bucket,
+                                     pow2_at_least, step_shape_fn, tail_bucket,
                                      token_buckets)
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
