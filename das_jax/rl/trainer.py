@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from das_jax.config import Config, config_to_dict, save_config
-from das_jax.data import Problem, load_dataset_from_config, render_prompt, reward_kwargs
+from das_jax.data import Problem, problems_from_config, render_prompt, reward_kwargs
 from das_jax.engine import Request, RequestOutput, request_seed
 from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
@@ -101,9 +101,7 @@ class GRPOTrainer:
         self.params = cast_params(params, c.train.master_dtype)
         del params, model
         if problems is None:
-            problems = load_dataset_from_config(
-                c.data.kind, c.data.path, num_problems=c.data.num_problems, limit=c.data.limit,
-                seed=c.data.seed, **c.data.task_kwargs())
+            problems = problems_from_config(c.data)
         self.problems = list(problems)
         if not self.problems:
             raise TrainError("the dataset is empty; check data.kind / data.path / data.limit")
