@@ -127,7 +127,8 @@ class GRPOTrainer:
         self.train_step = make_train_step(self.model_config, c.grpo, self.optimizer,
                                           temperature=c.rollout.temperature, donate=True,
                                           activation=self.activation,
-                                          compute_dtype=self.compute_dtype)
+                                          compute_dtype=self.compute_dtype,
+                                          skip_zero_advantage=c.train.skip_zero_advantage)
         # The reference policy: a copy in the compute dtype (the master params are donated).
         self.ref_params = (jax.tree_util.tree_map(jnp.copy, self.rollout_params())
                            if c.grpo.beta > 0 else None)
