@@ -221,6 +221,10 @@ class TrainSection:
     attention_chunk: int = 1024
     memory_check: bool = True
     device_memory_gb: Optional[float] = None
+    # Time: no forward / backward pass for rows whose advantage is 0 (groups with equal rewards);
+    # exact for the grpo / dr_grpo / dapo losses at beta 0 (ignored otherwise); the entropy and
+    # clip metrics are then over the rows trained on.
+    skip_zero_advantage: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from das_jax.data import (
     load_hf_dataset,
     load_humaneval,
     load_math,
+    problems_from_config,
     render_prompt,
     reward_kwargs,
     synthetic_arithmetic,
@@ -168,6 +169,19 @@ def test_synthetic_options():
 
 
 # ------------------------------------------------------------------------------ dispatcher
+def test_problems_from_config_applies_the_difficulty_keys():
+    # The CLI once dropped data.templates / min_steps / max_steps: the main job trained on the
+    # multi-step templates while its eval drew `counting` problems. Both go through here now.
+    from das_jax.config import config_from_dict
+    cfg = config_from_dict({"data": {"kind": "arithmetic", "num_problems": 12, "seed": 3,
+                                     "templates": ["counting"], "min_steps": 1, "max_steps": 1}})
+    got = problems_from_config(cfg.data)
+    assert got == synthetic_arithmetic(12, 3, min_steps=1, max_steps=1, templates=["counting"])
+    assert {p.metadata["template"] for p in got} == {"counting"}
+    plain = problems_from_config(config_from_dict({"data": {"num_problems": 12, "seed": 3}}).data)
+    assert plain == synthetic_arithmetic(12, 3)
+
+
 
 
 def test_load_dataset_from_config():

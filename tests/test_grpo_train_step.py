@@ -111,6 +111,34 @@ def test_micro_batched_gradient_equals_full_batch(params, loss_type):
     np.testing.assert_allclose(float(loss_full), float(want), rtol=1e-5)
 
 
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
+def test_skip_zero_advantage_rows_same_loss_and_gradient(params, loss_type):
+    """Rows with advantage 0 add nothing to the loss or gradient at beta 0: skipping them
+    (train.skip_zero_advantage) keeps both; with every advantage 0 the gradient is exactly 0."""
+    b = _batch(params, seed=2)
+    adv = np.asarray(b.advantages_B).copy()
+    adv[[1, 2, 4]] = 0.0
+    b = dataclasses.replace(b, advantages_B=jnp.asarray(adv))
+    cfg = _grpo(loss_type=loss_type, micro_batch_size=2)
+    loss_a, g_a, m_a = make_loss_and_grad(CFG, cfg, temperature=TEMP)(params, b)
+    loss_b, g_b, m_b = make_loss_and_grad(CFG, cfg, temperature=TEMP,
+                                          skip_zero_advantage=True)(params, b)
+    assert float(loss_a) != 0.0
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-6)
+    assert _tree_rel_err(g_b, g_a) <= 1e-6
+    assert float(m_b["num_completion_tokens"]) < float(m_a["num_completion_tokens"])  # fewer rows
+    zero = dataclasses.replace(b, advantages_B=jnp.zeros_like(b.advantages_B))
+    loss_z, g_z, _ = make_loss_and_grad(CFG, cfg, temperature=TEMP,
+                                        skip_zero_advantage=True)(params, zero)
+    assert float(loss_z) == 0.0
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree_util.tree_leaves(g_z))
+    # with a KL term the zero-advantage rows do contribute: the option is ignored
+    kl = _grpo(loss_type=loss_type, beta=0.04, micro_batch_size=2)
+    loss_k, _, _ = make_loss_and_grad(CFG, kl, temperature=TEMP, skip_zero_advantage=True)(params, b)
+    want_k, _, _ = make_loss_and_grad(CFG, kl, temperature=TEMP)(params, b)
+    np.testing.assert_allclose(float(loss_k), float(want_k), rtol=1e-6)
+
+
 def test_train_step_jit_and_eager_decrease_loss_and_move_params(params):
     b = _batch(params, seed=3)
     # on-policy old log-probs (as with num_iterations == 1): ratio 1 at the first step

@@ -11,6 +11,7 @@ Public surface:
                     cache_dir=None) -> list[Problem]               needs the optional `datasets`
     load_dataset_from_config(kind, path=None, **kw) -> list[Problem]
         kinds: arithmetic | gsm8k | math | humaneval | hf
+    problems_from_config(config.data) -> list[Problem]          the training set of a config
     reward_kwargs(problems) -> dict[str, list]                     TRL-style reward columns
     render_prompt(problem, tokenizer_or_chat_fn=None, instruction=None, chat=True, *,
                   system=None) -> str
@@ -35,7 +36,7 @@ from das_jax.data.problems import (
     read_jsonl,
     reward_kwargs,
 )
-from das_jax.data.registry import DATASET_KINDS, load_dataset_from_config
+from das_jax.data.registry import DATASET_KINDS, load_dataset_from_config, problems_from_config
 from das_jax.data.synthetic import ARITHMETIC_TEMPLATES, synthetic_arithmetic
 from das_jax.data.templates import (
     CODE_INSTRUCTION,
@@ -57,6 +58,7 @@ __all__ = [
     "load_humaneval",
     "load_hf_dataset",
     "load_dataset_from_config",
+    "problems_from_config",
     "DATASET_KINDS",
     "read_jsonl",
     "reward_kwargs",

@@ -8,7 +8,7 @@ from typing import Any
 from das_jax.data.problems import DatasetError, Problem, load_gsm8k, load_hf_dataset, load_humaneval, load_math
 from das_jax.data.synthetic import synthetic_arithmetic
 
-__all__ = ["DATASET_KINDS", "load_dataset_from_config"]
+__all__ = ["DATASET_KINDS", "load_dataset_from_config", "problems_from_config"]
 
 DATASET_KINDS = ("arithmetic", "gsm8k", "math", "humaneval", "hf")
 
@@ -57,3 +57,17 @@ def load_dataset_from_config(kind: str, path: str | os.PathLike | None = None, *
         raise DatasetError(f"dataset kind {k!r}: file not found: {os.path.abspath(os.fspath(path))!r}")
     loader = {"gsm8k": load_gsm8k, "math": load_math, "humaneval": load_humaneval}[k]
     return loader(path, **kw)
+
+
+def problems_from_config(data: Any) -> list[Problem]:
+    """The training problems of a config's ``data:`` section (``das_jax.config.DataSection``):
+    ``kind``, ``path``, ``num_problems``, ``limit``, ``seed`` and, for ``arithmetic``, the
+    difficulty keys (``min_steps``, ``max_steps``, ``templates``). The one place the CLI and the
+    trainer turn a config into problems, so that both train on the same set (and the held-out
+    eval, which draws the problems after these with the same difficulty keys, is of that task).
+
+    Raises:
+        DatasetError / TypeError: as :func:`load_dataset_from_config`.
+    """
+    return load_dataset_from_config(data.kind, data.path, num_problems=data.num_problems,
+                                    limit=data.limit, seed=data.seed, **data.task_kwargs())

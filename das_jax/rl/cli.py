@@ -154,10 +154,8 @@ def run(args: argparse.Namespace) -> int:
             rd.check_new_run(config.output_dir, has_checkpoint=bool(steps_on_disk))
         dist.initialize_from_config(config.distributed)
         apply_platform(config)
-        from das_jax.data import load_dataset_from_config
-        d = config.data
-        problems = load_dataset_from_config(d.kind, d.path, num_problems=d.num_problems,
-                                            limit=d.limit, seed=d.seed)
+        from das_jax.data import problems_from_config
+        problems = problems_from_config(config.data)
 
         from das_jax.rl.run_log import phase, setup_console_logging
         setup_console_logging()

@@ -365,9 +365,16 @@ def micro_batch_plan(lengths_N, micro_batch_size: int, T: int, group_by_length: 
 def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: float = 1.0,
                        activation: ActivationConfig | None = ActivationConfig(),
                        compute_dtype: str | None = None, group_by_length: bool = True,
-                       mesh=None
+                       skip_zero_advantage: bool = False, mesh=None
                        ) -> Callable[[Params, TrainBatch], tuple[jax.Array, Params, dict]]:
     """Builds `(params, batch) -> (loss, grads, metrics)` with micro-batched accumulation.
+
+    `skip_zero_advantage` (only for the built-in `grpo` / `dr_grpo` / `dapo` losses with
+    beta = 0, else ignored): rows whose advantage is exactly 0 (every row of a group whose
+    rewards are all equal) add exactly 0 to that loss and its gradient, so no forward / backward
+    pass is run for them; the loss weights still come from the full batch, so loss and gradient
+    are the same up to float summation order. The token-mean metrics (entropy, clip fractions,
+    logprob_gap, num_completion_tokens) are then over the rows trained on.
 
     The loss weights (`Loss.weights` of the registered `loss_type`) come from the full batch;
     then the micro-batches (`micro_batch_plan`: grouped by length, each cut to its own padded
@@ -390,6 +397,8 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
     mb = int(grpo_config.micro_batch_size)
     if mb < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {mb}")
+    skip = (skip_zero_advantage and loss_config.beta == 0
+            and loss_config.loss_type in ("grpo", "dr_grpo", "dapo"))
 
     def loss_and_grad(params, batch: TrainBatch):
         N, T = batch.tokens_BxT.shape
@@ -402,7 +411,10 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
                 np.asarray(batch.ref_logprobs_BxT, np.float32),
                 np.asarray(batch.advantages_B, np.float32), w)
         lengths = np.where(valid.any(1), T - np.argmax(valid[:, ::-1], axis=1), 1)
-        size = min(mb, N)
+        keep = np.arange(N)
+        if skip:
+            keep = np.flatnonzero(np.asarray(batch.advantages_B) != 0)
+        size = min(mb, max(len(keep), 1))
         if mesh is None:
             carry = zero_carry(params)
             kernel = functools.partial(accumulate_grads, model_config, loss_config,
@@ -412,7 +424,9 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
             size = _round_up(size, sharded.row_multiple)
             carry = sharded.zero_carry(params)
             kernel = sharded.accumulate
-        for rows, T_mb in micro_batch_plan(lengths, size, T, group_by_length):
+        plan = [(keep[rows], T_mb) for rows, T_mb in
+                micro_batch_plan(lengths[keep], size, T, group_by_length)] if len(keep) else []
+        for rows, T_mb in plan:
             pad = size - len(rows)
             xs = tuple(np.pad(c[rows][:, :T_mb] if c.ndim == 2 else c[rows],
                               [(0, pad)] + [(0, 0)] * (c.ndim - 1))[None] for c in cols)
@@ -468,7 +482,7 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
                     *, temperature: float = 1.0, jit: bool = True, donate: bool = False,
                     activation: ActivationConfig | None = ActivationConfig(),
                     compute_dtype: str | None = None, group_by_length: bool = True,
-                    mesh=None):
+                    skip_zero_advantage: bool = False, mesh=None):
     """Builds the GRPO train step `(params, opt_state, batch) -> (params, opt_state, metrics)`.
 
     Args:
@@ -481,7 +495,8 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         always jitted.
       donate: donate params / opt_state to the jitted update, so the new
         params and moments reuse their buffers; the caller must not reuse the inputs afterwards.
-      activation / compute_dtype / group_by_length: as `make_loss_and_grad`. Mixed precision:
+      activation / compute_dtype / group_by_length / skip_zero_advantage: as
+        `make_loss_and_grad`. Mixed precision:
         params (and so the Adam moments) in float32 "master" dtype, `compute_dtype="bfloat16"`.
       mesh: None (one device) or a `jax.sharding.Mesh`: params, opt_state and gradients must be
         placed by `das_jax.parallel.sharding` (`TrainShardings`); the gradient kernel and the
@@ -494,7 +509,8 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
     """
     loss_and_grad = make_loss_and_grad(model_config, grpo_config, temperature=temperature,
                                        activation=activation, compute_dtype=compute_dtype,
-                                       group_by_length=group_by_length, mesh=mesh)
+                                       group_by_length=group_by_length,
+                                       skip_zero_advantage=skip_zero_advantage, mesh=mesh)
 
     def apply(params, opt_state, grads):
         metrics = {"grad_norm": optax.tree.norm(grads)}

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from das_jax.config import Config, config_to_dict, save_config
-from das_jax.data import Problem, load_dataset_from_config, render_prompt, reward_kwargs
+from das_jax.data import Problem, problems_from_config, render_prompt, reward_kwargs
 from das_jax.engine import Request, RequestOutput, request_seed
 from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
@@ -111,9 +111,7 @@ class GRPOTrainer:
             self.shardings = TrainShardings(self.params, self.mesh)
             self.params = place(self.params, self.shardings.params)
         if problems is None:
-            problems = load_dataset_from_config(
-                c.data.kind, c.data.path, num_problems=c.data.num_problems, limit=c.data.limit,
-                seed=c.data.seed, **c.data.task_kwargs())
+            problems = problems_from_config(c.data)
         self.problems = list(problems)
         if not self.problems:
             raise TrainError("the dataset is empty; check data.kind / data.path / data.limit")
@@ -143,7 +141,8 @@ class GRPOTrainer:
         self.train_step = make_train_step(self.model_config, c.grpo, self.optimizer,
                                           temperature=c.rollout.temperature, donate=True,
                                           activation=self.activation,
-                                          compute_dtype=self.compute_dtype, mesh=self.mesh)
+                                          compute_dtype=self.compute_dtype, mesh=self.mesh,
+                                          skip_zero_advantage=c.train.skip_zero_advantage)
         # The reference policy: a copy in the compute dtype (the master params are donated),
         # sharded like the master params on a mesh.
         self.ref_params = None
