@@ -155,7 +155,7 @@ MESH_CHECK = textwrap.dedent('''
         assert all(st.assignment)
         # The verify executables were compiled with the KV-head sharding at the jit boundary.
         verify = [c for k, c in gen._COMPILED_EXECUTABLES.items()
-                  if k[0] == "verify" and k[-1] == eng.placement.key]
+                  if k[0] in ("verify", "verify_packed") and k[-1] == eng.placement.key]
         assert verify
         for c in verify:
             out_cache = c.output_shardings[0]
