@@ -413,7 +413,7 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
     return carry
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _add_trees(a, b):
     """`a + b` leaf by leaf (an accumulator plus one micro-batch's result), in place."""
     return jax.tree_util.tree_map(jnp.add, a, b)
