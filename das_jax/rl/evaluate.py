@@ -162,4 +162,6 @@ class Evaluator:
                          + f"reward {m['eval_reward']:.3f}, {m['eval_stopped']:.0%} stopped, "
                          f"mean length {m['eval_response_length_mean']:.1f} tokens")
         m.pop("eval_samples")
+        from das_jax.malloc import release_free_memory
+        release_free_memory()
         return {"kind": "eval", "step": step, **m}

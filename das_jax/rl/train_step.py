@@ -266,6 +266,12 @@ def make_optimizer(grpo_config, total_steps: int) -> optax.GradientTransformatio
     (None or <= 0 disables clipping) and `adam_beta1/adam_beta2/adam_epsilon` (HF defaults 0.9,
     0.999, 1e-8 when absent) from `grpo_config`.
     """
+    clip, adamw = _optimizer_parts(grpo_config, total_steps)
+    return adamw if clip is None else optax.chain(clip, adamw)
+
+
+def _optimizer_parts(grpo_config, total_steps: int):
+    """(the global-norm clip or None, the AdamW) that `make_optimizer` chains."""
     schedule = make_lr_schedule(grpo_config, total_steps)
     adamw = optax.adamw(schedule, b1=float(getattr(grpo_config, "adam_beta1", 0.9)),
                         b2=float(getattr(grpo_config, "adam_beta2", 0.999)),
@@ -273,8 +279,78 @@ def make_optimizer(grpo_config, total_steps: int) -> optax.GradientTransformatio
                         weight_decay=float(grpo_config.weight_decay))
     max_norm = grpo_config.max_grad_norm
     if max_norm is None or max_norm <= 0:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(float(max_norm)), adamw)
+        return None, adamw
+    return optax.clip_by_global_norm(float(max_norm)), adamw
+
+
+def make_leafwise_apply(grpo_config, total_steps: int):
+    """The update of `make_optimizer(grpo_config, total_steps)`, applied one param leaf at a time.
+
+    Same math as `optimizer.update` + `optax.apply_updates` on the whole tree (AdamW is
+    elementwise per leaf; the global-norm clip runs first over all gradients), but the jitted
+    pieces donate their inputs and touch one leaf each, so the update's scratch is a few copies of
+    the largest leaf instead of several copies of the whole model (XLA:CPU keeps the clipped
+    gradients, the bias-corrected moments and the scaled update of every leaf as separate
+    buffers: ~0.7 GB for a 538 MB model). For one device; the caller must not reuse `params`,
+    `opt_state` or `grads` afterwards (all three are donated).
+
+    Returns:
+      `apply(params, opt_state, grads) -> (params, opt_state, {"grad_norm", "update_norm"})`,
+      opt_state in the layout of `make_optimizer(grpo_config, total_steps).init(params)`.
+    """
+    clip, adamw = _optimizer_parts(grpo_config, total_steps)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def clip_grads(grads):
+        norm = optax.tree.norm(grads)
+        if clip is not None:
+            grads, _ = clip.update(grads, clip.init(None))
+        return grads, norm
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def one_leaf(params_sub, state_sub, grads_sub):
+        updates, state_sub = adamw.update(grads_sub, state_sub, params_sub)
+        return (optax.apply_updates(params_sub, updates), state_sub,
+                optax.tree.norm(updates, squared=True))
+
+    def apply(params, opt_state, grads):
+        grads, grad_norm = clip_grads(grads)
+        head, inner = (None, opt_state) if clip is None else opt_state
+        p_leaves, p_def = jax.tree_util.tree_flatten(params)
+        g_leaves = p_def.flatten_up_to(grads)
+        del params, grads
+        # which state leaves belong to which param leaf (-1: shared, e.g. the step count)
+        owner = jax.tree_util.tree_leaves(optax.tree_utils.tree_map_params(
+            adamw, lambda _, i: i, inner, jax.tree_util.tree_unflatten(
+                p_def, list(range(len(p_leaves)))), transform_non_params=lambda _: -1))
+        s_leaves, s_def = jax.tree_util.tree_flatten(inner)
+        del inner, opt_state
+        shared = [x for x, o in zip(s_leaves, owner) if o < 0]
+        sq = []
+        for i in range(len(p_leaves)):
+            pick = lambda leaves: jax.tree_util.tree_unflatten(  # noqa: E731
+                p_def, [x if j == i else None for j, x in enumerate(leaves)])
+            # the shared leaves (counts) are donated too, so each leaf gets its own copy
+            state_sub = jax.tree_util.tree_unflatten(s_def, [
+                x if o == i else (jnp.copy(x) if o < 0 else None)
+                for x, o in zip(s_leaves, owner)])
+            p_sub, state_sub, usq = one_leaf(pick(p_leaves), state_sub, pick(g_leaves))
+            g_leaves[i] = None  # free this leaf's gradient
+            p_leaves[i] = jax.tree_util.tree_leaves(p_sub)[0]
+            new = jax.tree_util.tree_flatten(state_sub, is_leaf=lambda x: x is None)[0]
+            for k, o in enumerate(owner):
+                if o == i:
+                    s_leaves[k] = new[k]
+            shared = [x for x, o in zip(new, owner) if o < 0]
+            sq.append(usq)
+        it = iter(shared)
+        s_leaves = [next(it) if o < 0 else x for x, o in zip(s_leaves, owner)]
+        inner = jax.tree_util.tree_unflatten(s_def, s_leaves)
+        opt_state = inner if clip is None else (head, inner)
+        return (jax.tree_util.tree_unflatten(p_def, p_leaves), opt_state,
+                {"grad_norm": grad_norm, "update_norm": jnp.sqrt(sum(sq))})
+
+    return apply
 
 
 _SUM_KEYS = ("num_tokens", "kl", "clip_low", "clip_high", "clip_region", "entropy", "abs_log_ratio")
@@ -335,6 +411,12 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
 
     carry, _ = jax.lax.scan(body, carry, xs)
     return carry
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _add_trees(a, b):
+    """`a + b` leaf by leaf (an accumulator plus one micro-batch's result), in place."""
+    return jax.tree_util.tree_map(jnp.add, a, b)
 
 
 def length_bucket(n: int, floor: int = 64) -> int:
@@ -416,9 +498,16 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
             keep = np.flatnonzero(np.asarray(batch.advantages_B) != 0)
         size = min(mb, max(len(keep), 1))
         if mesh is None:
-            carry = zero_carry(params)
-            kernel = functools.partial(accumulate_grads, model_config, loss_config,
-                                       activation=activation, compute_dtype=compute_dtype)
+            # Each micro-batch's kernel starts from zero inside the jit (no zero accumulator
+            # buffer; with one micro-batch its gradient is the only one) and the results are
+            # added with a donated add: at most one accumulator and one micro-batch gradient.
+            carry = None
+            acc = functools.partial(accumulate_grads, model_config, loss_config,
+                                    activation=activation, compute_dtype=compute_dtype)
+
+            def kernel(p, xs, c):
+                out = acc(p, xs)
+                return out if c is None else _add_trees(c, out)
         else:
             sharded = _sharded_kernels(params)
             size = _round_up(size, sharded.row_multiple)
@@ -433,6 +522,8 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
             if mesh is not None:
                 xs = sharded.place_rows(xs)
             carry = kernel(params, xs, carry)
+        if carry is None:
+            carry = zero_carry(params)
         loss, grads, sums = carry
         grads = jax.tree_util.tree_map(lambda g, p: g if g.dtype == p.dtype else g.astype(p.dtype),
                                        grads, params)
@@ -482,7 +573,8 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
                     *, temperature: float = 1.0, jit: bool = True, donate: bool = False,
                     activation: ActivationConfig | None = ActivationConfig(),
                     compute_dtype: str | None = None, group_by_length: bool = True,
-                    skip_zero_advantage: bool = False, mesh=None):
+                    skip_zero_advantage: bool = False, mesh=None,
+                    total_steps: int | None = None):
     """Builds the GRPO train step `(params, opt_state, batch) -> (params, opt_state, metrics)`.
 
     Args:
@@ -502,6 +594,10 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         placed by `das_jax.parallel.sharding` (`TrainShardings`); the gradient kernel and the
         update are jitted with those in/out shardings (FSDP) and the batch rows are split over
         the mesh's batch axes. Loss and metrics equal the one-device step up to float rounding.
+      total_steps: with `jit`, `donate` and one device, the promise that `optimizer` is
+        `make_optimizer(grpo_config, total_steps)`: the update then runs one param leaf at a time
+        (`make_leafwise_apply`; same math, a fraction of the scratch memory). None: one jitted
+        update of the whole tree.
 
     Metrics (float32 scalars): loss, grad_norm (before clipping), update_norm, num_completion_tokens,
     clip_low, clip_high, clip_region, entropy, logprob_gap (mean |logp - old_logp| over completion
@@ -520,7 +616,9 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         return params, opt_state, metrics
 
     plain_apply = apply
-    if jit:
+    if jit and donate and mesh is None and total_steps is not None:
+        apply = make_leafwise_apply(grpo_config, total_steps)
+    elif jit:
         apply = jax.jit(apply, donate_argnums=(0, 1) if donate else ())
     sharded_apply: dict = {}
 

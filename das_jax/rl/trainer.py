@@ -40,10 +40,11 @@ import numpy as np
 from das_jax.config import Config, config_to_dict, save_config
 from das_jax.data import Problem, problems_from_config, render_prompt, reward_kwargs
 from das_jax.engine import Request, RequestOutput, request_seed
+from das_jax.malloc import release_free_memory
 from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.rl.advantages import advantage_metrics, get_advantage
-from das_jax.rl.checkpoint import CheckpointManager
+from das_jax.rl.checkpoint import CheckpointManager, largest_array_bytes
 from das_jax.rl.rewards import combine_rewards, get_reward_fn
 from das_jax.rl.run_log import sample_rows
 from das_jax.rl.train_step import (cast_params, compute_logprobs, make_batch, make_optimizer,
@@ -105,6 +106,7 @@ class GRPOTrainer:
         self.mesh = _train_mesh(c)
         self.params = cast_params(params, c.train.master_dtype)
         del params, model
+        release_free_memory()  # the loader's freed host buffers (dequantised tensors)
         self.shardings = None
         if self.mesh is not None:
             from das_jax.parallel.sharding import TrainShardings, place
@@ -142,7 +144,8 @@ class GRPOTrainer:
                                           temperature=c.rollout.temperature, donate=True,
                                           activation=self.activation,
                                           compute_dtype=self.compute_dtype, mesh=self.mesh,
-                                          skip_zero_advantage=c.train.skip_zero_advantage)
+                                          skip_zero_advantage=c.train.skip_zero_advantage,
+                                          total_steps=c.train.steps)
         # The reference policy: a copy in the compute dtype (the master params are donated),
         # sharded like the master params on a mesh.
         self.ref_params = None
@@ -181,6 +184,7 @@ class GRPOTrainer:
         params = self.rollout_params()
         outputs, stats = self.rollouts.generate(requests, params, sampling)
         del params  # the compute-dtype copy is not kept across the update
+        release_free_memory()  # the engine's freed buffers, before the update needs the room
         return self.score([p for p in problems for _ in range(G)], outputs, stats)
 
     def score(self, rows: Sequence[Problem], outputs: Sequence[RequestOutput],
@@ -275,6 +279,7 @@ class GRPOTrainer:
         rollout_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         train_metrics = self.update(rb)
+        release_free_memory()
         train_s = time.perf_counter() - t1
         self.step += 1
         if self.step % self.steps_per_epoch() == 0:
@@ -337,6 +342,7 @@ class GRPOTrainer:
         try:
             manager.save(self.step, self.params, self.opt_state, self._meta(),
                          {ROLLOUT_STATE_KEY: self.rollouts.state_dict()})
+            release_free_memory()  # tensorstore's write buffers
         except Exception as e:  # noqa: BLE001 - orbax / tensorstore wrap OSErrors in many types
             if not is_disk_full(e):
                 raise
@@ -422,7 +428,10 @@ class GRPOTrainer:
                 rd.check_new_run(self.run_dir,
                                  has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
             dist.sync("das_jax.train.run_dir_checked")
-            manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints)
+            # one array at a time in flight while saving (bounds tensorstore's buffers)
+            manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints,
+                                        save_concurrent_bytes=largest_array_bytes(
+                                            self.params, self.opt_state))
             with _closing(manager):
                 if resume:
                     self.restore(manager)
