@@ -79,3 +79,20 @@ def smollm2_greedy_reference(smollm2_hf):
                                  pad_token_id=tokenizer.pad_token_id)
         out.append((list(ids), gen[0, len(ids):].tolist()))
     return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test module, drop the engine's shared executables and jax's caches: the whole
+    suite runs in one process, and thousands of compiled CPU programs kept alive to its end cost
+    gigabytes (no test relies on an executable compiled by another module)."""
+    yield
+    import gc
+    import sys
+    gen = sys.modules.get("das_jax.engine.generate")
+    if gen is not None:
+        gen._COMPILED_EXECUTABLES.clear()
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+    gc.collect()
