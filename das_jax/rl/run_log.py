@@ -361,10 +361,7 @@ class RunLogger:
             self._samples_file.write(json.dumps(s) + "\n")
         self._samples_file.flush()
         if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" \
-                        and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            self._tb_scalars(record, step)
             if samples:
                 self._tb.add_text("samples", "\n\n".join(
                     "```\n" + format_sample(s) + "\n```" for s in samples), step)
@@ -400,6 +397,13 @@ class RunLogger:
             self._last_output = self._step_started = time.perf_counter()
             self._between_steps = False
 
+    def _tb_scalars(self, record: dict, step: int) -> None:
+        """Every finite number of `record` (except `step`) as a TensorBoard scalar at `step`."""
+        for k, v in record.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" \
+                    and math.isfinite(v):
+                self._tb.add_scalar(k, v, step)
+
     def log_eval(self, record: dict[str, Any]) -> None:
         """Writes an evaluation record (`{"kind": "eval", "step", "eval_*"...}`, from
         das_jax.rl.evaluate) to metrics.jsonl and its numbers to TensorBoard."""
@@ -407,10 +411,7 @@ class RunLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" \
-                        and math.isfinite(v):
-                    self._tb.add_scalar(k, v, record["step"])
+            self._tb_scalars(record, record["step"])
             self._tb.flush()
 
     def step_line(self, r: dict[str, Any], eta: float | None) -> str:
