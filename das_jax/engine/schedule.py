@@ -75,8 +75,12 @@ def packed_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int, max_tok
     """(num_tokens, attended_kv) a packed verify step computes for these per-row draft lengths
     (live rows only): the slot bucket of sum_b (1 + n_b), and `batch * kv_len` cached positions
     (every cache row of the batch bucket attends the step's `kv_len`)."""
-    need = sum(1 + int(n) for n in n_draft_B)
-    return bucket(max(need, 1), token_buckets(max_tokens)), batch * kv_len
+    return _slot_bucket(n_draft_B, token_buckets(max_tokens)), batch * kv_len
+
+
+def _slot_bucket(n_draft_B: Sequence[int], buckets: Sequence[int]) -> int:
+    """The slot bucket of sum_b (1 + n_b)."""
+    return bucket(max(len(n_draft_B) + int(np.sum(n_draft_B)), 1), buckets)
 
 
 def padded_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int,
@@ -92,8 +96,9 @@ def step_shape_fn(verify: str, batch: int, kv_len: int, widths: Sequence[int]):
     by the engine and the trace replay, so both price a choice of drafts the same way."""
     widths = tuple(sorted(int(w) for w in widths))
     if verify == "packed":
-        max_tokens = batch * widths[-1]
-        return lambda n_draft_B: packed_step_shape(n_draft_B, batch, kv_len, max_tokens)
+        buckets = token_buckets(batch * widths[-1])   # once: the policy prices many choices
+        attended = batch * kv_len
+        return lambda n_draft_B: (_slot_bucket(n_draft_B, buckets), attended)
     return lambda n_draft_B: padded_step_shape(n_draft_B, batch, kv_len, widths)
 
 
