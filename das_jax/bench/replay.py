@@ -29,15 +29,17 @@ model, through a `TraceExecutor` in place of the engine's device executor:
 
 Modelling assumptions (what the prediction leaves out or approximates):
 
-1. The cost model is linear in the token slots N and the attended positions K; the real step cost on a CPU is not (different matmul
-   kernels per M), so the decode prediction is only as good as the fit (`bench rollout` prints
-   predicted / measured next to every measured time).
+1. The cost model is linear in the token slots N and the attended positions K; the real step
+   cost on a CPU is not (different matmul kernels per M), so the decode prediction is only as
+   good as the fit (`bench rollout` prints predicted / measured next to every measured time).
 2. Prefill is modelled as `prefill_s_per_token` per prompt token slot the engine's prefill
-   computes (`scheduler.prefill_layout` of each admission call), and the host loop as `host_s_per_step` per forward pass; both are fitted
-   from the measured plain (`none`) run of the first epoch. Drafter and policy time are the real
-   host time of the simulated calls on this machine.
+   computes (`scheduler.prefill_layout` of each admission call), and the host loop as
+   `host_s_per_step` per forward pass; both are fitted from the measured plain (`none`) run of
+   the first epoch. Drafter and policy time are the real host time of the simulated calls on
+   this machine.
 3. Tokens past a recorded stop token are unknown, so a draft that runs past the end of a rollout
-   is accepted only up to the end; the engine counts the same (only committed tokens).
+   is accepted only up to the end; the engine counts the same (only committed tokens). A
+   rollout ends at its recorded end with its recorded finish reason, or at max_new_tokens.
 4. The simulated policy plans with a frozen cost model (the trace's coefficients); in the real
    engine the DAS policy refines its cost model online from measured step times, so a real DAS run
    may choose other widths than the replay (forward passes then differ slightly). With a frozen

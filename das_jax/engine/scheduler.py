@@ -132,8 +132,8 @@ class StepInput:
 
     batch: B; live: int `[A]` cache rows; request_ids / generated: `[A]` each live row's request
     index and tokens committed so far; cache_len_B: int32 `[B]` tokens in each cache row's KV
-    (stale for free rows); kv_len: attended-length bucket; width: W (query block); drafts: `[A]` int32
-    draft tokens per live row; n_draft_B: int32 `[B]` (0 for free rows); num_tokens /
+    (stale for free rows); kv_len: attended-length bucket; width: W (query block); drafts:
+    `[A]` int32 draft tokens per live row; n_draft_B: int32 `[B]` (0 for free rows); num_tokens /
     attended_kv: the step shape (`step_shape_fn`); predicted_seconds: the policy's prediction.
     """
 
