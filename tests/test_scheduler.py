@@ -1,7 +1,7 @@
-"""One host scheduler (`das_jax.engine.scheduler.run`) drives both the engine (device executor) and
-the trace replay (trace executor): with a frozen cost model as the clock, a replay of an engine
-run's trace makes the same calls on its executor (admissions, compactions, every verify step's
-batch, rows, per-row drafts, width, shape) and returns the same step records and counters."""
+"""One host scheduler (`das_jax.engine.scheduler.run_schedule`) drives both the engine (device
+executor) and the trace replay (trace executor): with a frozen cost model as the clock, a replay of
+an engine run's trace makes the same calls on its executor (admissions, compactions, every verify
+step's batch, rows, per-row drafts, width, shape) and returns the same step records and counters."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,14 +94,16 @@ def test_replay_takes_the_engine_decisions_by_construction(params, verify, name,
     for epoch in range(2):
         sampling = SamplingParams(temperature=temperature, max_new_tokens=MAX_NEW, seed=epoch)
         eng_exec = Recorder(eng.step_executor(reqs, sampling), cost_model=cm)
-        outs, st = scheduler.run(reqs, eng_exec, ec, eng.limits(sampling), e_drafter, e_policy)
+        outs, st = scheduler.run_schedule(reqs, eng_exec, ec, eng.limits(sampling), e_drafter,
+                                          e_policy)
         g_outs, g_st = eng.generate(reqs, sampling, drafter=g_drafter, policy=g_policy)
         trace = [rp.TraceRollout(epoch, o.request.problem_id, o.request.sample_index,
                                  o.request.prompt_ids, tuple(o.token_ids), o.finish_reason,
                                  temperature) for o in outs]
         rep_exec = Recorder(rp.TraceExecutor(trace, ec, cm))
-        r_outs, r_st = scheduler.run(trace, rep_exec, ec, scheduler.Limits(MAX_NEW), r_drafter,
-                                     r_policy, keep_tokens=False, stats=rp.SimStats())
+        r_outs, r_st = scheduler.run_schedule(trace, rep_exec, ec, scheduler.Limits(MAX_NEW),
+                                              r_drafter, r_policy, keep_tokens=False,
+                                              stats=rp.SimStats())
         sim = rp.simulate(trace, ec, MAX_NEW, cm, *build_speculation(name, das, cm)) \
             if epoch == 0 else None
         for d in (e_drafter, g_drafter, r_drafter):
@@ -171,7 +173,8 @@ class _ConstDrafter:
 def test_scheduler_cuts_at_max_new_tokens_and_counts_committed_only():
     ec = EngineConfig(max_slots=2, max_cache_len=256, draft_widths=(1, 4))
     reqs = [Request((2, 3), problem_id=i) for i in range(3)]
-    outs, st = scheduler.run(reqs, _ScriptExecutor(), ec, scheduler.Limits(6), _ConstDrafter())
+    outs, st = scheduler.run_schedule(reqs, _ScriptExecutor(), ec, scheduler.Limits(6),
+                                      _ConstDrafter())
     assert [len(o.token_ids) for o in outs] == [6, 6, 6]
     assert all(o.finish_reason == "length" for o in outs)
     # 1 prefill token, then 1 + 3 drafts (the widest width), then 1 (remaining 1: no drafts).

@@ -9,8 +9,8 @@ A *trace* (JSON lines) holds recorded rollouts: a header line
 then one line per rollout: {"epoch", "temperature", "problem_id", "sample_index", "prompt_ids",
 "token_ids", "finish_reason"}, in the order the engine received the requests.
 
-`simulate` runs `Engine.generate`'s own host scheduler (`das_jax.engine.scheduler.run`) without a
-model, through a `TraceExecutor` in place of the engine's device executor:
+`simulate` runs `Engine.generate`'s own host scheduler (`das_jax.engine.run_schedule`) without
+a model, through a `TraceExecutor` in place of the engine's device executor:
 
 * the scheduling is the engine's code, not a copy: continuous batching over `max_slots` rows in
   batch buckets, admission in the policy's `admission_order`, every admitted row emitting its
@@ -60,10 +60,8 @@ import numpy as np
 
 # The engine's own host scheduler and result types: the simulation runs the engine's loop.
 # Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
-from das_jax.engine import CostModel, EngineConfig
-from das_jax.engine import scheduler
-from das_jax.engine.scheduler import (GenerateStats, Prefilled, StepInput, StepOutput,
-                                      prefill_layout)
+from das_jax.engine import (CostModel, EngineConfig, GenerateStats, Limits, Prefilled, StepInput,
+                            StepOutput, prefill_layout, run_schedule)
 
 
 class FrozenCostModel(CostModel):
@@ -234,16 +232,16 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
              cost_model: CostModel, drafter=None, policy=None, min_prompt_bucket: int | None = None,
              progress=None) -> SimStats:
     """Replays one `Engine.generate` call over recorded rollouts (see the module docstring):
-    the engine's own host scheduler (`scheduler.run`) driving a `TraceExecutor`, so the
-    admission, emission, compaction, buckets and the calls on `drafter` and `policy` are the
+    the engine's own host scheduler (`das_jax.engine.run_schedule`) driving a `TraceExecutor`, so
+    the admission, emission, compaction, buckets and the calls on `drafter` and `policy` are the
     engine's by construction. Request ids are the indices into `rollouts`, as in the engine.
 
     Raises:
       ValueError: a rollout without tokens.
     """
     executor = TraceExecutor(rollouts, engine_config, cost_model, min_prompt_bucket)
-    _, stats = scheduler.run(rollouts, executor, engine_config, scheduler.Limits(max_new_tokens),
-                             drafter, policy, progress, keep_tokens=False, stats=SimStats())
+    _, stats = run_schedule(rollouts, executor, engine_config, Limits(max_new_tokens), drafter,
+                            policy, progress, keep_tokens=False, stats=SimStats())
     return stats
 
 

@@ -1,8 +1,8 @@
 """Continuous-batching generation with speculative verification: `Engine.generate`.
 
-The host scheduler (`scheduler.run`: admission, slot refill, compaction, buckets, per-row
-bookkeeping, stats; shared with the trace replay) drives this module's `DeviceExecutor`, which
-runs `step.prefill_insert` and `step.verify_packed` (or the padded `step.verify`,
+The host scheduler (`scheduler.run_schedule`: admission, slot refill, compaction, buckets,
+per-row bookkeeping, stats; shared with the trace replay) drives this module's `DeviceExecutor`,
+which runs `step.prefill_insert` and `step.verify_packed` (or the padded `step.verify`,
 `EngineConfig.verify`) on a donated KV cache and keeps each row's pending token and seed.
 
 * Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
@@ -423,7 +423,7 @@ class Engine:
         progress: Callable[[int, int], None] | None = None,
     ) -> tuple[list[RequestOutput], GenerateStats]:
         """Generates every request with continuous batching and (optional) speculation: the host
-        scheduler (`scheduler.run`) driving this engine's `DeviceExecutor`.
+        scheduler (`scheduler.run_schedule`) driving this engine's `DeviceExecutor`.
 
         Args:
           requests: the rollouts; outputs come back in the same order.
@@ -444,8 +444,9 @@ class Engine:
         executor = self.step_executor(requests, sampling, params)
         compile_before = self._compiled.compile_s
         t_start = time.perf_counter()
-        outputs, stats = scheduler.run(requests, executor, self.engine_config,
-                                       self.limits(sampling), drafter, policy, progress)
+        outputs, stats = scheduler.run_schedule(requests, executor, self.engine_config,
+                                                self.limits(sampling), drafter, policy,
+                                                progress)
         stats.compile_s = self._compiled.compile_s - compile_before
         stats.wall_s = time.perf_counter() - t_start - stats.compile_s
         return outputs, stats
@@ -460,7 +461,7 @@ class Engine:
     def step_executor(self, requests: Sequence[Request], sampling: SamplingParams,
                       params: Params | None = None) -> "DeviceExecutor":
         """The `scheduler.StepExecutor` `generate` drives for these requests (for tools and tests
-        that run `scheduler.run` themselves); params default to the engine's."""
+        that run `scheduler.run_schedule` themselves); params default to the engine's."""
         return DeviceExecutor(self, requests, sampling,
                               self.place_params(self.params if params is None else params))
 

@@ -1,9 +1,9 @@
 """The host scheduler of continuous batching, one loop for `Engine.generate` and the trace replay.
 
-`run` owns everything on the host side of generation: the admission queue (in the policy's
-`admission_order`), which request is in which cache row, refilling freed rows, compacting the
-live rows into a smaller batch bucket for the tail, the attended-length bucket of each step, the
-per-row bookkeeping (tokens committed, stop tokens, max_new_tokens), the drafter and policy calls
+`run_schedule` owns everything on the host side of generation: the admission queue (in the policy's
+`admission_order`), which request is in which cache row, refilling freed rows, compacting the live
+rows into a smaller batch bucket for the tail, the attended-length bucket of each step, the per-row
+bookkeeping (tokens committed, stop tokens, max_new_tokens), the drafter and policy calls
 (`plan_step`, `begin` / `append` / `end` / `observe`), and the stats (`GenerateStats`, one
 `StepRecord` per verify step).
 
@@ -164,7 +164,8 @@ class StepOutput:
 
 
 class StepExecutor(Protocol):
-    """Runs the steps `run` plans (device steps in the engine, recorded tokens in the replay)."""
+    """Runs the steps `run_schedule` plans (device steps in the engine, recorded tokens in the
+    replay)."""
 
     def start(self, batch: int, cache_len: int) -> None:
         """Allocates `batch` empty rows of `cache_len` positions."""
@@ -188,10 +189,10 @@ class Limits:
     stop_ids: frozenset[int] = frozenset()
 
 
-def run(requests: Sequence[Any], executor: StepExecutor, engine_config, limits: Limits,
-        drafter=None, policy: SpeculationPolicy | None = None,
-        progress: Callable[[int, int], None] | None = None, keep_tokens: bool = True,
-        stats: GenerateStats | None = None) -> tuple[list[RequestOutput], GenerateStats]:
+def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
+                 limits: Limits, drafter=None, policy: SpeculationPolicy | None = None,
+                 progress: Callable[[int, int], None] | None = None, keep_tokens: bool = True,
+                 stats: GenerateStats | None = None) -> tuple[list[RequestOutput], GenerateStats]:
     """Generates `requests` with continuous batching through `executor`.
 
     Args:
