@@ -6,8 +6,8 @@
 - `rollout_bench`: rollout time per drafter over RL epochs on a real model (identity check,
   trace recording, replay prediction, plots); its core `run_bench(BenchSetup)` takes an engine
   and tokenized prompts.
-- `replay`: trace format (`write_trace` / `read_trace`), the scheduling simulator `simulate`
-  (mirrors `Engine.generate`), `replay_epochs`, `paper_workload`; `replay_cli` drives it.
+- `replay`: trace format (`write_trace` / `read_trace`), the simulator `simulate`
+  (`Engine.generate`'s own scheduler on recorded tokens), `replay_epochs`, `paper_workload`; `replay_cli` drives it.
 
 Modules here import jax lazily (registration in `cli.py` imports none).
 """

@@ -9,33 +9,37 @@ A *trace* (JSON lines) holds recorded rollouts: a header line
 then one line per rollout: {"epoch", "temperature", "problem_id", "sample_index", "prompt_ids",
 "token_ids", "finish_reason"}, in the order the engine received the requests.
 
-`simulate` runs the scheduling logic of `Engine.generate` without a model:
+`simulate` runs `Engine.generate`'s own host scheduler (`das_jax.engine.run_schedule`) without
+a model, through a `TraceExecutor` in place of the engine's device executor:
 
-* the same continuous batching: `max_slots` rows in batch buckets, free rows refilled from the
-  queue in the policy's `admission_order`, every admitted row emitting its first (prefill) token,
-  compaction of the live rows into the smallest bucket once the queue is empty (same row order),
-  the same cache-length and attended-length (`kv_len`) buckets;
+* the scheduling is the engine's code, not a copy: continuous batching over `max_slots` rows in
+  batch buckets, admission in the policy's `admission_order`, every admitted row emitting its
+  first (prefill) token, compaction into the smallest bucket once the queue is empty, the same
+  cache-length, attended-length (`kv_len`) and step-shape buckets;
 * per step, the real drafter objects and the real policy (`das_jax.rollout.build_speculation`,
-  from the trace's `das:` settings) are asked for
-  budgets, drafts and the width W exactly as the engine asks them, and are fed the emitted tokens
-  (`append`, `end`, `observe`, `advance_epoch` between epochs);
+  from the trace's `das:` settings) are asked for budgets, drafts and the width W by the same
+  calls, and are fed the emitted tokens (`append`, `end`, `observe`; `advance_epoch` between
+  epochs);
 * acceptance is exact: speculation never changes the sampled tokens, so the target token at every
   position is the recorded one, and a draft is accepted up to its first disagreement with the
   recorded continuation;
 * a step's time is the cost model t(N, K) = c_base + c_tok*N + c_kv*K (`CostModel.predict_step`)
-  at the padded engine's step shape N = B*W token slots, K = B*S attended positions.
+  at the step shape the engine computes (`schedule.step_shape_fn`: packed or padded by
+  `EngineConfig.verify`).
 
 Modelling assumptions (what the prediction leaves out or approximates):
 
-1. The cost model is linear in B*W and B*S; the real step cost on a CPU is not (different matmul
-   kernels per M), so the decode prediction is only as good as the fit (`bench rollout` prints
-   predicted / measured next to every measured time).
-2. Prefill is modelled as `prefill_s_per_token` per padded prompt token (U bucket x T bucket of
-   each admission call), and the host loop as `host_s_per_step` per forward pass; both are fitted
-   from the measured plain (`none`) run of the first epoch. Drafter and policy time are the real
-   host time of the simulated calls on this machine.
+1. The cost model is linear in the token slots N and the attended positions K; the real step
+   cost on a CPU is not (different matmul kernels per M), so the decode prediction is only as
+   good as the fit (`bench rollout` prints predicted / measured next to every measured time).
+2. Prefill is modelled as `prefill_s_per_token` per prompt token slot the engine's prefill
+   computes (`scheduler.prefill_layout` of each admission call), and the host loop as
+   `host_s_per_step` per forward pass; both are fitted from the measured plain (`none`) run of
+   the first epoch. Drafter and policy time are the real host time of the simulated calls on
+   this machine.
 3. Tokens past a recorded stop token are unknown, so a draft that runs past the end of a rollout
-   is accepted only up to the end; the engine counts the same (only committed tokens).
+   is accepted only up to the end; the engine counts the same (only committed tokens). A
+   rollout ends at its recorded end with its recorded finish reason, or at max_new_tokens.
 4. The simulated policy plans with a frozen cost model (the trace's coefficients); in the real
    engine the DAS policy refines its cost model online from measured step times, so a real DAS run
    may choose other widths than the replay (forward passes then differ slightly). With a frozen
@@ -48,20 +52,16 @@ Modelling assumptions (what the prediction leaves out or approximates):
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
-import time
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
-# The engine's own scheduling pieces (buckets, compaction, planning), so that the simulation
-# takes the engine's decisions. Importing EngineConfig imports jax; that is fine here (not at CLI
-# parse time).
-from das_jax.engine import (CostModel, EngineConfig, FixedPolicy, RowView, StepRecord,
-                            acceptance_length, bucket, cache_len_for, compact_rows, kv_len_bucket,
-                            plan_step, pow2_at_least, step_shape_fn, tail_bucket)
+# The engine's own host scheduler and result types: the simulation runs the engine's loop.
+# Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
+from das_jax.engine import (CostModel, EngineConfig, GenerateStats, Limits, Prefilled, StepInput,
+                            StepOutput, prefill_layout, run_schedule)
 
 
 class FrozenCostModel(CostModel):
@@ -150,23 +150,10 @@ def read_trace(path) -> Trace:
 
 
 @dataclasses.dataclass
-class SimStats:
-    """What one simulated `generate` call did; times in seconds."""
-
-    forward_passes: int = 0
-    generated_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    decode_s: float = 0.0             # predicted by the cost model
-    prefill_tokens: int = 0           # padded U x T tokens over admission calls
-    prefill_calls: int = 0
-    draft_s: float = 0.0              # measured host time of the drafter calls
-    policy_s: float = 0.0             # measured host time of the policy calls
-    steps: list[StepRecord] = dataclasses.field(default_factory=list)
-
-    @property
-    def acceptance_length(self) -> float:
-        return acceptance_length(self.steps)
+class SimStats(GenerateStats):
+    """What one simulated `generate` call did (the engine's `GenerateStats`; times in seconds):
+    decode_s is the cost model's prediction, draft_s / policy_s the measured host time of the
+    drafter and policy calls, prefill_s 0 (priced by `predicted_s` from prefill_tokens)."""
 
     def predicted_s(self, overheads: dict | None = None) -> float:
         """Predicted wall time: decode (cost model) + drafter/policy host time + prefill and host
@@ -186,142 +173,75 @@ class SimStats:
                 "predicted_s": self.predicted_s(overheads)}
 
 
+class TraceExecutor:
+    """The replay's `scheduler.StepExecutor`: recorded rollouts instead of a model.
+
+    Speculation never changes the sampled tokens, so the target token at every position is the
+    recorded one: a row's draft is accepted up to its first disagreement with the recorded
+    continuation (and never past the recorded end, where the row ends with its recorded
+    finish reason). A verify step takes `cost_model.predict_step(num_tokens, attended_kv)`
+    seconds; a prefill takes 0 here (its padded tokens are counted, `SimStats.predicted_s`
+    prices them). Log-probs are 0.
+    """
+
+    def __init__(self, rollouts: Sequence[TraceRollout], engine_config: EngineConfig,
+                 cost_model: CostModel, min_prompt_bucket: int | None = None):
+        self.rollouts = rollouts
+        self.ec = engine_config
+        self.cost_model = cost_model
+        self.min_prompt_bucket = min_prompt_bucket or engine_config.min_prompt_bucket
+        for i, r in enumerate(rollouts):
+            if not r.token_ids:
+                raise ValueError(f"trace rollout {i} (problem {r.problem_id!r}) has no tokens; "
+                                 "a recorded rollout holds at least its first token")
+
+    def _end(self, ri: int, upto: int) -> str:
+        r = self.rollouts[ri]
+        return (r.finish_reason or "stop") if upto >= len(r.token_ids) else ""
+
+    def start(self, batch: int, cache_len: int) -> None:
+        self.S = cache_len
+
+    def prefill(self, request_ids, rows, batch) -> Prefilled:
+        lay = prefill_layout([self.rollouts[i].prompt_ids for i in request_ids],
+                             self.ec.batch_buckets, self.min_prompt_bucket, self.S)
+        return Prefilled([self.rollouts[i].token_ids[0] for i in request_ids],
+                         [0.0] * len(request_ids), 0.0, lay.tokens,
+                         [self._end(i, 1) for i in request_ids])
+
+    def compact(self, live, new_batch) -> None:
+        pass
+
+    def verify(self, st: StepInput) -> StepOutput:
+        tokens, ends = [], []
+        for ri, g, d in zip(st.request_ids, st.generated, st.drafts):
+            rec = self.rollouts[ri].token_ids
+            # The pending token is rec[g - 1]; the target token after it is rec[g], so draft token
+            # i is accepted while it equals rec[g + i] (and the prefix before it was accepted).
+            acc, lim = 0, min(len(d), len(rec) - g - 1)
+            while acc < lim and int(d[acc]) == rec[g + acc]:
+                acc += 1
+            tokens.append(rec[g:g + acc + 1])
+            ends.append(self._end(ri, g + acc + 1))
+        return StepOutput(tokens, [[0.0] * len(t) for t in tokens],
+                          float(self.cost_model.predict_step(st.num_tokens, st.attended_kv)),
+                          ends)
+
+
 def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_new_tokens: int,
              cost_model: CostModel, drafter=None, policy=None, min_prompt_bucket: int | None = None,
              progress=None) -> SimStats:
-    """Replays one `Engine.generate` call over recorded rollouts (see the module docstring).
+    """Replays one `Engine.generate` call over recorded rollouts (see the module docstring):
+    the engine's own host scheduler (`das_jax.engine.run_schedule`) driving a `TraceExecutor`, so
+    the admission, emission, compaction, buckets and the calls on `drafter` and `policy` are the
+    engine's by construction. Request ids are the indices into `rollouts`, as in the engine.
 
-    Mirrors `Engine.generate` line by line for the scheduling: the same admission, emission,
-    compaction and kv-length bucketing, the same calls on `drafter` and `policy`. Request ids are
-    the indices into `rollouts`, as in the engine.
+    Raises:
+      ValueError: a rollout without tokens.
     """
-    ec = engine_config
-    policy = policy or FixedPolicy()
-    widths = ec.draft_widths if drafter is not None else (1,)
-    min_prompt_bucket = min_prompt_bucket or ec.min_prompt_bucket
-    stats = SimStats()
-    n = len(rollouts)
-    recs = [r.token_ids for r in rollouts]
-    generated = [0] * n
-    order = policy.admission_order([r.problem_id for r in rollouts])
-    queue = collections.deque(order)
-    S = cache_len_for(ec.max_cache_len, ec.draft_widths,
-                      max(len(r.prompt_ids) for r in rollouts), max_new_tokens)
-    B = bucket(min(n, ec.max_slots), ec.batch_buckets)
-    row_req = np.full(B, -1, np.int64)
-    cache_len = np.zeros(B, np.int64)
-    finished = 0
-
-    def finish(row: int):
-        nonlocal finished
-        ri = int(row_req[row])
-        if drafter is not None:
-            drafter.end(ri)
-        policy.end(ri, generated[ri])
-        row_req[row] = -1
-        finished += 1
-        if progress:
-            progress(finished, n)
-
-    def emit(row: int, count: int) -> bool:
-        ri = int(row_req[row])
-        g = generated[ri]
-        toks = recs[ri][g:g + count]
-        generated[ri] = g + len(toks)
-        stats.generated_tokens += len(toks)
-        if drafter is not None and toks:
-            t0 = time.perf_counter()
-            drafter.append(ri, list(toks))
-            stats.draft_s += time.perf_counter() - t0
-        if generated[ri] >= len(recs[ri]):
-            finish(row)
-            return True
-        return False
-
-    while queue or (row_req >= 0).any():
-        free = np.flatnonzero(row_req < 0)
-        if queue and len(free):
-            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-            rows = free[:len(take)]
-            uniq: dict[tuple, int] = {}
-            for i in take:
-                uniq.setdefault(tuple(rollouts[i].prompt_ids), len(uniq))
-            T = min(pow2_at_least(max(len(p) for p in uniq), min_prompt_bucket), S)
-            U = bucket(len(uniq), ec.batch_buckets)
-            stats.prefill_tokens += U * T
-            stats.prefill_calls += 1
-            for ri, row in zip(take, rows):
-                row_req[row] = ri
-                cache_len[row] = len(rollouts[ri].prompt_ids)
-                t0 = time.perf_counter()
-                policy.begin(int(ri), rollouts[ri].problem_id, len(rollouts[ri].prompt_ids))
-                stats.policy_s += time.perf_counter() - t0
-                if drafter is not None:
-                    t0 = time.perf_counter()
-                    drafter.begin(int(ri), rollouts[ri].problem_id, list(rollouts[ri].prompt_ids))
-                    stats.draft_s += time.perf_counter() - t0
-            for row in rows:
-                emit(int(row), 1)
-            continue
-
-        live = np.flatnonzero(row_req >= 0)
-        if not len(live):
-            continue
-        nb = tail_bucket(len(live), B, ec.batch_buckets, queue_empty=not queue)
-        if nb is not None:
-            row_req, cache_len = compact_rows(live, nb, row_req, -1, cache_len, 0)
-            B = nb
-            live = np.arange(len(live))
-
-        kv_len = kv_len_bucket(cache_len[live], S)
-        views = [RowView(int(row_req[r]), rollouts[row_req[r]].problem_id,
-                         generated[row_req[r]], max_new_tokens - generated[row_req[r]])
-                 for r in live]
-        step_shape = step_shape_fn(ec.verify, B, kv_len, widths)
-        plan = plan_step(drafter, policy, views, B, widths, kv_len, step_shape)
-        stats.draft_s += plan.draft_s
-        stats.policy_s += plan.policy_s
-        W = plan.width
-        num_tokens, attended_kv = step_shape(np.array([len(t) for t in plan.tokens], np.int32))
-        seconds = float(cost_model.predict_step(num_tokens, attended_kv))
-        stats.decode_s += seconds
-        stats.forward_passes += 1
-        drafted = emitted_total = 0
-        n_emit, accepted_rows = [], []
-        for j, r in enumerate(live):
-            ri = int(row_req[r])
-            k = len(plan.tokens[j])
-            drafted += k
-            rec, g = recs[ri], generated[ri]
-            # The pending token is rec[g - 1]; the target token after it is rec[g], so draft token
-            # i is accepted while it equals rec[g + i] (and the prefix before it was accepted).
-            acc = 0
-            if k:
-                d = plan.tokens[j]
-                lim = min(k, len(rec) - g - 1)
-                while acc < lim and int(d[acc]) == rec[g + acc]:
-                    acc += 1
-            n_emit.append(acc + 1)
-        classes = policy.step_classes(views)
-        for j, r in enumerate(live):
-            ri = int(row_req[r])
-            before = generated[ri]
-            cache_len[r] += n_emit[j]
-            emit(int(r), n_emit[j])
-            committed = generated[ri] - before   # tokens past a stop / the budget do not count
-            emitted_total += committed
-            accepted_rows.append(max(committed - 1, 0))
-        accepted = sum(accepted_rows)
-        stats.drafted_tokens += drafted
-        stats.accepted_draft_tokens += accepted
-        record = StepRecord(batch=B, active=len(live), width=W, kv_len=kv_len, drafted=drafted,
-                            accepted=accepted, emitted=emitted_total, seconds=seconds,
-                            predicted_seconds=seconds, classes=classes, num_tokens=num_tokens,
-                            attended_kv=attended_kv, accepted_per_row=tuple(accepted_rows))
-        stats.steps.append(record)
-        t0 = time.perf_counter()
-        policy.observe(record)
-        stats.policy_s += time.perf_counter() - t0
+    executor = TraceExecutor(rollouts, engine_config, cost_model, min_prompt_bucket)
+    _, stats = run_schedule(rollouts, executor, engine_config, Limits(max_new_tokens), drafter,
+                            policy, progress, keep_tokens=False, stats=SimStats())
     return stats
 
 

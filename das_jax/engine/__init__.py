@@ -2,6 +2,9 @@
 
 Public surface:
   Engine, EngineConfig, Request, RequestOutput, GenerateStats, GenerateError   (generate.py)
+  DeviceExecutor (the engine's step executor)                                  (generate.py)
+  run_schedule, StepExecutor, StepInput, StepOutput, Prefilled, Limits,
+    prefill_layout: the host scheduler shared with the trace replay             (scheduler.py)
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
   SpeculationPolicy, FixedPolicy, RowView, StepRecord, DraftPlan, plan_step,
     acceptance_length, padded_step_shape, packed_step_shape, width_for         (policy.py)
@@ -33,6 +36,9 @@ _EXPORTS = {
     "kv_len_bucket": "schedule", "tail_bucket": "schedule", "compact_rows": "schedule",
     "token_buckets": "schedule", "packed_width": "schedule",
     "step_shape_fn": "schedule",
+    "DeviceExecutor": "generate", "StepExecutor": "scheduler", "StepInput": "scheduler",
+    "StepOutput": "scheduler", "Prefilled": "scheduler", "Limits": "scheduler",
+    "prefill_layout": "scheduler", "run_schedule": "scheduler",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,8 +1,9 @@
 """Continuous-batching generation with speculative verification: `Engine.generate`.
 
-The host loop owns the bookkeeping (which request is in which cache row, its pending token, its
-cache length); the device runs `step.prefill_insert` and `step.verify_packed` (or the padded
-`step.verify`, `EngineConfig.verify`) on a donated KV cache.
+The host scheduler (`scheduler.run_schedule`: admission, slot refill, compaction, buckets,
+per-row bookkeeping, stats; shared with the trace replay) drives this module's `DeviceExecutor`,
+which runs `step.prefill_insert` and `step.verify_packed` (or the padded `step.verify`,
+`EngineConfig.verify`) on a donated KV cache and keeps each row's pending token and seed.
 
 * Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
   refilled from the queue; when the queue is empty and the live rows fit a smaller bucket, they
@@ -19,7 +20,6 @@ cache length); the device runs `step.prefill_insert` and `step.verify_packed` (o
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import time
@@ -29,12 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from das_jax.engine import scheduler
 from das_jax.engine import step as step_lib
-from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
-                                   acceptance_length, plan_step)
-from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
-                                     pow2_at_least, step_shape_fn, tail_bucket,
-                                     token_buckets)
+from das_jax.engine.policy import SpeculationPolicy
+from das_jax.engine.schedule import cache_len_for, compact_rows, step_shape_fn
+from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
 from das_jax.models.transformer import KVCache, Params
@@ -58,52 +57,6 @@ class Request:
     problem_id: Hashable = 0
     sample_index: int = 0
     seed: int | None = None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """token_ids / logprobs: generated tokens and their log-probs under the policy (the
-    temperature-scaled full softmax, also with top-k / top-p on; see `sampling.sample`);
-    finish_reason: "stop" (a stop token, included) or "length" (max_new_tokens)."""
-
-    request: Request
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    forward_passes: int = 0
-    drafted_tokens: int = 0
-    accepted_draft_tokens: int = 0
-
-
-@dataclasses.dataclass
-class GenerateStats:
-    """Counters and timers of one `generate` call (seconds of wall time; compile time excluded
-    from the phase timers and reported as `compile_s`). accepted_draft_tokens counts accepted
-    draft tokens that were committed (not those past a stop token or max_new_tokens)."""
-
-    forward_passes: int = 0
-    generated_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    draft_s: float = 0.0
-    policy_s: float = 0.0
-    wall_s: float = 0.0
-    compile_s: float = 0.0
-    steps: list[StepRecord] = dataclasses.field(default_factory=list)
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens emitted per verify step per row (1.0 without speculation)."""
-        return acceptance_length(self.steps)
-
-    def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
-        d["acceptance_length"] = self.acceptance_length
-        if with_steps:
-            d["steps"] = [dataclasses.asdict(s) for s in self.steps]
-        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,7 +422,8 @@ class Engine:
         params: Params | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> tuple[list[RequestOutput], GenerateStats]:
-        """Generates every request with continuous batching and (optional) speculation.
+        """Generates every request with continuous batching and (optional) speculation: the host
+        scheduler (`scheduler.run_schedule`) driving this engine's `DeviceExecutor`.
 
         Args:
           requests: the rollouts; outputs come back in the same order.
@@ -487,196 +441,125 @@ class Engine:
           GenerateError / SamplingError: bad input, before any compilation.
         """
         self.validate(requests, sampling)
-        params = self.place_params(self.params if params is None else params)
-        ec = self.engine_config
-        policy = policy or FixedPolicy()
-        widths = ec.draft_widths if drafter is not None else (1,)
-        stop_ids = set(self.eos_token_ids) | set(sampling.stop_token_ids)
-        skey = sampling.static_key()
-        stats = GenerateStats()
+        executor = self.step_executor(requests, sampling, params)
         compile_before = self._compiled.compile_s
         t_start = time.perf_counter()
-
-        n = len(requests)
-        seeds = np.array([r.seed if r.seed is not None else
-                          request_seed(sampling.seed, r.problem_id, r.sample_index)
-                          for r in requests], np.int64).astype(np.int32)
-        outputs = [RequestOutput(r, [], [], "") for r in requests]
-        order = policy.admission_order([r.problem_id for r in requests])
-        queue = collections.deque(order)
-        S = self.cache_len_for(requests, sampling)
-
-        B = bucket(min(n, ec.max_slots), ec.batch_buckets)
-        dtype = jnp.dtype(params["embed"].dtype).name
-        cache = self._zeros_cache(B, S, dtype)
-        row_req = np.full(B, -1, np.int64)      # request index in each row, -1 = free
-        cache_len = np.zeros(B, np.int32)       # tokens in the cache per row
-        pending = np.zeros(B, np.int32)         # sampled, not yet fed token per row
-        row_seed = np.zeros(B, np.int32)
-        finished = 0
-
-        def finish(row: int, reason: str):
-            nonlocal finished
-            ri = row_req[row]
-            outputs[ri].finish_reason = reason
-            if drafter is not None:
-                drafter.end(int(ri))
-            policy.end(int(ri), len(outputs[ri].token_ids))
-            row_req[row] = -1
-            finished += 1
-            if progress:
-                progress(finished, n)
-
-        def emit(row: int, toks: Sequence[int], logps: Sequence[float]) -> bool:
-            """Appends emitted tokens to the row's output; returns True when the row finished."""
-            out = outputs[row_req[row]]
-            room = sampling.max_new_tokens - len(out.token_ids)
-            toks, logps = list(toks[:room]), list(logps[:room])
-            reason = ""
-            for j, t in enumerate(toks):
-                if t in stop_ids:
-                    toks, logps, reason = toks[:j + 1], logps[:j + 1], "stop"
-                    break
-            if not reason and len(out.token_ids) + len(toks) >= sampling.max_new_tokens:
-                reason = "length"
-            out.token_ids.extend(int(t) for t in toks)
-            out.logprobs.extend(float(x) for x in logps)
-            stats.generated_tokens += len(toks)
-            if drafter is not None and toks:
-                t0 = time.perf_counter()
-                drafter.append(int(row_req[row]), toks)
-                stats.draft_s += time.perf_counter() - t0
-            if reason:
-                finish(row, reason)
-                return True
-            return False
-
-        while queue or (row_req >= 0).any():
-            # ---- admit queued requests into free rows (prefill) ----
-            free = np.flatnonzero(row_req < 0)
-            if queue and len(free):
-                t0 = time.perf_counter()
-                take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-                rows = free[:len(take)]
-                uniq: dict[tuple, int] = {}
-                src = [uniq.setdefault(tuple(requests[i].prompt_ids), len(uniq)) for i in take]
-                prompts = list(uniq)
-                T = pow2_at_least(max(len(p) for p in prompts), ec.min_prompt_bucket)
-                T = min(T, S)
-                U = bucket(len(prompts), ec.batch_buckets)
-                R = bucket(len(take), ec.batch_buckets)
-                toks_UxT = np.zeros((U, T), np.int32)
-                lens_U = np.ones(U, np.int32)
-                for u, p in enumerate(prompts):
-                    toks_UxT[u, :len(p)] = p
-                    lens_U[u] = len(p)
-                slots_R = np.full(R, B, np.int32)          # out of range: dropped
-                slots_R[:len(take)] = rows
-                src_R = np.zeros(R, np.int32)
-                src_R[:len(take)] = src
-                seeds_R = np.zeros(R, np.int32)
-                seeds_R[:len(take)] = seeds[take]
-                args = (self.config, skey, params, cache, toks_UxT, lens_U, slots_R, src_R, seeds_R)
-                fn = self._compiled.get(("prefill", B, S, U, T, R, skey, self.config, dtype),
-                                        step_lib.prefill_insert, *args)
-                cache, first_R, first_logp_R = fn(*args[2:])
-                first_R, first_logp_R = np.asarray(first_R), np.asarray(first_logp_R)
-                for k, (ri, row) in enumerate(zip(take, rows)):
-                    row_req[row] = ri
-                    cache_len[row] = len(requests[ri].prompt_ids)
-                    pending[row] = first_R[k]
-                    row_seed[row] = seeds[ri]
-                    policy.begin(int(ri), requests[ri].problem_id, len(requests[ri].prompt_ids))
-                    if drafter is not None:
-                        drafter.begin(int(ri), requests[ri].problem_id, list(requests[ri].prompt_ids))
-                stats.prefill_s += time.perf_counter() - t0
-                for k, row in enumerate(rows):
-                    emit(row, [int(first_R[k])], [float(first_logp_R[k])])
-                continue  # rows may have finished at once: refill before decoding
-
-            live = np.flatnonzero(row_req >= 0)
-            if not len(live):
-                continue
-            # ---- compaction into a smaller bucket for the tail ----
-            nb = tail_bucket(len(live), B, ec.batch_buckets, queue_empty=not queue)
-            if nb is not None:
-                rows_nb = np.zeros(nb, np.int32)
-                rows_nb[:len(live)] = live
-                fn = self._compiled.get(("gather", B, nb, S, self.config, dtype),
-                                        step_lib.gather_rows, cache, rows_nb)
-                cache = fn(cache, rows_nb)
-                row_req, cache_len, pending, row_seed = compact_rows(
-                    live, nb, row_req, -1, cache_len, 0, pending, 0, row_seed, 0)
-                B = nb
-                live = np.arange(len(live))
-
-            kv_len = kv_len_bucket(cache_len[live], S)
-            # ---- draft ----
-            views = [RowView(int(row_req[r]), requests[row_req[r]].problem_id,
-                             len(outputs[row_req[r]].token_ids),
-                             sampling.max_new_tokens - len(outputs[row_req[r]].token_ids))
-                     for r in live]
-            step_shape = self.step_shape(B, kv_len, widths)
-            plan = plan_step(drafter, policy, views, B, widths, kv_len, step_shape)
-            stats.draft_s += plan.draft_s
-            stats.policy_s += plan.policy_s
-            W, predicted = plan.width, plan.predicted_seconds
-
-            # ---- verify ----
-            n_draft_B = np.zeros(B, np.int32)
-            for j, r in enumerate(live):
-                n_draft_B[r] = len(plan.tokens[j])
-            num_tokens, attended_kv = step_shape(n_draft_B[live])
-            if ec.verify == "packed":
-                args = self._packed_args(B, W, num_tokens, kv_len, skey, params, cache,
-                                         cache_len, pending, row_seed, live, plan.tokens,
-                                         n_draft_B)
-                fn = self._packed_executable(B, num_tokens, W, S, kv_len, skey, dtype, args)
-                run_args = args[4:]
-            else:
-                tokens_BxW = np.zeros((B, W), np.int32)
-                tokens_BxW[:, 0] = pending
-                for j, r in enumerate(live):
-                    tokens_BxW[r, 1:1 + len(plan.tokens[j])] = plan.tokens[j]
-                args = (self.config, skey, kv_len, params, cache, cache_len, tokens_BxW,
-                        n_draft_B, row_seed)
-                fn = self._verify_executable(B, W, S, kv_len, skey, dtype, args)
-                run_args = args[3:]
-            t0 = time.perf_counter()
-            cache, y_BxW, logp_BxW, n_emit_B = fn(*run_args)
-            y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)
-            seconds = time.perf_counter() - t0
-            stats.decode_s += seconds
-            stats.forward_passes += 1
-            drafted = int(n_draft_B.sum())
-            stats.drafted_tokens += drafted
-            emitted_total = 0
-            accepted_rows = []
-            classes = policy.step_classes(views)
-            for r in live:
-                ne = int(n_emit_B[r])
-                out = outputs[row_req[r]]
-                out.forward_passes += 1
-                out.drafted_tokens += int(n_draft_B[r])
-                before = len(out.token_ids)
-                cache_len[r] += ne
-                pending[r] = y_BxW[r, ne - 1]
-                emit(r, y_BxW[r, :ne], logp_BxW[r, :ne])
-                # Count what was committed: tokens past a stop token or max_new_tokens are not.
-                committed = len(out.token_ids) - before
-                emitted_total += committed
-                accepted_rows.append(max(committed - 1, 0))
-                out.accepted_draft_tokens += accepted_rows[-1]
-            accepted = sum(accepted_rows)
-            stats.accepted_draft_tokens += accepted
-            record = StepRecord(batch=B, active=len(live), width=W, kv_len=kv_len, drafted=drafted,
-                                accepted=accepted, emitted=emitted_total, seconds=seconds,
-                                predicted_seconds=predicted, classes=classes,
-                                num_tokens=num_tokens, attended_kv=attended_kv,
-                                accepted_per_row=tuple(accepted_rows))
-            stats.steps.append(record)
-            policy.observe(record)
-
+        outputs, stats = scheduler.run_schedule(requests, executor, self.engine_config,
+                                                self.limits(sampling), drafter, policy,
+                                                progress)
         stats.compile_s = self._compiled.compile_s - compile_before
         stats.wall_s = time.perf_counter() - t_start - stats.compile_s
         return outputs, stats
+
+    def limits(self, sampling: SamplingParams) -> scheduler.Limits:
+        """Where a request ends: max_new_tokens, or a stop token (the tokenizer's EOS ids and
+        `sampling.stop_token_ids`)."""
+        return scheduler.Limits(sampling.max_new_tokens,
+                                frozenset(int(t) for t in self.eos_token_ids)
+                                | frozenset(int(t) for t in sampling.stop_token_ids))
+
+    def step_executor(self, requests: Sequence[Request], sampling: SamplingParams,
+                      params: Params | None = None) -> "DeviceExecutor":
+        """The `scheduler.StepExecutor` `generate` drives for these requests (for tools and tests
+        that run `scheduler.run_schedule` themselves); params default to the engine's."""
+        return DeviceExecutor(self, requests, sampling,
+                              self.place_params(self.params if params is None else params))
+
+
+class DeviceExecutor:
+    """The engine's `scheduler.StepExecutor`: jitted steps on a donated KV cache, timed with the
+    real clock (compilation excluded: `Engine._compiled` counts it apart).
+
+    It keeps the device side of every cache row: the KV cache `[B, S]`, the pending token (sampled,
+    not yet fed) and the request seed per row. Prefill: `step.prefill_insert` of the admitted
+    prompts (`scheduler.prefill_layout`); verify: `step.verify_packed` (N token slots) or the
+    padded `step.verify` (B x W), by `EngineConfig.verify`; compaction: `step.gather_rows`.
+    """
+
+    def __init__(self, engine: Engine, requests: Sequence[Request], sampling: SamplingParams,
+                 params: Params):
+        self.engine = engine
+        self.requests = requests
+        self.params = params
+        self.skey = sampling.static_key()
+        self.dtype = jnp.dtype(params["embed"].dtype).name
+        self.seeds = np.array([r.seed if r.seed is not None else
+                               request_seed(sampling.seed, r.problem_id, r.sample_index)
+                               for r in requests], np.int64).astype(np.int32)
+
+    def start(self, batch: int, cache_len: int) -> None:
+        self.S = cache_len
+        self.cache = self.engine._zeros_cache(batch, cache_len, self.dtype)
+        self.pending = np.zeros(batch, np.int32)       # sampled, not yet fed token per row
+        self.row_seed = np.zeros(batch, np.int32)
+
+    def prefill(self, request_ids: Sequence[int], rows: np.ndarray,
+                batch: int) -> scheduler.Prefilled:
+        eng, ec, skey = self.engine, self.engine.engine_config, self.skey
+        t0 = time.perf_counter()
+        take, B, S = list(request_ids), batch, self.S
+        lay = scheduler.prefill_layout([self.requests[i].prompt_ids for i in take],
+                                       ec.batch_buckets, ec.min_prompt_bucket, S)
+        U, T, R = lay.U, lay.T, lay.R
+        toks_UxT = np.zeros((U, T), np.int32)
+        lens_U = np.ones(U, np.int32)
+        for u, p in enumerate(lay.prompts):
+            toks_UxT[u, :len(p)] = p
+            lens_U[u] = len(p)
+        slots_R = np.full(R, B, np.int32)          # out of range: dropped
+        slots_R[:len(take)] = rows
+        src_R = np.zeros(R, np.int32)
+        src_R[:len(take)] = lay.src
+        seeds_R = np.zeros(R, np.int32)
+        seeds_R[:len(take)] = self.seeds[take]
+        args = (eng.config, skey, self.params, self.cache, toks_UxT, lens_U, slots_R, src_R,
+                seeds_R)
+        fn = eng._compiled.get(("prefill", B, S, U, T, R, skey, eng.config, self.dtype),
+                               step_lib.prefill_insert, *args)
+        self.cache, first_R, first_logp_R = fn(*args[2:])
+        first_R, first_logp_R = np.asarray(first_R), np.asarray(first_logp_R)
+        for k, (ri, row) in enumerate(zip(take, rows)):
+            self.pending[row] = first_R[k]
+            self.row_seed[row] = self.seeds[ri]
+        return scheduler.Prefilled(first_R[:len(take)], first_logp_R[:len(take)],
+                                   time.perf_counter() - t0, lay.tokens)
+
+    def compact(self, live: np.ndarray, new_batch: int) -> None:
+        eng, nb = self.engine, new_batch
+        B = len(self.pending)
+        rows_nb = np.zeros(nb, np.int32)
+        rows_nb[:len(live)] = live
+        fn = eng._compiled.get(("gather", B, nb, self.S, eng.config, self.dtype),
+                               step_lib.gather_rows, self.cache, rows_nb)
+        self.cache = fn(self.cache, rows_nb)
+        self.pending, self.row_seed = compact_rows(live, nb, self.pending, 0, self.row_seed, 0)
+
+    def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
+        eng, skey, dtype = self.engine, self.skey, self.dtype
+        B, W, live, kv_len = st.batch, st.width, st.live, st.kv_len
+        if eng.engine_config.verify == "packed":
+            args = eng._packed_args(B, W, st.num_tokens, kv_len, skey, self.params, self.cache,
+                                    st.cache_len_B, self.pending, self.row_seed, live, st.drafts,
+                                    st.n_draft_B)
+            fn = eng._packed_executable(B, st.num_tokens, W, self.S, kv_len, skey, dtype, args)
+            run_args = args[4:]
+        else:
+            tokens_BxW = np.zeros((B, W), np.int32)
+            tokens_BxW[:, 0] = self.pending
+            for j, r in enumerate(live):
+                tokens_BxW[r, 1:1 + len(st.drafts[j])] = st.drafts[j]
+            args = (eng.config, skey, kv_len, self.params, self.cache, st.cache_len_B,
+                    tokens_BxW, st.n_draft_B, self.row_seed)
+            fn = eng._verify_executable(B, W, self.S, kv_len, skey, dtype, args)
+            run_args = args[3:]
+        t0 = time.perf_counter()
+        self.cache, y_BxW, logp_BxW, n_emit_B = fn(*run_args)
+        y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)
+        seconds = time.perf_counter() - t0
+        tokens, logps = [], []
+        for r in live:
+            ne = int(n_emit_B[r])
+            self.pending[r] = y_BxW[r, ne - 1]
+            tokens.append(y_BxW[r, :ne])
+            logps.append(logp_BxW[r, :ne])
+        return scheduler.StepOutput(tokens, logps, seconds)

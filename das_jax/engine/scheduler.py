@@ -1,0 +1,358 @@
+"""The host scheduler of continuous batching, one loop for `Engine.generate` and the trace replay.
+
+`run_schedule` owns everything on the host side of generation: the admission queue (in the policy's
+`admission_order`), which request is in which cache row, refilling freed rows, compacting the live
+rows into a smaller batch bucket for the tail, the attended-length bucket of each step, the per-row
+bookkeeping (tokens committed, stop tokens, max_new_tokens), the drafter and policy calls
+(`plan_step`, `begin` / `append` / `end` / `observe`), and the stats (`GenerateStats`, one
+`StepRecord` per verify step).
+
+What a step *does* is a `StepExecutor`'s job:
+
+* `Engine.generate` drives a device executor (`das_jax.engine.generate.DeviceExecutor`): jitted
+  prefill and verify steps on the KV cache, timed with the real clock;
+* the trace replay (`das_jax.bench.replay.simulate`) drives a trace executor: the recorded
+  rollouts decide which drafts are accepted, the cost model says how long a step takes.
+
+Since both go through this one loop, a replay with the engine's drafter, policy and (frozen) cost
+model takes the engine's decisions step for step by construction (tests/test_scheduler.py).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
+                                   acceptance_length, plan_step)
+from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
+                                     pow2_at_least, step_shape_fn, tail_bucket)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """token_ids / logprobs: generated tokens and their log-probs under the policy (the
+    temperature-scaled full softmax, also with top-k / top-p on; see `sampling.sample`);
+    finish_reason: "stop" (a stop token, included) or "length" (max_new_tokens).
+    request: the `Request` (a `TraceRollout` in the replay, which keeps no tokens)."""
+
+    request: Any
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    forward_passes: int = 0
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+@dataclasses.dataclass
+class GenerateStats:
+    """Counters and timers of one `generate` call (seconds of wall time; compile time excluded
+    from the phase timers and reported as `compile_s`). accepted_draft_tokens counts accepted
+    draft tokens that were committed (not those past a stop token or max_new_tokens);
+    prefill_tokens: token slots the prefill calls computed (padding included), over
+    prefill_calls admissions. In the replay, decode_s is the cost model's prediction."""
+
+    forward_passes: int = 0
+    generated_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    policy_s: float = 0.0
+    wall_s: float = 0.0
+    compile_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_calls: int = 0
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per verify step per row (1.0 without speculation)."""
+        return acceptance_length(self.steps)
+
+    def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
+        d["acceptance_length"] = self.acceptance_length
+        if with_steps:
+            d["steps"] = [dataclasses.asdict(s) for s in self.steps]
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillLayout:
+    """The shapes of one admission's prefill call: the distinct prompts (`prompts`, in first-seen
+    order; `src[k]`: the prompt of the k-th admitted request), padded to T tokens (a power-of-two
+    bucket >= min_prompt_bucket, capped at the cache length) in U rows (a batch bucket), inserted
+    into R cache rows (a batch bucket of the admitted requests). tokens = U * T slots computed."""
+
+    prompts: list[tuple[int, ...]]
+    src: list[int]
+    T: int
+    U: int
+    R: int
+
+    @property
+    def tokens(self) -> int:
+        return self.U * self.T
+
+
+def prefill_layout(prompts: Sequence[Sequence[int]], batch_buckets: Sequence[int],
+                   min_prompt_bucket: int, cache_len: int) -> PrefillLayout:
+    """`PrefillLayout` of admitting requests with these prompts (one per request, in order)."""
+    uniq: dict[tuple, int] = {}
+    src = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
+    distinct = list(uniq)
+    T = min(pow2_at_least(max(len(p) for p in distinct), min_prompt_bucket), cache_len)
+    return PrefillLayout(distinct, src, T, bucket(len(distinct), batch_buckets),
+                         bucket(len(prompts), batch_buckets))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """What an executor's prefill returns for the k admitted requests: first_tokens[k] /
+    first_logprobs[k] (the token sampled after each prompt and its log-prob), seconds spent,
+    tokens (token slots computed, padding included), and ends[k] ("" or a finish reason the
+    executor knows, e.g. the trace's recorded end; None: none known)."""
+
+    first_tokens: Sequence[int]
+    first_logprobs: Sequence[float]
+    seconds: float
+    tokens: int
+    ends: Sequence[str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One verify step as the scheduler planned it (A live rows of B cache rows).
+
+    batch: B; live: int `[A]` cache rows; request_ids / generated: `[A]` each live row's request
+    index and tokens committed so far; cache_len_B: int32 `[B]` tokens in each cache row's KV
+    (stale for free rows); kv_len: attended-length bucket; width: W (query block); drafts:
+    `[A]` int32 draft tokens per live row; n_draft_B: int32 `[B]` (0 for free rows); num_tokens /
+    attended_kv: the step shape (`step_shape_fn`); predicted_seconds: the policy's prediction.
+    """
+
+    batch: int
+    live: np.ndarray
+    request_ids: list[int]
+    generated: list[int]
+    cache_len_B: np.ndarray
+    kv_len: int
+    width: int
+    drafts: list[np.ndarray]
+    n_draft_B: np.ndarray
+    num_tokens: int
+    attended_kv: int
+    predicted_seconds: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What a verify step returns per live row (`[A]`): tokens[j] (1 + accepted drafts sampled
+    tokens, before the stop / max_new_tokens cut), logprobs[j], ends[j] ("" or a finish reason
+    the executor knows; None: none known); and the step's seconds."""
+
+    tokens: Sequence[Sequence[int]]
+    logprobs: Sequence[Sequence[float]]
+    seconds: float
+    ends: Sequence[str] | None = None
+
+
+class StepExecutor(Protocol):
+    """Runs the steps `run_schedule` plans (device steps in the engine, recorded tokens in the
+    replay)."""
+
+    def start(self, batch: int, cache_len: int) -> None:
+        """Allocates `batch` empty rows of `cache_len` positions."""
+
+    def prefill(self, request_ids: Sequence[int], rows: np.ndarray, batch: int) -> Prefilled:
+        """Writes the prompts of `request_ids` into cache rows `rows` and samples each first
+        token."""
+
+    def compact(self, live: np.ndarray, new_batch: int) -> None:
+        """Moves cache rows `live` (in order) to rows 0..len(live)-1 of `new_batch` rows."""
+
+    def verify(self, step: StepInput) -> StepOutput:
+        """Verifies each live row's pending token and drafts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The end of a request: max_new_tokens, or (inclusive) a token of stop_ids."""
+
+    max_new_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+
+
+def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
+                 limits: Limits, drafter=None, policy: SpeculationPolicy | None = None,
+                 progress: Callable[[int, int], None] | None = None, keep_tokens: bool = True,
+                 stats: GenerateStats | None = None) -> tuple[list[RequestOutput], GenerateStats]:
+    """Generates `requests` with continuous batching through `executor`.
+
+    Args:
+      requests: objects with `prompt_ids` (non-empty) and `problem_id`; request ids (for the
+        drafter and policy) are their indices.
+      executor: the `StepExecutor`.
+      engine_config: an `EngineConfig` (max_slots / batch buckets, max_cache_len,
+        draft_widths, verify).
+      limits: `Limits` (max_new_tokens, stop token ids).
+      drafter: None (plain decoding) or a Drafter (`das_jax.drafter`).
+      policy: speculation policy (default `FixedPolicy()`).
+      progress: optional callback(finished_requests, total).
+      keep_tokens: keep each output's tokens and log-probs (False: counters only).
+      stats: stats to add to (default: new).
+
+    Returns:
+      (outputs in request order, stats); wall_s / compile_s are the caller's to set.
+    """
+    ec = engine_config
+    policy = policy or FixedPolicy()
+    widths = ec.draft_widths if drafter is not None else (1,)
+    stop_ids = limits.stop_ids
+    max_new = limits.max_new_tokens
+    stats = stats if stats is not None else GenerateStats()
+    n = len(requests)
+    outputs = [RequestOutput(r, [], [], "") for r in requests]
+    generated = [0] * n                    # tokens committed per request
+    queue = collections.deque(policy.admission_order([r.problem_id for r in requests]))
+    S = cache_len_for(ec.max_cache_len, ec.draft_widths,
+                      max(len(r.prompt_ids) for r in requests), max_new)
+    B = bucket(min(n, ec.max_slots), ec.batch_buckets)
+    executor.start(B, S)
+    row_req = np.full(B, -1, np.int64)      # request index in each row, -1 = free
+    cache_len = np.zeros(B, np.int32)       # tokens in the cache per row
+    finished = 0
+
+    def finish(row: int, reason: str):
+        nonlocal finished
+        ri = int(row_req[row])
+        outputs[ri].finish_reason = reason
+        if drafter is not None:
+            drafter.end(ri)
+        policy.end(ri, generated[ri])
+        row_req[row] = -1
+        finished += 1
+        if progress:
+            progress(finished, n)
+
+    def emit(row: int, toks: Sequence[int], logps: Sequence[float], end: str = "") -> int:
+        """Commits the row's tokens up to a stop token / max_new_tokens (finishing the row there,
+        or with `end`, the executor's finish reason); returns the tokens committed."""
+        ri = int(row_req[row])
+        room = max_new - generated[ri]
+        toks, logps = list(toks[:room]), list(logps[:room])
+        reason = ""
+        for j, t in enumerate(toks):
+            if t in stop_ids:
+                toks, logps, reason = toks[:j + 1], logps[:j + 1], "stop"
+                break
+        if not reason and generated[ri] + len(toks) >= max_new:
+            reason = "length"
+        if keep_tokens:
+            outputs[ri].token_ids.extend(int(t) for t in toks)
+            outputs[ri].logprobs.extend(float(x) for x in logps)
+        generated[ri] += len(toks)
+        stats.generated_tokens += len(toks)
+        if drafter is not None and toks:
+            t0 = time.perf_counter()
+            drafter.append(ri, toks)
+            stats.draft_s += time.perf_counter() - t0
+        reason = reason or end
+        if reason:
+            finish(row, reason)
+        return len(toks)
+
+    while queue or (row_req >= 0).any():
+        # ---- admit queued requests into free rows (prefill) ----
+        free = np.flatnonzero(row_req < 0)
+        if queue and len(free):
+            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+            rows = free[:len(take)]
+            pre = executor.prefill(take, rows, B)
+            stats.prefill_s += pre.seconds
+            stats.prefill_tokens += pre.tokens
+            stats.prefill_calls += 1
+            for ri, row in zip(take, rows):
+                req = requests[ri]
+                row_req[row] = ri
+                cache_len[row] = len(req.prompt_ids)
+                t0 = time.perf_counter()
+                policy.begin(int(ri), req.problem_id, len(req.prompt_ids))
+                t1 = time.perf_counter()
+                if drafter is not None:
+                    drafter.begin(int(ri), req.problem_id, list(req.prompt_ids))
+                stats.policy_s += t1 - t0
+                stats.draft_s += time.perf_counter() - t1
+            for k, row in enumerate(rows):
+                emit(int(row), [int(pre.first_tokens[k])], [float(pre.first_logprobs[k])],
+                     pre.ends[k] if pre.ends is not None else "")
+            continue  # rows may have finished at once: refill before decoding
+
+        live = np.flatnonzero(row_req >= 0)
+        if not len(live):
+            continue
+        # ---- compaction into a smaller bucket for the tail ----
+        nb = tail_bucket(len(live), B, ec.batch_buckets, queue_empty=not queue)
+        if nb is not None:
+            executor.compact(live, nb)
+            row_req, cache_len = compact_rows(live, nb, row_req, -1, cache_len, 0)
+            B = nb
+            live = np.arange(len(live))
+
+        kv_len = kv_len_bucket(cache_len[live], S)
+        # ---- draft ----
+        req_ids = [int(row_req[r]) for r in live]
+        views = [RowView(ri, requests[ri].problem_id, generated[ri], max_new - generated[ri])
+                 for ri in req_ids]
+        step_shape = step_shape_fn(ec.verify, B, kv_len, widths)
+        plan = plan_step(drafter, policy, views, B, widths, kv_len, step_shape)
+        stats.draft_s += plan.draft_s
+        stats.policy_s += plan.policy_s
+
+        # ---- verify ----
+        n_draft_B = np.zeros(B, np.int32)
+        for j, r in enumerate(live):
+            n_draft_B[r] = len(plan.tokens[j])
+        num_tokens, attended_kv = step_shape(n_draft_B[live])
+        out = executor.verify(StepInput(
+            batch=B, live=live, request_ids=req_ids, generated=[generated[ri] for ri in req_ids],
+            cache_len_B=cache_len, kv_len=kv_len,
+            width=plan.width, drafts=plan.tokens, n_draft_B=n_draft_B, num_tokens=num_tokens,
+            attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds))
+        stats.decode_s += out.seconds
+        stats.forward_passes += 1
+        drafted = int(n_draft_B.sum())
+        stats.drafted_tokens += drafted
+        classes = policy.step_classes(views)
+        accepted_rows = []
+        emitted = 0
+        for j, r in enumerate(live):
+            o = outputs[req_ids[j]]
+            o.forward_passes += 1
+            o.drafted_tokens += int(n_draft_B[r])
+            cache_len[r] += len(out.tokens[j])
+            # Count what was committed: tokens past a stop token or max_new_tokens are not.
+            committed = emit(int(r), out.tokens[j], out.logprobs[j],
+                             out.ends[j] if out.ends is not None else "")
+            emitted += committed
+            accepted_rows.append(max(committed - 1, 0))
+            o.accepted_draft_tokens += accepted_rows[-1]
+        accepted = sum(accepted_rows)
+        stats.accepted_draft_tokens += accepted
+        record = StepRecord(batch=B, active=len(live), width=plan.width, kv_len=kv_len,
+                            drafted=drafted, accepted=accepted, emitted=emitted,
+                            seconds=out.seconds,
+                            predicted_seconds=plan.predicted_seconds, classes=classes,
+                            num_tokens=num_tokens, attended_kv=attended_kv,
+                            accepted_per_row=tuple(accepted_rows))
+        stats.steps.append(record)
+        t0 = time.perf_counter()
+        policy.observe(record)
+        stats.policy_s += time.perf_counter() - t0
+    return outputs, stats
