@@ -137,11 +137,26 @@ def chunked_head_logprobs(config: ModelConfig, params: Params, hidden_BxTxD, tar
 
 
 def _logp_entropy(config, params, tokens_BxT, positions_BxT, valid_BxT, temperature, with_entropy,
-                  activation: ActivationConfig | None = None):
+                  activation: ActivationConfig | None = None, window_BxW=None):
     """Teacher-forced log-probs (0 at t = 0 and invalid t) and entropies, float32 `[B, T]`.
 
     activation None: the reference path (full `[B, T, V]` logits, einsum attention, no remat);
-    otherwise the memory-bounded path (`ActivationConfig`; chunked head)."""
+    otherwise the memory-bounded path (`ActivationConfig`; chunked head).
+    window_BxW: int32 positions (each >= 1, distinct within a row), memory path only: the head
+    (lm_head + log-softmax) runs at those positions only, and the results are `[B, W]`, entry
+    `[b, j]` scoring `tokens_BxT[b, window_BxW[b, j]]` -- the completion window of
+    `completion_window`, a fraction of T when the prompts are long."""
+    if window_BxW is not None:
+        h_BxTxD, _ = forward_hidden(config, params, tokens_BxT, positions_BxT, valid_BxT=valid_BxT,
+                                    activation=activation)
+        # the hidden state at t - 1 scores the token at t
+        h_BxWxD = jnp.take_along_axis(h_BxTxD, (window_BxW - 1)[..., None], axis=1)
+        targets_BxW = jnp.take_along_axis(tokens_BxT, window_BxW, axis=1)
+        logp_BxW, entropy_BxW = chunked_head_logprobs(
+            config, params, h_BxWxD, targets_BxW, temperature, activation.logits_chunk,
+            with_entropy)
+        valid_BxW = jnp.take_along_axis(valid_BxT, window_BxW, axis=1) & (window_BxW > 0)
+        return jnp.where(valid_BxW, logp_BxW, 0.0), entropy_BxW
     first_T = jnp.arange(tokens_BxT.shape[1]) > 0
     if activation is None:
         logits_BxTxV = shifted_logits_and_targets(config, params, tokens_BxT, positions_BxT,
@@ -378,7 +393,10 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
         made once), and the gradient is taken with respect to that copy and summed in float32.
       xs: tuple of `[n_mb, mb, ...]` arrays (tokens, positions, valid, completion mask, old
         log-probs, ref log-probs, advantages `[n_mb, mb]`, loss weights `w`), see
-        `make_loss_and_grad`. The loss is `sum(w * per_token_loss)`.
+        `make_loss_and_grad`. The loss is `sum(w * per_token_loss)`. Optionally a 9th array, the
+        `[n_mb, mb, W]` completion window (`completion_window`; needs `activation`): the head
+        then runs at those positions only, and the completion mask, old / ref log-probs and
+        `w` are given at those positions (`[n_mb, mb, W]`).
       carry: (loss, grads, sums) to add to (donated; `zero_carry(params)` or a previous result),
         None to start from zero.
       activation: `ActivationConfig` (remat, attention kernel, chunked head); None: reference path.
@@ -391,9 +409,10 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
     params_c = cast_params(params, compute_dtype)
 
     def mb_loss(p, x):
-        tokens, positions, valid, cmask, old, ref, adv, w = x
+        tokens, positions, valid, cmask, old, ref, adv, w = x[:8]
+        window = x[8] if len(x) > 8 else None  # cmask / old / ref / w are then [mb, W]
         logp, entropy = _logp_entropy(model_config, p, tokens, positions, valid,
-                                      loss_config.temperature, True, activation)
+                                      loss_config.temperature, True, activation, window)
         terms = loss_fn.per_token(logp, old, adv, cmask, ref, loss_config)
         return jnp.sum(w * terms.loss_BxT), losses.metric_sums(terms, cmask, entropy)
 
@@ -444,6 +463,27 @@ def micro_batch_plan(lengths_N, micro_batch_size: int, T: int, group_by_length: 
     return plan
 
 
+def completion_window(cmask_BxT: np.ndarray, floor: int = 32) -> np.ndarray:
+    """The positions of each row the train step scores: int32 `[B, W]`, row b the W consecutive
+    positions `start_b .. start_b + W - 1` that cover every True of `cmask_BxT[b]` (its
+    completion tokens), with W = `length_bucket` (multiple of `floor`) of the longest row's
+    span, at most T - 1, and 1 <= start_b <= T - W (rows without completion tokens start at 1).
+
+    The lm_head + log-softmax then run on `[B, W]` tokens instead of `[B, T]`: with a long
+    prompt and a short completion (the main job: ~80 prompt and <= 32 completion tokens), most
+    of the head's work. The loss is unchanged: positions outside the window have zero weight.
+    """
+    cmask = np.asarray(cmask_BxT, bool)
+    B, T = cmask.shape
+    has = cmask.any(axis=1)
+    first = np.where(has, np.argmax(cmask, axis=1), 1)
+    last = np.where(has, T - 1 - np.argmax(cmask[:, ::-1], axis=1), 1)
+    span = int((last - first + 1).max()) if B else 1
+    W = max(1, min(T - 1, length_bucket(span, floor)))
+    start = np.clip(np.minimum(first, T - W), 1, None)
+    return (start[:, None] + np.arange(W)[None]).astype(np.int32)
+
+
 def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: float = 1.0,
                        activation: ActivationConfig | None = ActivationConfig(),
                        compute_dtype: str | None = None, group_by_length: bool = True,
@@ -481,6 +521,9 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
         raise ValueError(f"micro_batch_size must be >= 1, got {mb}")
     skip = (skip_zero_advantage and loss_config.beta == 0
             and loss_config.loss_type in ("grpo", "dr_grpo", "dapo"))
+    # the head at the completion positions only (`completion_window`); a loss's per-token terms
+    # are elementwise (the `losses.Loss` contract), so they are the same on the window
+    windowed = activation is not None and mesh is None
 
     def loss_and_grad(params, batch: TrainBatch):
         N, T = batch.tokens_BxT.shape
@@ -519,6 +562,11 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
             pad = size - len(rows)
             xs = tuple(np.pad(c[rows][:, :T_mb] if c.ndim == 2 else c[rows],
                               [(0, pad)] + [(0, 0)] * (c.ndim - 1))[None] for c in cols)
+            if windowed:
+                # cmask, old, ref and w at the completion window's positions only
+                win = completion_window(xs[3][0])[None]
+                xs = tuple(np.take_along_axis(x, win, axis=2) if i in (3, 4, 5, 7) else x
+                           for i, x in enumerate(xs)) + (win,)
             if mesh is not None:
                 xs = sharded.place_rows(xs)
             carry = kernel(params, xs, carry)
