@@ -174,6 +174,20 @@ def _logp_entropy(config, params, tokens_BxT, positions_BxT, valid_BxT, temperat
     return logp_BxT, entropy_BxT
 
 
+def _packed_logp_entropy(config, params, tokens_GxS, positions_GxS, valid_GxS, segment_GxS,
+                         group_R, source_RxW, targets_RxW, cmask_RxW, temperature, activation):
+    """Log-probs and entropies `[R, W]` of R completions packed with their shared prompts
+    (`pack_shared_prompts`): one forward over the G packed rows (segment-masked attention), then
+    the head at the hidden states `source_RxW` of packed row `group_R` scoring `targets_RxW`
+    (0 where `cmask_RxW` is False)."""
+    h_GxSxD, _ = forward_hidden(config, params, tokens_GxS, positions_GxS, valid_BxT=valid_GxS,
+                                activation=activation, segment_BxT=segment_GxS)
+    h_RxWxD = h_GxSxD[group_R[:, None], source_RxW]
+    logp_RxW, entropy_RxW = chunked_head_logprobs(config, params, h_RxWxD, targets_RxW,
+                                                  temperature, activation.logits_chunk, True)
+    return jnp.where(cmask_RxW, logp_RxW, 0.0), entropy_RxW
+
+
 def cast_params(params: Params, dtype) -> Params:
     """Params cast to `dtype` (None: unchanged); leaves already in `dtype` are the same arrays."""
     if dtype is None:
@@ -409,6 +423,12 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
     params_c = cast_params(params, compute_dtype)
 
     def mb_loss(p, x):
+        if len(x) == 12:  # shared-prompt packed micro-batch (`pack_shared_prompts`)
+            tok, pos, val, seg, grp, src, tgt, cmask, old, ref, adv, w = x
+            logp, entropy = _packed_logp_entropy(model_config, p, tok, pos, val, seg, grp, src,
+                                                 tgt, cmask, loss_config.temperature, activation)
+            terms = loss_fn.per_token(logp, old, adv, cmask, ref, loss_config)
+            return jnp.sum(w * terms.loss_BxT), losses.metric_sums(terms, cmask, entropy)
         tokens, positions, valid, cmask, old, ref, adv, w = x[:8]
         window = x[8] if len(x) > 8 else None  # cmask / old / ref / w are then [mb, W]
         logp, entropy = _logp_entropy(model_config, p, tokens, positions, valid,
@@ -484,10 +504,84 @@ def completion_window(cmask_BxT: np.ndarray, floor: int = 32) -> np.ndarray:
     return (start[:, None] + np.arange(W)[None]).astype(np.int32)
 
 
+def shared_prompt_groups(tokens_NxT, positions_NxT, valid_NxT, cmask_NxT, rows) -> list | None:
+    """`rows` grouped by identical prompt (tokens and positions before the first completion
+    token), in order of first appearance; rows without completion tokens are left out (they
+    add nothing to the loss). None when a row is not a prompt followed by one contiguous
+    completion (valid = prompt + completion), which `pack_shared_prompts` needs."""
+    groups: dict = {}
+    for r in rows:
+        c = np.flatnonzero(cmask_NxT[r])
+        if len(c) == 0:
+            continue
+        P, L = int(c[0]), len(c)
+        if c[-1] != P + L - 1 or not valid_NxT[r, :P + L].all() or valid_NxT[r, P + L:].any():
+            return None
+        key = (tokens_NxT[r, :P].tobytes(), positions_NxT[r, :P].tobytes())
+        groups.setdefault(key, []).append(int(r))
+    return list(groups.values())
+
+
+def pack_shared_prompts(groups, cols):
+    """One micro-batch of shared-prompt packed rows: each group (rows with the same prompt) is
+    one row `prompt ++ completion_1 ++ completion_2 ++ ...` (segments 0, 1, 2, ...: a completion
+    attends to the prompt and to itself only, at its own positions), so the prompt's forward
+    runs once per group instead of once per completion -- the same hidden states, so the same
+    loss and gradient up to float rounding. Completion token j of row r is scored by the hidden
+    state of its predecessor (the prompt's last token for j = 0).
+
+    Args:
+      groups: lists of row indices (`shared_prompt_groups`).
+      cols: the host columns (tokens, positions, valid, completion mask, old log-probs, ref
+        log-probs, advantages `[N]`, loss weights `w`), `[N, T]` unless noted.
+
+    Returns:
+      the kernel's 12 inputs, each with a leading micro-batch axis of 1: packed tokens,
+      positions, valid, segments `[1, G, S]`; per completion row the packed row `[1, R]`, source
+      and target `[1, R, W]`, completion mask, old / ref log-probs `[1, R, W]`, advantages
+      `[1, R]` and weights `[1, R, W]`. S and W are `length_bucket`s (64 / 32 floors).
+    """
+    tokens, positions, valid, cmask, old, ref, adv, w = cols
+    spans = []  # (prompt length, [(row, completion length)]) per group
+    for g in groups:
+        P = int(np.argmax(cmask[g[0]]))
+        spans.append((P, [(r, int(cmask[r].sum())) for r in g]))
+    G, R = len(groups), sum(len(g) for g in groups)
+    S = length_bucket(max(P + sum(L for _, L in rl) for P, rl in spans))
+    W = length_bucket(max(L for _, rl in spans for _, L in rl), 32)
+    tok = np.zeros((G, S), np.int32)
+    pos = np.zeros((G, S), np.int32)
+    val = np.zeros((G, S), bool)
+    seg = np.zeros((G, S), np.int32)
+    grp = np.zeros((R,), np.int32)
+    src = np.zeros((R, W), np.int32)
+    tgt = np.zeros((R, W), np.int32)
+    cm = np.zeros((R, W), bool)
+    o, rf, ww = (np.zeros((R, W), np.float32) for _ in range(3))
+    a = np.zeros((R,), np.float32)
+    i = 0
+    for gi, (P, rl) in enumerate(spans):
+        r0 = rl[0][0]
+        tok[gi, :P], pos[gi, :P], val[gi, :P] = tokens[r0, :P], positions[r0, :P], True
+        off = P
+        for si, (r, L) in enumerate(rl, start=1):
+            sl = slice(P, P + L)
+            tok[gi, off:off + L], pos[gi, off:off + L] = tokens[r, sl], positions[r, sl]
+            val[gi, off:off + L], seg[gi, off:off + L] = True, si
+            j = np.arange(L)
+            grp[i] = gi
+            src[i, :L] = np.where(j == 0, P - 1, off + j - 1)
+            tgt[i, :L], cm[i, :L] = tokens[r, sl], True
+            o[i, :L], rf[i, :L], ww[i, :L], a[i] = old[r, sl], ref[r, sl], w[r, sl], adv[r]
+            off += L
+            i += 1
+    return tuple(x[None] for x in (tok, pos, val, seg, grp, src, tgt, cm, o, rf, a, ww))
+
+
 def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: float = 1.0,
                        activation: ActivationConfig | None = ActivationConfig(),
                        compute_dtype: str | None = None, group_by_length: bool = True,
-                       skip_zero_advantage: bool = False, mesh=None
+                       skip_zero_advantage: bool = False, mesh=None, share_prompts: bool = True
                        ) -> Callable[[Params, TrainBatch], tuple[jax.Array, Params, dict]]:
     """Builds `(params, batch) -> (loss, grads, metrics)` with micro-batched accumulation.
 
@@ -504,6 +598,12 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
     sums `w * per_token_loss` and its gradient: the full-batch loss for every `loss_type`.
     Gradients are accumulated in float32 and cast back to each param's dtype. Host-side driver
     (reads the row lengths); the kernels are jitted.
+
+    With `activation` (and no mesh) the head runs at the completion positions only
+    (`completion_window`), and with `share_prompts` rows that share a prompt (a GRPO group) are
+    packed into one row per group (`pack_shared_prompts`): the prompt's forward and backward run
+    once per group, not once per completion. Both give the same loss and gradient up to float
+    rounding (tests/test_train_window.py).
 
     With a `mesh` (`jax.sharding.Mesh`; params placed by `das_jax.parallel.sharding`), the
     kernel is jitted with explicit in/out shardings: params and the float32 gradient accumulator
@@ -558,6 +658,20 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
             kernel = sharded.accumulate
         plan = [(keep[rows], T_mb) for rows, T_mb in
                 micro_batch_plan(lengths[keep], size, T, group_by_length)] if len(keep) else []
+        groups = (shared_prompt_groups(cols[0], cols[1], valid, cmask, keep)
+                  if windowed and share_prompts else None)
+        if groups and max(len(g) for g in groups) > 1:
+            # whole groups per micro-batch, up to `size` completions (a larger group alone)
+            micro, n = [[]], 0
+            for g in groups:
+                if micro[-1] and n + len(g) > size:
+                    micro.append([])
+                    n = 0
+                micro[-1].append(g)
+                n += len(g)
+            plan = []
+            for gs in micro:
+                carry = kernel(params, pack_shared_prompts(gs, cols), carry)
         for rows, T_mb in plan:
             pad = size - len(rows)
             xs = tuple(np.pad(c[rows][:, :T_mb] if c.ndim == 2 else c[rows],
