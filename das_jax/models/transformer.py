@@ -135,13 +135,20 @@ def _attention(config: ModelConfig, q_BxTxHxK, k_BxSxKVHxK, v_BxSxKVHxK, mask_Bx
     return out.reshape(B, T, H, K)
 
 
-def _train_attention(q_BxTxHxK, k_BxTxKVHxK, v_BxTxKVHxK, valid_BxT, act: ActivationConfig):
+def _train_attention(q_BxTxHxK, k_BxTxKVHxK, v_BxTxKVHxK, valid_BxT, act: ActivationConfig,
+                     segment_BxT=None):
     """Causal self-attention of the teacher-forced forward through `jax.nn.dot_product_attention`
-    (keys at invalid positions never attended). See `ActivationConfig.attention`."""
+    (keys at invalid positions never attended). See `ActivationConfig.attention`.
+
+    segment_BxT: optional int32 segments of a packed row (a shared prompt, segment 0, followed by
+    several completions of it, segments 1, 2, ...): a token attends to earlier tokens of its own
+    segment and of segment 0 only. Always through the xla implementation."""
     impl = act.attention
     if impl == "auto":
         impl = ("cudnn" if jax.default_backend() == "gpu"
                 and q_BxTxHxK.dtype in (jnp.bfloat16, jnp.float16) else "xla")
+    if segment_BxT is not None:
+        impl = "xla"
     B, T = valid_BxT.shape
     if impl == "cudnn":
         lengths_B = jnp.sum(valid_BxT, axis=1).astype(jnp.int32)
@@ -154,6 +161,10 @@ def _train_attention(q_BxTxHxK, k_BxTxKVHxK, v_BxTxKVHxK, valid_BxT, act: Activa
     def chunk(q_BxCxHxK, start):
         rows_C = start + jnp.arange(C)
         mask_BxCxT = (jnp.arange(T)[None, :] <= rows_C[:, None])[None] & valid_BxT[:, None, :]
+        if segment_BxT is not None:
+            seg_q_BxC = jnp.take(segment_BxT, jnp.minimum(rows_C, T - 1), axis=1)
+            mask_BxCxT &= ((segment_BxT[:, None, :] == 0)
+                           | (segment_BxT[:, None, :] == seg_q_BxC[:, :, None]))
         return jax.nn.dot_product_attention(q_BxCxHxK, k_BxTxKVHxK, v_BxTxKVHxK,
                                             mask=mask_BxCxT[:, None], implementation="xla")
 
@@ -168,12 +179,14 @@ def _train_attention(q_BxTxHxK, k_BxTxKVHxK, v_BxTxKVHxK, valid_BxT, act: Activa
 
 
 def decoder_layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, mask_BxTxS=None,
-                  valid_BxT=None, act: "ActivationConfig | None" = None, attend=None):
+                  valid_BxT=None, act: "ActivationConfig | None" = None, attend=None,
+                  segment_BxT=None):
     """One pre-norm block. Returns the new residual and this block's new (k, v) `[B, T, KVH, K]`.
 
     `attend(q, k, v) -> [B, T, H, K]`, when given, is the attention (decode / verify / packed:
     `decode_attention.attend_cache` over the KV cache); else with `act`, `_train_attention`
-    (teacher-forced, causal); else the einsum attention over `mask_BxTxS` (the reference). The
+    (teacher-forced, causal; `segment_BxT` as there); else the einsum attention over
+    `mask_BxTxS` (the reference). The
     contractions go through `config.contraction` (`das_jax.models.contraction`: fast, or exact
     mode)."""
     cp = config.contraction
@@ -190,7 +203,7 @@ def decoder_layer(config: ModelConfig, inv_freq, x_BxTxD, lp, positions_BxT, mas
     if attend is not None:
         attn = attend(q, k, v)
     elif act is not None:
-        attn = _train_attention(q, k, v, valid_BxT, act)
+        attn = _train_attention(q, k, v, valid_BxT, act, segment_BxT)
     else:
         attn = _attention(config, q, k, v, mask_BxTxS)
     x_BxTxD = x_BxTxD + cx.einsum(cp, "bthk,hkd->btd", attn, lp["wo"], rows="bt")
@@ -220,6 +233,7 @@ def forward_hidden(
     valid_BxT: jax.Array | None = None,
     kv_len: int | None = None,
     activation: ActivationConfig | None = None,
+    segment_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder stack; returns final-normed hidden states and the updated cache.
 
@@ -239,6 +253,8 @@ def forward_hidden(
       activation: without a cache only: `ActivationConfig` (remat policy, attention kernel and
         chunking of the teacher-forced forward). None: plain einsum attention over the full
         `[B, H, T, T]` scores and no remat (the reference path).
+      segment_BxT: with `activation` only: int32 segments of packed rows (a shared prompt as
+        segment 0, then completions of it as segments 1, 2, ...; see `_train_attention`).
 
     Returns:
       (hidden_BxTxD in the param dtype, updated KV cache or None).
@@ -258,7 +274,7 @@ def forward_hidden(
 
         def body(x, lp):
             x, k, v = decoder_layer(config, inv_freq, x, lp, positions_BxT, mask, valid_BxT,
-                             activation)
+                             activation, segment_BxT=segment_BxT)
             return x, None
         body = _remat(body, activation.remat if activation is not None else "none")
         x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, layers)

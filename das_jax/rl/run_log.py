@@ -260,6 +260,23 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
 
 
 # ------------------------------------------------------------------ the logger
+def _summary_writer_class():
+    """`tensorboardX.SummaryWriter`, imported without torch: tensorboardX's writer imports torch
+    whenever it is installed (only to accept torch tensors, which das-jax never passes), which
+    costs the training process ~0.2-0.3 GB of memory. When torch is not loaded yet, its import
+    is blocked while tensorboardX loads (tensorboardX then takes numpy arrays only)."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class RunLogger:
     """Appends one JSON record per step to `<run_dir>/metrics.jsonl` and the step's first
     completions to `<run_dir>/samples.jsonl` (records of steps after `start_step` left by a
@@ -292,8 +309,7 @@ class RunLogger:
         self._file = open(self.path, "a")
         self._samples_file = open(self.samples_path, "a")
         try:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            self._tb = _summary_writer_class()(str(self.run_dir / "tb"))
         except ImportError:  # pragma: no cover - tensorboardX is a dependency
             self._tb = None
         self._watch = CompileWatch()

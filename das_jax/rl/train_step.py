@@ -137,11 +137,26 @@ def chunked_head_logprobs(config: ModelConfig, params: Params, hidden_BxTxD, tar
 
 
 def _logp_entropy(config, params, tokens_BxT, positions_BxT, valid_BxT, temperature, with_entropy,
-                  activation: ActivationConfig | None = None):
+                  activation: ActivationConfig | None = None, window_BxW=None):
     """Teacher-forced log-probs (0 at t = 0 and invalid t) and entropies, float32 `[B, T]`.
 
     activation None: the reference path (full `[B, T, V]` logits, einsum attention, no remat);
-    otherwise the memory-bounded path (`ActivationConfig`; chunked head)."""
+    otherwise the memory-bounded path (`ActivationConfig`; chunked head).
+    window_BxW: int32 positions (each >= 1, distinct within a row), memory path only: the head
+    (lm_head + log-softmax) runs at those positions only, and the results are `[B, W]`, entry
+    `[b, j]` scoring `tokens_BxT[b, window_BxW[b, j]]` -- the completion window of
+    `completion_window`, a fraction of T when the prompts are long."""
+    if window_BxW is not None:
+        h_BxTxD, _ = forward_hidden(config, params, tokens_BxT, positions_BxT, valid_BxT=valid_BxT,
+                                    activation=activation)
+        # the hidden state at t - 1 scores the token at t
+        h_BxWxD = jnp.take_along_axis(h_BxTxD, (window_BxW - 1)[..., None], axis=1)
+        targets_BxW = jnp.take_along_axis(tokens_BxT, window_BxW, axis=1)
+        logp_BxW, entropy_BxW = chunked_head_logprobs(
+            config, params, h_BxWxD, targets_BxW, temperature, activation.logits_chunk,
+            with_entropy)
+        valid_BxW = jnp.take_along_axis(valid_BxT, window_BxW, axis=1) & (window_BxW > 0)
+        return jnp.where(valid_BxW, logp_BxW, 0.0), entropy_BxW
     first_T = jnp.arange(tokens_BxT.shape[1]) > 0
     if activation is None:
         logits_BxTxV = shifted_logits_and_targets(config, params, tokens_BxT, positions_BxT,
@@ -157,6 +172,20 @@ def _logp_entropy(config, params, tokens_BxT, positions_BxT, valid_BxT, temperat
             config, params, h_BxTxD, tokens_BxT, temperature, activation.logits_chunk, with_entropy)
     logp_BxT = jnp.where(first_T[None] & valid_BxT, logp_BxT, 0.0)
     return logp_BxT, entropy_BxT
+
+
+def _packed_logp_entropy(config, params, tokens_GxS, positions_GxS, valid_GxS, segment_GxS,
+                         group_R, source_RxW, targets_RxW, cmask_RxW, temperature, activation):
+    """Log-probs and entropies `[R, W]` of R completions packed with their shared prompts
+    (`pack_shared_prompts`): one forward over the G packed rows (segment-masked attention), then
+    the head at the hidden states `source_RxW` of packed row `group_R` scoring `targets_RxW`
+    (0 where `cmask_RxW` is False)."""
+    h_GxSxD, _ = forward_hidden(config, params, tokens_GxS, positions_GxS, valid_BxT=valid_GxS,
+                                activation=activation, segment_BxT=segment_GxS)
+    h_RxWxD = h_GxSxD[group_R[:, None], source_RxW]
+    logp_RxW, entropy_RxW = chunked_head_logprobs(config, params, h_RxWxD, targets_RxW,
+                                                  temperature, activation.logits_chunk, True)
+    return jnp.where(cmask_RxW, logp_RxW, 0.0), entropy_RxW
 
 
 def cast_params(params: Params, dtype) -> Params:
@@ -378,7 +407,10 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
         made once), and the gradient is taken with respect to that copy and summed in float32.
       xs: tuple of `[n_mb, mb, ...]` arrays (tokens, positions, valid, completion mask, old
         log-probs, ref log-probs, advantages `[n_mb, mb]`, loss weights `w`), see
-        `make_loss_and_grad`. The loss is `sum(w * per_token_loss)`.
+        `make_loss_and_grad`. The loss is `sum(w * per_token_loss)`. Optionally a 9th array, the
+        `[n_mb, mb, W]` completion window (`completion_window`; needs `activation`): the head
+        then runs at those positions only, and the completion mask, old / ref log-probs and
+        `w` are given at those positions (`[n_mb, mb, W]`).
       carry: (loss, grads, sums) to add to (donated; `zero_carry(params)` or a previous result),
         None to start from zero.
       activation: `ActivationConfig` (remat, attention kernel, chunked head); None: reference path.
@@ -391,9 +423,16 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
     params_c = cast_params(params, compute_dtype)
 
     def mb_loss(p, x):
-        tokens, positions, valid, cmask, old, ref, adv, w = x
+        if len(x) == 12:  # shared-prompt packed micro-batch (`pack_shared_prompts`)
+            tok, pos, val, seg, grp, src, tgt, cmask, old, ref, adv, w = x
+            logp, entropy = _packed_logp_entropy(model_config, p, tok, pos, val, seg, grp, src,
+                                                 tgt, cmask, loss_config.temperature, activation)
+            terms = loss_fn.per_token(logp, old, adv, cmask, ref, loss_config)
+            return jnp.sum(w * terms.loss_BxT), losses.metric_sums(terms, cmask, entropy)
+        tokens, positions, valid, cmask, old, ref, adv, w = x[:8]
+        window = x[8] if len(x) > 8 else None  # cmask / old / ref / w are then [mb, W]
         logp, entropy = _logp_entropy(model_config, p, tokens, positions, valid,
-                                      loss_config.temperature, True, activation)
+                                      loss_config.temperature, True, activation, window)
         terms = loss_fn.per_token(logp, old, adv, cmask, ref, loss_config)
         return jnp.sum(w * terms.loss_BxT), losses.metric_sums(terms, cmask, entropy)
 
@@ -444,10 +483,105 @@ def micro_batch_plan(lengths_N, micro_batch_size: int, T: int, group_by_length: 
     return plan
 
 
+def completion_window(cmask_BxT: np.ndarray, floor: int = 32) -> np.ndarray:
+    """The positions of each row the train step scores: int32 `[B, W]`, row b the W consecutive
+    positions `start_b .. start_b + W - 1` that cover every True of `cmask_BxT[b]` (its
+    completion tokens), with W = `length_bucket` (multiple of `floor`) of the longest row's
+    span, at most T - 1, and 1 <= start_b <= T - W (rows without completion tokens start at 1).
+
+    The lm_head + log-softmax then run on `[B, W]` tokens instead of `[B, T]`: with a long
+    prompt and a short completion (the main job: ~80 prompt and <= 32 completion tokens), most
+    of the head's work. The loss is unchanged: positions outside the window have zero weight.
+    """
+    cmask = np.asarray(cmask_BxT, bool)
+    B, T = cmask.shape
+    has = cmask.any(axis=1)
+    first = np.where(has, np.argmax(cmask, axis=1), 1)
+    last = np.where(has, T - 1 - np.argmax(cmask[:, ::-1], axis=1), 1)
+    span = int((last - first + 1).max()) if B else 1
+    W = max(1, min(T - 1, length_bucket(span, floor)))
+    start = np.clip(np.minimum(first, T - W), 1, None)
+    return (start[:, None] + np.arange(W)[None]).astype(np.int32)
+
+
+def shared_prompt_groups(tokens_NxT, positions_NxT, valid_NxT, cmask_NxT, rows) -> list | None:
+    """`rows` grouped by identical prompt (tokens and positions before the first completion
+    token), in order of first appearance; rows without completion tokens are left out (they
+    add nothing to the loss). None when a row is not a prompt followed by one contiguous
+    completion (valid = prompt + completion), which `pack_shared_prompts` needs."""
+    groups: dict = {}
+    for r in rows:
+        c = np.flatnonzero(cmask_NxT[r])
+        if len(c) == 0:
+            continue
+        P, L = int(c[0]), len(c)
+        if c[-1] != P + L - 1 or not valid_NxT[r, :P + L].all() or valid_NxT[r, P + L:].any():
+            return None
+        key = (tokens_NxT[r, :P].tobytes(), positions_NxT[r, :P].tobytes())
+        groups.setdefault(key, []).append(int(r))
+    return list(groups.values())
+
+
+def pack_shared_prompts(groups, cols):
+    """One micro-batch of shared-prompt packed rows: each group (rows with the same prompt) is
+    one row `prompt ++ completion_1 ++ completion_2 ++ ...` (segments 0, 1, 2, ...: a completion
+    attends to the prompt and to itself only, at its own positions), so the prompt's forward
+    runs once per group instead of once per completion -- the same hidden states, so the same
+    loss and gradient up to float rounding. Completion token j of row r is scored by the hidden
+    state of its predecessor (the prompt's last token for j = 0).
+
+    Args:
+      groups: lists of row indices (`shared_prompt_groups`).
+      cols: the host columns (tokens, positions, valid, completion mask, old log-probs, ref
+        log-probs, advantages `[N]`, loss weights `w`), `[N, T]` unless noted.
+
+    Returns:
+      the kernel's 12 inputs, each with a leading micro-batch axis of 1: packed tokens,
+      positions, valid, segments `[1, G, S]`; per completion row the packed row `[1, R]`, source
+      and target `[1, R, W]`, completion mask, old / ref log-probs `[1, R, W]`, advantages
+      `[1, R]` and weights `[1, R, W]`. S and W are `length_bucket`s (64 / 32 floors).
+    """
+    tokens, positions, valid, cmask, old, ref, adv, w = cols
+    spans = []  # (prompt length, [(row, completion length)]) per group
+    for g in groups:
+        P = int(np.argmax(cmask[g[0]]))
+        spans.append((P, [(r, int(cmask[r].sum())) for r in g]))
+    G, R = len(groups), sum(len(g) for g in groups)
+    S = length_bucket(max(P + sum(L for _, L in rl) for P, rl in spans))
+    W = length_bucket(max(L for _, rl in spans for _, L in rl), 32)
+    tok = np.zeros((G, S), np.int32)
+    pos = np.zeros((G, S), np.int32)
+    val = np.zeros((G, S), bool)
+    seg = np.zeros((G, S), np.int32)
+    grp = np.zeros((R,), np.int32)
+    src = np.zeros((R, W), np.int32)
+    tgt = np.zeros((R, W), np.int32)
+    cm = np.zeros((R, W), bool)
+    o, rf, ww = (np.zeros((R, W), np.float32) for _ in range(3))
+    a = np.zeros((R,), np.float32)
+    i = 0
+    for gi, (P, rl) in enumerate(spans):
+        r0 = rl[0][0]
+        tok[gi, :P], pos[gi, :P], val[gi, :P] = tokens[r0, :P], positions[r0, :P], True
+        off = P
+        for si, (r, L) in enumerate(rl, start=1):
+            sl = slice(P, P + L)
+            tok[gi, off:off + L], pos[gi, off:off + L] = tokens[r, sl], positions[r, sl]
+            val[gi, off:off + L], seg[gi, off:off + L] = True, si
+            j = np.arange(L)
+            grp[i] = gi
+            src[i, :L] = np.where(j == 0, P - 1, off + j - 1)
+            tgt[i, :L], cm[i, :L] = tokens[r, sl], True
+            o[i, :L], rf[i, :L], ww[i, :L], a[i] = old[r, sl], ref[r, sl], w[r, sl], adv[r]
+            off += L
+            i += 1
+    return tuple(x[None] for x in (tok, pos, val, seg, grp, src, tgt, cm, o, rf, a, ww))
+
+
 def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: float = 1.0,
                        activation: ActivationConfig | None = ActivationConfig(),
                        compute_dtype: str | None = None, group_by_length: bool = True,
-                       skip_zero_advantage: bool = False, mesh=None
+                       skip_zero_advantage: bool = False, mesh=None, share_prompts: bool = True
                        ) -> Callable[[Params, TrainBatch], tuple[jax.Array, Params, dict]]:
     """Builds `(params, batch) -> (loss, grads, metrics)` with micro-batched accumulation.
 
@@ -465,6 +599,12 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
     Gradients are accumulated in float32 and cast back to each param's dtype. Host-side driver
     (reads the row lengths); the kernels are jitted.
 
+    With `activation` (and no mesh) the head runs at the completion positions only
+    (`completion_window`), and with `share_prompts` rows that share a prompt (a GRPO group) are
+    packed into one row per group (`pack_shared_prompts`): the prompt's forward and backward run
+    once per group, not once per completion. Both give the same loss and gradient up to float
+    rounding (tests/test_train_window.py).
+
     With a `mesh` (`jax.sharding.Mesh`; params placed by `das_jax.parallel.sharding`), the
     kernel is jitted with explicit in/out shardings: params and the float32 gradient accumulator
     sharded by the rules table (FSDP), each micro-batch's rows split over the mesh's batch axes
@@ -481,6 +621,9 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
         raise ValueError(f"micro_batch_size must be >= 1, got {mb}")
     skip = (skip_zero_advantage and loss_config.beta == 0
             and loss_config.loss_type in ("grpo", "dr_grpo", "dapo"))
+    # the head at the completion positions only (`completion_window`); a loss's per-token terms
+    # are elementwise (the `losses.Loss` contract), so they are the same on the window
+    windowed = activation is not None and mesh is None
 
     def loss_and_grad(params, batch: TrainBatch):
         N, T = batch.tokens_BxT.shape
@@ -515,10 +658,29 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
             kernel = sharded.accumulate
         plan = [(keep[rows], T_mb) for rows, T_mb in
                 micro_batch_plan(lengths[keep], size, T, group_by_length)] if len(keep) else []
+        groups = (shared_prompt_groups(cols[0], cols[1], valid, cmask, keep)
+                  if windowed and share_prompts else None)
+        if groups and max(len(g) for g in groups) > 1:
+            # whole groups per micro-batch, up to `size` completions (a larger group alone)
+            micro, n = [[]], 0
+            for g in groups:
+                if micro[-1] and n + len(g) > size:
+                    micro.append([])
+                    n = 0
+                micro[-1].append(g)
+                n += len(g)
+            plan = []
+            for gs in micro:
+                carry = kernel(params, pack_shared_prompts(gs, cols), carry)
         for rows, T_mb in plan:
             pad = size - len(rows)
             xs = tuple(np.pad(c[rows][:, :T_mb] if c.ndim == 2 else c[rows],
                               [(0, pad)] + [(0, 0)] * (c.ndim - 1))[None] for c in cols)
+            if windowed:
+                # cmask, old, ref and w at the completion window's positions only
+                win = completion_window(xs[3][0])[None]
+                xs = tuple(np.take_along_axis(x, win, axis=2) if i in (3, 4, 5, 7) else x
+                           for i, x in enumerate(xs)) + (win,)
             if mesh is not None:
                 xs = sharded.place_rows(xs)
             carry = kernel(params, xs, carry)

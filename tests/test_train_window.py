@@ -1,0 +1,143 @@
+"""The train step's completion window (`completion_window`): the lm_head + log-softmax run at the
+completion positions only, with the same loss, metrics and gradient as the full-T reference."""
+import numpy as np
+import pytest
+
+from das_jax.models.transformer import ActivationConfig
+from das_jax.rl.train_step import (compute_logprobs, completion_window, make_batch,
+                                   make_loss_and_grad)
+
+from test_grpo_train_step import CFG, TEMP, _grpo, _tree_rel_err, tiny_params
+
+ACT = ActivationConfig(remat="full", attention="xla", attention_chunk=16, logits_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tiny_params(CFG, seed=3)
+
+
+def test_completion_window_covers_every_completion_token():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        B, T = int(rng.integers(1, 6)), int(rng.integers(2, 90))
+        cmask = np.zeros((B, T), bool)
+        for b in range(B):
+            if rng.random() < 0.8:
+                s = int(rng.integers(1, T))
+                cmask[b, s:int(rng.integers(s, T)) + 1] = True
+        floor = int(rng.choice([1, 4, 32]))
+        win = completion_window(cmask, floor)
+        W = win.shape[1]
+        assert win.dtype == np.int32 and win.shape[0] == B and 1 <= W <= max(1, T - 1)
+        assert W == T - 1 or W % floor == 0
+        assert (win >= 1).all() and (win <= T - 1).all()
+        assert (np.diff(win, axis=1) == 1).all()  # consecutive, so distinct
+        for b in range(B):
+            assert set(np.flatnonzero(cmask[b])) <= set(win[b].tolist())
+
+
+def test_completion_window_is_short_for_long_prompts():
+    cmask = np.zeros((3, 200), bool)
+    cmask[0, 150:170] = cmask[1, 100:130] = True
+    win = completion_window(cmask, 32)
+    assert win.shape == (3, 32)
+    assert win[0, 0] == 150 and win[1, 0] == 100 and win[2, 0] == 1
+
+
+def _long_prompt_batch(params, seed):
+    """Prompts of 30-45 tokens, completions of 0-9: the window (32) is half of T (64)."""
+    rng = np.random.default_rng(seed)
+    B, T = 6, 64
+    prompt = rng.integers(30, 46, size=B)
+    comp = rng.integers(0, 10, size=B)
+    comp[0] = 9
+    tokens = rng.integers(0, CFG.vocab_size, size=(B, T))
+    base = make_batch(tokens, prompt, comp)
+    cur = np.asarray(compute_logprobs(CFG, params, base.tokens_BxT, base.positions_BxT,
+                                      base.valid_BxT, TEMP, activation=None))
+    return make_batch(tokens, prompt, comp,
+                      old_logprobs_BxT=cur + rng.normal(0, 0.35, size=cur.shape),
+                      ref_logprobs_BxT=cur + rng.normal(0, 0.2, size=cur.shape),
+                      advantages_B=rng.normal(0, 1, size=B))
+
+
+@pytest.mark.parametrize("loss_type,beta,mb", [("dapo", 0.0, 6), ("grpo", 0.04, 4),
+                                               ("dr_grpo", 0.04, 2)])
+def test_windowed_head_matches_full_reference(params, loss_type, beta, mb):
+    b = _long_prompt_batch(params, seed=5)
+    cfg = _grpo(loss_type=loss_type, beta=beta, micro_batch_size=mb)
+    ref = make_loss_and_grad(CFG, cfg, temperature=TEMP, activation=None, group_by_length=False)
+    new = make_loss_and_grad(CFG, cfg, temperature=TEMP, activation=ACT, group_by_length=True)
+    (l0, g0, m0), (l1, g1, m1) = ref(params, b), new(params, b)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5, atol=1e-7)
+    for k in ("entropy", "clip_low", "clip_high", "clip_region", "num_completion_tokens",
+              "logprob_gap") + (("kl",) if beta else ()):
+        np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    assert _tree_rel_err(g1, g0) <= 1e-5, _tree_rel_err(g1, g0)
+
+
+def _group_batch(params, seed, prompt_lens=(30, 41, 12), G=3):
+    """Groups of G rows sharing a prompt (as GRPO samples them), completions of 0-12 tokens."""
+    rng = np.random.default_rng(seed)
+    T = 64
+    rows, prompt, comp = [], [], []
+    for P in prompt_lens:
+        p_tokens = rng.integers(0, CFG.vocab_size, size=P)
+        for _ in range(G):
+            L = int(rng.integers(0, 13))
+            row = np.zeros(T, np.int64)
+            row[:P] = p_tokens
+            row[P:P + L] = rng.integers(0, CFG.vocab_size, size=L)
+            rows.append(row)
+            prompt.append(P)
+            comp.append(L)
+    comp[0] = 12
+    tokens = np.stack(rows)
+    base = make_batch(tokens, prompt, comp)
+    cur = np.asarray(compute_logprobs(CFG, params, base.tokens_BxT, base.positions_BxT,
+                                      base.valid_BxT, TEMP, activation=None))
+    B = len(rows)
+    return make_batch(tokens, prompt, comp,
+                      old_logprobs_BxT=cur + rng.normal(0, 0.35, size=cur.shape),
+                      ref_logprobs_BxT=cur + rng.normal(0, 0.2, size=cur.shape),
+                      advantages_B=rng.normal(0, 1, size=B))
+
+
+def test_shared_prompt_groups_and_packing():
+    from das_jax.rl.train_step import pack_shared_prompts, shared_prompt_groups
+    tokens = np.array([[5, 6, 7, 1, 0], [5, 6, 8, 2, 3], [5, 6, 7, 9, 0], [4, 6, 7, 0, 0]])
+    positions = np.tile(np.arange(5), (4, 1))
+    valid = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], bool)
+    cmask = np.array([[0, 0, 0, 1, 0], [0, 0, 1, 1, 1], [0, 0, 0, 1, 0], [0, 0, 0, 0, 0]], bool)
+    groups = shared_prompt_groups(tokens, positions, valid, cmask, range(4))
+    assert groups == [[0, 2], [1]]  # row 3 has no completion token
+    f = np.arange(20, dtype=np.float32).reshape(4, 5)
+    cols = (tokens, positions, valid, cmask, f, -f, np.arange(4.0), f / 10)
+    tok, pos, val, seg, grp, src, tgt, cm, o, rf, a, ww = (x[0] for x in
+                                                           pack_shared_prompts(groups, cols))
+    assert tok.shape == (2, 64) and src.shape == (3, 32)
+    assert tok[0, :5].tolist() == [5, 6, 7, 1, 9] and seg[0, :5].tolist() == [0, 0, 0, 1, 2]
+    assert pos[0, :5].tolist() == [0, 1, 2, 3, 3] and val[0].sum() == 5
+    assert tok[1, :5].tolist() == [5, 6, 8, 2, 3] and seg[1, :5].tolist() == [0, 0, 1, 1, 1]
+    assert grp.tolist() == [0, 0, 1]
+    assert src[0, 0] == 2 and src[1, 0] == 2 and src[2, :3].tolist() == [1, 2, 3]
+    assert tgt[2, :3].tolist() == [8, 2, 3] and cm.sum() == 5 and a.tolist() == [0, 2, 1]
+    assert o[2, :3].tolist() == [7, 8, 9] and rf[1, 0] == -13 and np.isclose(ww[0, 0], 0.3)
+    valid[0, 4] = True  # a valid token after the completion: not prompt + completion
+    assert shared_prompt_groups(tokens, positions, valid, cmask, range(4)) is None
+
+
+@pytest.mark.parametrize("loss_type,beta,mb", [("dapo", 0.0, 9), ("grpo", 0.04, 3),
+                                               ("dr_grpo", 0.04, 4)])
+def test_shared_prompt_packing_matches_full_reference(params, loss_type, beta, mb):
+    b = _group_batch(params, seed=7)
+    cfg = _grpo(loss_type=loss_type, beta=beta, micro_batch_size=mb)
+    ref = make_loss_and_grad(CFG, cfg, temperature=TEMP, activation=None, group_by_length=False)
+    new = make_loss_and_grad(CFG, cfg, temperature=TEMP, activation=ACT, group_by_length=True)
+    (l0, g0, m0), (l1, g1, m1) = ref(params, b), new(params, b)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5, atol=1e-7)
+    for k in ("entropy", "clip_low", "clip_high", "clip_region", "num_completion_tokens",
+              "logprob_gap") + (("kl",) if beta else ()):
+        np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    assert _tree_rel_err(g1, g0) <= 1e-5, _tree_rel_err(g1, g0)
