@@ -65,7 +65,8 @@ def _check_rollout_arguments(p: argparse.ArgumentParser) -> None:
     """Converters naming the flag for the options `rollout_bench` defines as plain strings/ints."""
     set_type(p, "--drafters", name_list(_speculation_names, as_text=True))
     set_type(p, "--temperatures", float_list(minimum=0.0, as_text=True))
-    for flag in ("--epochs", "--num-problems", "--max-new-tokens"):
+    for flag in ("--epochs", "--num-problems", "--max-new-tokens", "--hf-batches", "--hf-threads",
+                 "--paper-problems", "--paper-samples", "--paper-max-tokens", "--paper-slots"):
         set_type(p, flag, positive_int)
     set_type(p, "--num-generations", int_at_least(2))
 
