@@ -8,6 +8,9 @@
   das-jax bench rollout [--config CONFIG] --drafters none,ngram,suffix-global,das,das-unlimited
       --epochs E [--update-policy] [--out DIR]
       rollout time per epoch and drafter on a real model, with identity check and trace replay.
+  das-jax bench rollout --preset readme [--out DIR]
+      the README benchmark: 16 GSM8K problems x 8 samples x 384 tokens x 4 epochs, five drafters,
+      HF transformers `generate` reference, paper-scale replay under cpu / h100-7b / h200-7b.
   das-jax bench replay TRACE.jsonl [--drafters ...] [--scale paper]
       predicted rollout time per drafter from a recorded trace (simulation + cost model).
 """

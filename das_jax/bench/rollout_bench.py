@@ -16,6 +16,21 @@ prediction of the same run (`replay.py`, cost model fitted once at start by
 Outputs (under --out): `rollout.json`, `trace.jsonl` (the `none` rollouts, replayable with
 `das-jax bench replay`), `rollout_time.png`, `batch_width.png`; a markdown table on stdout.
 
+The README benchmark (issue 12 item 8) is `--preset readme` (configs/bench-readme.yaml: 16
+GSM8K train problems x 8 samples x 384 tokens, T=0.6, 4 epochs, all five drafters on the packed
+step). It adds, in the same run and output:
+
+* the outside reference (`--hf-reference`, `hf_reference.py`): HF transformers `generate` on the
+  same prompts at the engine's batch (max_slots), after epoch 0; `none` tokens/s of epoch 0
+  against HF tokens/s;
+* per-epoch ratios (`rollout_report.speedup_summary`): every drafter vs `none`, `das` vs the best
+  of ngram / suffix-global / das-unlimited, and over epochs 1-3; the share of rollouts identical
+  to `none` and first divergences per 1,000 compared tokens (`rollout_report.divergence_stats`);
+* the paper-scale replay of this run's trace (`--paper-replay cpu,h100-7b,h200-7b`,
+  `paper_replay.py`): per cost model and epoch, das vs none and vs the best baseline on the
+  predicted decode time, with the regime (which cost term dominates);
+* `rollout.md` (targets table + paper-scale tables + per-epoch table) and `speedup.png`.
+
 `--update-policy` runs one GRPO update (`GRPOTrainer.score` + `GRPOTrainer.update`) on the `none`
 rollouts of each epoch (all of them as one batch) before the next epoch, so the policy drifts as
 in training; every drafter then samples from the same updated params.
@@ -218,21 +233,24 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                 for d in diffs[:5]:
                     log(f"    differs: request {d['request']} (problem {d['problem_id']}, sample "
                         f"{d['sample_index']}) at token {d['first_diff']}")
+                if (name == "none" and setup.reference_fn is not None and epoch == 0
+                        and temp == setup.temperatures[0] and "hf_reference" not in result):
+                    # Right after `none` of epoch 0: the two measurements sit side by side in time.
+                    log(f"T={temp}: HF transformers generate on the same prompts (batch "
+                        f"{ec.max_slots}), the outside reference")
+                    hf = setup.reference_fn(requests, sampling, ec.max_slots)
+                    if hf is not None:
+                        hf["none_tok_s"] = row["generated_tokens"] / max(row["wall_s"], 1e-9)
+                        hf["hf_tok_s"] = hf["tok_s"]
+                        hf["temperature"] = temp
+                        result["hf_reference"] = hf
+                        log(f"T={temp}: none {hf['none_tok_s']:.1f} tok/s vs HF generate "
+                            f"{hf['hf_tok_s']:.1f} tok/s at batch {hf['batch']} "
+                            f"({hf['none_tok_s'] / max(hf['hf_tok_s'], 1e-9):.2f}x)")
             log(epoch_line(temp, epoch, {n: [r["wall_s"] for r in measured[n]] for n in names}))
-            if (setup.reference_fn is not None and epoch == 0 and temp == setup.temperatures[0]
-                    and "hf_reference" not in result):
-                log(f"T={temp}: HF transformers generate on the same prompts (batch "
-                    f"{ec.max_slots}), the outside reference")
-                hf = setup.reference_fn(requests, sampling, ec.max_slots)
-                if hf is not None:
-                    m0 = measured["none"][0]
-                    hf["none_tok_s"] = m0["generated_tokens"] / max(m0["wall_s"], 1e-9)
-                    hf["hf_tok_s"] = hf["tok_s"]
-                    hf["temperature"] = temp
-                    result["hf_reference"] = hf
-                    log(f"T={temp}: none {hf['none_tok_s']:.1f} tok/s vs HF generate "
-                        f"{hf['hf_tok_s']:.1f} tok/s at batch {hf['batch']} "
-                        f"({hf['none_tok_s'] / max(hf['hf_tok_s'], 1e-9):.2f}x)")
+            if out_dir:
+                _checkpoint(out_dir, result, measured, none_epochs, trace_rollouts, coef, das,
+                            setup, temp)
             if setup.update_fn is not None and epoch < setup.epochs - 1:
                 t0 = time.perf_counter()
                 params = setup.update_fn(ref, params)
@@ -286,6 +304,24 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
         with open(os.path.join(out_dir, "rollout.md"), "w") as f:
             f.write(result["report"] + "\n\n" + result["table"] + "\n")
     return result
+
+
+def _checkpoint(out_dir: str, result: dict, measured: dict, none_epochs: dict,
+                trace_rollouts: list, coef: dict, das, setup: BenchSetup, temp) -> None:
+    """After every epoch: `progress.json` (the measured rows so far, the HF reference) and
+    `trace.partial.jsonl` (the `none` rollouts so far, replayable with `bench replay`), so that a
+    run stopped early still leaves its numbers."""
+    from das_jax.bench import replay as rp
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "progress.json"), "w") as f:
+        json.dump({"temperature": temp, "measured": measured,
+                   "hf_reference": result.get("hf_reference"), "cost_model": coef}, f, indent=1,
+                  default=str)
+    header = {"model": setup.model_name, "cost_model": coef, "engine": result["engine"],
+              "max_new_tokens": setup.max_new_tokens, "das": dataclasses.asdict(das),
+              "num_generations": setup.num_generations}
+    rolls = list(trace_rollouts) + [r for e in sorted(none_epochs) for r in none_epochs[e]]
+    rp.write_trace(os.path.join(out_dir, "trace.partial.jsonl"), header, rolls)
 
 
 def markdown_table(result: dict) -> str:
