@@ -31,7 +31,11 @@ def load_hf_model(source: str, threads: int = 2):
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise HFUnavailable(f"HF reference skipped: {e} (pip install torch transformers)") from None
+    from transformers.utils import logging as hf_logging
+
     from das_jax.models.load import resolve_source
+
+    hf_logging.disable_progress_bar()      # no tqdm bars in the benchmark's log
 
     kind, path = resolve_source(source)
     torch.set_num_threads(threads)
@@ -92,7 +96,7 @@ def hf_rollout_tok_s(model, prompts: Sequence[Sequence[int]], batch: int, max_ne
         per_batch.append({"rows": len(chunk), "tokens": n, "wall_s": dt})
         if log:
             log(f"  HF generate batch {bi + 1}/{len(chunks)}: {len(chunk)} rows, {n} tokens in "
-                f"{dt:.1f}s = {n / dt:.1f} tok/s")
+                f"{dt:.1f}s = {n / dt:.1f} tok/s (load {os.getloadavg()[0]:.1f})")
     tokens = sum(b["tokens"] for b in per_batch)
     wall = sum(b["wall_s"] for b in per_batch)
     return {"batch": batch, "batches": len(chunks), "rollouts": sum(b["rows"] for b in per_batch),

@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the HF reference (also under --preset readme)")
     p.add_argument("--hf-batches", type=int, default=None,
                    help="HF reference: only the first N batches of max_slots requests "
-                        "(default: all; --preset readme: 2)")
+                        "(default: all; --preset readme: 1)")
     p.add_argument("--hf-threads", type=int, default=2, help="torch threads of the HF reference")
     p.add_argument("--paper-replay", default=None, metavar="MODELS",
                    help="comma-separated cost models (cpu,h100-7b,h200-7b or cost-model .json "
@@ -220,7 +220,8 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                          for i, s in enumerate(same) if not s]
                 row = {"temperature": temp, "epoch": epoch, "drafter": name,
                        **stats.to_dict(), "identity_rate": float(np.mean(same)),
-                       "divergence": div, "identity_diffs": diffs[:20]}
+                       "divergence": div, "identity_diffs": diffs[:20],
+                       "loadavg_1m": os.getloadavg()[0]}
                 if epoch == setup.epochs - 1 or epoch == 0:
                     step_traces[(temp, epoch, name)] = [
                         (s.active, s.batch, s.width, s.seconds) for s in stats.steps]
@@ -229,7 +230,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                     f"{stats.forward_passes:5d}  tokens {stats.generated_tokens:6d}  accept len "
                     f"{stats.acceptance_length:.2f}  draft {stats.draft_s:.2f}s  identity "
                     f"{row['identity_rate']:.1%} ({div['divergences_per_1k']:.2f} div/1k tok)  "
-                    f"(compile {stats.compile_s:.1f}s)")
+                    f"(compile {stats.compile_s:.1f}s; load {row['loadavg_1m']:.1f})")
                 for d in diffs[:5]:
                     log(f"    differs: request {d['request']} (problem {d['problem_id']}, sample "
                         f"{d['sample_index']}) at token {d['first_diff']}")
@@ -553,7 +554,7 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
         if args.hf_reference is None:
             args.hf_reference = True
         if args.hf_batches is None:
-            args.hf_batches = 2
+            args.hf_batches = 1
         if args.paper_replay is None:
             args.paper_replay = "cpu,h100-7b,h200-7b"
     return args
