@@ -445,6 +445,7 @@ def plot_rollout(result: dict, out_dir: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     paths = []
     temps = result["temperatures"]
@@ -503,6 +504,7 @@ def plot_rollout(result: dict, out_dir: str) -> list[str]:
             for name, ys in per_epoch.items():
                 ax.plot(range(len(ys)), ys, marker="o", label=name)
             ax.axhline(1.0, color="gray", lw=0.8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("epoch")
             ax.set_ylabel("speed-up over none")
             ax.set_title(title)
