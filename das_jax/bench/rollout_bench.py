@@ -13,16 +13,17 @@ speed-up vs `none`, the identity rate of the tokens against `none`, and the trac
 prediction of the same run (`replay.py`, cost model fitted once at start by
 `Rollout.calibrate`).
 
-Outputs (under --out): `rollout.json`, `trace.jsonl` (the `none` rollouts, replayable with
-`das-jax bench replay`), `rollout_time.png`, `batch_width.png`; a markdown table on stdout.
+Outputs (under --out): `rollout.json`, `rollout.md`, `trace.jsonl` (the `none` rollouts,
+replayable with `das-jax bench replay`), `rollout_time.png`, `batch_width.png`, `speedup.png`;
+after every epoch `progress.json` and `trace.partial.jsonl`; a markdown table on stdout.
 
 The README benchmark (issue 12 item 8) is `--preset readme` (configs/bench-readme.yaml: 16
 GSM8K train problems x 8 samples x 384 tokens, T=0.6, 4 epochs, all five drafters on the packed
 step). It adds, in the same run and output:
 
 * the outside reference (`--hf-reference`, `hf_reference.py`): HF transformers `generate` on the
-  same prompts at the engine's batch (max_slots), after epoch 0; `none` tokens/s of epoch 0
-  against HF tokens/s;
+  same prompts at the engine's batch (max_slots), right after `none` of epoch 0; `none`
+  tokens/s of epoch 0 against HF tokens/s;
 * per-epoch ratios (`rollout_report.speedup_summary`): every drafter vs `none`, `das` vs the best
   of ngram / suffix-global / das-unlimited, and over epochs 1-3; the share of rollouts identical
   to `none` and first divergences per 1,000 compared tokens (`rollout_report.divergence_stats`);
@@ -84,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "override it")
     p.add_argument("--hf-reference", action="store_true", default=None,
                    help="also sample the same prompts with HF transformers `generate` (torch, "
-                        "CPU) at the engine's batch, after epoch 0: the outside reference")
+                        "CPU) at the engine's batch, right after `none` of epoch 0: the outside "
+                        "reference")
     p.add_argument("--no-hf-reference", dest="hf_reference", action="store_false",
                    help="skip the HF reference (also under --preset readme)")
     p.add_argument("--hf-batches", type=int, default=None,
