@@ -26,6 +26,7 @@ def load_hf_model(source: str, threads: int = 2):
     Raises:
       HFUnavailable: torch or transformers is not installed, or transformers cannot read the model.
     """
+    os.environ.setdefault("TQDM_DISABLE", "1")   # transformers' GGUF loader uses tqdm directly
     try:
         import torch
         from transformers import AutoModelForCausalLM
