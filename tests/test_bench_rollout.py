@@ -67,3 +67,72 @@ def test_bench_cli_registration_imports_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.stdout.strip() == "False"
+
+
+def test_bench_rollout_report_with_reference_and_paper_replay(tmp_path):
+    """The README benchmark's additions: the reference runs once after epoch 0 (same requests),
+    per-epoch ratios, identity / divergence counts, the paper-scale replay per cost model, the
+    report and the speed-up plot."""
+    from das_jax.bench.rollout_bench import PaperSpec
+
+    params = tiny_params(CFG)
+    rollout = Rollout(Engine(CFG, params, eos_token_ids=[EOS],
+                             engine_config=EngineConfig(max_slots=4, max_cache_len=256,
+                                                        draft_widths=(1, 4, 8))))
+    rng = np.random.default_rng(2)
+    prompts = [(f"p{i}", tuple(int(t) for t in rng.integers(2, 64, size=8))) for i in range(2)]
+    calls = []
+
+    def reference(requests, sampling, batch):
+        calls.append((len(requests), sampling.seed, batch))
+        return {"batch": batch, "tokens": 100, "wall_s": 2.0, "tok_s": 50.0}
+
+    setup = BenchSetup(rollout=rollout, prompts=prompts, drafters=["ngram", "das"], epochs=2,
+                       temperatures=[0.6], num_generations=2, max_new_tokens=16,
+                       das=DASSection(window=4, max_depth=16, min_token_prob=0.1),
+                       model_name="tiny", calibrate=False, reference_fn=reference,
+                       paper=PaperSpec(cost_models=("cpu", "h100-7b"), problems=2, samples=2,
+                                       max_tokens=128, median=40.0, slots=4))
+    logs = []
+    res = run_bench(setup, str(tmp_path), log=logs.append)
+    assert calls == [(4, 0, 4)]
+    hf = res["hf_reference"]
+    none0 = [r for r in res["runs"] if r["drafter"] == "none" and r["epoch"] == 0][0]
+    assert hf["none_tok_s"] == pytest.approx(none0["generated_tokens"] / none0["wall_s"])
+    assert any(line.startswith("T=0.6 epoch 1 vs none: ngram") for line in logs)
+    summ = res["summary"]["0.6"]
+    assert set(summ["identity"]) == {"ngram", "das"}
+    for s in summ["identity"].values():
+        assert s["identical_share"] == 1.0 and s["divergences_per_1k"] == 0.0
+    assert len(summ["speedups"]["per_epoch"]["das"]) == 2
+    models = res["paper"]["models"]
+    assert set(models) == {"cpu", "h100-7b"}
+    for m in models.values():
+        assert set(m["drafters"]) == {"none", "ngram", "das"}
+        assert len(m["drafters"]["das"]) == 2 and m["regime"]
+    assert "### Targets" in res["report"] and "**h100-7b**" in res["report"]
+    assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+    with open(tmp_path / "rollout.json") as f:
+        assert "paper" in json.load(f)
+
+
+def test_count_until_stop():
+    from das_jax.bench.hf_reference import count_until_stop
+    assert count_until_stop([[5, 1, 7], [5, 6], [2]], [1, 2]) == [2, 2, 1]
+
+
+def test_bench_rollout_preset_and_bad_paper_model():
+    import argparse
+
+    from das_jax.bench import cli
+    from das_jax.bench.rollout_bench import apply_preset
+    p = argparse.ArgumentParser()
+    cli.register(p.add_subparsers())
+    a = apply_preset(p.parse_args(["bench", "rollout", "--preset", "readme",
+                                   "--no-hf-reference"]))
+    assert a.config.endswith("bench-readme.yaml") and a.hf_reference is False
+    assert a.paper_replay == "cpu,h100-7b,h200-7b" and a.epochs == 4
+    out = subprocess.run([sys.executable, "-m", "das_jax.cli", "bench", "rollout",
+                          "--paper-replay", "cpu,nope"], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2 and "nope" in out.stderr and "Traceback" not in out.stderr

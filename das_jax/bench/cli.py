@@ -8,6 +8,9 @@
   das-jax bench rollout [--config CONFIG] --drafters none,ngram,suffix-global,das,das-unlimited
       --epochs E [--update-policy] [--out DIR]
       rollout time per epoch and drafter on a real model, with identity check and trace replay.
+  das-jax bench rollout --preset readme [--out DIR]
+      the README benchmark: 16 GSM8K problems x 8 samples x 384 tokens x 4 epochs, five drafters,
+      HF transformers `generate` reference, paper-scale replay under cpu / h100-7b / h200-7b.
   das-jax bench replay TRACE.jsonl [--drafters ...] [--scale paper]
       predicted rollout time per drafter from a recorded trace (simulation + cost model).
 """
@@ -65,7 +68,8 @@ def _check_rollout_arguments(p: argparse.ArgumentParser) -> None:
     """Converters naming the flag for the options `rollout_bench` defines as plain strings/ints."""
     set_type(p, "--drafters", name_list(_speculation_names, as_text=True))
     set_type(p, "--temperatures", float_list(minimum=0.0, as_text=True))
-    for flag in ("--epochs", "--num-problems", "--max-new-tokens"):
+    for flag in ("--epochs", "--num-problems", "--max-new-tokens", "--hf-batches", "--hf-threads",
+                 "--paper-problems", "--paper-samples", "--paper-max-tokens", "--paper-slots"):
         set_type(p, flag, positive_int)
     set_type(p, "--num-generations", int_at_least(2))
 

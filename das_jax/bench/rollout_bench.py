@@ -13,8 +13,24 @@ speed-up vs `none`, the identity rate of the tokens against `none`, and the trac
 prediction of the same run (`replay.py`, cost model fitted once at start by
 `Rollout.calibrate`).
 
-Outputs (under --out): `rollout.json`, `trace.jsonl` (the `none` rollouts, replayable with
-`das-jax bench replay`), `rollout_time.png`, `batch_width.png`; a markdown table on stdout.
+Outputs (under --out): `rollout.json`, `rollout.md`, `trace.jsonl` (the `none` rollouts,
+replayable with `das-jax bench replay`), `rollout_time.png`, `batch_width.png`, `speedup.png`;
+after every epoch `progress.json` and `trace.partial.jsonl`; a markdown table on stdout.
+
+The README benchmark (issue 12 item 8) is `--preset readme` (configs/bench-readme.yaml: 16
+GSM8K train problems x 8 samples x 384 tokens, T=0.6, 4 epochs, all five drafters on the packed
+step). It adds, in the same run and output:
+
+* the outside reference (`--hf-reference`, `hf_reference.py`): HF transformers `generate` on the
+  same prompts at the engine's batch (max_slots), right after `none` of epoch 0; `none`
+  tokens/s of epoch 0 against HF tokens/s;
+* per-epoch ratios (`rollout_report.speedup_summary`): every drafter vs `none`, `das` vs the best
+  of ngram / suffix-global / das-unlimited, and over epochs 1-3; the share of rollouts identical
+  to `none` and first divergences per 1,000 compared tokens (`rollout_report.divergence_stats`);
+* the paper-scale replay of this run's trace (`--paper-replay cpu,h100-7b,h200-7b`,
+  `paper_replay.py`): per cost model and epoch, das vs none and vs the best baseline on the
+  predicted decode time, with the regime (which cost term dominates);
+* `rollout.md` (targets table + paper-scale tables + per-epoch table) and `speedup.png`.
 
 `--update-policy` runs one GRPO update (`GRPOTrainer.score` + `GRPOTrainer.update`) on the `none`
 rollouts of each epoch (all of them as one batch) before the next epoch, so the policy drifts as
@@ -61,6 +77,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of calibrating one on this machine (das.cost_model.source)")
     p.add_argument("--exact", action="store_true",
                    help="exact mode (rollout.exact=true): rollouts must be 100%% identical")
+    p.add_argument("--preset", choices=("readme",), default=None,
+                   help="readme: the README benchmark (issue 12 item 8) -- config "
+                        "configs/bench-readme.yaml (16 GSM8K problems x 8 samples x 384 tokens, "
+                        "T=0.6), 4 epochs, all five drafters, the HF transformers reference and "
+                        "the paper-scale replay under cpu, h100-7b and h200-7b; explicit flags "
+                        "override it")
+    p.add_argument("--hf-reference", action="store_true", default=None,
+                   help="also sample the same prompts with HF transformers `generate` (torch, "
+                        "CPU) at the engine's batch, right after `none` of epoch 0: the outside "
+                        "reference")
+    p.add_argument("--no-hf-reference", dest="hf_reference", action="store_false",
+                   help="skip the HF reference (also under --preset readme)")
+    p.add_argument("--hf-batches", type=int, default=None,
+                   help="HF reference: only the first N batches of max_slots requests "
+                        "(default: all; --preset readme: 1)")
+    p.add_argument("--hf-threads", type=int, default=2, help="torch threads of the HF reference")
+    p.add_argument("--paper-replay", default=None, metavar="MODELS",
+                   help="comma-separated cost models (cpu,h100-7b,h200-7b or cost-model .json "
+                        "files): replay this run's trace at paper scale under each, at the end")
+    p.add_argument("--paper-problems", type=int, default=16,
+                   help="paper-scale replay: synthetic problems (default 16)")
+    p.add_argument("--paper-samples", type=int, default=8,
+                   help="paper-scale replay: samples per problem (default 8)")
+    p.add_argument("--paper-max-tokens", type=int, default=16384,
+                   help="paper-scale replay: max tokens per rollout (default 16384)")
+    p.add_argument("--paper-slots", type=int, default=128,
+                   help="paper-scale replay: max_slots of the simulated engine (default 128)")
     p.add_argument("--out", default="bench_out/rollout", help="output directory")
 
 
@@ -83,6 +126,25 @@ class BenchSetup:
     model_name: str = ""
     calibrate: bool = True
     update_fn: Callable | None = None            # (outputs, params) -> params, between epochs
+    # The outside reference, run once after epoch 0 of the first temperature:
+    # (requests, SamplingParams, batch) -> `hf_reference.hf_rollout_tok_s` dict (None: skipped).
+    reference_fn: Callable | None = None
+    paper: "PaperSpec | None" = None             # paper-scale replay of this run's trace
+
+
+@dataclasses.dataclass
+class PaperSpec:
+    """The paper-scale replay run at the end of the benchmark on its own trace (first
+    temperature): `replay.paper_workload` settings, the simulated engine, the cost models."""
+
+    cost_models: tuple[str, ...] = ("cpu", "h100-7b", "h200-7b")
+    problems: int = 16
+    samples: int = 8
+    max_tokens: int = 16384
+    median: float = 4000.0
+    sigma: float = 0.8
+    slots: int = 128
+    widths: tuple[int, ...] = (1, 4, 8, 16)
 
 
 def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
@@ -95,6 +157,7 @@ def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
 def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = print) -> dict:
     """Runs the benchmark; returns the result dict (also written to out_dir, with trace + PNGs)."""
     from das_jax.bench import replay as rp
+    from das_jax.bench import rollout_report as rr
     from das_jax.config import DASSection
     from das_jax.engine import Request, SamplingParams
 
@@ -109,7 +172,8 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
         "num_problems": len(setup.prompts), "num_generations": setup.num_generations,
         "max_new_tokens": setup.max_new_tokens, "temperatures": setup.temperatures,
         "engine": {"max_slots": ec.max_slots, "max_cache_len": ec.max_cache_len,
-                   "draft_widths": list(ec.draft_widths), "exact": ec.exact},
+                   "draft_widths": list(ec.draft_widths), "exact": ec.exact,
+                   "verify": getattr(ec, "verify", "padded")},
         "das": dataclasses.asdict(das), "update_policy": setup.update_fn is not None,
         "runs": [],
     }
@@ -149,6 +213,8 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                                         o.request.prompt_ids, tuple(o.token_ids), o.finish_reason,
                                         float(temp)) for o in outputs]
                 same = [o.token_ids == r.token_ids for o, r in zip(outputs, ref)]
+                div = rr.divergence_stats([o.token_ids for o in outputs],
+                                          [r.token_ids for r in ref])
                 diffs = [{"request": i, "problem_id": outputs[i].request.problem_id,
                           "sample_index": outputs[i].request.sample_index,
                           "first_diff": _first_diff(outputs[i].token_ids, ref[i].token_ids),
@@ -156,7 +222,8 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                          for i, s in enumerate(same) if not s]
                 row = {"temperature": temp, "epoch": epoch, "drafter": name,
                        **stats.to_dict(), "identity_rate": float(np.mean(same)),
-                       "identity_diffs": diffs[:20]}
+                       "divergence": div, "identity_diffs": diffs[:20],
+                       "loadavg_1m": os.getloadavg()[0]}
                 if epoch == setup.epochs - 1 or epoch == 0:
                     step_traces[(temp, epoch, name)] = [
                         (s.active, s.batch, s.width, s.seconds) for s in stats.steps]
@@ -164,10 +231,29 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                 log(f"T={temp} epoch {epoch} {name:14} wall {stats.wall_s:7.2f}s  passes "
                     f"{stats.forward_passes:5d}  tokens {stats.generated_tokens:6d}  accept len "
                     f"{stats.acceptance_length:.2f}  draft {stats.draft_s:.2f}s  identity "
-                    f"{row['identity_rate']:.1%}  (compile {stats.compile_s:.1f}s)")
+                    f"{row['identity_rate']:.1%} ({div['divergences_per_1k']:.2f} div/1k tok)  "
+                    f"(compile {stats.compile_s:.1f}s; load {row['loadavg_1m']:.1f})")
                 for d in diffs[:5]:
                     log(f"    differs: request {d['request']} (problem {d['problem_id']}, sample "
                         f"{d['sample_index']}) at token {d['first_diff']}")
+                if (name == "none" and setup.reference_fn is not None and epoch == 0
+                        and temp == setup.temperatures[0] and "hf_reference" not in result):
+                    # Right after `none` of epoch 0: the two measurements sit side by side in time.
+                    log(f"T={temp}: HF transformers generate on the same prompts (batch "
+                        f"{ec.max_slots}), the outside reference")
+                    hf = setup.reference_fn(requests, sampling, ec.max_slots)
+                    if hf is not None:
+                        hf["none_tok_s"] = row["generated_tokens"] / max(row["wall_s"], 1e-9)
+                        hf["hf_tok_s"] = hf["tok_s"]
+                        hf["temperature"] = temp
+                        result["hf_reference"] = hf
+                        log(f"T={temp}: none {hf['none_tok_s']:.1f} tok/s vs HF generate "
+                            f"{hf['hf_tok_s']:.1f} tok/s at batch {hf['batch']} "
+                            f"({hf['none_tok_s'] / max(hf['hf_tok_s'], 1e-9):.2f}x)")
+            log(epoch_line(temp, epoch, {n: [r["wall_s"] for r in measured[n]] for n in names}))
+            if out_dir:
+                _checkpoint(out_dir, result, measured, none_epochs, trace_rollouts, coef, das,
+                            setup, temp)
             if setup.update_fn is not None and epoch < setup.epochs - 1:
                 t0 = time.perf_counter()
                 params = setup.update_fn(ref, params)
@@ -200,6 +286,12 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
 
     result["step_traces"] = {f"T={t}|epoch={e}|{n}": v for (t, e, n), v in step_traces.items()}
     result["table"] = markdown_table(result)
+    summarize_measured(result)
+    if setup.paper is not None:
+        header = {"cost_model": coef, "das": dataclasses.asdict(das)}
+        result["paper"] = run_paper(rp.Trace(header, trace_rollouts), names,
+                                    setup.max_new_tokens, das, setup.paper, log)
+    result["report"] = report_markdown(result)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         header = {"model": setup.model_name, "cost_model": coef,
@@ -213,8 +305,26 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
             json.dump(result, f, indent=1, default=str)
         plot_rollout(result, out_dir)
         with open(os.path.join(out_dir, "rollout.md"), "w") as f:
-            f.write(result["table"] + "\n")
+            f.write(result["report"] + "\n\n" + result["table"] + "\n")
     return result
+
+
+def _checkpoint(out_dir: str, result: dict, measured: dict, none_epochs: dict,
+                trace_rollouts: list, coef: dict, das, setup: BenchSetup, temp) -> None:
+    """After every epoch: `progress.json` (the measured rows so far, the HF reference) and
+    `trace.partial.jsonl` (the `none` rollouts so far, replayable with `bench replay`), so that a
+    run stopped early still leaves its numbers."""
+    from das_jax.bench import replay as rp
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "progress.json"), "w") as f:
+        json.dump({"temperature": temp, "measured": measured,
+                   "hf_reference": result.get("hf_reference"), "cost_model": coef}, f, indent=1,
+                  default=str)
+    header = {"model": setup.model_name, "cost_model": coef, "engine": result["engine"],
+              "max_new_tokens": setup.max_new_tokens, "das": dataclasses.asdict(das),
+              "num_generations": setup.num_generations}
+    rolls = list(trace_rollouts) + [r for e in sorted(none_epochs) for r in none_epochs[e]]
+    rp.write_trace(os.path.join(out_dir, "trace.partial.jsonl"), header, rolls)
 
 
 def markdown_table(result: dict) -> str:
@@ -244,10 +354,100 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def epoch_line(temp, epoch: int, walls: dict[str, list[float]]) -> str:
+    """One log line after an epoch: every drafter's speed-up over none in it, and das over the
+    best baseline (ngram / suffix-global / das-unlimited) in it."""
+    from das_jax.bench import rollout_report as rr
+    s = rr.speedup_summary({n: [w[epoch]] for n, w in walls.items()}, later_epochs=(0, 0))
+    parts = [f"{n} {s['per_epoch'][n][0]:.2f}x" for n in walls if n != "none"]
+    line = f"T={temp} epoch {epoch} vs none: " + ", ".join(parts)
+    if s["subject_vs_best"][0] is not None:
+        line += f"; das / best baseline ({s['best_baseline'][0]}) {s['subject_vs_best'][0]:.2f}x"
+    return line
+
+
+def summarize_measured(result: dict) -> dict:
+    """Adds result["summary"][T] = {"speedups": `speedup_summary` of wall times, "identity":
+    drafter -> merged `divergence_stats` over epochs} and result["targets"] (first temperature)."""
+    from das_jax.bench import rollout_report as rr
+    result["summary"] = {}
+    for t in result["temperatures"]:
+        times, ident = {}, {}
+        for name in result["drafters"]:
+            rs = sorted((r for r in result["runs"] if r["temperature"] == t
+                         and r["drafter"] == name), key=lambda r: r["epoch"])
+            times[name] = [r["wall_s"] for r in rs]
+            if name != "none":
+                ident[name] = rr.merge_divergence_stats(r["divergence"] for r in rs)
+        result["summary"][str(t)] = {"speedups": rr.speedup_summary(times), "identity": ident}
+    return result
+
+
+def run_paper(trace, names, max_new_tokens: int, das, spec: "PaperSpec", log=print) -> dict:
+    """The paper-scale replay of `trace` (`replay.paper_workload`) under every model of
+    `spec.cost_models` (`paper_replay.replay_models`); returns {"settings", "models"}."""
+    from das_jax.bench import paper_replay as pr
+    from das_jax.bench import replay as rp
+    from das_jax.engine import EngineConfig, cache_len_for, resolve_cost_model
+
+    t0 = time.perf_counter()
+    epochs = rp.paper_workload(trace, problems=spec.problems, samples=spec.samples,
+                               max_tokens=spec.max_tokens, median_len=spec.median,
+                               sigma=spec.sigma)
+    lens = [len(r.token_ids) for rs in epochs.values() for r in rs]
+    max_prompt = max(len(r.prompt_ids) for rs in epochs.values() for r in rs)
+    ec = EngineConfig(max_slots=spec.slots, draft_widths=tuple(spec.widths),
+                      max_cache_len=cache_len_for(EngineConfig().max_cache_len, spec.widths,
+                                                  max_prompt, spec.max_tokens))
+    models = {m: resolve_cost_model(m) for m in spec.cost_models}
+    log(f"paper-scale replay: {len(epochs)} epochs x {spec.problems} problems x {spec.samples} "
+        f"samples, length mean {np.mean(lens):.0f} / p90 {np.percentile(lens, 90):.0f} / max "
+        f"{max(lens)} tokens, {spec.slots} slots, widths {list(spec.widths)}, {ec.verify} step; "
+        f"cost models {', '.join(models)}")
+    replayed = pr.summarize(pr.replay_models(epochs, names, ec, spec.max_tokens, models, das,
+                                             log=log))
+    for m, r in replayed.items():
+        s = r["summary"]
+        log(f"paper replay {m} [{r['regime']}]: das / none per epoch "
+            + " / ".join(f"{x:.2f}x" for x in s["per_epoch"].get("das", []))
+            + "; das / best baseline per epoch "
+            + " / ".join("n/a" if x is None else f"{x:.2f}x ({b})"
+                         for x, b in zip(s["subject_vs_best"], s["best_baseline"])))
+    return {"settings": dataclasses.asdict(spec), "workload": {
+                "rollouts_per_epoch": len(next(iter(epochs.values()))),
+                "length_mean": float(np.mean(lens)), "length_p90": float(np.percentile(lens, 90)),
+                "length_max": int(max(lens))},
+            "sim_s": time.perf_counter() - t0, "models": replayed}
+
+
+def report_markdown(result: dict) -> str:
+    """The benchmark's report: the targets table (first temperature), identity per drafter, the
+    HF reference and the paper-scale replay per cost model."""
+    from das_jax.bench import paper_replay as pr
+    from das_jax.bench import rollout_report as rr
+    t = str(result["temperatures"][0])
+    summ = result["summary"][t]
+    hf = result.get("hf_reference")
+    paper = result.get("paper", {}).get("models")
+    rows = rr.targets_rows(summ["speedups"], hf, summ["identity"], paper)
+    out = [f"### Targets (T={t}, {result['num_problems']} problems x {result['num_generations']} "
+           f"samples x {result['max_new_tokens']} tokens x {result['epochs']} epochs)", "",
+           rr.targets_markdown(rows)]
+    if paper:
+        w = result["paper"]["workload"]
+        st = result["paper"]["settings"]
+        out += ["", f"### Paper-scale replay of this run's trace ({w['rollouts_per_epoch']} "
+                f"rollouts per epoch, length mean {w['length_mean']:.0f} / p90 "
+                f"{w['length_p90']:.0f} / max {w['length_max']}, {st['slots']} slots, widths "
+                f"{st['widths']}; decode time under each cost model)", pr.markdown(paper)]
+    return "\n".join(out)
+
+
 def plot_rollout(result: dict, out_dir: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     paths = []
     temps = result["temperatures"]
@@ -292,6 +492,31 @@ def plot_rollout(result: dict, out_dir: str) -> list[str]:
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
+
+    # speed-up over none per epoch: measured (first temperature) and each paper-scale model
+    panels = []
+    if result.get("summary"):
+        panels.append((f"measured, T={temps[0]}",
+                       result["summary"][str(temps[0])]["speedups"]["per_epoch"]))
+    for m, r in (result.get("paper") or {}).get("models", {}).items():
+        panels.append((f"paper replay, {m}", r["summary"]["per_epoch"]))
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+        for ax, (title, per_epoch) in zip(axes[0], panels):
+            for name, ys in per_epoch.items():
+                ax.plot(range(len(ys)), ys, marker="o", label=name)
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("epoch")
+            ax.set_ylabel("speed-up over none")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "speedup.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
     return paths
 
 
@@ -320,9 +545,66 @@ def _make_update_fn(cfg, model, problems_by_id):
     return update
 
 
+def readme_config_path() -> str:
+    """configs/bench-readme.yaml of the checkout this package runs from."""
+    return os.path.join(os.path.dirname(__file__), "..", "..", "configs", "bench-readme.yaml")
+
+
+def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the options `--preset` implies where the command line left them unset."""
+    if args.preset == "readme":
+        if args.config is None:
+            args.config = readme_config_path()
+        if args.hf_reference is None:
+            args.hf_reference = True
+        if args.hf_batches is None:
+            args.hf_batches = 1
+        if args.paper_replay is None:
+            args.paper_replay = "cpu,h100-7b,h200-7b"
+    return args
+
+
+def _make_reference_fn(model_source: str, tokenizer, batches: int | None, threads: int, log):
+    """The HF reference as a `BenchSetup.reference_fn`; None (with a one-line message) when
+    torch / transformers are missing or cannot load the model."""
+    from das_jax.bench import hf_reference as hr
+
+    def run(requests, sampling, batch):
+        try:
+            model, load_s = hr.load_hf_model(model_source, threads)
+        except hr.HFUnavailable as e:
+            log(str(e))
+            return None
+        log(f"  HF model loaded in {load_s:.1f}s")
+        res = hr.hf_rollout_tok_s(model, [r.prompt_ids for r in requests], batch,
+                                  sampling.max_new_tokens, sampling.temperature, sampling.top_p,
+                                  sampling.top_k, tokenizer.eos_token_ids,
+                                  tokenizer.pad_token_id, seed=0, max_batches=batches, log=log)
+        del model
+        import gc
+        gc.collect()
+        return res
+
+    return run
+
+
 def main(args: argparse.Namespace) -> int:
     from das_jax.config import ConfigError, apply_platform, load_config
 
+    args = apply_preset(args)
+    paper = None
+    if args.paper_replay:
+        from das_jax.engine import resolve_cost_model
+        models = tuple(m.strip() for m in args.paper_replay.split(",") if m.strip())
+        try:
+            for m in models:
+                resolve_cost_model(m)
+        except (OSError, ValueError) as e:
+            print(f"das-jax bench rollout: --paper-replay: {e}", file=sys.stderr)
+            return 2
+        paper = PaperSpec(cost_models=models, problems=args.paper_problems,
+                          samples=args.paper_samples, max_tokens=args.paper_max_tokens,
+                          slots=args.paper_slots)
     overrides = list(args.overrides)
     if args.num_problems is not None:
         overrides.append(f"data.limit={args.num_problems}")
@@ -384,9 +666,17 @@ def main(args: argparse.Namespace) -> int:
         max_new_tokens=r.max_new_tokens, top_p=r.top_p, top_k=r.top_k,
         das=cfg.das,
         model_name=cfg.model.source,
-        calibrate=not args.no_calibrate and args.cost_model is None, update_fn=update_fn)
-    result = run_bench(setup, args.out, log=lambda s: print(s, flush=True))
+        calibrate=not args.no_calibrate and args.cost_model is None, update_fn=update_fn,
+        paper=paper)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.hf_reference:
+        setup.reference_fn = _make_reference_fn(cfg.model.source, tokenizer, args.hf_batches,
+                                                args.hf_threads, log)
+    result = run_bench(setup, args.out, log=log)
     print()
     print(result["table"])
-    print(f"\nwrote {args.out}/rollout.json, trace.jsonl, rollout_time.png, batch_width.png")
+    print()
+    print(result["report"])
+    print(f"\nwrote {args.out}/rollout.json, rollout.md, trace.jsonl, rollout_time.png, "
+          "batch_width.png, speedup.png")
     return 0

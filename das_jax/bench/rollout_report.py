@@ -1,0 +1,237 @@
+"""Pure summaries of the rollout benchmark (issue 12 item 8): ratios side by side, token identity,
+the regime of a cost model. No jax, no I/O; every function works on plain numbers and lists.
+
+* `divergence_stats`: share of rollouts identical to the reference and first divergences per
+  1,000 compared tokens.
+* `speedup_summary`: per-epoch speed-up of every drafter over `none`, of `das` over the best of
+  the baselines (ngram / suffix-global / das-unlimited), and the same over epochs 1-3 and over
+  all epochs (sums of times).
+* `step_term_shares`, `regime`: which term of the cost model `t = c_base + c_tok*N + c_kv*K`
+  dominates the decode time of a (simulated) run.
+* `targets_rows`, `targets_markdown`: the issue's targets next to the measured values.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+BASELINES = ("ngram", "suffix-global", "das-unlimited")
+REGIMES = {"base": "memory-bound (weights, c_base)", "tok": "compute-bound (token slots, c_tok*N)",
+           "kv": "KV-bound (attention reads, c_kv*K)"}
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where `a` and `b` differ (a length difference counts at the
+    shorter length); None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    if len(a) == len(b):
+        return None
+    return min(len(a), len(b))
+
+
+def divergence_stats(outputs: Sequence[Sequence[int]], refs: Sequence[Sequence[int]]) -> dict:
+    """Token identity of `outputs` against `refs` (same order, one token list per rollout).
+
+    A rollout that differs from its reference diverges once: after the first differing token the
+    two continue from different histories, so later tokens are not comparable. The rate is
+    therefore first divergences per 1,000 *compared* tokens: an identical rollout contributes its
+    length, a diverging one its tokens up to and including the first difference.
+
+    Returns {"rollouts", "identical", "identical_share" (0..1), "divergences",
+    "compared_tokens", "divergences_per_1k"}.
+    Raises ValueError when the two lists have different lengths.
+    """
+    if len(outputs) != len(refs):
+        raise ValueError(f"divergence_stats: {len(outputs)} outputs against {len(refs)} "
+                         "references; pass one reference per rollout")
+    identical = compared = 0
+    for out, ref in zip(outputs, refs):
+        d = first_divergence(out, ref)
+        if d is None:
+            identical += 1
+            compared += len(ref)
+        else:
+            compared += d + 1
+    n = len(outputs)
+    div = n - identical
+    return {"rollouts": n, "identical": identical,
+            "identical_share": identical / n if n else 1.0, "divergences": div,
+            "compared_tokens": compared,
+            "divergences_per_1k": 1000.0 * div / compared if compared else 0.0}
+
+
+def merge_divergence_stats(stats: Iterable[Mapping]) -> dict:
+    """Sums `divergence_stats` results (e.g. over epochs) into one of the same form."""
+    n = ident = comp = 0
+    for s in stats:
+        n += s["rollouts"]
+        ident += s["identical"]
+        comp += s["compared_tokens"]
+    div = n - ident
+    return {"rollouts": n, "identical": ident, "identical_share": ident / n if n else 1.0,
+            "divergences": div, "compared_tokens": comp,
+            "divergences_per_1k": 1000.0 * div / comp if comp else 0.0}
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else float("nan")
+
+
+def speedup_summary(times: Mapping[str, Sequence[float]], subject: str = "das",
+                    reference: str = "none", baselines: Sequence[str] = BASELINES,
+                    later_epochs: tuple[int, int] = (1, 3)) -> dict:
+    """Speed-ups from per-epoch times (seconds; `times[name][e]` = epoch e of drafter `name`).
+
+    Returns
+      {"per_epoch": {name: [t_ref / t_name per epoch]},
+       "subject_vs_best": [per epoch: min over present baselines of t_b / t_subject],
+       "best_baseline": [per epoch: the name of that fastest baseline],
+       "later": {name: sum t_ref / sum t_name over epochs later_epochs[0]..later_epochs[1]}
+                (inclusive, 0-indexed; absent when the run has no such epoch),
+       "later_subject_vs_best", "later_best_baseline": the same on those sums,
+       "total": {name: ratio of sums over all epochs}, "total_subject_vs_best",
+       "total_best_baseline"}.
+    Ratios > 1 mean faster than the reference (or than the best baseline). Missing subject or
+    baselines give None entries.
+    Raises ValueError when `reference` is absent or the epoch counts differ.
+    """
+    if reference not in times:
+        raise ValueError(f"speedup_summary: no times for the reference {reference!r}")
+    n = len(times[reference])
+    for name, ts in times.items():
+        if len(ts) != n:
+            raise ValueError(f"speedup_summary: {name!r} has {len(ts)} epochs, "
+                             f"{reference!r} has {n}")
+    ref = times[reference]
+    present = [b for b in baselines if b in times]
+    lo, hi = later_epochs
+    later = [e for e in range(n) if lo <= e <= hi]
+
+    def vs_best(tsub: float, tb: Mapping[str, float]):
+        if subject not in times or not present:
+            return None, None
+        best = min(present, key=lambda b: tb[b])
+        return _ratio(tb[best], tsub), best
+
+    out: dict = {"per_epoch": {name: [_ratio(ref[e], ts[e]) for e in range(n)]
+                               for name, ts in times.items()},
+                 "subject": subject, "reference": reference, "later_epochs": list(later)}
+    sub_best, best_names = [], []
+    for e in range(n):
+        r, b = vs_best(times[subject][e] if subject in times else 0.0,
+                       {name: times[name][e] for name in present})
+        sub_best.append(r)
+        best_names.append(b)
+    out["subject_vs_best"] = sub_best
+    out["best_baseline"] = best_names
+
+    def sums(epochs: list[int]) -> dict[str, float]:
+        return {name: float(sum(ts[e] for e in epochs)) for name, ts in times.items()}
+
+    for key, epochs in (("later", later), ("total", list(range(n)))):
+        if not epochs:
+            continue
+        s = sums(epochs)
+        out[key] = {name: _ratio(s[reference], s[name]) for name in times}
+        r, b = vs_best(s.get(subject, 0.0), s)
+        out[f"{key}_subject_vs_best"] = r
+        out[f"{key}_best_baseline"] = b
+    return out
+
+
+def step_term_shares(steps: Iterable[tuple[float, float]], coef: Mapping[str, float]) -> dict:
+    """Shares of the decode time t = c_base + c_tok*N + c_kv*K summed over steps.
+
+    steps: (N token slots, K attended positions) per step. Returns {"base", "tok", "kv"} (each
+    0..1, summing to 1; all 0 for no steps) and "seconds" (the total).
+    """
+    base = tok = kv = 0.0
+    for n_tok, k_kv in steps:
+        base += float(coef["c_base"])
+        tok += float(coef["c_tok"]) * n_tok
+        kv += float(coef.get("c_kv", 0.0)) * k_kv
+    tot = base + tok + kv
+    if tot <= 0:
+        return {"base": 0.0, "tok": 0.0, "kv": 0.0, "seconds": 0.0}
+    return {"base": base / tot, "tok": tok / tot, "kv": kv / tot, "seconds": tot}
+
+
+def regime(shares: Mapping[str, float]) -> str:
+    """The dominant term of `step_term_shares` as words (`REGIMES`), e.g.
+    "compute-bound (token slots, c_tok*N)"."""
+    key = max(("base", "tok", "kv"), key=lambda k: shares.get(k, 0.0))
+    return REGIMES[key]
+
+
+def _fmt(x, spec=".2f", suffix="x") -> str:
+    if x is None or x != x:          # None or nan
+        return "n/a"
+    return f"{x:{spec}}{suffix}"
+
+
+def _met(x, target) -> str:
+    if x is None or x != x:
+        return "n/a"
+    return "yes" if x >= target else "no"
+
+
+def targets_rows(measured: Mapping, hf: Mapping | None = None,
+                 identity: Mapping[str, Mapping] | None = None,
+                 paper: Mapping[str, Mapping] | None = None) -> list[tuple[str, str, str, str]]:
+    """(what, value, target, met) rows of issue 12's benchmark targets.
+
+    measured: `speedup_summary` of the measured wall times; hf: {"none_tok_s", "hf_tok_s",
+    "batch"} (None: no HF reference); identity: drafter -> merged `divergence_stats`; paper: cost
+    model name -> {"summary": `speedup_summary` of the replayed decode times, "regime": words}.
+    """
+    rows = []
+    pe = measured["per_epoch"].get(measured["subject"])
+    if pe is not None:
+        rows.append(("das / none per epoch", " / ".join(_fmt(x) for x in pe), ">= 1.0x every epoch",
+                     "yes" if all(x >= 1.0 for x in pe) else "no"))
+        lat = measured.get("later", {}).get(measured["subject"])
+        ep = measured.get("later_epochs") or []
+        span = f"epochs {ep[0]}-{ep[-1]}" if ep else "epochs 1-3"
+        rows.append((f"das / none over {span}", _fmt(lat), ">= 1.3x", _met(lat, 1.3)))
+        rows.append(("das / none over all epochs", _fmt(measured.get("total", {}).get(
+            measured["subject"])), "", ""))
+    if measured.get("subject_vs_best") and measured["subject_vs_best"][0] is not None:
+        rows.append(("das / best of ngram, suffix-global, das-unlimited per epoch",
+                     " / ".join(f"{_fmt(x)} ({b})" for x, b in
+                                zip(measured["subject_vs_best"], measured["best_baseline"])),
+                     "", ""))
+        tb = measured.get("total_subject_vs_best")
+        rows.append((f"das / best baseline over all epochs ({measured.get('total_best_baseline')})",
+                     _fmt(tb), ">= 1.3x", _met(tb, 1.3)))
+    if hf:
+        r = _ratio(hf["none_tok_s"], hf["hf_tok_s"])
+        rows.append((f"`none` / HF transformers `generate` tok/s at B={hf['batch']}",
+                     f"{_fmt(r)} ({hf['none_tok_s']:.1f} / {hf['hf_tok_s']:.1f} tok/s)",
+                     ">= 2.5x", _met(r, 2.5)))
+    for name, s in (identity or {}).items():
+        rows.append((f"identity {name} vs none",
+                     f"{s['identical_share']:.1%} identical; {s['divergences_per_1k']:.2f} "
+                     f"divergences / 1k tokens", "", ""))
+    for model, p in (paper or {}).items():
+        s = p["summary"]
+        pe = s["per_epoch"].get(s["subject"])
+        if pe is None:
+            continue
+        rows.append((f"paper replay {model}: das / none per epoch [{p['regime']}]",
+                     " / ".join(_fmt(x) for x in pe), ">= 2x every epoch",
+                     "yes" if all(x >= 2.0 for x in pe) else "no"))
+        vb = s.get("subject_vs_best") or []
+        if vb and vb[0] is not None:
+            need = 1.1 if p.get("compute_bound") else 1.0
+            rows.append((f"paper replay {model}: das / best baseline per epoch",
+                         " / ".join(f"{_fmt(x)} ({b})" for x, b in zip(vb, s["best_baseline"])),
+                         f">= {need}x every epoch",
+                         "yes" if all(x >= need for x in vb) else "no"))
+    return rows
+
+
+def targets_markdown(rows: Sequence[tuple[str, str, str, str]]) -> str:
+    lines = ["| measure | value | target | met |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)
