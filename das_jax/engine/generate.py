@@ -33,7 +33,7 @@ from das_jax.engine import step as step_lib
 from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
                                    acceptance_length, plan_step)
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
-                                     pow2_at_least, step_shape_fn, tail_bucket,
+                                     pack_prompts, prompt_bucket, step_shape_fn, tail_bucket,
                                      token_buckets)
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
@@ -125,6 +125,9 @@ class EngineConfig:
     verify: "packed" (default: `step.verify_packed`, dense work on the live rows' own tokens,
       N = a bucket of sum_b (1 + n_draft_b)) or "padded" (`step.verify`, B x W token rows: every
       row pays the widest draft). Same tokens either way.
+    prefill: "packed" (default: `step.prefill_packed`, the admitted unique prompts concatenated
+      into N flat slots, N a bucket of their total length) or "padded" (`step.prefill_insert`,
+      U prompts padded to a power-of-two length T). Same first tokens and cache contents.
     """
 
     max_slots: int = 16
@@ -135,10 +138,13 @@ class EngineConfig:
     kv_memory_fraction: float | None = None
     exact: bool = False
     verify: str = "packed"
+    prefill: str = "packed"
 
     def __post_init__(self):
         if self.verify not in ("packed", "padded"):
             raise GenerateError(f"verify must be 'packed' or 'padded', got {self.verify!r}")
+        if self.prefill not in ("packed", "padded"):
+            raise GenerateError(f"prefill must be 'packed' or 'padded', got {self.prefill!r}")
         if self.max_slots < 1:
             raise GenerateError(f"max_slots must be >= 1, got {self.max_slots}")
         widths = tuple(sorted(set(int(w) for w in self.draft_widths)))
@@ -388,6 +394,37 @@ class Engine:
         return self._compiled.get(("verify_packed", B, N, W, S, kv_len, skey, self.config, dtype),
                                   step_lib.verify_packed, *args)
 
+    def _prefill_packed(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
+        """Runs `step.prefill_packed` (compiled per cache batch, cache length, slot bucket N and
+        prompt bucket T); returns (cache, first tokens, first log-probs) per admitted row."""
+        N, arrays = pack_prompts(prompts, src, rows, seeds, cache.batch, T)
+        args = (self.config, skey, T, params, cache) + arrays
+        fn = self._compiled.get(("prefill_packed", cache.batch, S, N, T, skey, self.config,
+                                 dtype), step_lib.prefill_packed, *args)
+        return fn(*args[3:])
+
+    def _prefill_padded(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
+        """Runs `step.prefill_insert`: U unique prompts padded to T tokens, inserted into R rows
+        (U, R batch buckets); returns (cache, first tokens, first log-probs) per admitted row."""
+        ec, B = self.engine_config, cache.batch
+        U = bucket(len(prompts), ec.batch_buckets)
+        R = bucket(len(rows), ec.batch_buckets)
+        toks_UxT = np.zeros((U, T), np.int32)
+        lens_U = np.ones(U, np.int32)
+        for u, p in enumerate(prompts):
+            toks_UxT[u, :len(p)] = p
+            lens_U[u] = len(p)
+        slots_R = np.full(R, B, np.int32)          # out of range: dropped
+        slots_R[:len(rows)] = rows
+        src_R = np.zeros(R, np.int32)
+        src_R[:len(rows)] = src
+        seeds_R = np.zeros(R, np.int32)
+        seeds_R[:len(rows)] = seeds
+        args = (self.config, skey, params, cache, toks_UxT, lens_U, slots_R, src_R, seeds_R)
+        fn = self._compiled.get(("prefill", B, S, U, T, R, skey, self.config, dtype),
+                                step_lib.prefill_insert, *args)
+        return fn(*args[2:])
+
     def max_step_tokens(self, batch: int) -> int:
         """The largest packed slot bucket at this batch bucket: batch x the widest draft width."""
         return batch * max(self.engine_config.draft_widths)
@@ -561,25 +598,10 @@ class Engine:
                 uniq: dict[tuple, int] = {}
                 src = [uniq.setdefault(tuple(requests[i].prompt_ids), len(uniq)) for i in take]
                 prompts = list(uniq)
-                T = pow2_at_least(max(len(p) for p in prompts), ec.min_prompt_bucket)
-                T = min(T, S)
-                U = bucket(len(prompts), ec.batch_buckets)
-                R = bucket(len(take), ec.batch_buckets)
-                toks_UxT = np.zeros((U, T), np.int32)
-                lens_U = np.ones(U, np.int32)
-                for u, p in enumerate(prompts):
-                    toks_UxT[u, :len(p)] = p
-                    lens_U[u] = len(p)
-                slots_R = np.full(R, B, np.int32)          # out of range: dropped
-                slots_R[:len(take)] = rows
-                src_R = np.zeros(R, np.int32)
-                src_R[:len(take)] = src
-                seeds_R = np.zeros(R, np.int32)
-                seeds_R[:len(take)] = seeds[take]
-                args = (self.config, skey, params, cache, toks_UxT, lens_U, slots_R, src_R, seeds_R)
-                fn = self._compiled.get(("prefill", B, S, U, T, R, skey, self.config, dtype),
-                                        step_lib.prefill_insert, *args)
-                cache, first_R, first_logp_R = fn(*args[2:])
+                T = prompt_bucket(max(len(p) for p in prompts), ec.min_prompt_bucket, S)
+                prefill = self._prefill_packed if ec.prefill == "packed" else self._prefill_padded
+                cache, first_R, first_logp_R = prefill(params, cache, skey, dtype, S, T, prompts,
+                                                       src, rows, seeds[take])
                 first_R, first_logp_R = np.asarray(first_R), np.asarray(first_logp_R)
                 for k, (ri, row) in enumerate(zip(take, rows)):
                     row_req[row] = ri
