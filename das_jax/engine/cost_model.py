@@ -293,7 +293,11 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     batches = tuple(batches or sorted({1, ec.max_slots}))
     widths = tuple(widths or ec.draft_widths)
     cache_len = cache_len or ec.max_cache_len
-    kv = sorted({min(s, cache_len - max(widths)) for s in kv_lens})
+    from das_jax.engine.schedule import kv_len_bucket
+
+    # The attended lengths `generate` compiles (quarter-octave buckets, capped at the cache
+    # length), so the executables compiled here are the ones generation reuses.
+    kv = sorted({kv_len_bucket(np.array([s]), cache_len) for s in kv_lens})
     shapes = calibration_shapes(engine, batches, widths, kv)
     log.info("calibrating the cost model: timing the %s verify step at %d shapes (B %s, W %s, "
              "S %s; each compiled once) ...", ec.verify, len(shapes), list(batches),
