@@ -74,7 +74,7 @@ def run_packed(config, params, cache, prompts, src, rows, seeds, T):
     N, arrays = pack_prompts(prompts, src, rows, seeds, cache.batch, T)
     assert N == bucket(sum(len(p) for p in prompts), token_buckets(cache.batch * T))
     c = jax.tree_util.tree_map(jnp.copy, cache)
-    c, y, lp = step_lib.prefill_packed(config, SKEY, T, params, c, *arrays)
+    c, y, lp = step_lib.prefill_packed(config, SKEY, 4, T, params, c, *arrays)
     k = len(rows)
     return c, np.asarray(y)[:k], np.asarray(lp)[:k]
 

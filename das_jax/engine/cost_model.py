@@ -258,9 +258,12 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     """The (batch, width, num_tokens, kv_len) shapes `calibrate` times.
 
     Packed engine: at each batch bucket and attended length, for each compiled width W, a step
-    where every row drafts W - 1 tokens (N = the slot bucket of B * W) and one where a single
-    row does (N = the slot bucket of B + W - 1), so the fit sees N vary at fixed attended KV and
-    the attended KV vary at fixed N. Padded engine: N = B * W.
+    where a quarter of the rows (rounded up) draft W - 1 tokens (N = the slot bucket of
+    B + ceil(B / 4) * (W - 1)) and one where a single row does (N = the slot bucket of
+    B + W - 1), so the fit sees N vary at fixed attended KV and the attended KV vary at fixed N.
+    These are shapes generation runs (a step where every row drafts fully is rare), so their
+    executables are reused there instead of compiled for calibration only. Padded engine:
+    N = B * W.
     """
     from das_jax.engine.schedule import bucket, token_buckets
 
@@ -270,7 +273,7 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
         for S in kv_lens:
             for W in widths:
                 if engine.engine_config.verify == "packed":
-                    ns = sorted({bucket(B * W, nb), bucket(B + W - 1, nb)})
+                    ns = sorted({bucket(B + -(-B // 4) * (W - 1), nb), bucket(B + W - 1, nb)})
                 else:
                     ns = [B * W]
                 out.extend((B, W, n, S) for n in ns)

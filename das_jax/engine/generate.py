@@ -395,13 +395,15 @@ class Engine:
                                   step_lib.verify_packed, *args)
 
     def _prefill_packed(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
-        """Runs `step.prefill_packed` (compiled per cache batch, cache length, slot bucket N and
-        prompt bucket T); returns (cache, first tokens, first log-probs) per admitted row."""
+        """Runs `step.prefill_packed` (compiled per cache batch, cache length, slot bucket N,
+        attention block U x T: prompts and prompt-length buckets); returns (cache, first tokens,
+        first log-probs) per admitted row."""
         N, arrays = pack_prompts(prompts, src, rows, seeds, cache.batch, T)
-        args = (self.config, skey, T, params, cache) + arrays
-        fn = self._compiled.get(("prefill_packed", cache.batch, S, N, T, skey, self.config,
+        U = bucket(len(prompts), self.engine_config.batch_buckets)
+        args = (self.config, skey, U, T, params, cache) + arrays
+        fn = self._compiled.get(("prefill_packed", cache.batch, S, N, U, T, skey, self.config,
                                  dtype), step_lib.prefill_packed, *args)
-        return fn(*args[3:])
+        return fn(*args[4:])
 
     def _prefill_padded(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
         """Runs `step.prefill_insert`: U unique prompts padded to T tokens, inserted into R rows

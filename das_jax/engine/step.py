@@ -69,11 +69,12 @@ def prefill_insert(
     return new_cache, tokens_R, logprobs_R
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling_key", "width"),
+@functools.partial(jax.jit, static_argnames=("config", "sampling_key", "rows", "width"),
                    donate_argnames=("cache",))
 def prefill_packed(
     config: ModelConfig,
     sampling_key: tuple,
+    rows: int,
     width: int,
     params: Params,
     cache: KVCache,
@@ -89,9 +90,13 @@ def prefill_packed(
     """Packed prefill: the rule of `prefill_insert` on prompts concatenated into N flat slots.
 
     Args:
+      rows: static attention-block rows U (>= the number of prompts; a batch bucket). The
+        attention runs on a `[U, width]` block: its cost is the padded prefill's, and grows
+        with the block's rows (blocks of all B cache rows were measured ~1.5x slower than the
+        padded prefill on XLA CPU at B=16, U=4).
       width: static block width (>= the longest prompt; a prompt-length bucket).
-      tokens_N, row_N, offset_N: int32 slot token, prompt index u (in [0, B); B marks a padding
-        slot) and position in the prompt (`das_jax.engine.schedule.pack_prompts`).
+      tokens_N, row_N, offset_N: int32 slot token, prompt index u (in [0, U); a value >= U marks
+        a padding slot) and position in the prompt (`das_jax.engine.schedule.pack_prompts`).
       slots_B: int32 cache row each admitted request goes to (B: none, a padding entry).
       src_B: int32 prompt index u of each entry; last_B: int32 slot index of that prompt's last
         token; lengths_B: int32 its length (>= 1); seeds_B: int32 request seeds.
@@ -101,9 +106,8 @@ def prefill_packed(
       first_tokens_B int32, first_logprobs_B float32); entry j's first token is sampled at
       absolute index lengths_B[j] from the logits of slot last_B[j], as in `prefill_insert`.
     """
-    B = cache.batch
     hidden_NxD, scratch = prefill_packed_hidden(config, params, tokens_N, row_N, offset_N,
-                                                rows=B, width=width, cache_dtype=cache.dtype)
+                                                rows=rows, width=width, cache_dtype=cache.dtype)
     logits_BxV = lm_head(config, params, hidden_NxD[last_B][:, None])[:, 0]
     new_cache = cache.insert_rows(slots_B, scratch, src_B)
     tokens_B, logprobs_B = sampling_lib.sample(logits_BxV, seeds_B, lengths_B, sampling_key,

@@ -141,7 +141,8 @@ def prefill_packed_hidden(
     Args:
       config, params: the model.
       tokens_N: int32 token of each slot.
-      row_N: int32 prompt (block row) of each slot, in [0, rows); `rows` marks a padding slot.
+      row_N: int32 prompt (block row) of each slot, in [0, rows); a value >= rows marks a
+        padding slot.
       offset_N: int32 position of the slot in its prompt, in [0, width).
       rows: static block rows (>= the number of prompts).
       width: static block width (>= the longest prompt).
