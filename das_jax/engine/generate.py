@@ -1,8 +1,8 @@
 """Continuous-batching generation with speculative verification: `Engine.generate`.
 
 The host loop owns the bookkeeping (which request is in which cache row, its pending token, its
-cache length); the device runs `step.prefill_insert` and `step.verify_packed` (or the padded
-`step.verify`, `EngineConfig.verify`) on a donated KV cache.
+cache length); the device runs `step.prefill_packed` and `step.verify_packed` (or the padded
+`step.prefill_insert` / `step.verify`: `EngineConfig.prefill` / `verify`) on a donated KV cache.
 
 * Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
   refilled from the queue; when the queue is empty and the live rows fit a smaller bucket, they
