@@ -101,7 +101,9 @@ class RolloutSection:
     exact: shape-invariant contractions, so rollouts are token-identical with and without
     speculation (README, "Exact mode"; costs some rollout time); verify: packed (each row's
     own draft tokens as flat slots, the default) or padded (every row padded to the step's
-    widest draft); same tokens either way."""
+    widest draft); same tokens either way. prefill: packed (the admitted prompts concatenated
+    into flat token slots, dense work on their total length, the default) or padded (prompts
+    padded to a power-of-two length); same first tokens and KV cache either way."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -122,6 +124,7 @@ class RolloutSection:
     # them; whole GRPO groups stay on one replica (das_jax.rollout.sharded).
     replicas: Optional[int] = None
     verify: str = _choices("packed", "padded", default="packed")
+    prefill: str = _choices("packed", "padded", default="packed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -234,7 +234,10 @@ class RecordingCostModel:
 def test_calibrate_times_packed_shapes(params):
     eng = engine(params, max_slots=4, draft_widths=(1, 4))
     shapes = calibration_shapes(eng, (4,), (1, 4), (128,))
-    assert shapes == [(4, 1, 4, 128), (4, 4, 8, 128), (4, 4, 16, 128)]  # plain, ragged, full
+    # plain, one row drafting (4 + 3 -> 8); a quarter of the rows drafting is the same here.
+    assert shapes == [(4, 1, 4, 128), (4, 4, 8, 128)]
+    assert calibration_shapes(eng, (16,), (1, 8), (128,)) == [
+        (16, 1, 16, 128), (16, 8, 24, 128), (16, 8, 48, 128)]   # 16 + 7 -> 24; 16 + 4 * 7 = 44
     rec = calibrate(eng, RecordingCostModel(), cache_len=256, batches=(4,), kv_lens=(128,),
                     repeats=1)
     assert len(rec.steps) == len(shapes)

@@ -204,7 +204,8 @@ class TraceExecutor:
 
     def prefill(self, request_ids, rows, batch) -> Prefilled:
         lay = prefill_layout([self.rollouts[i].prompt_ids for i in request_ids],
-                             self.ec.batch_buckets, self.min_prompt_bucket, self.S)
+                             self.ec.batch_buckets, self.min_prompt_bucket, self.S,
+                             packed_batch=batch if self.ec.prefill == "packed" else None)
         return Prefilled([self.rollouts[i].token_ids[0] for i in request_ids],
                          [0.0] * len(request_ids), 0.0, lay.tokens,
                          [self._end(i, 1) for i in request_ids])

@@ -258,9 +258,12 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     """The (batch, width, num_tokens, kv_len) shapes `calibrate` times.
 
     Packed engine: at each batch bucket and attended length, for each compiled width W, a step
-    where every row drafts W - 1 tokens (N = the slot bucket of B * W) and one where a single
-    row does (N = the slot bucket of B + W - 1), so the fit sees N vary at fixed attended KV and
-    the attended KV vary at fixed N. Padded engine: N = B * W.
+    where a quarter of the rows (rounded up) draft W - 1 tokens (N = the slot bucket of
+    B + ceil(B / 4) * (W - 1)) and one where a single row does (N = the slot bucket of
+    B + W - 1), so the fit sees N vary at fixed attended KV and the attended KV vary at fixed N.
+    These are shapes generation runs (a step where every row drafts fully is rare), so their
+    executables are reused there instead of compiled for calibration only. Padded engine:
+    N = B * W.
     """
     from das_jax.engine.schedule import bucket, token_buckets
 
@@ -270,7 +273,7 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
         for S in kv_lens:
             for W in widths:
                 if engine.engine_config.verify == "packed":
-                    ns = sorted({bucket(B * W, nb), bucket(B + W - 1, nb)})
+                    ns = sorted({bucket(B + -(-B // 4) * (W - 1), nb), bucket(B + W - 1, nb)})
                 else:
                     ns = [B * W]
                 out.extend((B, W, n, S) for n in ns)
@@ -293,7 +296,11 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     batches = tuple(batches or sorted({1, ec.max_slots}))
     widths = tuple(widths or ec.draft_widths)
     cache_len = cache_len or ec.max_cache_len
-    kv = sorted({min(s, cache_len - max(widths)) for s in kv_lens})
+    from das_jax.engine.schedule import kv_len_bucket
+
+    # The attended lengths `generate` compiles (quarter-octave buckets, capped at the cache
+    # length), so the executables compiled here are the ones generation reuses.
+    kv = sorted({kv_len_bucket(np.array([s]), cache_len) for s in kv_lens})
     shapes = calibration_shapes(engine, batches, widths, kv)
     log.info("calibrating the cost model: timing the %s verify step at %d shapes (B %s, W %s, "
              "S %s; each compiled once) ...", ec.verify, len(shapes), list(batches),

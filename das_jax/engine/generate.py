@@ -2,8 +2,9 @@
 
 The host scheduler (`scheduler.run_schedule`: admission, slot refill, compaction, buckets,
 per-row bookkeeping, stats; shared with the trace replay) drives this module's `DeviceExecutor`,
-which runs `step.prefill_insert` and `step.verify_packed` (or the padded `step.verify`,
-`EngineConfig.verify`) on a donated KV cache and keeps each row's pending token and seed.
+which runs `step.prefill_packed` and `step.verify_packed` (or the padded `step.prefill_insert` /
+`step.verify`: `EngineConfig.prefill` / `verify`) on a donated KV cache and keeps each row's
+pending token and seed.
 
 * Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
   refilled from the queue; when the queue is empty and the live rows fit a smaller bucket, they
@@ -32,7 +33,8 @@ import numpy as np
 from das_jax.engine import scheduler
 from das_jax.engine import step as step_lib
 from das_jax.engine.policy import SpeculationPolicy
-from das_jax.engine.schedule import cache_len_for, compact_rows, step_shape_fn
+from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, pack_prompts,
+                                     step_shape_fn)
 from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
@@ -78,6 +80,9 @@ class EngineConfig:
     verify: "packed" (default: `step.verify_packed`, dense work on the live rows' own tokens,
       N = a bucket of sum_b (1 + n_draft_b)) or "padded" (`step.verify`, B x W token rows: every
       row pays the widest draft). Same tokens either way.
+    prefill: "packed" (default: `step.prefill_packed`, the admitted unique prompts concatenated
+      into N flat slots, N a bucket of their total length) or "padded" (`step.prefill_insert`,
+      U prompts padded to a power-of-two length T). Same first tokens and cache contents.
     """
 
     max_slots: int = 16
@@ -88,10 +93,13 @@ class EngineConfig:
     kv_memory_fraction: float | None = None
     exact: bool = False
     verify: str = "packed"
+    prefill: str = "packed"
 
     def __post_init__(self):
         if self.verify not in ("packed", "padded"):
             raise GenerateError(f"verify must be 'packed' or 'padded', got {self.verify!r}")
+        if self.prefill not in ("packed", "padded"):
+            raise GenerateError(f"prefill must be 'packed' or 'padded', got {self.prefill!r}")
         if self.max_slots < 1:
             raise GenerateError(f"max_slots must be >= 1, got {self.max_slots}")
         widths = tuple(sorted(set(int(w) for w in self.draft_widths)))
@@ -341,6 +349,39 @@ class Engine:
         return self._compiled.get(("verify_packed", B, N, W, S, kv_len, skey, self.config, dtype),
                                   step_lib.verify_packed, *args)
 
+    def _prefill_packed(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
+        """Runs `step.prefill_packed` (compiled per cache batch, cache length, slot bucket N,
+        attention block U x T: prompts and prompt-length buckets); returns (cache, first tokens,
+        first log-probs) per admitted row."""
+        N, arrays = pack_prompts(prompts, src, rows, seeds, cache.batch, T)
+        U = bucket(len(prompts), self.engine_config.batch_buckets)
+        args = (self.config, skey, U, T, params, cache) + arrays
+        fn = self._compiled.get(("prefill_packed", cache.batch, S, N, U, T, skey, self.config,
+                                 dtype), step_lib.prefill_packed, *args)
+        return fn(*args[4:])
+
+    def _prefill_padded(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
+        """Runs `step.prefill_insert`: U unique prompts padded to T tokens, inserted into R rows
+        (U, R batch buckets); returns (cache, first tokens, first log-probs) per admitted row."""
+        ec, B = self.engine_config, cache.batch
+        U = bucket(len(prompts), ec.batch_buckets)
+        R = bucket(len(rows), ec.batch_buckets)
+        toks_UxT = np.zeros((U, T), np.int32)
+        lens_U = np.ones(U, np.int32)
+        for u, p in enumerate(prompts):
+            toks_UxT[u, :len(p)] = p
+            lens_U[u] = len(p)
+        slots_R = np.full(R, B, np.int32)          # out of range: dropped
+        slots_R[:len(rows)] = rows
+        src_R = np.zeros(R, np.int32)
+        src_R[:len(rows)] = src
+        seeds_R = np.zeros(R, np.int32)
+        seeds_R[:len(rows)] = seeds
+        args = (self.config, skey, params, cache, toks_UxT, lens_U, slots_R, src_R, seeds_R)
+        fn = self._compiled.get(("prefill", B, S, U, T, R, skey, self.config, dtype),
+                                step_lib.prefill_insert, *args)
+        return fn(*args[2:])
+
     def max_step_tokens(self, batch: int) -> int:
         """The largest packed slot bucket at this batch bucket: batch x the widest draft width."""
         return batch * max(self.engine_config.draft_widths)
@@ -471,9 +512,11 @@ class DeviceExecutor:
     real clock (compilation excluded: `Engine._compiled` counts it apart).
 
     It keeps the device side of every cache row: the KV cache `[B, S]`, the pending token (sampled,
-    not yet fed) and the request seed per row. Prefill: `step.prefill_insert` of the admitted
-    prompts (`scheduler.prefill_layout`); verify: `step.verify_packed` (N token slots) or the
-    padded `step.verify` (B x W), by `EngineConfig.verify`; compaction: `step.gather_rows`.
+    not yet fed) and the request seed per row. Prefill of the admitted prompts
+    (`scheduler.prefill_layout`): `step.prefill_packed` (the prompts concatenated in N slots) or
+    the padded `step.prefill_insert` (U x T), by `EngineConfig.prefill`; verify:
+    `step.verify_packed` (N token slots) or the padded `step.verify` (B x W), by
+    `EngineConfig.verify`; compaction: `step.gather_rows`.
     """
 
     def __init__(self, engine: Engine, requests: Sequence[Request], sampling: SamplingParams,
@@ -498,25 +541,14 @@ class DeviceExecutor:
         eng, ec, skey = self.engine, self.engine.engine_config, self.skey
         t0 = time.perf_counter()
         take, B, S = list(request_ids), batch, self.S
+        packed = ec.prefill == "packed"
         lay = scheduler.prefill_layout([self.requests[i].prompt_ids for i in take],
-                                       ec.batch_buckets, ec.min_prompt_bucket, S)
-        U, T, R = lay.U, lay.T, lay.R
-        toks_UxT = np.zeros((U, T), np.int32)
-        lens_U = np.ones(U, np.int32)
-        for u, p in enumerate(lay.prompts):
-            toks_UxT[u, :len(p)] = p
-            lens_U[u] = len(p)
-        slots_R = np.full(R, B, np.int32)          # out of range: dropped
-        slots_R[:len(take)] = rows
-        src_R = np.zeros(R, np.int32)
-        src_R[:len(take)] = lay.src
-        seeds_R = np.zeros(R, np.int32)
-        seeds_R[:len(take)] = self.seeds[take]
-        args = (eng.config, skey, self.params, self.cache, toks_UxT, lens_U, slots_R, src_R,
-                seeds_R)
-        fn = eng._compiled.get(("prefill", B, S, U, T, R, skey, eng.config, self.dtype),
-                               step_lib.prefill_insert, *args)
-        self.cache, first_R, first_logp_R = fn(*args[2:])
+                                       ec.batch_buckets, ec.min_prompt_bucket, S,
+                                       packed_batch=B if packed else None)
+        run = eng._prefill_packed if packed else eng._prefill_padded
+        self.cache, first_R, first_logp_R = run(self.params, self.cache, skey, self.dtype, S,
+                                                lay.T, lay.prompts, lay.src, rows,
+                                                self.seeds[take])
         first_R, first_logp_R = np.asarray(first_R), np.asarray(first_logp_R)
         for k, (ri, row) in enumerate(zip(take, rows)):
             self.pending[row] = first_R[k]

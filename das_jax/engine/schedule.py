@@ -3,7 +3,8 @@ trace-replay simulator (`das_jax.bench.replay`), so both take the same schedulin
 
 Every shape the engine compiles comes from a bucket: batch buckets (powers of two up to
 `max_slots`), prompt-length buckets (powers of two above a floor), attended-length buckets
-(quarter octaves), packed slot-count buckets, and one cache length per `generate` call. Pure host code (numpy only).
+(quarter octaves), packed slot-count buckets (verify and prefill), and one cache length per
+`generate` call. Pure host code (numpy only).
 """
 from __future__ import annotations
 
@@ -61,6 +62,54 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
             out.append(p + p // 2)
         p *= 2
     return tuple(out) + (max_tokens,)
+
+
+def prompt_bucket(max_prompt: int, floor: int, cache_len: int) -> int:
+    """The prompt-length bucket of a prefill: a power of two `floor * 2**k` >= the longest
+    prompt, capped at the cache length."""
+    return min(pow2_at_least(max_prompt, floor), cache_len)
+
+
+def pack_prompts(prompts: Sequence[Sequence[int]], src: Sequence[int], rows: Sequence[int],
+                 seeds: Sequence[int], batch: int, width: int) -> tuple[int, tuple]:
+    """Host arguments of the packed prefill (`step.prefill_packed`).
+
+    Args:
+      prompts: the unique prompts (token ids), each non-empty and at most `width` long.
+      src: for each admitted request, the index of its prompt in `prompts`.
+      rows: for each admitted request, its cache row; seeds: its seed.
+      batch: cache rows B (>= len(prompts) and >= len(rows)).
+      width: the block width (`prompt_bucket`).
+
+    Returns:
+      (N, (tokens_N, row_N, offset_N, slots_B, src_B, last_B, lengths_B, seeds_B)), int32: the
+      prompts concatenated into N slots (N = the `token_buckets(batch * width)` bucket of their
+      total length; padding slots have row index `batch`), and per entry j < len(rows) its cache
+      row, prompt, the prompt's last slot, length and seed (entries past len(rows): row `batch`,
+      dropped).
+    """
+    lens = np.array([len(p) for p in prompts], np.int64)
+    total = int(lens.sum())
+    N = bucket(total, token_buckets(batch * width))
+    tokens_N = np.zeros(N, np.int32)
+    row_N = np.full(N, batch, np.int32)
+    offset_N = np.zeros(N, np.int32)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    for u, p in enumerate(prompts):
+        sl = slice(starts[u], starts[u] + lens[u])
+        tokens_N[sl] = p
+        row_N[sl] = u
+        offset_N[sl] = np.arange(lens[u])
+    k = len(rows)
+    slots_B = np.full(batch, batch, np.int32)
+    slots_B[:k] = rows
+    src_B = np.zeros(batch, np.int32)
+    src_B[:k] = src
+    last_B = (starts + lens - 1)[src_B].astype(np.int32)
+    lengths_B = lens[src_B].astype(np.int32)
+    seeds_B = np.zeros(batch, np.int32)
+    seeds_B[:k] = seeds
+    return N, (tokens_N, row_N, offset_N, slots_B, src_B, last_B, lengths_B, seeds_B)
 
 
 def packed_width(n_draft: Sequence[int], widths: Sequence[int]) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
                                    acceptance_length, plan_step)
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
-                                     pow2_at_least, step_shape_fn, tail_bucket)
+                                     prompt_bucket, step_shape_fn, tail_bucket, token_buckets)
 
 
 @dataclasses.dataclass
@@ -88,28 +88,37 @@ class PrefillLayout:
     """The shapes of one admission's prefill call: the distinct prompts (`prompts`, in first-seen
     order; `src[k]`: the prompt of the k-th admitted request), padded to T tokens (a power-of-two
     bucket >= min_prompt_bucket, capped at the cache length) in U rows (a batch bucket), inserted
-    into R cache rows (a batch bucket of the admitted requests). tokens = U * T slots computed."""
+    into R cache rows (a batch bucket of the admitted requests). tokens: the token slots computed,
+    U * T padded, or N (`N`, set for the packed prefill: the prompts concatenated, see
+    `schedule.pack_prompts`)."""
 
     prompts: list[tuple[int, ...]]
     src: list[int]
     T: int
     U: int
     R: int
+    N: int | None = None
 
     @property
     def tokens(self) -> int:
-        return self.U * self.T
+        return self.U * self.T if self.N is None else self.N
 
 
 def prefill_layout(prompts: Sequence[Sequence[int]], batch_buckets: Sequence[int],
-                   min_prompt_bucket: int, cache_len: int) -> PrefillLayout:
-    """`PrefillLayout` of admitting requests with these prompts (one per request, in order)."""
+                   min_prompt_bucket: int, cache_len: int,
+                   packed_batch: int | None = None) -> PrefillLayout:
+    """`PrefillLayout` of admitting requests with these prompts (one per request, in order);
+    `packed_batch`: the cache's rows B when the prefill is packed (sets `N`, the slot bucket of
+    the prompts' total length, as `schedule.pack_prompts` computes it)."""
     uniq: dict[tuple, int] = {}
     src = [uniq.setdefault(tuple(p), len(uniq)) for p in prompts]
     distinct = list(uniq)
-    T = min(pow2_at_least(max(len(p) for p in distinct), min_prompt_bucket), cache_len)
+    T = prompt_bucket(max(len(p) for p in distinct), min_prompt_bucket, cache_len)
+    N = None
+    if packed_batch is not None:
+        N = bucket(sum(len(p) for p in distinct), token_buckets(packed_batch * T))
     return PrefillLayout(distinct, src, T, bucket(len(distinct), batch_buckets),
-                         bucket(len(prompts), batch_buckets))
+                         bucket(len(prompts), batch_buckets), N)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,12 @@
 Both are pure functions of (params, KV cache, small int arrays). The cache is donated, so its
 update is in place. Shapes are static per compiled variant:
 
-* prefill: `U` unique prompts padded to `T` tokens (a prompt-length bucket), inserted into `R`
-  slots (GRPO's `num_generations` samples of one prompt share one prefill).
+* prefill (padded): `U` unique prompts padded to `T` tokens (a prompt-length bucket), inserted
+  into `R` slots (GRPO's `num_generations` samples of one prompt share one prefill).
+* prefill_packed (the default, `EngineConfig.prefill`): the unique prompts concatenated into N
+  flat token slots (N a bucket of their total length), dense work on the N slots, attention
+  within a prompt (`das_jax.models.packed.prefill_packed_hidden`); inserted into the B cache
+  rows. Same first tokens and cache contents as the padded prefill.
 * verify (padded): `tokens[B, W]`, W = 1 + draft width from a small compiled set, B from batch
   buckets, attending to the first `kv_len` cache positions (a bucket of the longest live row).
   Every row pays for the widest draft: dense work on B * W token rows.
@@ -21,7 +25,8 @@ import jax.numpy as jnp
 
 from das_jax.engine import sampling as sampling_lib
 from das_jax.models.config import ModelConfig
-from das_jax.models.packed import forward_packed_hidden, slot_positions, to_rows
+from das_jax.models.packed import (forward_packed_hidden, prefill_packed_hidden, slot_positions,
+                                   to_rows)
 from das_jax.models.transformer import KVCache, Params, forward, forward_hidden, lm_head
 
 
@@ -62,6 +67,52 @@ def prefill_insert(
     tokens_R, logprobs_R = sampling_lib.sample(logits_UxV[src_R], seeds_R, lengths_U[src_R],
                                                sampling_key, config.contraction)
     return new_cache, tokens_R, logprobs_R
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling_key", "rows", "width"),
+                   donate_argnames=("cache",))
+def prefill_packed(
+    config: ModelConfig,
+    sampling_key: tuple,
+    rows: int,
+    width: int,
+    params: Params,
+    cache: KVCache,
+    tokens_N: jax.Array,
+    row_N: jax.Array,
+    offset_N: jax.Array,
+    slots_B: jax.Array,
+    src_B: jax.Array,
+    last_B: jax.Array,
+    lengths_B: jax.Array,
+    seeds_B: jax.Array,
+):
+    """Packed prefill: the rule of `prefill_insert` on prompts concatenated into N flat slots.
+
+    Args:
+      rows: static attention-block rows U (>= the number of prompts; a batch bucket). The
+        attention runs on a `[U, width]` block: its cost is the padded prefill's, and grows
+        with the block's rows (blocks of all B cache rows were measured ~1.5x slower than the
+        padded prefill on XLA CPU at B=16, U=4).
+      width: static block width (>= the longest prompt; a prompt-length bucket).
+      tokens_N, row_N, offset_N: int32 slot token, prompt index u (in [0, U); a value >= U marks
+        a padding slot) and position in the prompt (`das_jax.engine.schedule.pack_prompts`).
+      slots_B: int32 cache row each admitted request goes to (B: none, a padding entry).
+      src_B: int32 prompt index u of each entry; last_B: int32 slot index of that prompt's last
+        token; lengths_B: int32 its length (>= 1); seeds_B: int32 request seeds.
+
+    Returns:
+      (cache with each entry's prompt K/V in positions `[0, len)` of row `slots_B[j]`,
+      first_tokens_B int32, first_logprobs_B float32); entry j's first token is sampled at
+      absolute index lengths_B[j] from the logits of slot last_B[j], as in `prefill_insert`.
+    """
+    hidden_NxD, scratch = prefill_packed_hidden(config, params, tokens_N, row_N, offset_N,
+                                                rows=rows, width=width, cache_dtype=cache.dtype)
+    logits_BxV = lm_head(config, params, hidden_NxD[last_B][:, None])[:, 0]
+    new_cache = cache.insert_rows(slots_B, scratch, src_B)
+    tokens_B, logprobs_B = sampling_lib.sample(logits_BxV, seeds_B, lengths_B, sampling_key,
+                                               config.contraction)
+    return new_cache, tokens_B, logprobs_B
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling_key", "kv_len"),

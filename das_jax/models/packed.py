@@ -114,3 +114,44 @@ def forward_packed_hidden(
     new_cache = kv_cache.write_slots(k_LxN, v_LxN, row_N, pos_N)
     h = rms_norm(x_1xNxD, params["final_norm"], config.rms_norm_eps, config.contraction)
     return h[0], new_cache
+
+
+def prefill_packed_hidden(
+    config: ModelConfig,
+    params: Params,
+    tokens_N: jax.Array,
+    row_N: jax.Array,
+    offset_N: jax.Array,
+    *,
+    rows: int,
+    width: int,
+    cache_dtype,
+) -> tuple[jax.Array, KVCache]:
+    """Packed prefill: runs the decoder stack on prompts concatenated into N flat slots.
+
+    Prompt u's tokens are consecutive slots with row index u and offsets 0..len_u-1 (absolute
+    positions: prompts start at position 0, no cached prefix). The dense work runs on `[N, D]`
+    (N a bucket of `sum_u len_u`, not `rows x width`); attention is causal within a prompt only:
+    the slots' q/k/v are scattered into a `[rows, width]` block and attend as in
+    `forward_packed_hidden` with an empty cache (the same trade: attention arithmetic on the
+    block, every prompt's keys read once). Exact mode gives the bits of the padded prefill
+    (`forward_hidden` on `[U, T]`), since every dense contraction is row-count invariant and the
+    attention is the same blocked attention at the same absolute positions.
+
+    Args:
+      config, params: the model.
+      tokens_N: int32 token of each slot.
+      row_N: int32 prompt (block row) of each slot, in [0, rows); a value >= rows marks a
+        padding slot.
+      offset_N: int32 position of the slot in its prompt, in [0, width).
+      rows: static block rows (>= the number of prompts).
+      width: static block width (>= the longest prompt).
+      cache_dtype: dtype of the returned scratch cache.
+
+    Returns:
+      (final-normed hidden `[N, D]`, a scratch `KVCache` of `rows` x `width` positions holding
+      prompt u's K/V at row u, positions 0..len_u-1; other positions are zero).
+    """
+    scratch = KVCache.zeros(config, rows, width, cache_dtype)
+    return forward_packed_hidden(config, params, tokens_N, row_N, offset_N, scratch,
+                                 jnp.zeros((rows,), jnp.int32), width=width, kv_len=0)

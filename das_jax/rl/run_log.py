@@ -172,8 +172,8 @@ def describe_compiles(seconds: float, programs: dict[str, int], min_count: int =
     the engine and trainer jit by name (single-op programs from eager jnp calls are counted, not
     named)."""
     named = {k: v for k, v in programs.items()
-             if k in ("verify", "prefill_insert", "gather_rows", "train_step",
-                      "_compute_logprobs_jit") and v >= min_count}
+             if k in ("verify", "verify_packed", "prefill_insert", "prefill_packed",
+                      "gather_rows", "train_step", "_compute_logprobs_jit") and v >= min_count}
     parts = [f"{k.strip('_').removesuffix('_jit')}" + (f" x{v}" if v > 1 else "")
              for k, v in sorted(named.items(), key=lambda kv: -kv[1])]
     small = sum(programs.values()) - sum(named.values())
