@@ -15,12 +15,10 @@ from das_jax.engine import step as step_lib
 from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
 from das_jax.engine.sampling import SamplingParams
 from das_jax.engine.schedule import bucket, pack_prompts, prompt_bucket, token_buckets
-from das_jax.models import KVCache, ModelConfig, init_params
 from das_jax.models import contraction as cx
-from das_jax.testing import AdversaryDrafter
+from das_jax.testing import AdversaryDrafter, random_kv_cache, tiny_model_config, tiny_params
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+CFG = tiny_model_config()
 EXACT_CFG = dataclasses.replace(CFG, contraction=cx.EXACT)
 SKEY = (0.8, 0, 1.0)
 EOS = 1
@@ -28,14 +26,11 @@ EOS = 1
 
 @pytest.fixture(scope="module")
 def params():
-    return init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    return tiny_params(CFG)
 
 
 def random_cache(B, S, seed):
-    rng = np.random.default_rng(seed)
-    shape = (CFG.num_layers, B, S, CFG.num_kv_heads, CFG.head_dim)
-    return KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                   v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    return random_kv_cache(CFG, B, S, seed)
 
 
 def admission(seed, B=8):

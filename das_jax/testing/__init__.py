@@ -3,6 +3,7 @@
 Public surface:
   tiny_model_config(**overrides) -> ModelConfig   the tiny random-model config of the tests
   tiny_params(config=None, seed=0, scale=0.5)      its random params (`init_params`)
+  random_kv_cache(config, batch, cache_len, seed)  a float32 KV cache of random history
   OracleDrafter, AdversaryDrafter                   drafters that test verification (drafters.py)
   CharTokenizer                                     a 62-character tokenizer (tokenizers.py)
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from das_jax._lazy import lazy_exports
 
 _EXPORTS = {
-    "tiny_model_config": "models", "tiny_params": "models",
+    "tiny_model_config": "models", "tiny_params": "models", "random_kv_cache": "models",
     "OracleDrafter": "drafters", "AdversaryDrafter": "drafters",
     "CharTokenizer": "tokenizers",
 }
