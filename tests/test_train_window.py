@@ -62,10 +62,9 @@ def _long_prompt_batch(params, seed):
                       advantages_B=rng.normal(0, 1, size=B))
 
 
-@pytest.mark.parametrize("loss_type,beta,mb", [("dapo", 0.0, 6), ("grpo", 0.04, 4),
-                                               ("dr_grpo", 0.04, 2)])
-def test_windowed_head_matches_full_reference(params, loss_type, beta, mb):
-    b = _long_prompt_batch(params, seed=5)
+def _assert_matches_full_reference(params, b, loss_type, beta, mb):
+    """The train step's loss, metrics and gradients on batch `b` equal (1e-5) those of the
+    reference: full-sequence logits, no windowing, no prompt sharing, no length grouping."""
     cfg = _grpo(loss_type=loss_type, beta=beta, micro_batch_size=mb)
     ref = make_loss_and_grad(CFG, cfg, temperature=TEMP, activation=None, group_by_length=False)
     new = make_loss_and_grad(CFG, cfg, temperature=TEMP, activation=ACT, group_by_length=True)
@@ -75,6 +74,13 @@ def test_windowed_head_matches_full_reference(params, loss_type, beta, mb):
               "logprob_gap") + (("kl",) if beta else ()):
         np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-7, err_msg=k)
     assert _tree_rel_err(g1, g0) <= 1e-5, _tree_rel_err(g1, g0)
+
+
+@pytest.mark.parametrize("loss_type,beta,mb", [("dapo", 0.0, 6), ("grpo", 0.04, 4),
+                                               ("dr_grpo", 0.04, 2)])
+def test_windowed_head_matches_full_reference(params, loss_type, beta, mb):
+    b = _long_prompt_batch(params, seed=5)
+    _assert_matches_full_reference(params, b, loss_type, beta, mb)
 
 
 def _group_batch(params, seed, prompt_lens=(30, 41, 12), G=3):
@@ -132,12 +138,4 @@ def test_shared_prompt_groups_and_packing():
                                                ("dr_grpo", 0.04, 4)])
 def test_shared_prompt_packing_matches_full_reference(params, loss_type, beta, mb):
     b = _group_batch(params, seed=7)
-    cfg = _grpo(loss_type=loss_type, beta=beta, micro_batch_size=mb)
-    ref = make_loss_and_grad(CFG, cfg, temperature=TEMP, activation=None, group_by_length=False)
-    new = make_loss_and_grad(CFG, cfg, temperature=TEMP, activation=ACT, group_by_length=True)
-    (l0, g0, m0), (l1, g1, m1) = ref(params, b), new(params, b)
-    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5, atol=1e-7)
-    for k in ("entropy", "clip_low", "clip_high", "clip_region", "num_completion_tokens",
-              "logprob_gap") + (("kl",) if beta else ()):
-        np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-7, err_msg=k)
-    assert _tree_rel_err(g1, g0) <= 1e-5, _tree_rel_err(g1, g0)
+    _assert_matches_full_reference(params, b, loss_type, beta, mb)
