@@ -35,6 +35,7 @@ import tempfile
 from typing import Any
 
 from das_jax.models.errors import ModelLoadError
+from das_jax.models.sources import sha256_file
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -110,14 +111,6 @@ def behaviour(tok) -> dict[str, Any]:
     return out
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def cache_key(gguf_path: str, header_size: int | None = None) -> str:
     """Hex SHA-256 of the GGUF header (every byte before the tensor data: all metadata and the
     tensor index) and of the transformers / tokenizers versions (a new converter is a new key).
@@ -164,7 +157,8 @@ def verified(folder: str, key: str) -> bool:
         files = manifest["files"]
         if manifest.get("format") != FORMAT or manifest.get("key") != key or not files:
             return False
-        return all(_sha256(os.path.join(folder, name)) == digest for name, digest in files.items())
+        return all(sha256_file(os.path.join(folder, name)) == digest
+                   for name, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -182,7 +176,7 @@ def write_conversion(gguf_path: str, out_dir: str, key: str) -> bool:
     tok.save_pretrained(out_dir)
     if behaviour(load_saved(out_dir)) != behaviour(tok):
         return False
-    files = {name: _sha256(os.path.join(out_dir, name)) for name in sorted(os.listdir(out_dir))}
+    files = {name: sha256_file(os.path.join(out_dir, name)) for name in sorted(os.listdir(out_dir))}
     tmp = os.path.join(out_dir, MANIFEST + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump({"format": FORMAT, "key": key, "source": gguf_path, "files": files}, f, indent=1)
