@@ -224,6 +224,12 @@ class TrainSection:
     attention_chunk: int = 1024
     memory_check: bool = True
     device_memory_gb: Optional[float] = None
+    # On one device, when the whole batch is one shared-prompt packed micro-batch: AdamW applied
+    # layer by layer inside the backward pass (das_jax.rl.fused_update; two backward passes for
+    # the gradient clip), so the whole gradient (one float32 copy of the model) never exists;
+    # same math; it keeps each layer's input and recomputes the layer whatever `remat` says.
+    # false: the gradient, then the update (faster: one backward pass instead of two).
+    fused_update: bool = True
     # Time: no forward / backward pass for rows whose advantage is 0 (groups with equal rewards);
     # exact for the grpo / dr_grpo / dapo losses at beta 0 (ignored otherwise); the entropy and
     # clip metrics are then over the rows trained on.

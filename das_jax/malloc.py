@@ -8,22 +8,47 @@ long after the buffers are gone (measured on the main job: 0.3 GB after loading 
 `malloc_trim(0)` (man 3 malloc_trim), which releases the free pages of every arena; the
 trainer calls it between phases, so the next phase (e.g. the update after a rollout) starts
 from live memory only. Elsewhere (another libc, or no libc found) it does nothing.
+
+Trimming between phases does not help within one: during the update XLA allocates and frees its
+buffers from a dozen threads, and glibc's *dynamic* mmap threshold (it rises to the size of any
+mmapped block freed, up to 32 MB; mallopt(3), "M_MMAP_THRESHOLD") sends every buffer under
+32 MB to a per-thread arena, where the freed ones stay resident until the next trim (measured:
+0.16-0.36 GB of free arena memory resident at the update's peak). `configure_allocator()` fixes
+the threshold at 256 KiB (larger blocks are mmapped and go back to the OS when freed), the trim
+threshold at 1 MiB and the number of arenas at 2 -- what the environment variables
+MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_ARENA_MAX do (a variable the user set
+wins). `das-jax train` calls it at start-up; the main job's peak RSS drops by ~0.1 GB.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import os
 
-__all__ = ["release_free_memory"]
+__all__ = ["configure_allocator", "release_free_memory"]
+
+# mallopt(3) parameter numbers (glibc <malloc.h>)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+ALLOCATOR_SETTINGS = (  # (mallopt parameter, value, the environment variable that overrides it)
+    (_M_MMAP_THRESHOLD, 256 * 1024, "MALLOC_MMAP_THRESHOLD_"),
+    (_M_TRIM_THRESHOLD, 1024 * 1024, "MALLOC_TRIM_THRESHOLD_"),
+    (_M_ARENA_MAX, 2, "MALLOC_ARENA_MAX"),
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to call
+    fn = getattr(_libc(), "malloc_trim", None)
+    if fn is None:  # not glibc: nothing to call
         return None
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
@@ -35,3 +60,21 @@ def release_free_memory() -> bool:
     released, False when nothing was or the C library has no `malloc_trim`. Takes a few ms."""
     fn = _malloc_trim()
     return bool(fn(0)) if fn is not None else False
+
+
+def configure_allocator() -> list[str]:
+    """Sets glibc's allocator for a long-running process with large, short-lived buffers: a fixed
+    256 KiB mmap threshold, a 1 MiB trim threshold, 2 arenas (module docstring). Call it early,
+    before threads start. A setting whose environment variable is set is left to glibc (which
+    read it at start-up). Returns the names of the settings applied ([] without glibc's
+    `mallopt`). Process-wide and idempotent."""
+    fn = getattr(_libc(), "mallopt", None)
+    if fn is None:
+        return []
+    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    applied = []
+    for param, value, env in ALLOCATOR_SETTINGS:
+        if env not in os.environ and fn(param, value) == 1:
+            applied.append(env)
+    return applied

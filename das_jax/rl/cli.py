@@ -129,6 +129,9 @@ def load_run_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import contextlib
 
+    from das_jax.malloc import configure_allocator
+    configure_allocator()  # before XLA's threads start: freed buffers go back to the OS
+
     from das_jax.config import apply_platform
     from das_jax.parallel import distributed as dist
     from das_jax.rl import run_dir as rd

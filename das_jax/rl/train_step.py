@@ -625,7 +625,8 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
     # are elementwise (the `losses.Loss` contract), so they are the same on the window
     windowed = activation is not None and mesh is None
 
-    def loss_and_grad(params, batch: TrainBatch):
+    def host_columns(batch: TrainBatch):
+        """(host columns, valid, row lengths, rows to train on) of a batch."""
         N, T = batch.tokens_BxT.shape
         valid = np.asarray(batch.valid_BxT).astype(bool)
         cmask = np.asarray(batch.completion_mask_BxT).astype(bool) & valid & (np.arange(T) > 0)
@@ -639,6 +640,38 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
         keep = np.arange(N)
         if skip:
             keep = np.flatnonzero(np.asarray(batch.advantages_B) != 0)
+        return cols, valid, lengths, keep
+
+    def shared_prompt_micro_batches(cols, valid, keep, size):
+        """Whole groups per micro-batch, up to `size` completions each (a larger group alone),
+        or None when the rows are not shared-prompt groups."""
+        groups = (shared_prompt_groups(cols[0], cols[1], valid, cols[3], keep)
+                  if windowed and share_prompts else None)
+        if not groups or max(len(g) for g in groups) <= 1:
+            return None
+        micro, n = [[]], 0
+        for g in groups:
+            if micro[-1] and n + len(g) > size:
+                micro.append([])
+                n = 0
+            micro[-1].append(g)
+            n += len(g)
+        return micro
+
+    def single_packed_micro_batch(batch: TrainBatch):
+        """The kernel inputs (`pack_shared_prompts`) when the whole batch is one shared-prompt
+        packed micro-batch, else None (`make_train_step`'s fused update takes that case)."""
+        if mesh is not None:
+            return None
+        cols, valid, _, keep = host_columns(batch)
+        micro = shared_prompt_micro_batches(cols, valid, keep, min(mb, max(len(keep), 1)))
+        if micro is None or len(micro) != 1:
+            return None
+        return pack_shared_prompts(micro[0], cols)
+
+    def loss_and_grad(params, batch: TrainBatch):
+        T = batch.tokens_BxT.shape[1]
+        cols, valid, lengths, keep = host_columns(batch)
         size = min(mb, max(len(keep), 1))
         if mesh is None:
             # Each micro-batch's kernel starts from zero inside the jit (no zero accumulator
@@ -658,17 +691,8 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
             kernel = sharded.accumulate
         plan = [(keep[rows], T_mb) for rows, T_mb in
                 micro_batch_plan(lengths[keep], size, T, group_by_length)] if len(keep) else []
-        groups = (shared_prompt_groups(cols[0], cols[1], valid, cmask, keep)
-                  if windowed and share_prompts else None)
-        if groups and max(len(g) for g in groups) > 1:
-            # whole groups per micro-batch, up to `size` completions (a larger group alone)
-            micro, n = [[]], 0
-            for g in groups:
-                if micro[-1] and n + len(g) > size:
-                    micro.append([])
-                    n = 0
-                micro[-1].append(g)
-                n += len(g)
+        micro = shared_prompt_micro_batches(cols, valid, keep, size)
+        if micro is not None:
             plan = []
             for gs in micro:
                 carry = kernel(params, pack_shared_prompts(gs, cols), carry)
@@ -703,6 +727,8 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
         return kernels[key]
 
     loss_and_grad.mesh = mesh
+    loss_and_grad.single_packed_micro_batch = single_packed_micro_batch
+    loss_and_grad.loss_config = loss_config
     return loss_and_grad
 
 
@@ -736,7 +762,7 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
                     activation: ActivationConfig | None = ActivationConfig(),
                     compute_dtype: str | None = None, group_by_length: bool = True,
                     skip_zero_advantage: bool = False, mesh=None,
-                    total_steps: int | None = None):
+                    total_steps: int | None = None, fused: bool = False):
     """Builds the GRPO train step `(params, opt_state, batch) -> (params, opt_state, metrics)`.
 
     Args:
@@ -760,6 +786,11 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         `make_optimizer(grpo_config, total_steps)`: the update then runs one param leaf at a time
         (`make_leafwise_apply`; same math, a fraction of the scratch memory). None: one jitted
         update of the whole tree.
+      fused: with `jit`, `donate`, one device, `total_steps` and `activation`: a batch that is
+        one shared-prompt packed micro-batch (`pack_shared_prompts`; the whole batch within
+        `micro_batch_size`) is trained by `das_jax.rl.fused_update` (AdamW applied layer by
+        layer inside the backward pass, two backward passes for the clip: the whole gradient
+        never exists; same math). Other batches take the unfused path.
 
     Metrics (float32 scalars): loss, grad_norm (before clipping), update_norm, num_completion_tokens,
     clip_low, clip_high, clip_region, entropy, logprob_gap (mean |logp - old_logp| over completion
@@ -799,13 +830,30 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
     if mesh is not None:
         apply = apply_on_mesh
 
+    fused_update = None
+    if (fused and jit and donate and mesh is None and total_steps is not None
+            and activation is not None):
+        from das_jax.rl.fused_update import make_fused_update
+        _, adamw = _optimizer_parts(grpo_config, total_steps)
+        fused_update = make_fused_update(model_config, loss_and_grad.loss_config, adamw,
+                                         grpo_config.max_grad_norm, activation, compute_dtype)
+
     def train_step(params, opt_state, batch: TrainBatch):
+        xs = loss_and_grad.single_packed_micro_batch(batch) if fused_update else None
+        train_step.fused = xs is not None
+        if xs is not None:
+            params, opt_state, loss, sums, norms = fused_update(params, opt_state, xs)
+            metrics = losses.finalize_metrics(sums, loss_and_grad.loss_config.beta)
+            metrics["loss"] = loss
+            metrics.update(norms)
+            return params, opt_state, metrics
         loss, grads, metrics = loss_and_grad(params, batch)
         params, opt_state, m = apply(params, opt_state, grads)
         metrics.update(m)
         return params, opt_state, metrics
 
     train_step.apply_update = apply
+    train_step.fused = False  # whether the last call took the fused update
     return train_step
 
 

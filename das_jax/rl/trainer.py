@@ -145,7 +145,8 @@ class GRPOTrainer:
                                           activation=self.activation,
                                           compute_dtype=self.compute_dtype, mesh=self.mesh,
                                           skip_zero_advantage=c.train.skip_zero_advantage,
-                                          total_steps=c.train.steps)
+                                          total_steps=c.train.steps,
+                                          fused=c.train.fused_update)
         # The reference policy: a copy in the compute dtype (the master params are donated),
         # sharded like the master params on a mesh.
         self.ref_params = None

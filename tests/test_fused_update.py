@@ -1,0 +1,97 @@
+"""The fused update (`das_jax.rl.fused_update`: AdamW applied layer by layer inside a hand-run
+backward pass, two passes for the global-norm clip) equals the unfused train step -- the whole
+gradient, then AdamW leaf by leaf -- in params, Adam moments, step counts, loss and metrics."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from das_jax.models.transformer import ActivationConfig
+from das_jax.rl.train_step import make_optimizer, make_train_step
+
+from test_grpo_train_step import CFG, TEMP, _grpo, tiny_params
+from test_train_window import _group_batch
+
+ACT = ActivationConfig(remat="full", attention="xla", attention_chunk=16, logits_chunk=16)
+STEPS = 5
+
+
+def _run(config, grpo, batches, fused, compute_dtype=None):
+    params = tiny_params(config, seed=3)
+    opt = make_optimizer(grpo, STEPS)
+    state = opt.init(params)
+    step = make_train_step(config, grpo, opt, temperature=TEMP, donate=True, activation=ACT,
+                           total_steps=STEPS, fused=fused, compute_dtype=compute_dtype)
+    metrics = []
+    for b in batches:
+        params, state, m = step(params, state, b)
+        assert step.fused == fused
+        metrics.append({k: float(v) for k, v in m.items()})
+    return params, state, metrics
+
+
+def _max_rel(a, b):
+    errs = [float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-12))
+            for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
+    return max(errs)
+
+
+@pytest.mark.parametrize("case", ["dapo_clipped", "grpo_kl_unclipped", "no_clip_untied"])
+def test_fused_update_equals_unfused(case):
+    config = CFG
+    kw = dict(micro_batch_size=9, learning_rate=3e-2)
+    if case == "dapo_clipped":
+        kw.update(loss_type="dapo", max_grad_norm=0.05)  # the clip triggers
+    elif case == "grpo_kl_unclipped":
+        kw.update(loss_type="grpo", beta=0.04, max_grad_norm=1e3)  # it does not
+    else:
+        kw.update(loss_type="dr_grpo", max_grad_norm=None)
+        config = dataclasses.replace(CFG, tie_word_embeddings=False)
+    grpo = _grpo(**kw)
+    params0 = tiny_params(config, seed=3)
+    batches = [_group_batch(params0, seed=s) for s in (7, 8)]
+    p_ref, s_ref, m_ref = _run(config, grpo, batches, fused=False)
+    p_new, s_new, m_new = _run(config, grpo, batches, fused=True)
+    assert _max_rel(p_new, p_ref) < 1e-5
+    assert _max_rel(s_new, s_ref) < 1e-5  # moments and step counts
+    assert jax.tree_util.tree_structure(s_new) == jax.tree_util.tree_structure(s_ref)
+    for a, b in zip(m_new, m_ref):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # the params moved (not a no-op update)
+    assert _max_rel(p_new, params0) > 1e-3
+
+
+def test_fused_update_mixed_precision_tracks_unfused():
+    """bf16 compute, float32 master weights and moments: both paths run the same bf16 forward
+    and backward; they agree to bf16 rounding and move every weight."""
+    grpo = _grpo(micro_batch_size=9, learning_rate=1e-3, loss_type="dapo", max_grad_norm=1.0)
+    params0 = tiny_params(CFG, seed=3)
+    batches = [_group_batch(params0, seed=7)]
+    p_ref, _, m_ref = _run(CFG, grpo, batches, fused=False, compute_dtype="bfloat16")
+    p_new, s_new, m_new = _run(CFG, grpo, batches, fused=True, compute_dtype="bfloat16")
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves((p_new, s_new))
+               if x.ndim)
+    assert _max_rel(p_new, p_ref) < 1e-3
+    np.testing.assert_allclose(m_new[0]["loss"], m_ref[0]["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m_new[0]["grad_norm"], m_ref[0]["grad_norm"], rtol=2e-2)
+    moved = [float(jnp.mean(a != b)) for a, b in
+             zip(jax.tree_util.tree_leaves(p_new), jax.tree_util.tree_leaves(params0))]
+    assert min(moved) > 0.99  # f32 master weights: every weight moves
+
+
+def test_configure_allocator_leaves_user_settings_alone():
+    import subprocess
+    import sys
+    code = "from das_jax.malloc import configure_allocator as c; print(','.join(c()))"
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["MALLOC_MMAP_THRESHOLD_,MALLOC_TRIM_THRESHOLD_,MALLOC_ARENA_MAX"]
+    env["MALLOC_ARENA_MAX"] = "4"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["MALLOC_MMAP_THRESHOLD_,MALLOC_TRIM_THRESHOLD_"]
