@@ -9,6 +9,7 @@ SmolLM2-135M-Instruct (session scope; tests using them should be marked `slow`):
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -29,9 +30,11 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 _JIT_CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # tiny programs compile in < 1 s
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-    # A size limit turns on jax's file lock: concurrent processes never read a half-written entry.
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
 }
+if importlib.util.find_spec("filelock") is not None:
+    # A size limit turns on jax's file lock (it needs `filelock`): concurrent processes never
+    # read a half-written entry.
+    _JIT_CACHE_ENV["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
 for _k, _v in _JIT_CACHE_ENV.items():
     os.environ.setdefault(_k, _v)
 if "jax" in sys.modules:  # already imported (by a plugin): its config has read the environment
@@ -41,13 +44,15 @@ if "jax" in sys.modules:  # already imported (by a plugin): its config has read 
                        float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
     _jax.config.update("jax_persistent_cache_min_entry_size_bytes",
                        int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
-    _jax.config.update("jax_compilation_cache_max_size",
-                       int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" in os.environ:
+        _jax.config.update("jax_compilation_cache_max_size",
+                           int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 def pytest_unconfigure(config):
     if _JIT_CACHE_DIR is not None:
         shutil.rmtree(_JIT_CACHE_DIR, ignore_errors=True)
+
 
 SMOLLM2_PROMPTS = (
     "Explain why the sky is blue in a few sentences.",
