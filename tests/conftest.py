@@ -9,9 +9,50 @@ SmolLM2-135M-Instruct (session scope; tests using them should be marked `slow`):
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import sys
+import tempfile
 
 import pytest
+
+# One persistent JAX compilation cache for the whole run, shared by this process and every
+# subprocess a test starts (they inherit the environment): the suite compiles the same tiny
+# programs many times over (a fresh jit per Engine / trainer / CLI process), and XLA compiles are
+# most of its wall time on CPU. A hit loads the same executable a compile would produce; tracing
+# and lowering still run (and still count in `jax.monitoring`). A new, empty directory per run,
+# removed at its end, unless JAX_COMPILATION_CACHE_DIR is set already (then that one is used).
+_JIT_CACHE_DIR = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _JIT_CACHE_DIR = tempfile.mkdtemp(prefix="das-jax-tests-jit-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JIT_CACHE_DIR
+_JIT_CACHE_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # tiny programs compile in < 1 s
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+}
+if importlib.util.find_spec("filelock") is not None:
+    # A size limit turns on jax's file lock (it needs `filelock`): concurrent processes never
+    # read a half-written entry.
+    _JIT_CACHE_ENV["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+for _k, _v in _JIT_CACHE_ENV.items():
+    os.environ.setdefault(_k, _v)
+if "jax" in sys.modules:  # already imported (by a plugin): its config has read the environment
+    _jax = sys.modules["jax"]
+    _jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    _jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    _jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                       int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" in os.environ:
+        _jax.config.update("jax_compilation_cache_max_size",
+                           int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
+
+def pytest_unconfigure(config):
+    if _JIT_CACHE_DIR is not None:
+        shutil.rmtree(_JIT_CACHE_DIR, ignore_errors=True)
+
 
 SMOLLM2_PROMPTS = (
     "Explain why the sky is blue in a few sentences.",
