@@ -95,3 +95,29 @@ def test_configure_allocator_leaves_user_settings_alone():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["MALLOC_MMAP_THRESHOLD_,MALLOC_TRIM_THRESHOLD_"]
+
+
+def test_fused_update_of_a_step_with_nothing_to_train_on():
+    """skip_zero_advantage and every advantage 0: no forward / backward, but the AdamW step (its
+    momentum still moves the weights) equals the unfused one's zero-gradient step."""
+    grpo = _grpo(micro_batch_size=9, learning_rate=3e-2, loss_type="dapo", max_grad_norm=1.0)
+    params0 = tiny_params(CFG, seed=3)
+    b1 = _group_batch(params0, seed=7)
+    b0 = dataclasses.replace(b1, advantages_B=jnp.zeros_like(b1.advantages_B))
+    out = {}
+    for fused in (False, True):
+        params = tiny_params(CFG, seed=3)
+        opt = make_optimizer(grpo, STEPS)
+        state = opt.init(params)
+        step = make_train_step(CFG, grpo, opt, temperature=TEMP, donate=True, activation=ACT,
+                               total_steps=STEPS, fused=fused, skip_zero_advantage=True)
+        ms = []
+        for b in (b1, b0):
+            params, state, m = step(params, state, b)
+            assert step.fused == fused
+            ms.append({k: float(v) for k, v in m.items()})
+        out[fused] = (params, state, ms)
+    assert _max_rel(out[True][0], out[False][0]) < 1e-5
+    assert _max_rel(out[True][1], out[False][1]) < 1e-5
+    assert out[True][2][1] == pytest.approx(out[False][2][1], rel=1e-5, abs=1e-7)
+    assert out[True][2][1]["grad_norm"] == 0.0 and out[True][2][1]["update_norm"] > 0

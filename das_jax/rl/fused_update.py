@@ -197,8 +197,11 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         """Program 2, one layer: its gradient (vjp at its saved input), clipped, and AdamW on
         its slices `p_i` / `s_i`; returns (dx into the layer below, new slices, |g|^2, |u|^2)."""
         layer_idx, s_layer, s_def, owner, p_def, n = meta
-        _, layer_grad, _, _ = helpers(params_like, xs)
-        dx, g = layer_grad(dx, x, jax.tree_util.tree_unflatten(params_like.layers_def, p_i))
+        if xs is None:  # nothing to train on this step: a zero gradient (AdamW still moves)
+            g = [jnp.zeros(a.shape, jnp.float32) for a in p_i]
+        else:
+            _, layer_grad, _, _ = helpers(params_like, xs)
+            dx, g = layer_grad(dx, x, jax.tree_util.tree_unflatten(params_like.layers_def, p_i))
         new_p, new_s, u = adamw_on(set(layer_idx), dict(zip(layer_idx, p_i)),
                                    {li: clipped(gi, norm) for li, gi in zip(layer_idx, g)},
                                    dict(zip(s_layer, s_i)), s_def, owner, shared, p_def, n)
@@ -220,7 +223,10 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         advances the shared step counts; the gradient / update norms."""
         other_idx, s_other, s_def, owner, p_def, n, names = meta
         names = dict(names)
-        if not clip:
+        if xs is None:
+            g_tail = {names[i]: jnp.zeros(a.shape, jnp.float32) for i, a in zip(other_idx, p_o)}
+            norm = jnp.zeros((), jnp.float32)
+        elif not clip:
             _, _, _, tail_grads = helpers(params_like, xs)
             g_tail = tail_grads(dtail, dx0)
             norm = jnp.sqrt(layers_gsq + sq(g_tail.values()))
@@ -231,8 +237,16 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
 
     def update(params, opt_state, xs):
         """One GRPO step: (params, opt_state, loss, metric sums, norms); params and opt_state
-        are consumed (their buffers reused)."""
-        loss, sums, x_in_L, dx, dtail, g_tail, norm = forward_and_norm(params, xs)
+        are consumed (their buffers reused). `xs` None: no row to train on (every advantage 0
+        under `skip_zero_advantage`): the AdamW step with a zero gradient, as the unfused
+        path takes it, without allocating that gradient."""
+        if xs is None:
+            from das_jax.rl.train_step import _SUM_KEYS
+            zero = jnp.zeros((), jnp.float32)
+            loss, sums = zero, {k: zero for k in _SUM_KEYS}
+            x_in_L, dx, dtail, g_tail, norm = [None] * L, None, None, None, zero
+        else:
+            loss, sums, x_in_L, dx, dtail, g_tail, norm = forward_and_norm(params, xs)
         inner = opt_state[1] if clip else opt_state
         p_leaves, p_def = jax.tree_util.tree_flatten(params)
         paths = [jax.tree_util.keystr(k) for k, _ in

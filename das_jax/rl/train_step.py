@@ -660,10 +660,13 @@ def make_loss_and_grad(model_config: ModelConfig, grpo_config, *, temperature: f
 
     def single_packed_micro_batch(batch: TrainBatch):
         """The kernel inputs (`pack_shared_prompts`) when the whole batch is one shared-prompt
-        packed micro-batch, else None (`make_train_step`'s fused update takes that case)."""
+        packed micro-batch, () when no row is trained on (`skip_zero_advantage` and every
+        advantage 0), else None (`make_train_step`'s fused update takes the first two)."""
         if mesh is not None:
             return None
         cols, valid, _, keep = host_columns(batch)
+        if len(keep) == 0:
+            return ()  # nothing to train on: the update takes a zero gradient
         micro = shared_prompt_micro_batches(cols, valid, keep, min(mb, max(len(keep), 1)))
         if micro is None or len(micro) != 1:
             return None
@@ -842,7 +845,7 @@ def make_train_step(model_config: ModelConfig, grpo_config, optimizer: optax.Gra
         xs = loss_and_grad.single_packed_micro_batch(batch) if fused_update else None
         train_step.fused = xs is not None
         if xs is not None:
-            params, opt_state, loss, sums, norms = fused_update(params, opt_state, xs)
+            params, opt_state, loss, sums, norms = fused_update(params, opt_state, xs or None)
             metrics = losses.finalize_metrics(sums, loss_and_grad.loss_config.beta)
             metrics["loss"] = loss
             metrics.update(norms)
