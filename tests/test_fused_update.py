@@ -18,12 +18,14 @@ ACT = ActivationConfig(remat="full", attention="xla", attention_chunk=16, logits
 STEPS = 5
 
 
-def _run(config, grpo, batches, fused, compute_dtype=None):
+def _run(config, grpo, batches, fused, **kw):
+    """`batches` through the train step (fused or not) from the same params; (params, opt
+    state, per-step metrics)."""
     params = tiny_params(config, seed=3)
     opt = make_optimizer(grpo, STEPS)
     state = opt.init(params)
     step = make_train_step(config, grpo, opt, temperature=TEMP, donate=True, activation=ACT,
-                           total_steps=STEPS, fused=fused, compute_dtype=compute_dtype)
+                           total_steps=STEPS, fused=fused, **kw)
     metrics = []
     for b in batches:
         params, state, m = step(params, state, b)
@@ -104,19 +106,8 @@ def test_fused_update_of_a_step_with_nothing_to_train_on():
     params0 = tiny_params(CFG, seed=3)
     b1 = _group_batch(params0, seed=7)
     b0 = dataclasses.replace(b1, advantages_B=jnp.zeros_like(b1.advantages_B))
-    out = {}
-    for fused in (False, True):
-        params = tiny_params(CFG, seed=3)
-        opt = make_optimizer(grpo, STEPS)
-        state = opt.init(params)
-        step = make_train_step(CFG, grpo, opt, temperature=TEMP, donate=True, activation=ACT,
-                               total_steps=STEPS, fused=fused, skip_zero_advantage=True)
-        ms = []
-        for b in (b1, b0):
-            params, state, m = step(params, state, b)
-            assert step.fused == fused
-            ms.append({k: float(v) for k, v in m.items()})
-        out[fused] = (params, state, ms)
+    out = {fused: _run(CFG, grpo, (b1, b0), fused, skip_zero_advantage=True)
+           for fused in (False, True)}
     assert _max_rel(out[True][0], out[False][0]) < 1e-5
     assert _max_rel(out[True][1], out[False][1]) < 1e-5
     assert out[True][2][1] == pytest.approx(out[False][2][1], rel=1e-5, abs=1e-7)
