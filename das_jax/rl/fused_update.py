@@ -241,9 +241,8 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         under `skip_zero_advantage`): the AdamW step with a zero gradient, as the unfused
         path takes it, without allocating that gradient."""
         if xs is None:
-            from das_jax.rl.train_step import _SUM_KEYS
             zero = jnp.zeros((), jnp.float32)
-            loss, sums = zero, {k: zero for k in _SUM_KEYS}
+            loss, sums = zero, {k: zero for k in losses.METRIC_SUM_KEYS}
             x_in_L, dx, dtail, g_tail, norm = [None] * L, None, None, None, zero
         else:
             loss, sums, x_in_L, dx, dtail, g_tail, norm = forward_and_norm(params, xs)

@@ -244,6 +244,11 @@ def entropy_from_logits(logits_BxTxV, temperature: float = 1.0) -> jax.Array:
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
+# every key `metric_sums` can produce (a registered loss may leave some out: they sum to 0)
+METRIC_SUM_KEYS = ("num_tokens", "kl", "clip_low", "clip_high", "clip_region", "entropy",
+                   "abs_log_ratio")
+
+
 def metric_sums(terms: PerTokenTerms, completion_mask_BxT, entropy_BxT=None) -> dict[str, jax.Array]:
     """Un-normalised metric sums over completion tokens (add across micro-batches, then call
     `finalize_metrics`)."""

@@ -382,7 +382,7 @@ def make_leafwise_apply(grpo_config, total_steps: int):
     return apply
 
 
-_SUM_KEYS = ("num_tokens", "kl", "clip_low", "clip_high", "clip_region", "entropy", "abs_log_ratio")
+_SUM_KEYS = losses.METRIC_SUM_KEYS
 
 
 def zero_carry(params: Params):
