@@ -8,10 +8,10 @@ import pytest
 from das_jax.bench import replay as rp
 from das_jax.config import DASSection
 from das_jax.engine.das_policy import DASConfig
-from das_jax.engine.generate import Engine, EngineConfig, Request
+from das_jax.engine.generate import Engine, EngineConfig
 from das_jax.engine.sampling import SamplingParams
 from das_jax.rollout import build_speculation
-from das_jax.testing import tiny_model_config, tiny_params
+from das_jax.testing import random_requests, tiny_model_config, tiny_params
 
 CFG = tiny_model_config()
 EOS = 1
@@ -23,18 +23,10 @@ def params():
     return tiny_params(CFG)
 
 
-def _requests(problems=3, samples=3, seed=0):
-    rng = np.random.default_rng(seed)
-    prompts = [tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(4, 20))))
-               for _ in range(problems)]
-    return [Request(p, problem_id=f"p{i}", sample_index=g)
-            for i, p in enumerate(prompts) for g in range(samples)]
-
-
 def _run_real_and_replay(params, name, temperature, epochs=2, max_slots=4, das_config=None):
     ec = EngineConfig(max_slots=max_slots, max_cache_len=256, draft_widths=(1, 4, 8))
     eng = Engine(CFG, params, eos_token_ids=[EOS], engine_config=ec)
-    reqs = _requests()
+    reqs = random_requests()
     das = DASSection(policy=das_config or DASConfig())
     drafter, policy = build_speculation(name, das, rp.FrozenCostModel.of(COEF))
     real, rollouts = [], {}

@@ -16,7 +16,7 @@ from das_jax.engine.das_policy import DASConfig
 from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.sampling import SamplingParams
 from das_jax.rollout import build_speculation
-from das_jax.testing import tiny_model_config, tiny_params
+from das_jax.testing import random_requests, tiny_model_config, tiny_params
 
 CFG = tiny_model_config()
 EOS = 1
@@ -63,14 +63,6 @@ class Recorder:
         return out
 
 
-def _requests(problems=3, samples=3, seed=0):
-    rng = np.random.default_rng(seed)
-    prompts = [tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(4, 20))))
-               for _ in range(problems)]
-    return [Request(p, problem_id=f"p{i}", sample_index=g)
-            for i, p in enumerate(prompts) for g in range(samples)]
-
-
 def _counters(st):
     return (st.forward_passes, st.generated_tokens, st.drafted_tokens, st.accepted_draft_tokens,
             st.prefill_tokens, st.prefill_calls)
@@ -81,7 +73,7 @@ def _counters(st):
 def test_replay_takes_the_engine_decisions_by_construction(params, verify, name, temperature):
     ec = EngineConfig(max_slots=4, max_cache_len=256, draft_widths=(1, 4, 8), verify=verify)
     eng = Engine(CFG, params, eos_token_ids=[EOS], engine_config=ec)
-    reqs = _requests()
+    reqs = random_requests()
     das = DASSection(policy=DASConfig(short_threshold=5, long_threshold=20))
     cm = rp.FrozenCostModel.of(COEF)
     # The engine's own executor and scheduler, timed by the frozen cost model.

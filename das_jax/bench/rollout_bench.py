@@ -443,6 +443,15 @@ def report_markdown(result: dict) -> str:
     return "\n".join(out)
 
 
+def _save_figure(fig, out_dir: str, name: str) -> str:
+    """Saves `fig` as out_dir/name (110 dpi), closes it and returns the path."""
+    import matplotlib.pyplot as plt
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_rollout(result: dict, out_dir: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -463,10 +472,7 @@ def plot_rollout(result: dict, out_dir: str) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    p = os.path.join(out_dir, "rollout_time.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save_figure(fig, out_dir, "rollout_time.png"))
 
     # batch size and draft width over one rollout (last epoch, first temperature)
     t, e = temps[0], result["epochs"] - 1
@@ -488,10 +494,7 @@ def plot_rollout(result: dict, out_dir: str) -> list[str]:
     a2.set_xlabel("decode time (s)")
     a2.grid(alpha=0.3)
     fig.tight_layout()
-    p = os.path.join(out_dir, "batch_width.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save_figure(fig, out_dir, "batch_width.png"))
 
     # speed-up over none per epoch: measured (first temperature) and each paper-scale model
     panels = []
@@ -513,10 +516,7 @@ def plot_rollout(result: dict, out_dir: str) -> list[str]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        p = os.path.join(out_dir, "speedup.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save_figure(fig, out_dir, "speedup.png"))
     return paths
 
 

@@ -41,3 +41,16 @@ def random_kv_cache(config: ModelConfig, batch: int, cache_len: int, seed: int):
     shape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)
     return KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
                    v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+
+
+def random_requests(problems: int = 3, samples: int = 3, seed: int = 0):
+    """`problems` random prompts of 4-19 token ids in [2, 64), each sampled `samples` times
+    (`Request`s with problem ids "p0", "p1", ... and sample indices 0..samples-1)."""
+    import numpy as np
+
+    from das_jax.engine.generate import Request
+    rng = np.random.default_rng(seed)
+    prompts = [tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(4, 20))))
+               for _ in range(problems)]
+    return [Request(p, problem_id=f"p{i}", sample_index=g)
+            for i, p in enumerate(prompts) for g in range(samples)]
