@@ -155,3 +155,30 @@ def test_missing_and_corrupt_checkpoints(tmp_path, state):
     with pytest.raises(CheckpointError, match=r"failed to restore checkpoint .*checkpoints/1"):
         mngr.restore(1, small, small_opt)
     mngr.close()
+
+
+def test_aborted_save_echoes_are_filtered_other_errors_printed(monkeypatch, capsys):
+    """A save aborted by a full disk left orbax's asyncio writers raising "Event loop is
+    closed" from tensorstore callbacks (printed through sys.excepthook) and from collected
+    coroutines (sys.unraisablehook) after the one-line error; both are dropped, nothing else."""
+    import sys
+    import types
+    from das_jax.rl.checkpoint import _filter_aborted_save_noise
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    passed_on = []
+    monkeypatch.setattr(sys, "unraisablehook", passed_on.append)
+    _filter_aborted_save_noise()
+    _filter_aborted_save_noise()  # installed once
+    assert sys.excepthook.__closure__ is not None
+    echo = RuntimeError("Event loop is closed")
+
+    def unraisable(exc):
+        return types.SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None,
+                                     err_msg=None, object="write_fragment")
+    sys.excepthook(RuntimeError, echo, None)
+    sys.unraisablehook(unraisable(echo))
+    assert capsys.readouterr().err == ""
+    sys.excepthook(ValueError, ValueError("a real error"), None)
+    sys.unraisablehook(unraisable(RuntimeError("another")))
+    assert "ValueError: a real error" in capsys.readouterr().err
+    assert [str(u.exc_value) for u in passed_on] == ["another"]

@@ -110,6 +110,12 @@ def _group_batch(params, seed, prompt_lens=(30, 41, 12), G=3):
                       advantages_B=rng.normal(0, 1, size=B))
 
 
+def test_count_bucket_is_the_next_power_of_two():
+    from das_jax.rl.train_step import count_bucket
+    assert [count_bucket(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert count_bucket(32) == 32 and count_bucket(33) == 64
+
+
 def test_shared_prompt_groups_and_packing():
     from das_jax.rl.train_step import pack_shared_prompts, shared_prompt_groups
     tokens = np.array([[5, 6, 7, 1, 0], [5, 6, 8, 2, 3], [5, 6, 7, 9, 0], [4, 6, 7, 0, 0]])
@@ -122,14 +128,22 @@ def test_shared_prompt_groups_and_packing():
     cols = (tokens, positions, valid, cmask, f, -f, np.arange(4.0), f / 10)
     tok, pos, val, seg, grp, src, tgt, cm, o, rf, a, ww = (x[0] for x in
                                                            pack_shared_prompts(groups, cols))
-    assert tok.shape == (2, 64) and src.shape == (3, 32)
+    assert tok.shape == (2, 64) and src.shape == (4, 32)  # 3 completions padded to 4
     assert tok[0, :5].tolist() == [5, 6, 7, 1, 9] and seg[0, :5].tolist() == [0, 0, 0, 1, 2]
     assert pos[0, :5].tolist() == [0, 1, 2, 3, 3] and val[0].sum() == 5
     assert tok[1, :5].tolist() == [5, 6, 8, 2, 3] and seg[1, :5].tolist() == [0, 0, 1, 1, 1]
-    assert grp.tolist() == [0, 0, 1]
+    assert grp.tolist() == [0, 0, 1, 0]
     assert src[0, 0] == 2 and src[1, 0] == 2 and src[2, :3].tolist() == [1, 2, 3]
-    assert tgt[2, :3].tolist() == [8, 2, 3] and cm.sum() == 5 and a.tolist() == [0, 2, 1]
+    assert tgt[2, :3].tolist() == [8, 2, 3] and cm.sum() == 5 and a.tolist() == [0, 2, 1, 0]
+    assert not cm[3].any() and not ww[3].any() and not o[3].any() and not rf[3].any()
     assert o[2, :3].tolist() == [7, 8, 9] and rf[1, 0] == -13 and np.isclose(ww[0, 0], 0.3)
+    # three groups pad to four: the extra packed row repeats group 0's
+    tok3, val3, grp3, cm3 = (pack_shared_prompts([[0, 2], [1], [0]], cols)[i][0]
+                             for i in (0, 2, 4, 6))
+    assert tok3.shape == (4, 64) and (tok3[3] == tok3[0]).all() and (val3[3] == val3[0]).all()
+    assert grp3.tolist() == [0, 0, 1, 2] and cm3.shape == (4, 32)
+    unpadded = pack_shared_prompts(groups, cols, bucket_counts=False)
+    assert unpadded[0].shape == (1, 2, 64) and unpadded[5].shape == (1, 3, 32)
     valid[0, 4] = True  # a valid token after the completion: not prompt + completion
     assert shared_prompt_groups(tokens, positions, valid, cmask, range(4)) is None
 

@@ -154,6 +154,42 @@ def largest_array_bytes(*trees) -> int:
                default=0)
 
 
+def _is_closed_loop_noise(exc: BaseException | None) -> bool:
+    """True for the `RuntimeError('Event loop is closed')` that orbax's asyncio writers raise
+    from tensorstore callbacks after a save was aborted (e.g. by a full disk): the save has
+    already failed with its own error, so these are echoes of it."""
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _filter_aborted_save_noise() -> None:
+    """Process-wide: drop the closed-event-loop echoes of an aborted save (`sys.excepthook`,
+    which tensorstore's callbacks print through, and `sys.unraisablehook`, which reports the
+    writers' coroutines when they are collected); every other error goes to the previous hook.
+    Installed once, by the first `CheckpointManager`."""
+    import logging
+    import sys
+    if getattr(sys.excepthook, "_das_jax_filter", False):
+        return
+    log = logging.getLogger(__name__)
+    prev_except, prev_unraisable = sys.excepthook, sys.unraisablehook
+
+    def excepthook(typ, value, tb):
+        if _is_closed_loop_noise(value):
+            log.debug("ignored after an aborted checkpoint save: %r", value)
+            return
+        prev_except(typ, value, tb)
+
+    def unraisablehook(unraisable):
+        if _is_closed_loop_noise(unraisable.exc_value):
+            log.debug("ignored after an aborted checkpoint save: %r in %r",
+                      unraisable.exc_value, unraisable.object)
+            return
+        prev_unraisable(unraisable)
+
+    excepthook._das_jax_filter = unraisablehook._das_jax_filter = True
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
 class CheckpointManager:
     """Saves and restores GRPO training state under `<run_dir>/checkpoints`.
 
@@ -169,6 +205,7 @@ class CheckpointManager:
                  save_concurrent_bytes: int | None = None):
         self.directory = Path(run_dir).absolute() / subdir
         self.max_to_keep = max_to_keep
+        _filter_aborted_save_noise()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True,
             cleanup_tmp_directories=True)

@@ -522,7 +522,13 @@ def shared_prompt_groups(tokens_NxT, positions_NxT, valid_NxT, cmask_NxT, rows) 
     return list(groups.values())
 
 
-def pack_shared_prompts(groups, cols):
+def count_bucket(n: int) -> int:
+    """Padded count of packed rows or completions: the next power of two >= n (n >= 1), so a run
+    whose batches train on 1..8 groups compiles its update for 4 group counts, not 8."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pack_shared_prompts(groups, cols, *, bucket_counts: bool = True):
     """One micro-batch of shared-prompt packed rows: each group (rows with the same prompt) is
     one row `prompt ++ completion_1 ++ completion_2 ++ ...` (segments 0, 1, 2, ...: a completion
     attends to the prompt and to itself only, at its own positions), so the prompt's forward
@@ -539,7 +545,11 @@ def pack_shared_prompts(groups, cols):
       the kernel's 12 inputs, each with a leading micro-batch axis of 1: packed tokens,
       positions, valid, segments `[1, G, S]`; per completion row the packed row `[1, R]`, source
       and target `[1, R, W]`, completion mask, old / ref log-probs `[1, R, W]`, advantages
-      `[1, R]` and weights `[1, R, W]`. S and W are `length_bucket`s (64 / 32 floors).
+      `[1, R]` and weights `[1, R, W]`. S and W are `length_bucket`s (64 / 32 floors); with
+      `bucket_counts`, G and R are `count_bucket`s of the group and completion counts (fewer
+      compiled shapes): the extra packed rows repeat group 0's row, and the extra completion
+      rows read it with an all-False completion mask and zero weight, advantage and log-probs,
+      so they add exactly 0 to the loss, the gradient and every metric sum.
     """
     tokens, positions, valid, cmask, old, ref, adv, w = cols
     spans = []  # (prompt length, [(row, completion length)]) per group
@@ -547,6 +557,8 @@ def pack_shared_prompts(groups, cols):
         P = int(np.argmax(cmask[g[0]]))
         spans.append((P, [(r, int(cmask[r].sum())) for r in g]))
     G, R = len(groups), sum(len(g) for g in groups)
+    if bucket_counts:
+        G, R = count_bucket(G), count_bucket(R)
     S = length_bucket(max(P + sum(L for _, L in rl) for P, rl in spans))
     W = length_bucket(max(L for _, rl in spans for _, L in rl), 32)
     tok = np.zeros((G, S), np.int32)
@@ -575,6 +587,8 @@ def pack_shared_prompts(groups, cols):
             o[i, :L], rf[i, :L], ww[i, :L], a[i] = old[r, sl], ref[r, sl], w[r, sl], adv[r]
             off += L
             i += 1
+    gi = len(spans)
+    tok[gi:], pos[gi:], val[gi:], seg[gi:] = tok[0], pos[0], val[0], seg[0]
     return tuple(x[None] for x in (tok, pos, val, seg, grp, src, tgt, cm, o, rf, a, ww))
 
 
