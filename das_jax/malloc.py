@@ -24,9 +24,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import os
+import threading
 
-__all__ = ["configure_allocator", "release_free_memory"]
+__all__ = ["configure_allocator", "release_free_memory", "release_trace_caches"]
 
 # mallopt(3) parameter numbers (glibc <malloc.h>)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
@@ -78,3 +80,52 @@ def configure_allocator() -> list[str]:
         if env not in os.environ and fn(param, value) == 1:
             applied.append(env)
     return applied
+
+
+# ------------------------------------------------------------------ jax's tracing caches
+# Every shape a jitted function is compiled for also leaves its jaxpr, lowering and dispatch
+# bookkeeping in jax's Python-level caches (`lu.cache`, `util.cache`, `weakref_lru_cache`):
+# ~3-13 MB of Python objects per program, measured (the compiled executables themselves are
+# held by jax's C++ jit caches and by the engine's own table). Over the main job's ~130
+# programs that is most of the growth of its RSS from step to step.
+_SLOW_COMPILE_S = 0.1  # a backend compile this long is a new program (eager ops take ~20-40 ms)
+_new_programs = [0]
+_watch_lock = threading.Lock()
+
+
+def _on_compile(event: str, duration: float, **_: object) -> None:
+    if event == "/jax/core/compile/backend_compile_duration" and duration >= _SLOW_COMPILE_S:
+        _new_programs[0] += 1
+
+
+@functools.lru_cache(maxsize=1)
+def _watch_compiles() -> None:
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(_on_compile)
+
+
+def release_trace_caches(force: bool = False) -> bool:
+    """Drops jax's Python-level tracing and lowering caches when a new program was compiled
+    since the last call (or with `force`), then collects garbage and trims the heap; returns
+    whether it did. Compiled executables stay: the next call of a jitted function with a shape
+    it has seen takes jax's C++ fast path, no retrace and no recompile (an eager op on a new
+    array re-lowers in ~20-40 ms). The first call only starts watching compiles (and clears
+    when `force`).
+
+    This is `jax._src.util.clear_all_caches`, the first half of `jax.clear_caches()` (whose
+    second half drops the executables too); a jax without it makes this a no-op (False).
+    """
+    _watch_compiles()
+    with _watch_lock:
+        if not force and _new_programs[0] == 0:
+            return False
+        _new_programs[0] = 0
+    try:
+        from jax._src import util
+        clear = util.clear_all_caches
+    except (ImportError, AttributeError):  # pragma: no cover - another jax
+        return False
+    clear()
+    gc.collect()
+    release_free_memory()
+    return True

@@ -40,7 +40,7 @@ import numpy as np
 from das_jax.config import Config, config_to_dict, save_config
 from das_jax.data import Problem, problems_from_config, render_prompt, reward_kwargs
 from das_jax.engine import Request, RequestOutput, request_seed
-from das_jax.malloc import release_free_memory
+from das_jax.malloc import release_free_memory, release_trace_caches
 from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.rl.advantages import advantage_metrics, get_advantage
@@ -185,7 +185,9 @@ class GRPOTrainer:
         params = self.rollout_params()
         outputs, stats = self.rollouts.generate(requests, params, sampling)
         del params  # the compute-dtype copy is not kept across the update
-        release_free_memory()  # the engine's freed buffers, before the update needs the room
+        # the engine's freed buffers and the tracing caches of the programs it compiled, before
+        # the update needs the room
+        release_trace_caches() or release_free_memory()
         return self.score([p for p in problems for _ in range(G)], outputs, stats)
 
     def score(self, rows: Sequence[Problem], outputs: Sequence[RequestOutput],
@@ -280,7 +282,7 @@ class GRPOTrainer:
         rollout_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         train_metrics = self.update(rb)
-        release_free_memory()
+        release_trace_caches() or release_free_memory()
         train_s = time.perf_counter() - t1
         self.step += 1
         if self.step % self.steps_per_epoch() == 0:
