@@ -9,11 +9,14 @@ pending token and seed.
 * Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
   refilled from the queue; when the queue is empty and the live rows fit a smaller bucket, they
   are compacted into it, so the long tail runs a small, cheap batch.
-* Shapes: B from batch buckets; packed verify: N token slots from `schedule.token_buckets` (a
-  bucket of sum_b (1 + n_draft_b) over the live rows) and a query block W from `draft_widths`
-  (the step's longest row); padded verify: B x W; the attended cache length from quarter-octave
+* Shapes: B from batch buckets; packed verify: N token slots from
+  `schedule.verify_token_buckets` (N = B without drafts, else a bucket of sum_b (1 + n_draft_b)
+  over the live rows) and a query block W of 1 without drafts, else the widest of
+  `draft_widths` (`schedule.verify_width`); padded verify: B x W (W from `draft_widths`); the attended cache length from quarter-octave
   buckets of the longest live row, prompt lengths from power-of-two buckets. Each distinct shape is compiled
-  once (ahead of time, timed separately as `compile_s`).
+  once (ahead of time, timed separately as `compile_s`); with `EngineConfig(precompile=True)`
+  the verify shapes a call can reach are compiled before its first step (`Engine.precompile`),
+  so no compile lands inside a later call.
 * Exactness: every token is sampled with the position-keyed rule of `sampling.py`, seeded by the
   request's own seed, so outputs do not depend on drafts, slots, buckets or batch neighbours
   (up to float rounding of the logits across shapes: see docs/design.md, "Exactness"; with
@@ -34,7 +37,7 @@ from das_jax.engine import scheduler
 from das_jax.engine import step as step_lib
 from das_jax.engine.policy import SpeculationPolicy
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, pack_prompts,
-                                     step_shape_fn)
+                                     step_shape_fn, verify_width)
 from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
@@ -83,6 +86,10 @@ class EngineConfig:
     prefill: "packed" (default: `step.prefill_packed`, the admitted unique prompts concatenated
       into N flat slots, N a bucket of their total length) or "padded" (`step.prefill_insert`,
       U prompts padded to a power-of-two length T). Same first tokens and cache contents.
+    precompile: `generate` first compiles every packed verify program the call can reach
+      (`Engine.precompile`), so a later call whose steps reach a shape for the first time does
+      not compile inside its steps; off by default (tests with tiny models compile only what
+      they run).
     """
 
     max_slots: int = 16
@@ -94,6 +101,7 @@ class EngineConfig:
     exact: bool = False
     verify: str = "packed"
     prefill: str = "packed"
+    precompile: bool = False
 
     def __post_init__(self):
         if self.verify not in ("packed", "padded"):
@@ -386,6 +394,65 @@ class Engine:
         """The largest packed slot bucket at this batch bucket: batch x the widest draft width."""
         return batch * max(self.engine_config.draft_widths)
 
+    def verify_shapes(self, requests: Sequence[Request], sampling: SamplingParams,
+                      drafting: bool) -> list[tuple[int, int, int, int]]:
+        """The packed verify shapes (B, N, W, kv_len) `generate(requests, sampling)` can reach
+        and `precompile` compiles: every batch bucket up to the call's first batch, every
+        attended-length bucket its rows can reach (prompt lengths .. longest prompt +
+        max_new_tokens), N = B with W = 1, and with `drafting` the slot buckets of
+        `schedule.precompile_token_buckets` with W = the widest draft width. Sorted by attended
+        length, then batch (largest first). [] for the padded verify."""
+        ec = self.engine_config
+        if ec.verify != "packed":
+            return []
+        from das_jax.engine.schedule import kv_len_bucket, precompile_token_buckets
+        S = self.cache_len_for(requests, sampling)
+        lens = [len(r.prompt_ids) for r in requests]
+        hi = max(lens) + max(sampling.max_new_tokens - 1, 0)
+        kvs = sorted({kv_len_bucket(np.array([x]), S) for x in range(min(lens), hi + 1)})
+        top = bucket(min(len(requests), ec.max_slots), ec.batch_buckets)
+        wmax = max(ec.draft_widths)
+        out = []
+        for kv in kvs:
+            for B in sorted((b for b in ec.batch_buckets if b <= top), reverse=True):
+                out.append((B, B, 1, kv))
+                if drafting and wmax > 1:
+                    out.extend((B, N, wmax, kv) for N in precompile_token_buckets(B, wmax))
+        return list(dict.fromkeys(out))
+
+    def precompile(self, requests: Sequence[Request], sampling: SamplingParams,
+                   drafting: bool, params: Params | None = None,
+                   max_programs: int = 64) -> int:
+        """Compiles (without running) the packed verify programs of `verify_shapes`, at most
+        `max_programs` of them (in that order), from abstract arguments (nothing is
+        allocated). The time counts in `compile_s` of the running `generate` call. Does
+        nothing for an engine on a mesh. Returns the number of programs compiled now (0 when
+        all were compiled before)."""
+        if self.placement is not None:
+            return 0
+        params = self.params if params is None else params
+        S = self.cache_len_for(requests, sampling)
+        skey = sampling.static_key()
+        dtype = jnp.dtype(params["embed"].dtype)
+        sharding = (jax.sharding.SingleDeviceSharding(self.device) if self.device is not None
+                    else None)
+
+        def abstract(x):
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
+
+        params_abs = jax.tree_util.tree_map(abstract, params)
+        caches: dict[int, Any] = {}
+        before = len(self._compiled._cache)
+        for B, N, W, kv in self.verify_shapes(requests, sampling, drafting)[:max_programs]:
+            if B not in caches:
+                caches[B] = jax.tree_util.tree_map(abstract, jax.eval_shape(
+                    lambda B=B: KVCache.zeros(self.config, B, S, dtype)))
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+            args = (self.config, skey, kv, W, params_abs, caches[B], i32(B), i32(N), i32(N),
+                    i32(N), i32(B), i32(B))
+            self._packed_executable(B, N, W, S, kv, skey, dtype.name, args)
+        return len(self._compiled._cache) - before
+
     def step_shape(self, batch: int, kv_len: int, widths: Sequence[int] | None = None):
         """`step_shape(n_draft_B) -> (num_tokens, attended_kv)` of this engine's verify step at
         batch bucket `batch` and attended length `kv_len`, for per-row draft lengths of the live
@@ -485,6 +552,9 @@ class Engine:
         executor = self.step_executor(requests, sampling, params)
         compile_before = self._compiled.compile_s
         t_start = time.perf_counter()
+        if self.engine_config.precompile:
+            self.precompile(requests, sampling, drafting=drafter is not None,
+                            params=executor.params)
         outputs, stats = scheduler.run_schedule(requests, executor, self.engine_config,
                                                 self.limits(sampling), drafter, policy,
                                                 progress)
@@ -570,6 +640,7 @@ class DeviceExecutor:
         eng, skey, dtype = self.engine, self.skey, self.dtype
         B, W, live, kv_len = st.batch, st.width, st.live, st.kv_len
         if eng.engine_config.verify == "packed":
+            W = verify_width(st.n_draft_B, max(eng.engine_config.draft_widths))
             args = eng._packed_args(B, W, st.num_tokens, kv_len, skey, self.params, self.cache,
                                     st.cache_len_B, self.pending, self.row_seed, live, st.drafts,
                                     st.n_draft_B)
