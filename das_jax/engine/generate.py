@@ -90,6 +90,12 @@ class EngineConfig:
       (`Engine.precompile`), so a later call whose steps reach a shape for the first time does
       not compile inside its steps; off by default (tests with tiny models compile only what
       they run).
+    share_prompts: with the packed prefill, a request whose prompt a cache row already holds
+      (its K/V in positions `[0, len)`: a sibling still running, or a finished row not yet
+      overwritten) is admitted by copying that row and sampling its first token from the
+      prompt's stored last-position logits (`step.share_prompt_rows`), not by a prefill: GRPO's
+      `num_generations` samples of a prompt admitted at different steps compute it once.
+      Same first tokens (the same logits, seed and position).
     """
 
     max_slots: int = 16
@@ -102,6 +108,7 @@ class EngineConfig:
     verify: str = "packed"
     prefill: str = "packed"
     precompile: bool = False
+    share_prompts: bool = True
 
     def __post_init__(self):
         if self.verify not in ("packed", "padded"):
@@ -357,15 +364,17 @@ class Engine:
         return self._compiled.get(("verify_packed", B, N, W, S, kv_len, skey, self.config, dtype),
                                   step_lib.verify_packed, *args)
 
-    def _prefill_packed(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
+    def _prefill_packed(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds,
+                        with_logits: bool = False):
         """Runs `step.prefill_packed` (compiled per cache batch, cache length, slot bucket N,
         attention block U x T: prompts and prompt-length buckets); returns (cache, first tokens,
-        first log-probs) per admitted row."""
+        first log-probs[, logits with_logits]) per admitted row."""
         N, arrays = pack_prompts(prompts, src, rows, seeds, cache.batch, T)
         U = bucket(len(prompts), self.engine_config.batch_buckets)
         args = (self.config, skey, U, T, params, cache) + arrays
         fn = self._compiled.get(("prefill_packed", cache.batch, S, N, U, T, skey, self.config,
-                                 dtype), step_lib.prefill_packed, *args)
+                                 dtype) + (("logits",) if with_logits else ()),
+                                step_lib.prefill_packed, *args, with_logits=with_logits)
         return fn(*args[4:])
 
     def _prefill_padded(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
@@ -605,26 +614,89 @@ class DeviceExecutor:
         self.cache = self.engine._zeros_cache(batch, cache_len, self.dtype)
         self.pending = np.zeros(batch, np.int32)       # sampled, not yet fed token per row
         self.row_seed = np.zeros(batch, np.int32)
+        # Prompt sharing (EngineConfig.share_prompts): the prompt whose K/V each row holds in
+        # positions [0, len) (None: unknown), and each such prompt's last-position logits.
+        self.row_prompt: list[tuple | None] = [None] * batch
+        self.prompt_logits: dict[tuple, np.ndarray] = {}
 
     def prefill(self, request_ids: Sequence[int], rows: np.ndarray,
                 batch: int) -> scheduler.Prefilled:
-        eng, ec, skey = self.engine, self.engine.engine_config, self.skey
+        ec = self.engine.engine_config
         t0 = time.perf_counter()
-        take, B, S = list(request_ids), batch, self.S
+        take, rows = list(request_ids), np.asarray(rows)
+        prompts = [tuple(int(t) for t in self.requests[i].prompt_ids) for i in take]
+        first = np.zeros(len(take), np.int32)
+        first_logp = np.zeros(len(take), np.float32)
+        share = ec.share_prompts and ec.prefill == "packed"
+        holder: dict[tuple, int] = {}
+        if share:
+            for r, p in enumerate(self.row_prompt):
+                if p is not None and p in self.prompt_logits:
+                    holder.setdefault(p, r)
+        shared = [k for k, p in enumerate(prompts) if p in holder]
+        computed = [k for k, p in enumerate(prompts) if p not in holder]
+        if shared:   # before the prefill: it may overwrite a source row
+            self._share(batch, [take[k] for k in shared], rows[shared],
+                        [holder[prompts[k]] for k in shared], [prompts[k] for k in shared],
+                        first, first_logp, shared)
+        tokens = 0
+        if computed:
+            tokens = self._compute(batch, [take[k] for k in computed], rows[computed], first,
+                                   first_logp, computed, share)
+        for k, (ri, row) in enumerate(zip(take, rows)):
+            self.pending[row] = first[k]
+            self.row_seed[row] = self.seeds[ri]
+            self.row_prompt[row] = prompts[k]
+        if share:
+            held = set(self.row_prompt)
+            self.prompt_logits = {p: v for p, v in self.prompt_logits.items() if p in held}
+        return scheduler.Prefilled(first, first_logp, time.perf_counter() - t0, tokens)
+
+    def _compute(self, batch, take, rows, first, first_logp, where, with_logits) -> int:
+        """Prefills requests `take` into `rows`; writes their first tokens / log-probs at
+        `where`; returns the token slots computed."""
+        eng, ec, S = self.engine, self.engine.engine_config, self.S
         packed = ec.prefill == "packed"
         lay = scheduler.prefill_layout([self.requests[i].prompt_ids for i in take],
                                        ec.batch_buckets, ec.min_prompt_bucket, S,
-                                       packed_batch=B if packed else None)
-        run = eng._prefill_packed if packed else eng._prefill_padded
-        self.cache, first_R, first_logp_R = run(self.params, self.cache, skey, self.dtype, S,
-                                                lay.T, lay.prompts, lay.src, rows,
-                                                self.seeds[take])
-        first_R, first_logp_R = np.asarray(first_R), np.asarray(first_logp_R)
-        for k, (ri, row) in enumerate(zip(take, rows)):
-            self.pending[row] = first_R[k]
-            self.row_seed[row] = self.seeds[ri]
-        return scheduler.Prefilled(first_R[:len(take)], first_logp_R[:len(take)],
-                                   time.perf_counter() - t0, lay.tokens)
+                                       packed_batch=batch if packed else None)
+        if packed:
+            out = eng._prefill_packed(self.params, self.cache, self.skey, self.dtype, S, lay.T,
+                                      lay.prompts, lay.src, rows, self.seeds[take],
+                                      with_logits=with_logits)
+        else:
+            out = eng._prefill_padded(self.params, self.cache, self.skey, self.dtype, S, lay.T,
+                                      lay.prompts, lay.src, rows, self.seeds[take])
+        self.cache, first_R, first_logp_R = out[:3]
+        first[where] = np.asarray(first_R)[:len(take)]
+        first_logp[where] = np.asarray(first_logp_R)[:len(take)]
+        if with_logits:
+            logits = np.asarray(out[3])
+            for k, u in enumerate(lay.src):
+                self.prompt_logits.setdefault(lay.prompts[u], logits[k])
+        return lay.tokens
+
+    def _share(self, batch, take, rows, src_rows, prompts, first, first_logp, where) -> None:
+        """Admits requests `take` into `rows` by copying cache rows `src_rows` (which hold their
+        prompts) and sampling from the stored logits (`step.share_prompt_rows`)."""
+        eng, B = self.engine, batch
+        V = next(iter(self.prompt_logits.values())).shape[-1]
+        dst_B = np.full(B, B, np.int32)
+        src_B = np.zeros(B, np.int32)
+        logits_BxV = np.zeros((B, V), np.float32)
+        seeds_B = np.zeros(B, np.int32)
+        lengths_B = np.ones(B, np.int32)
+        k = len(take)
+        dst_B[:k], src_B[:k], seeds_B[:k] = rows, src_rows, self.seeds[take]
+        for j, p in enumerate(prompts):
+            logits_BxV[j] = self.prompt_logits[p]
+            lengths_B[j] = len(p)
+        args = (eng.config, self.skey, self.cache, dst_B, src_B, logits_BxV, seeds_B, lengths_B)
+        fn = eng._compiled.get(("share_prompt_rows", B, self.S, self.skey, eng.config,
+                                self.dtype), step_lib.share_prompt_rows, *args)
+        self.cache, tok_B, logp_B = fn(*args[2:])
+        first[where] = np.asarray(tok_B)[:k]
+        first_logp[where] = np.asarray(logp_B)[:k]
 
     def compact(self, live: np.ndarray, new_batch: int) -> None:
         eng, nb = self.engine, new_batch
@@ -635,6 +707,8 @@ class DeviceExecutor:
                                step_lib.gather_rows, self.cache, rows_nb)
         self.cache = fn(self.cache, rows_nb)
         self.pending, self.row_seed = compact_rows(live, nb, self.pending, 0, self.row_seed, 0)
+        self.row_prompt = ([self.row_prompt[int(r)] for r in live]
+                           + [None] * (nb - len(live)))
 
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
         eng, skey, dtype = self.engine, self.skey, self.dtype
