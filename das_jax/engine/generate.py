@@ -36,8 +36,8 @@ import numpy as np
 from das_jax.engine import scheduler
 from das_jax.engine import step as step_lib
 from das_jax.engine.policy import SpeculationPolicy
-from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, pack_prompts,
-                                     step_shape_fn, verify_width)
+from das_jax.engine.schedule import (PromptRows, bucket, cache_len_for, compact_rows,
+                                     pack_prompts, step_shape_fn, verify_width)
 from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
@@ -289,6 +289,7 @@ class Engine:
             device if mesh is None else self.placement.devices[0],
             kv_shards=1 if mesh is None else self.placement.kv_shards(config))
         self._compiled = _Compiled(device, self.placement)
+        self._precompiled: set = set()    # precompile calls done (their shapes)
 
     def place_params(self, params: Params) -> Params:
         """`params` where this engine computes: on its mesh's shardings, its device, or as given
@@ -449,10 +450,14 @@ class Engine:
         def abstract(x):
             return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
 
+        shapes = self.verify_shapes(requests, sampling, drafting)[:max_programs]
+        memo = (S, skey, dtype.name, tuple(shapes))
+        if memo in self._precompiled:
+            return 0
         params_abs = jax.tree_util.tree_map(abstract, params)
         caches: dict[int, Any] = {}
         before = len(self._compiled._cache)
-        for B, N, W, kv in self.verify_shapes(requests, sampling, drafting)[:max_programs]:
+        for B, N, W, kv in shapes:
             if B not in caches:
                 caches[B] = jax.tree_util.tree_map(abstract, jax.eval_shape(
                     lambda B=B: KVCache.zeros(self.config, B, S, dtype)))
@@ -460,6 +465,7 @@ class Engine:
             args = (self.config, skey, kv, W, params_abs, caches[B], i32(B), i32(N), i32(N),
                     i32(N), i32(B), i32(B))
             self._packed_executable(B, N, W, S, kv, skey, dtype.name, args)
+        self._precompiled.add(memo)
         return len(self._compiled._cache) - before
 
     def step_shape(self, batch: int, kv_len: int, widths: Sequence[int] | None = None):
@@ -615,8 +621,8 @@ class DeviceExecutor:
         self.pending = np.zeros(batch, np.int32)       # sampled, not yet fed token per row
         self.row_seed = np.zeros(batch, np.int32)
         # Prompt sharing (EngineConfig.share_prompts): the prompt whose K/V each row holds in
-        # positions [0, len) (None: unknown), and each such prompt's last-position logits.
-        self.row_prompt: list[tuple | None] = [None] * batch
+        # positions [0, len), and each such prompt's last-position logits.
+        self.prompt_rows = PromptRows(batch)
         self.prompt_logits: dict[tuple, np.ndarray] = {}
 
     def prefill(self, request_ids: Sequence[int], rows: np.ndarray,
@@ -628,17 +634,11 @@ class DeviceExecutor:
         first = np.zeros(len(take), np.int32)
         first_logp = np.zeros(len(take), np.float32)
         share = ec.share_prompts and ec.prefill == "packed"
-        holder: dict[tuple, int] = {}
-        if share:
-            for r, p in enumerate(self.row_prompt):
-                if p is not None and p in self.prompt_logits:
-                    holder.setdefault(p, r)
-        shared = [k for k, p in enumerate(prompts) if p in holder]
-        computed = [k for k, p in enumerate(prompts) if p not in holder]
+        shared, sources, computed = (self.prompt_rows.split(prompts) if share
+                                     else ([], [], list(range(len(take)))))
         if shared:   # before the prefill: it may overwrite a source row
-            self._share(batch, [take[k] for k in shared], rows[shared],
-                        [holder[prompts[k]] for k in shared], [prompts[k] for k in shared],
-                        first, first_logp, shared)
+            self._share(batch, [take[k] for k in shared], rows[shared], sources,
+                        [prompts[k] for k in shared], first, first_logp, shared)
         tokens = 0
         if computed:
             tokens = self._compute(batch, [take[k] for k in computed], rows[computed], first,
@@ -646,9 +646,9 @@ class DeviceExecutor:
         for k, (ri, row) in enumerate(zip(take, rows)):
             self.pending[row] = first[k]
             self.row_seed[row] = self.seeds[ri]
-            self.row_prompt[row] = prompts[k]
         if share:
-            held = set(self.row_prompt)
+            self.prompt_rows.admit(rows, prompts)
+            held = self.prompt_rows.held()
             self.prompt_logits = {p: v for p, v in self.prompt_logits.items() if p in held}
         return scheduler.Prefilled(first, first_logp, time.perf_counter() - t0, tokens)
 
@@ -707,8 +707,7 @@ class DeviceExecutor:
                                step_lib.gather_rows, self.cache, rows_nb)
         self.cache = fn(self.cache, rows_nb)
         self.pending, self.row_seed = compact_rows(live, nb, self.pending, 0, self.row_seed, 0)
-        self.row_prompt = ([self.row_prompt[int(r)] for r in live]
-                           + [None] * (nb - len(live)))
+        self.prompt_rows.compact(live, nb)
 
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
         eng, skey, dtype = self.engine, self.skey, self.dtype

@@ -88,6 +88,39 @@ def verify_width(n_draft: Sequence[int], max_width: int) -> int:
     return max_width if any(int(n) > 0 for n in n_draft) else 1
 
 
+class PromptRows:
+    """Host bookkeeping of prompt sharing (`EngineConfig.share_prompts`): which prompt's K/V each
+    cache row holds in positions `[0, len)` (written by an admission; a verify step writes only
+    past the prompt, so a row keeps its prompt after it finished until it is refilled or
+    compacted away). Shared by the engine's executor and the trace replay, so both admit the
+    same requests by a row copy."""
+
+    def __init__(self, batch: int):
+        self.rows: list[tuple | None] = [None] * batch
+
+    def split(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+        """(shared, sources, computed) for the admitted `prompts`: indices of those a row
+        already holds, that row for each, and indices of the others (to prefill)."""
+        holder: dict[tuple, int] = {}
+        for r, p in enumerate(self.rows):
+            if p is not None:
+                holder.setdefault(p, r)
+        keys = [tuple(int(t) for t in p) for p in prompts]
+        shared = [k for k, p in enumerate(keys) if p in holder]
+        return (shared, [holder[keys[k]] for k in shared],
+                [k for k, p in enumerate(keys) if p not in holder])
+
+    def admit(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        for r, p in zip(rows, prompts):
+            self.rows[int(r)] = tuple(int(t) for t in p)
+
+    def compact(self, live: Sequence[int], new_batch: int) -> None:
+        self.rows = [self.rows[int(r)] for r in live] + [None] * (new_batch - len(live))
+
+    def held(self) -> set:
+        return {p for p in self.rows if p is not None}
+
+
 def prompt_bucket(max_prompt: int, floor: int, cache_len: int) -> int:
     """The prompt-length bucket of a prefill: a power of two `floor * 2**k` >= the longest
     prompt, capped at the cache length."""
