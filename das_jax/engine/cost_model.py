@@ -258,8 +258,8 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     """The (batch, width, num_tokens, kv_len) shapes `calibrate` times.
 
     Packed engine: at each batch bucket B and attended length, the step without drafts (W = 1,
-    N = B) and the steps with drafts at every slot count of `precompile_token_buckets` above B
-    (W = the widest width: `schedule.verify_width`), so the fit sees N vary at fixed attended
+    N = B) and, for every width W > 1, the steps with drafts at every slot count N of
+    `precompile_token_buckets` with B < N <= B * W, so the fit sees N vary at fixed attended
     KV and the attended KV vary at fixed N. These are the shapes generation runs (and
     `Engine.precompile` compiles), so their executables are reused there instead of compiled
     for calibration only. Padded engine: N = B * W for every width.
@@ -273,7 +273,8 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
         for S in kv_lens:
             if engine.engine_config.verify == "packed":
                 out.append((B, 1, B, S))
-                out.extend((B, wmax, n, S) for n in precompile_token_buckets(B, wmax) if n > B)
+                out.extend((B, W, n, S) for W in widths if W > 1
+                           for n in precompile_token_buckets(B, wmax) if B < n <= B * W)
             else:
                 out.extend((B, W, B * W, S) for W in widths)
     return list(dict.fromkeys(out))

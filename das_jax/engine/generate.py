@@ -11,8 +11,8 @@ pending token and seed.
   are compacted into it, so the long tail runs a small, cheap batch.
 * Shapes: B from batch buckets; packed verify: N token slots from
   `schedule.verify_token_buckets` (N = B without drafts, else a bucket of sum_b (1 + n_draft_b)
-  over the live rows) and a query block W of 1 without drafts, else the widest of
-  `draft_widths` (`schedule.verify_width`); padded verify: B x W (W from `draft_widths`); the attended cache length from quarter-octave
+  over the live rows) and a query block W from `draft_widths` (the step's longest row);
+  padded verify: B x W; the attended cache length from quarter-octave
   buckets of the longest live row, prompt lengths from power-of-two buckets. Each distinct shape is compiled
   once (ahead of time, timed separately as `compile_s`); with `EngineConfig(precompile=True)`
   the verify shapes a call can reach are compiled before its first step (`Engine.precompile`),
@@ -37,7 +37,7 @@ from das_jax.engine import scheduler
 from das_jax.engine import step as step_lib
 from das_jax.engine.policy import SpeculationPolicy
 from das_jax.engine.schedule import (PromptRows, bucket, cache_len_for, compact_rows,
-                                     pack_prompts, step_shape_fn, verify_width)
+                                     pack_prompts, step_shape_fn)
 from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
@@ -409,9 +409,10 @@ class Engine:
         """The packed verify shapes (B, N, W, kv_len) `generate(requests, sampling)` can reach
         and `precompile` compiles: every batch bucket up to the call's first batch, every
         attended-length bucket its rows can reach (prompt lengths .. longest prompt +
-        max_new_tokens), N = B with W = 1, and with `drafting` the slot buckets of
-        `schedule.precompile_token_buckets` with W = the widest draft width. Sorted by attended
-        length, then batch (largest first). [] for the padded verify."""
+        max_new_tokens), N = B with W = 1, and with `drafting`, for every width W > 1 of
+        `draft_widths`, the slot buckets N of `schedule.precompile_token_buckets` with
+        B < N <= B * W. Sorted by attended length, then batch (largest first). [] for the
+        padded verify."""
         ec = self.engine_config
         if ec.verify != "packed":
             return []
@@ -426,8 +427,9 @@ class Engine:
         for kv in kvs:
             for B in sorted((b for b in ec.batch_buckets if b <= top), reverse=True):
                 out.append((B, B, 1, kv))
-                if drafting and wmax > 1:
-                    out.extend((B, N, wmax, kv) for N in precompile_token_buckets(B, wmax))
+                if drafting:
+                    out.extend((B, N, W, kv) for W in ec.draft_widths if W > 1
+                               for N in precompile_token_buckets(B, wmax) if B < N <= B * W)
         return list(dict.fromkeys(out))
 
     def precompile(self, requests: Sequence[Request], sampling: SamplingParams,
@@ -713,7 +715,6 @@ class DeviceExecutor:
         eng, skey, dtype = self.engine, self.skey, self.dtype
         B, W, live, kv_len = st.batch, st.width, st.live, st.kv_len
         if eng.engine_config.verify == "packed":
-            W = verify_width(st.n_draft_B, max(eng.engine_config.draft_widths))
             args = eng._packed_args(B, W, st.num_tokens, kv_len, skey, self.params, self.cache,
                                     st.cache_len_B, self.pending, self.row_seed, live, st.drafts,
                                     st.n_draft_B)

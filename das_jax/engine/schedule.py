@@ -81,13 +81,6 @@ def precompile_token_buckets(batch: int, max_width: int) -> tuple[int, ...]:
     return tuple(n for n in verify_token_buckets(batch, max_width) if n <= top)
 
 
-def verify_width(n_draft: Sequence[int], max_width: int) -> int:
-    """The query-block width W of a packed verify step: 1 without drafts, else the widest
-    compiled width (one program per slot count serves every draft length; the block's
-    attention is a small part of the step)."""
-    return max_width if any(int(n) > 0 for n in n_draft) else 1
-
-
 class PromptRows:
     """Host bookkeeping of prompt sharing (`EngineConfig.share_prompts`): which prompt's K/V each
     cache row holds in positions `[0, len)` (written by an admission; a verify step writes only
