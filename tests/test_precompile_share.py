@@ -73,8 +73,14 @@ def test_precompile_covers_generate(params, drafting):
     reqs = random_requests(problems=3, samples=3, seed=5)
     sampling = SamplingParams(temperature=0.8, max_new_tokens=10, seed=3)
     n = eng.precompile(reqs, sampling, drafting=drafting)
-    assert n <= len(eng.verify_shapes(reqs, sampling, drafting))
+    assert n <= (len(eng.verify_shapes(reqs, sampling, drafting))
+                 + len(eng.refill_prefill_shapes(reqs, sampling)))
     assert eng.precompile(reqs, sampling, drafting=drafting) == 0      # all compiled now
+    refills = eng.refill_prefill_shapes(reqs, sampling)     # 9 requests through 4 slots
+    assert refills and all(B == 4 for B, _, _ in refills)
+    prefills = {k[1:6] for k in gen._COMPILED_EXECUTABLES if k[0] == "prefill_packed"}
+    S = eng.cache_len_for(reqs, sampling)
+    assert all((B, S, N, 1, T) in prefills for B, N, T in refills)
     before = verify_keys()
     drafter = AdversaryDrafter(CFG.vocab_size, seed=2) if drafting else None
     outs, stats = eng.generate(reqs, sampling, drafter=drafter,

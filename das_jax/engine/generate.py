@@ -432,14 +432,34 @@ class Engine:
                                for N in precompile_token_buckets(B, wmax) if B < N <= B * W)
         return list(dict.fromkeys(out))
 
+    def refill_prefill_shapes(self, requests: Sequence[Request], sampling: SamplingParams
+                              ) -> list[tuple[int, int, int]]:
+        """(B, N, T) of the packed prefill admitting one prompt into the call's first batch B,
+        for each prompt length among the requests (N its slot bucket, T its length bucket):
+        the refills of a running call (with `share_prompts`, a refill prefills only prompts no
+        row holds, mostly one). [] for the padded prefill or when every request fits the first
+        batch (no refill)."""
+        ec = self.engine_config
+        if ec.prefill != "packed" or len(requests) <= ec.max_slots:
+            return []
+        S = self.cache_len_for(requests, sampling)
+        B = bucket(ec.max_slots, ec.batch_buckets)
+        out = set()
+        for L in {len(r.prompt_ids) for r in requests}:
+            lay = scheduler.prefill_layout([(0,) * L], ec.batch_buckets, ec.min_prompt_bucket,
+                                           S, packed_batch=B)
+            out.add((B, lay.N, lay.T))
+        return sorted(out)
+
     def precompile(self, requests: Sequence[Request], sampling: SamplingParams,
                    drafting: bool, params: Params | None = None,
                    max_programs: int = 64) -> int:
         """Compiles (without running) the packed verify programs of `verify_shapes`, at most
-        `max_programs` of them (in that order), from abstract arguments (nothing is
-        allocated). The time counts in `compile_s` of the running `generate` call. Does
-        nothing for an engine on a mesh. Returns the number of programs compiled now (0 when
-        all were compiled before)."""
+        `max_programs` of them (in that order), and the packed prefill of one prompt of each
+        length among the requests (`refill_prefill_shapes`: the admissions of a running
+        call), from abstract arguments (nothing is allocated). The time counts in `compile_s`
+        of the running `generate` call. Does nothing for an engine on a mesh. Returns the
+        number of programs compiled now (0 when all were compiled before)."""
         if self.placement is not None:
             return 0
         params = self.params if params is None else params
@@ -453,7 +473,8 @@ class Engine:
             return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
 
         shapes = self.verify_shapes(requests, sampling, drafting)[:max_programs]
-        memo = (S, skey, dtype.name, tuple(shapes))
+        refills = self.refill_prefill_shapes(requests, sampling)
+        memo = (S, skey, dtype.name, tuple(shapes), tuple(refills))
         if memo in self._precompiled:
             return 0
         params_abs = jax.tree_util.tree_map(abstract, params)
@@ -467,6 +488,16 @@ class Engine:
             args = (self.config, skey, kv, W, params_abs, caches[B], i32(B), i32(N), i32(N),
                     i32(N), i32(B), i32(B))
             self._packed_executable(B, N, W, S, kv, skey, dtype.name, args)
+        logits = self.engine_config.share_prompts
+        for B, N, T in refills:
+            if B not in caches:
+                caches[B] = jax.tree_util.tree_map(abstract, jax.eval_shape(
+                    lambda B=B: KVCache.zeros(self.config, B, S, dtype)))
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+            args = (self.config, skey, 1, T, params_abs, caches[B]) + (i32(N),) * 3 + (i32(B),) * 5
+            self._compiled.get(("prefill_packed", B, S, N, 1, T, skey, self.config, dtype.name)
+                               + (("logits",) if logits else ()), step_lib.prefill_packed,
+                               *args, with_logits=logits)
         self._precompiled.add(memo)
         return len(self._compiled._cache) - before
 
