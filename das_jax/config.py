@@ -125,6 +125,9 @@ class RolloutSection:
     replicas: Optional[int] = None
     verify: str = _choices("packed", "padded", default="packed")
     prefill: str = _choices("packed", "padded", default="packed")
+    # Compile every packed verify program a rollout can reach before its first step
+    # (das_jax.engine.Engine.precompile): the compile is one-off, never inside a later step.
+    precompile: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,8 +60,8 @@ import numpy as np
 
 # The engine's own host scheduler and result types: the simulation runs the engine's loop.
 # Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
-from das_jax.engine import (CostModel, EngineConfig, GenerateStats, Limits, Prefilled, StepInput,
-                            StepOutput, prefill_layout, run_schedule)
+from das_jax.engine import (CostModel, EngineConfig, GenerateStats, Limits, Prefilled,
+                            PromptRows, StepInput, StepOutput, prefill_layout, run_schedule)
 
 
 class FrozenCostModel(CostModel):
@@ -201,17 +201,26 @@ class TraceExecutor:
 
     def start(self, batch: int, cache_len: int) -> None:
         self.S = cache_len
+        self.prompt_rows = PromptRows(batch)   # the engine's prompt sharing, same decisions
 
     def prefill(self, request_ids, rows, batch) -> Prefilled:
-        lay = prefill_layout([self.rollouts[i].prompt_ids for i in request_ids],
-                             self.ec.batch_buckets, self.min_prompt_bucket, self.S,
-                             packed_batch=batch if self.ec.prefill == "packed" else None)
+        prompts = [self.rollouts[i].prompt_ids for i in request_ids]
+        packed = self.ec.prefill == "packed"
+        computed = list(range(len(prompts)))
+        if packed and getattr(self.ec, "share_prompts", False):
+            computed = self.prompt_rows.split(prompts)[2]
+            self.prompt_rows.admit(rows, prompts)
+        tokens = 0
+        if computed:
+            tokens = prefill_layout([prompts[k] for k in computed], self.ec.batch_buckets,
+                                    self.min_prompt_bucket, self.S,
+                                    packed_batch=batch if packed else None).tokens
         return Prefilled([self.rollouts[i].token_ids[0] for i in request_ids],
-                         [0.0] * len(request_ids), 0.0, lay.tokens,
+                         [0.0] * len(request_ids), 0.0, tokens,
                          [self._end(i, 1) for i in request_ids])
 
     def compact(self, live, new_batch) -> None:
-        pass
+        self.prompt_rows.compact(live, new_batch)
 
     def verify(self, st: StepInput) -> StepOutput:
         tokens, ends = [], []

@@ -12,9 +12,11 @@ Public surface:
   CostModel, CostModelConfig, calibrate, save_cost_model, load_cost_model      (cost_model.py)
   resolve_cost_model (named models: GPU models from published figures)         (gpu_cost.py)
   bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
-  token_buckets, packed_width, step_shape_fn                                    (schedule.py)
+  token_buckets, packed_width, step_shape_fn, verify_token_buckets,
+    precompile_token_buckets, PromptRows (prompt sharing's row bookkeeping)    (schedule.py)
 
-The jitted device functions (`prefill_insert`, `verify`, `verify_packed`) are in `step.py`. Names are imported
+The jitted device functions (`prefill_insert`, `prefill_packed`, `share_prompt_rows`, `verify`,
+`verify_packed`) are in `step.py`. Names are imported
 lazily (PEP 562) so `das_jax.engine.cli` registers without importing jax.
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ _EXPORTS = {
     "bucket": "schedule", "pow2_at_least": "schedule", "cache_len_for": "schedule",
     "kv_len_bucket": "schedule", "tail_bucket": "schedule", "compact_rows": "schedule",
     "token_buckets": "schedule", "packed_width": "schedule",
-    "step_shape_fn": "schedule",
+    "step_shape_fn": "schedule", "verify_token_buckets": "schedule",
+    "precompile_token_buckets": "schedule", "PromptRows": "schedule",
     "DeviceExecutor": "generate", "StepExecutor": "scheduler", "StepInput": "scheduler",
     "StepOutput": "scheduler", "Prefilled": "scheduler", "Limits": "scheduler",
     "prefill_layout": "scheduler", "run_schedule": "scheduler",

@@ -257,26 +257,26 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
                        kv_lens: Iterable[int]) -> list[tuple[int, int, int, int]]:
     """The (batch, width, num_tokens, kv_len) shapes `calibrate` times.
 
-    Packed engine: at each batch bucket and attended length, for each compiled width W, a step
-    where a quarter of the rows (rounded up) draft W - 1 tokens (N = the slot bucket of
-    B + ceil(B / 4) * (W - 1)) and one where a single row does (N = the slot bucket of
-    B + W - 1), so the fit sees N vary at fixed attended KV and the attended KV vary at fixed N.
-    These are shapes generation runs (a step where every row drafts fully is rare), so their
-    executables are reused there instead of compiled for calibration only. Padded engine:
-    N = B * W.
+    Packed engine: at each batch bucket B and attended length, the step without drafts (W = 1,
+    N = B) and, for every width W > 1, the steps with drafts at every slot count N of
+    `precompile_token_buckets` with B < N <= B * W, so the fit sees N vary at fixed attended
+    KV and the attended KV vary at fixed N. These are the shapes generation runs (and
+    `Engine.precompile` compiles), so their executables are reused there instead of compiled
+    for calibration only. Padded engine: N = B * W for every width.
     """
-    from das_jax.engine.schedule import bucket, token_buckets
+    from das_jax.engine.schedule import precompile_token_buckets
 
+    widths = tuple(widths)
+    wmax = max(widths)
     out = []
     for B in batches:
-        nb = token_buckets(engine.max_step_tokens(B))
         for S in kv_lens:
-            for W in widths:
-                if engine.engine_config.verify == "packed":
-                    ns = sorted({bucket(B + -(-B // 4) * (W - 1), nb), bucket(B + W - 1, nb)})
-                else:
-                    ns = [B * W]
-                out.extend((B, W, n, S) for n in ns)
+            if engine.engine_config.verify == "packed":
+                out.append((B, 1, B, S))
+                out.extend((B, W, n, S) for W in widths if W > 1
+                           for n in precompile_token_buckets(B, wmax) if B < n <= B * W)
+            else:
+                out.extend((B, W, B * W, S) for W in widths)
     return list(dict.fromkeys(out))
 
 

@@ -9,11 +9,14 @@ pending token and seed.
 * Slots: the cache has B rows, B a batch bucket (powers of two up to `max_slots`). Freed rows are
   refilled from the queue; when the queue is empty and the live rows fit a smaller bucket, they
   are compacted into it, so the long tail runs a small, cheap batch.
-* Shapes: B from batch buckets; packed verify: N token slots from `schedule.token_buckets` (a
-  bucket of sum_b (1 + n_draft_b) over the live rows) and a query block W from `draft_widths`
-  (the step's longest row); padded verify: B x W; the attended cache length from quarter-octave
+* Shapes: B from batch buckets; packed verify: N token slots from
+  `schedule.verify_token_buckets` (N = B without drafts, else a bucket of sum_b (1 + n_draft_b)
+  over the live rows) and a query block W from `draft_widths` (the step's longest row);
+  padded verify: B x W; the attended cache length from quarter-octave
   buckets of the longest live row, prompt lengths from power-of-two buckets. Each distinct shape is compiled
-  once (ahead of time, timed separately as `compile_s`).
+  once (ahead of time, timed separately as `compile_s`); with `EngineConfig(precompile=True)`
+  the verify shapes a call can reach are compiled before its first step (`Engine.precompile`),
+  so no compile lands inside a later call.
 * Exactness: every token is sampled with the position-keyed rule of `sampling.py`, seeded by the
   request's own seed, so outputs do not depend on drafts, slots, buckets or batch neighbours
   (up to float rounding of the logits across shapes: see docs/design.md, "Exactness"; with
@@ -33,8 +36,8 @@ import numpy as np
 from das_jax.engine import scheduler
 from das_jax.engine import step as step_lib
 from das_jax.engine.policy import SpeculationPolicy
-from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, pack_prompts,
-                                     step_shape_fn)
+from das_jax.engine.schedule import (PromptRows, bucket, cache_len_for, compact_rows,
+                                     pack_prompts, step_shape_fn)
 from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, request_seed, validate_stop_ids
 from das_jax.models.config import ModelConfig
@@ -83,6 +86,16 @@ class EngineConfig:
     prefill: "packed" (default: `step.prefill_packed`, the admitted unique prompts concatenated
       into N flat slots, N a bucket of their total length) or "padded" (`step.prefill_insert`,
       U prompts padded to a power-of-two length T). Same first tokens and cache contents.
+    precompile: `generate` first compiles every packed verify program the call can reach
+      (`Engine.precompile`), so a later call whose steps reach a shape for the first time does
+      not compile inside its steps; off by default (tests with tiny models compile only what
+      they run).
+    share_prompts: with the packed prefill, a request whose prompt a cache row already holds
+      (its K/V in positions `[0, len)`: a sibling still running, or a finished row not yet
+      overwritten) is admitted by copying that row and sampling its first token from the
+      prompt's stored last-position logits (`step.share_prompt_rows`), not by a prefill: GRPO's
+      `num_generations` samples of a prompt admitted at different steps compute it once.
+      Same first tokens (the same logits, seed and position).
     """
 
     max_slots: int = 16
@@ -94,6 +107,8 @@ class EngineConfig:
     exact: bool = False
     verify: str = "packed"
     prefill: str = "packed"
+    precompile: bool = False
+    share_prompts: bool = True
 
     def __post_init__(self):
         if self.verify not in ("packed", "padded"):
@@ -274,6 +289,7 @@ class Engine:
             device if mesh is None else self.placement.devices[0],
             kv_shards=1 if mesh is None else self.placement.kv_shards(config))
         self._compiled = _Compiled(device, self.placement)
+        self._precompiled: set = set()    # precompile calls done (their shapes)
 
     def place_params(self, params: Params) -> Params:
         """`params` where this engine computes: on its mesh's shardings, its device, or as given
@@ -349,15 +365,17 @@ class Engine:
         return self._compiled.get(("verify_packed", B, N, W, S, kv_len, skey, self.config, dtype),
                                   step_lib.verify_packed, *args)
 
-    def _prefill_packed(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
+    def _prefill_packed(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds,
+                        with_logits: bool = False):
         """Runs `step.prefill_packed` (compiled per cache batch, cache length, slot bucket N,
         attention block U x T: prompts and prompt-length buckets); returns (cache, first tokens,
-        first log-probs) per admitted row."""
+        first log-probs[, logits with_logits]) per admitted row."""
         N, arrays = pack_prompts(prompts, src, rows, seeds, cache.batch, T)
         U = bucket(len(prompts), self.engine_config.batch_buckets)
         args = (self.config, skey, U, T, params, cache) + arrays
         fn = self._compiled.get(("prefill_packed", cache.batch, S, N, U, T, skey, self.config,
-                                 dtype), step_lib.prefill_packed, *args)
+                                 dtype) + (("logits",) if with_logits else ()),
+                                step_lib.prefill_packed, *args, with_logits=with_logits)
         return fn(*args[4:])
 
     def _prefill_padded(self, params, cache, skey, dtype, S, T, prompts, src, rows, seeds):
@@ -385,6 +403,103 @@ class Engine:
     def max_step_tokens(self, batch: int) -> int:
         """The largest packed slot bucket at this batch bucket: batch x the widest draft width."""
         return batch * max(self.engine_config.draft_widths)
+
+    def verify_shapes(self, requests: Sequence[Request], sampling: SamplingParams,
+                      drafting: bool) -> list[tuple[int, int, int, int]]:
+        """The packed verify shapes (B, N, W, kv_len) `generate(requests, sampling)` can reach
+        and `precompile` compiles: every batch bucket up to the call's first batch, every
+        attended-length bucket its rows can reach (prompt lengths .. longest prompt +
+        max_new_tokens), N = B with W = 1, and with `drafting`, for every width W > 1 of
+        `draft_widths`, the slot buckets N of `schedule.precompile_token_buckets` with
+        B < N <= B * W. Sorted by attended length, then batch (largest first). [] for the
+        padded verify."""
+        ec = self.engine_config
+        if ec.verify != "packed":
+            return []
+        from das_jax.engine.schedule import kv_len_bucket, precompile_token_buckets
+        S = self.cache_len_for(requests, sampling)
+        lens = [len(r.prompt_ids) for r in requests]
+        hi = max(lens) + max(sampling.max_new_tokens - 1, 0)
+        kvs = sorted({kv_len_bucket(np.array([x]), S) for x in range(min(lens), hi + 1)})
+        top = bucket(min(len(requests), ec.max_slots), ec.batch_buckets)
+        wmax = max(ec.draft_widths)
+        out = []
+        for kv in kvs:
+            for B in sorted((b for b in ec.batch_buckets if b <= top), reverse=True):
+                out.append((B, B, 1, kv))
+                if drafting:
+                    out.extend((B, N, W, kv) for W in ec.draft_widths if W > 1
+                               for N in precompile_token_buckets(B, wmax) if B < N <= B * W)
+        return list(dict.fromkeys(out))
+
+    def refill_prefill_shapes(self, requests: Sequence[Request], sampling: SamplingParams
+                              ) -> list[tuple[int, int, int]]:
+        """(B, N, T) of the packed prefill admitting one prompt into the call's first batch B,
+        for each prompt length among the requests (N its slot bucket, T its length bucket):
+        the refills of a running call (with `share_prompts`, a refill prefills only prompts no
+        row holds, mostly one). [] for the padded prefill or when every request fits the first
+        batch (no refill)."""
+        ec = self.engine_config
+        if ec.prefill != "packed" or len(requests) <= ec.max_slots:
+            return []
+        S = self.cache_len_for(requests, sampling)
+        B = bucket(ec.max_slots, ec.batch_buckets)
+        out = set()
+        for L in {len(r.prompt_ids) for r in requests}:
+            lay = scheduler.prefill_layout([(0,) * L], ec.batch_buckets, ec.min_prompt_bucket,
+                                           S, packed_batch=B)
+            out.add((B, lay.N, lay.T))
+        return sorted(out)
+
+    def precompile(self, requests: Sequence[Request], sampling: SamplingParams,
+                   drafting: bool, params: Params | None = None,
+                   max_programs: int = 64) -> int:
+        """Compiles (without running) the packed verify programs of `verify_shapes`, at most
+        `max_programs` of them (in that order), and the packed prefill of one prompt of each
+        length among the requests (`refill_prefill_shapes`: the admissions of a running
+        call), from abstract arguments (nothing is allocated). The time counts in `compile_s`
+        of the running `generate` call. Does nothing for an engine on a mesh. Returns the
+        number of programs compiled now (0 when all were compiled before)."""
+        if self.placement is not None:
+            return 0
+        params = self.params if params is None else params
+        S = self.cache_len_for(requests, sampling)
+        skey = sampling.static_key()
+        dtype = jnp.dtype(params["embed"].dtype)
+        sharding = (jax.sharding.SingleDeviceSharding(self.device) if self.device is not None
+                    else None)
+
+        def abstract(x):
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
+
+        shapes = self.verify_shapes(requests, sampling, drafting)[:max_programs]
+        refills = self.refill_prefill_shapes(requests, sampling)
+        memo = (S, skey, dtype.name, tuple(shapes), tuple(refills))
+        if memo in self._precompiled:
+            return 0
+        params_abs = jax.tree_util.tree_map(abstract, params)
+        caches: dict[int, Any] = {}
+        before = len(self._compiled._cache)
+        for B, N, W, kv in shapes:
+            if B not in caches:
+                caches[B] = jax.tree_util.tree_map(abstract, jax.eval_shape(
+                    lambda B=B: KVCache.zeros(self.config, B, S, dtype)))
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+            args = (self.config, skey, kv, W, params_abs, caches[B], i32(B), i32(N), i32(N),
+                    i32(N), i32(B), i32(B))
+            self._packed_executable(B, N, W, S, kv, skey, dtype.name, args)
+        logits = self.engine_config.share_prompts
+        for B, N, T in refills:
+            if B not in caches:
+                caches[B] = jax.tree_util.tree_map(abstract, jax.eval_shape(
+                    lambda B=B: KVCache.zeros(self.config, B, S, dtype)))
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+            args = (self.config, skey, 1, T, params_abs, caches[B]) + (i32(N),) * 3 + (i32(B),) * 5
+            self._compiled.get(("prefill_packed", B, S, N, 1, T, skey, self.config, dtype.name)
+                               + (("logits",) if logits else ()), step_lib.prefill_packed,
+                               *args, with_logits=logits)
+        self._precompiled.add(memo)
+        return len(self._compiled._cache) - before
 
     def step_shape(self, batch: int, kv_len: int, widths: Sequence[int] | None = None):
         """`step_shape(n_draft_B) -> (num_tokens, attended_kv)` of this engine's verify step at
@@ -485,6 +600,9 @@ class Engine:
         executor = self.step_executor(requests, sampling, params)
         compile_before = self._compiled.compile_s
         t_start = time.perf_counter()
+        if self.engine_config.precompile:
+            self.precompile(requests, sampling, drafting=drafter is not None,
+                            params=executor.params)
         outputs, stats = scheduler.run_schedule(requests, executor, self.engine_config,
                                                 self.limits(sampling), drafter, policy,
                                                 progress)
@@ -535,26 +653,83 @@ class DeviceExecutor:
         self.cache = self.engine._zeros_cache(batch, cache_len, self.dtype)
         self.pending = np.zeros(batch, np.int32)       # sampled, not yet fed token per row
         self.row_seed = np.zeros(batch, np.int32)
+        # Prompt sharing (EngineConfig.share_prompts): the prompt whose K/V each row holds in
+        # positions [0, len), and each such prompt's last-position logits.
+        self.prompt_rows = PromptRows(batch)
+        self.prompt_logits: dict[tuple, np.ndarray] = {}
 
     def prefill(self, request_ids: Sequence[int], rows: np.ndarray,
                 batch: int) -> scheduler.Prefilled:
-        eng, ec, skey = self.engine, self.engine.engine_config, self.skey
+        ec = self.engine.engine_config
         t0 = time.perf_counter()
-        take, B, S = list(request_ids), batch, self.S
+        take, rows = list(request_ids), np.asarray(rows)
+        prompts = [tuple(int(t) for t in self.requests[i].prompt_ids) for i in take]
+        first = np.zeros(len(take), np.int32)
+        first_logp = np.zeros(len(take), np.float32)
+        share = ec.share_prompts and ec.prefill == "packed"
+        shared, sources, computed = (self.prompt_rows.split(prompts) if share
+                                     else ([], [], list(range(len(take)))))
+        if shared:   # before the prefill: it may overwrite a source row
+            self._share(batch, [take[k] for k in shared], rows[shared], sources,
+                        [prompts[k] for k in shared], first, first_logp, shared)
+        tokens = 0
+        if computed:
+            tokens = self._compute(batch, [take[k] for k in computed], rows[computed], first,
+                                   first_logp, computed, share)
+        for k, (ri, row) in enumerate(zip(take, rows)):
+            self.pending[row] = first[k]
+            self.row_seed[row] = self.seeds[ri]
+        if share:
+            self.prompt_rows.admit(rows, prompts)
+            held = self.prompt_rows.held()
+            self.prompt_logits = {p: v for p, v in self.prompt_logits.items() if p in held}
+        return scheduler.Prefilled(first, first_logp, time.perf_counter() - t0, tokens)
+
+    def _compute(self, batch, take, rows, first, first_logp, where, with_logits) -> int:
+        """Prefills requests `take` into `rows`; writes their first tokens / log-probs at
+        `where`; returns the token slots computed."""
+        eng, ec, S = self.engine, self.engine.engine_config, self.S
         packed = ec.prefill == "packed"
         lay = scheduler.prefill_layout([self.requests[i].prompt_ids for i in take],
                                        ec.batch_buckets, ec.min_prompt_bucket, S,
-                                       packed_batch=B if packed else None)
-        run = eng._prefill_packed if packed else eng._prefill_padded
-        self.cache, first_R, first_logp_R = run(self.params, self.cache, skey, self.dtype, S,
-                                                lay.T, lay.prompts, lay.src, rows,
-                                                self.seeds[take])
-        first_R, first_logp_R = np.asarray(first_R), np.asarray(first_logp_R)
-        for k, (ri, row) in enumerate(zip(take, rows)):
-            self.pending[row] = first_R[k]
-            self.row_seed[row] = self.seeds[ri]
-        return scheduler.Prefilled(first_R[:len(take)], first_logp_R[:len(take)],
-                                   time.perf_counter() - t0, lay.tokens)
+                                       packed_batch=batch if packed else None)
+        if packed:
+            out = eng._prefill_packed(self.params, self.cache, self.skey, self.dtype, S, lay.T,
+                                      lay.prompts, lay.src, rows, self.seeds[take],
+                                      with_logits=with_logits)
+        else:
+            out = eng._prefill_padded(self.params, self.cache, self.skey, self.dtype, S, lay.T,
+                                      lay.prompts, lay.src, rows, self.seeds[take])
+        self.cache, first_R, first_logp_R = out[:3]
+        first[where] = np.asarray(first_R)[:len(take)]
+        first_logp[where] = np.asarray(first_logp_R)[:len(take)]
+        if with_logits:
+            logits = np.asarray(out[3])
+            for k, u in enumerate(lay.src):
+                self.prompt_logits.setdefault(lay.prompts[u], logits[k])
+        return lay.tokens
+
+    def _share(self, batch, take, rows, src_rows, prompts, first, first_logp, where) -> None:
+        """Admits requests `take` into `rows` by copying cache rows `src_rows` (which hold their
+        prompts) and sampling from the stored logits (`step.share_prompt_rows`)."""
+        eng, B = self.engine, batch
+        V = next(iter(self.prompt_logits.values())).shape[-1]
+        dst_B = np.full(B, B, np.int32)
+        src_B = np.zeros(B, np.int32)
+        logits_BxV = np.zeros((B, V), np.float32)
+        seeds_B = np.zeros(B, np.int32)
+        lengths_B = np.ones(B, np.int32)
+        k = len(take)
+        dst_B[:k], src_B[:k], seeds_B[:k] = rows, src_rows, self.seeds[take]
+        for j, p in enumerate(prompts):
+            logits_BxV[j] = self.prompt_logits[p]
+            lengths_B[j] = len(p)
+        args = (eng.config, self.skey, self.cache, dst_B, src_B, logits_BxV, seeds_B, lengths_B)
+        fn = eng._compiled.get(("share_prompt_rows", B, self.S, self.skey, eng.config,
+                                self.dtype), step_lib.share_prompt_rows, *args)
+        self.cache, tok_B, logp_B = fn(*args[2:])
+        first[where] = np.asarray(tok_B)[:k]
+        first_logp[where] = np.asarray(logp_B)[:k]
 
     def compact(self, live: np.ndarray, new_batch: int) -> None:
         eng, nb = self.engine, new_batch
@@ -565,6 +740,7 @@ class DeviceExecutor:
                                step_lib.gather_rows, self.cache, rows_nb)
         self.cache = fn(self.cache, rows_nb)
         self.pending, self.row_seed = compact_rows(live, nb, self.pending, 0, self.row_seed, 0)
+        self.prompt_rows.compact(live, nb)
 
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
         eng, skey, dtype = self.engine, self.skey, self.dtype

@@ -64,6 +64,56 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
     return tuple(out) + (max_tokens,)
 
 
+def verify_token_buckets(batch: int, max_width: int) -> tuple[int, ...]:
+    """The compiled slot counts N of the packed verify step at batch bucket B: N = B (every
+    step without drafts: the live rows fill more than half of their bucket, so their count is
+    never worth a bucket of its own), then the `token_buckets(B * max_width)` above B (steps
+    with drafts). Few values per B, since each is a compiled program per (B, attended length)."""
+    return (batch,) + tuple(n for n in token_buckets(batch * max_width) if n > batch)
+
+
+def precompile_token_buckets(batch: int, max_width: int) -> tuple[int, ...]:
+    """The slot counts of `verify_token_buckets` that `Engine.precompile` compiles ahead of the
+    first step: those up to max(3 * B, max_width), the ones the DAS budget chooses (a larger N
+    pays only when most of B rows draft several accepted tokens; such a step compiles on first
+    use)."""
+    top = max(3 * batch, max_width)
+    return tuple(n for n in verify_token_buckets(batch, max_width) if n <= top)
+
+
+class PromptRows:
+    """Host bookkeeping of prompt sharing (`EngineConfig.share_prompts`): which prompt's K/V each
+    cache row holds in positions `[0, len)` (written by an admission; a verify step writes only
+    past the prompt, so a row keeps its prompt after it finished until it is refilled or
+    compacted away). Shared by the engine's executor and the trace replay, so both admit the
+    same requests by a row copy."""
+
+    def __init__(self, batch: int):
+        self.rows: list[tuple | None] = [None] * batch
+
+    def split(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
+        """(shared, sources, computed) for the admitted `prompts`: indices of those a row
+        already holds, that row for each, and indices of the others (to prefill)."""
+        holder: dict[tuple, int] = {}
+        for r, p in enumerate(self.rows):
+            if p is not None:
+                holder.setdefault(p, r)
+        keys = [tuple(int(t) for t in p) for p in prompts]
+        shared = [k for k, p in enumerate(keys) if p in holder]
+        return (shared, [holder[keys[k]] for k in shared],
+                [k for k, p in enumerate(keys) if p not in holder])
+
+    def admit(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        for r, p in zip(rows, prompts):
+            self.rows[int(r)] = tuple(int(t) for t in p)
+
+    def compact(self, live: Sequence[int], new_batch: int) -> None:
+        self.rows = [self.rows[int(r)] for r in live] + [None] * (new_batch - len(live))
+
+    def held(self) -> set:
+        return {p for p in self.rows if p is not None}
+
+
 def prompt_bucket(max_prompt: int, floor: int, cache_len: int) -> int:
     """The prompt-length bucket of a prefill: a power of two `floor * 2**k` >= the longest
     prompt, capped at the cache length."""
@@ -122,9 +172,11 @@ def packed_width(n_draft: Sequence[int], widths: Sequence[int]) -> int:
 def packed_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int, max_tokens: int
                       ) -> tuple[int, int]:
     """(num_tokens, attended_kv) a packed verify step computes for these per-row draft lengths
-    (live rows only): the slot bucket of sum_b (1 + n_b), and `batch * kv_len` cached positions
-    (every cache row of the batch bucket attends the step's `kv_len`)."""
-    return _slot_bucket(n_draft_B, token_buckets(max_tokens)), batch * kv_len
+    (live rows only): the slot bucket of sum_b (1 + n_b) (`verify_token_buckets`, max_tokens =
+    batch x the widest width), and `batch * kv_len` cached positions (every cache row of the
+    batch bucket attends the step's `kv_len`)."""
+    return (_slot_bucket(n_draft_B, verify_token_buckets(batch, max(max_tokens // batch, 1))),
+            batch * kv_len)
 
 
 def _slot_bucket(n_draft_B: Sequence[int], buckets: Sequence[int]) -> int:
@@ -140,12 +192,12 @@ def padded_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int,
 
 def step_shape_fn(verify: str, batch: int, kv_len: int, widths: Sequence[int]):
     """`step_shape(n_draft_B) -> (num_tokens, attended_kv)` of the verify step at batch bucket
-    `batch` and attended length `kv_len`: `packed_step_shape` (slot buckets up to
-    batch x the widest width) or `padded_step_shape`, by `verify` ("packed" | "padded"). Shared
+    `batch` and attended length `kv_len`: `packed_step_shape` (`verify_token_buckets`: B,
+    then slot buckets up to batch x the widest width) or `padded_step_shape`, by `verify` ("packed" | "padded"). Shared
     by the engine and the trace replay, so both price a choice of drafts the same way."""
     widths = tuple(sorted(int(w) for w in widths))
     if verify == "packed":
-        buckets = token_buckets(batch * widths[-1])   # once: the policy prices many choices
+        buckets = verify_token_buckets(batch, widths[-1])   # once: the policy prices many choices
         attended = batch * kv_len
         return lambda n_draft_B: (_slot_bucket(n_draft_B, buckets), attended)
     return lambda n_draft_B: padded_step_shape(n_draft_B, batch, kv_len, widths)

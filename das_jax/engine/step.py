@@ -9,6 +9,9 @@ update is in place. Shapes are static per compiled variant:
   flat token slots (N a bucket of their total length), dense work on the N slots, attention
   within a prompt (`das_jax.models.packed.prefill_packed_hidden`); inserted into the B cache
   rows. Same first tokens and cache contents as the padded prefill.
+* share_prompt_rows: admission of a request whose prompt a cache row already holds (a GRPO
+  sibling admitted later than its group): a row copy and the first token sampled from the
+  stored last-position logits, no forward pass.
 * verify (padded): `tokens[B, W]`, W = 1 + draft width from a small compiled set, B from batch
   buckets, attending to the first `kv_len` cache positions (a bucket of the longest live row).
   Every row pays for the widest draft: dense work on B * W token rows.
@@ -69,7 +72,8 @@ def prefill_insert(
     return new_cache, tokens_R, logprobs_R
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling_key", "rows", "width"),
+@functools.partial(jax.jit, static_argnames=("config", "sampling_key", "rows", "width",
+                                             "with_logits"),
                    donate_argnames=("cache",))
 def prefill_packed(
     config: ModelConfig,
@@ -86,6 +90,7 @@ def prefill_packed(
     last_B: jax.Array,
     lengths_B: jax.Array,
     seeds_B: jax.Array,
+    with_logits: bool = False,
 ):
     """Packed prefill: the rule of `prefill_insert` on prompts concatenated into N flat slots.
 
@@ -100,16 +105,49 @@ def prefill_packed(
       slots_B: int32 cache row each admitted request goes to (B: none, a padding entry).
       src_B: int32 prompt index u of each entry; last_B: int32 slot index of that prompt's last
         token; lengths_B: int32 its length (>= 1); seeds_B: int32 request seeds.
+      with_logits: static; also return each entry's logits (for `share_prompt_rows`).
 
     Returns:
       (cache with each entry's prompt K/V in positions `[0, len)` of row `slots_B[j]`,
-      first_tokens_B int32, first_logprobs_B float32); entry j's first token is sampled at
-      absolute index lengths_B[j] from the logits of slot last_B[j], as in `prefill_insert`.
+      first_tokens_B int32, first_logprobs_B float32[, logits_BxV float32 with_logits]);
+      entry j's first token is sampled at absolute index lengths_B[j] from the logits of slot
+      last_B[j], as in `prefill_insert`.
     """
     hidden_NxD, scratch = prefill_packed_hidden(config, params, tokens_N, row_N, offset_N,
                                                 rows=rows, width=width, cache_dtype=cache.dtype)
     logits_BxV = lm_head(config, params, hidden_NxD[last_B][:, None])[:, 0]
     new_cache = cache.insert_rows(slots_B, scratch, src_B)
+    tokens_B, logprobs_B = sampling_lib.sample(logits_BxV, seeds_B, lengths_B, sampling_key,
+                                               config.contraction)
+    if with_logits:
+        return new_cache, tokens_B, logprobs_B, logits_BxV
+    return new_cache, tokens_B, logprobs_B
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling_key"), donate_argnames=("cache",))
+def share_prompt_rows(
+    config: ModelConfig,
+    sampling_key: tuple,
+    cache: KVCache,
+    dst_B: jax.Array,
+    src_B: jax.Array,
+    logits_BxV: jax.Array,
+    seeds_B: jax.Array,
+    lengths_B: jax.Array,
+):
+    """Admits requests whose prompt some cache row already holds, without a forward pass: copies
+    row `src_B[j]` of the cache into row `dst_B[j]` (a value >= B: a padding entry, dropped;
+    every row is read before any is written, so a row may be both a source and a destination)
+    and samples each entry's first token from that prompt's last-position logits
+    `logits_BxV[j]` (returned by the `prefill_packed` that computed the prompt) at absolute
+    index lengths_B[j] with seed seeds_B[j]: the rule and the `[B, V]` shape of
+    `prefill_packed`'s sampling, so the token is the one a prefill would sample from those
+    logits.
+
+    Returns:
+      (cache, first_tokens_B int32, first_logprobs_B float32).
+    """
+    new_cache = cache.insert_rows(dst_B, cache, src_B)
     tokens_B, logprobs_B = sampling_lib.sample(logits_BxV, seeds_B, lengths_B, sampling_key,
                                                config.contraction)
     return new_cache, tokens_B, logprobs_B

@@ -1,0 +1,139 @@
+"""Fewer engine programs, compiled before the first step (issue 12: the main job's rollout time
+with das vs none), and prompt sharing at admission: `Engine.precompile` compiles every packed
+verify program a `generate` call reaches (so none compiles inside its steps), the packed verify
+runs on N = B without drafts (slot buckets above B with drafts), and a request whose
+prompt a cache row holds is admitted by a row copy (`step.share_prompt_rows`) with the same
+rollouts. Tiny random models, float32, fixed seeds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from das_jax.engine import generate as gen
+from das_jax.engine import step as step_lib
+from das_jax.engine.cost_model import calibration_shapes
+from das_jax.engine.generate import Engine, EngineConfig
+from das_jax.engine.policy import FixedPolicy
+from das_jax.engine.sampling import SamplingParams, sample
+from das_jax.engine.schedule import precompile_token_buckets, step_shape_fn, verify_token_buckets
+from das_jax.testing import AdversaryDrafter, random_kv_cache, random_requests, tiny_model_config
+from das_jax.testing import tiny_params
+
+CFG = tiny_model_config()
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tiny_params(CFG)
+
+
+def engine(params, **kw):
+    ec = dict(max_slots=4, max_cache_len=256, draft_widths=(1, 4))
+    ec.update(kw)
+    return Engine(CFG, params, eos_token_ids=[EOS], engine_config=EngineConfig(**ec))
+
+
+def verify_keys():
+    return {k for k in gen._COMPILED_EXECUTABLES if k[0] == "verify_packed"}
+
+
+def test_verify_buckets():
+    assert verify_token_buckets(16, 8) == (16, 24, 32, 48, 64, 96, 128)
+    assert verify_token_buckets(16, 1) == (16,)
+    assert precompile_token_buckets(16, 8) == (16, 24, 32, 48)
+    assert precompile_token_buckets(4, 8) == (4, 8)
+    assert precompile_token_buckets(1, 8) == (1, 2, 4, 8)
+    shape = step_shape_fn("packed", 16, 128, (1, 4, 8))
+    assert shape(np.zeros(9, np.int32)) == (16, 16 * 128)      # 9 live rows, no drafts: N = B
+    assert shape(np.array([7] + [0] * 15)) == (24, 16 * 128)
+    assert shape(np.full(16, 7)) == (128, 16 * 128)            # every draft fits
+
+
+def test_calibration_shapes_are_precompiled(params):
+    eng = engine(params, max_slots=16, draft_widths=(1, 4, 8))
+    reqs = random_requests(problems=8, samples=4, seed=0)
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=16)
+    shapes = set(eng.verify_shapes(reqs, sampling, drafting=True))
+    kv = sorted({s[3] for s in shapes})
+    assert kv == [128] and {s[0] for s in shapes} == {1, 2, 4, 8, 16}
+    assert {s[2] for s in shapes} == {1, 4, 8}
+    assert all(N <= B * W for B, N, W, _ in shapes)
+    for B, W, N, S in calibration_shapes(eng, (1, 16), (1, 4, 8), kv):
+        assert (B, N, W, S) in shapes
+    plain = eng.verify_shapes(reqs, sampling, drafting=False)
+    assert plain == [(B, B, 1, 128) for B in (16, 8, 4, 2, 1)]
+
+
+@pytest.mark.parametrize("drafting", [True])
+def test_precompile_covers_generate(params, drafting):
+    """After `precompile`, a generate call compiles no verify program (drafts of one token per
+    row keep N <= 2B, within the precompiled slot buckets)."""
+    eng = engine(params, precompile=True, draft_widths=(1, 3))
+    reqs = random_requests(problems=3, samples=3, seed=5)
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=10, seed=3)
+    n = eng.precompile(reqs, sampling, drafting=drafting)
+    assert n <= (len(eng.verify_shapes(reqs, sampling, drafting))
+                 + len(eng.refill_prefill_shapes(reqs, sampling)))
+    assert eng.precompile(reqs, sampling, drafting=drafting) == 0      # all compiled now
+    refills = eng.refill_prefill_shapes(reqs, sampling)     # 9 requests through 4 slots
+    assert refills and all(B == 4 for B, _, _ in refills)
+    prefills = {k[1:6] for k in gen._COMPILED_EXECUTABLES if k[0] == "prefill_packed"}
+    S = eng.cache_len_for(reqs, sampling)
+    assert all((B, S, N, 1, T) in prefills for B, N, T in refills)
+    before = verify_keys()
+    drafter = AdversaryDrafter(CFG.vocab_size, seed=2) if drafting else None
+    outs, stats = eng.generate(reqs, sampling, drafter=drafter,
+                               policy=FixedPolicy(max_draft=1) if drafting else None)
+    assert verify_keys() == before
+    if drafting:
+        assert stats.drafted_tokens > 0
+    # precompile=True changes no token
+    ref, _ = engine(params, draft_widths=(1, 3)).generate(
+        reqs, sampling, drafter=AdversaryDrafter(CFG.vocab_size, seed=2) if drafting else None,
+        policy=FixedPolicy(max_draft=1) if drafting else None)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("exact", [True])
+def test_share_prompts_same_rollouts(params, exact):
+    """3 prompts x 4 samples through 4 slots: siblings admitted after their group's first
+    are copied, not prefilled; tokens are the same (log-probs too: exact mode bit for bit)."""
+    reqs = random_requests(problems=3, samples=4, seed=7)
+    sampling = SamplingParams(temperature=0.8, max_new_tokens=8, seed=11)
+    res = {}
+    for share in (True, False):
+        eng = engine(params, share_prompts=share, exact=exact)
+        res[share] = eng.generate(reqs, sampling, drafter=AdversaryDrafter(CFG.vocab_size, 3))
+    (so, ss), (no, ns) = res[True], res[False]
+    assert ss.prefill_tokens < ns.prefill_tokens
+    for a, b in zip(so, no):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        if exact:
+            assert a.logprobs == b.logprobs
+        else:
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_share_prompt_rows_copies_and_samples():
+    """Rows are read before any is written (a swap works), padding entries are dropped, and
+    the first tokens are `sample` of the given logits at the given positions."""
+    B, S, V = 4, 16, CFG.vocab_size
+    cache = random_kv_cache(CFG, B, S, seed=0)
+    k0 = np.asarray(cache.k)
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((B, V)).astype(np.float32)
+    seeds = np.array([5, 6, 7, 8], np.int32)
+    lengths = np.array([3, 9, 1, 1], np.int32)
+    dst = np.array([0, 1, B, B], np.int32)     # swap rows 0 and 1; two padding entries
+    src = np.array([1, 0, 2, 3], np.int32)
+    skey = (0.8, 0, 1.0)
+    new, tok, logp = step_lib.share_prompt_rows(CFG, skey, cache, dst, src, logits, seeds,
+                                                lengths)
+    k = np.asarray(new.k)
+    np.testing.assert_array_equal(k[:, 0], k0[:, 1])
+    np.testing.assert_array_equal(k[:, 1], k0[:, 0])
+    np.testing.assert_array_equal(k[:, 2:], k0[:, 2:])
+    ref_tok, ref_logp = sample(logits, seeds, lengths, skey, CFG.contraction)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
+    np.testing.assert_array_equal(np.asarray(logp), np.asarray(ref_logp))
