@@ -110,10 +110,11 @@ def _group_batch(params, seed, prompt_lens=(30, 41, 12), G=3):
                       advantages_B=rng.normal(0, 1, size=B))
 
 
-def test_count_bucket_is_the_next_power_of_two():
+def test_count_bucket_steps_by_at_most_a_third():
     from das_jax.rl.train_step import count_bucket
-    assert [count_bucket(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
-    assert count_bucket(32) == 32 and count_bucket(33) == 64
+    assert [count_bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12,
+                                                      16]
+    assert count_bucket(32) == 32 and count_bucket(33) == 48 and count_bucket(49) == 64
 
 
 def test_shared_prompt_groups_and_packing():
@@ -128,22 +129,24 @@ def test_shared_prompt_groups_and_packing():
     cols = (tokens, positions, valid, cmask, f, -f, np.arange(4.0), f / 10)
     tok, pos, val, seg, grp, src, tgt, cm, o, rf, a, ww = (x[0] for x in
                                                            pack_shared_prompts(groups, cols))
-    assert tok.shape == (2, 64) and src.shape == (4, 32)  # 3 completions padded to 4
+    assert tok.shape == (2, 64) and src.shape == (3, 32)
     assert tok[0, :5].tolist() == [5, 6, 7, 1, 9] and seg[0, :5].tolist() == [0, 0, 0, 1, 2]
     assert pos[0, :5].tolist() == [0, 1, 2, 3, 3] and val[0].sum() == 5
     assert tok[1, :5].tolist() == [5, 6, 8, 2, 3] and seg[1, :5].tolist() == [0, 0, 1, 1, 1]
-    assert grp.tolist() == [0, 0, 1, 0]
+    assert grp.tolist() == [0, 0, 1]
     assert src[0, 0] == 2 and src[1, 0] == 2 and src[2, :3].tolist() == [1, 2, 3]
-    assert tgt[2, :3].tolist() == [8, 2, 3] and cm.sum() == 5 and a.tolist() == [0, 2, 1, 0]
-    assert not cm[3].any() and not ww[3].any() and not o[3].any() and not rf[3].any()
+    assert tgt[2, :3].tolist() == [8, 2, 3] and cm.sum() == 5 and a.tolist() == [0, 2, 1]
     assert o[2, :3].tolist() == [7, 8, 9] and rf[1, 0] == -13 and np.isclose(ww[0, 0], 0.3)
-    # three groups pad to four: the extra packed row repeats group 0's
-    tok3, val3, grp3, cm3 = (pack_shared_prompts([[0, 2], [1], [0]], cols)[i][0]
-                             for i in (0, 2, 4, 6))
-    assert tok3.shape == (4, 64) and (tok3[3] == tok3[0]).all() and (val3[3] == val3[0]).all()
-    assert grp3.tolist() == [0, 0, 1, 2] and cm3.shape == (4, 32)
-    unpadded = pack_shared_prompts(groups, cols, bucket_counts=False)
-    assert unpadded[0].shape == (1, 2, 64) and unpadded[5].shape == (1, 3, 32)
+    # five groups of five completions pad to six and six: the extra packed row repeats group
+    # 0's, the extra completion row reads it and adds nothing (no mask, weight, advantage)
+    five = [[0], [1], [2], [0], [1]]
+    tok5, val5, grp5, cm5, o5, rf5, a5, ww5 = (pack_shared_prompts(five, cols)[i][0]
+                                               for i in (0, 2, 4, 7, 8, 9, 10, 11))
+    assert tok5.shape == (6, 64) and (tok5[5] == tok5[0]).all() and (val5[5] == val5[0]).all()
+    assert grp5.tolist() == [0, 1, 2, 3, 4, 0] and cm5.shape == (6, 32) and a5[5] == 0
+    assert not (cm5[5].any() or ww5[5].any() or o5[5].any() or rf5[5].any())
+    unpadded = pack_shared_prompts(five, cols, bucket_counts=False)
+    assert unpadded[0].shape == (1, 5, 64) and unpadded[5].shape == (1, 5, 32)
     valid[0, 4] = True  # a valid token after the completion: not prompt + completion
     assert shared_prompt_groups(tokens, positions, valid, cmask, range(4)) is None
 
@@ -153,3 +156,10 @@ def test_shared_prompt_groups_and_packing():
 def test_shared_prompt_packing_matches_full_reference(params, loss_type, beta, mb):
     b = _group_batch(params, seed=7)
     _assert_matches_full_reference(params, b, loss_type, beta, mb)
+
+
+def test_padded_group_and_completion_counts_match_full_reference(params):
+    """Five groups (padded to six packed rows) in one micro-batch: the padding adds nothing to
+    the loss, gradient or metrics."""
+    b = _group_batch(params, seed=11, prompt_lens=(30, 41, 12, 20, 9))
+    _assert_matches_full_reference(params, b, "dapo", 0.0, 15)

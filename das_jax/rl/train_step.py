@@ -523,9 +523,14 @@ def shared_prompt_groups(tokens_NxT, positions_NxT, valid_NxT, cmask_NxT, rows) 
 
 
 def count_bucket(n: int) -> int:
-    """Padded count of packed rows or completions: the next power of two >= n (n >= 1), so a run
-    whose batches train on 1..8 groups compiles its update for 4 group counts, not 8."""
-    return 1 << max(0, int(n) - 1).bit_length()
+    """Padded count of packed rows or completions: n up to 2, else the smallest of 2**k and
+    3 * 2**(k-1) that is >= n (1, 2, 3, 4, 6, 8, 12, 16, ...: at most 1/3 padding), so a run
+    whose batches train on 1..8 groups compiles its update for 6 group counts, not 8."""
+    n = max(int(n), 1)
+    if n <= 2:
+        return n
+    p = 1 << (n - 1).bit_length()
+    return 3 * p // 4 if n <= 3 * p // 4 else p
 
 
 def pack_shared_prompts(groups, cols, *, bucket_counts: bool = True):
