@@ -54,6 +54,43 @@ def pytest_unconfigure(config):
         shutil.rmtree(_JIT_CACHE_DIR, ignore_errors=True)
 
 
+# The files that load the real SmolLM2 model (session fixtures below): one scope, so one worker
+# loads it (and computes transformers' greedy reference) once.
+_REAL_MODEL_FILES = ("test_exact_mode.py", "test_engine_smollm2.py", "test_models_smollm2.py")
+
+
+# The files that take longest, first: under `-n 2 --dist loadfile` (pyproject's addopts) each
+# worker takes whole files in collection order, so a long file left for the end would run alone
+# on one worker while the other idles. The rest keep pytest's order. (A file missing here only
+# costs balance, never a test.)
+_LONG_FILES_FIRST = (
+    "test_multihost_train.py", *_REAL_MODEL_FILES, "test_engine.py", "test_bench_rollout.py",
+    "test_sharding_train.py", "test_multi_device.py", "test_sharding_cli.py", "test_run_log.py",
+    "test_trainer.py", "test_grpo_train_step.py", "test_packed_prefill.py", "test_packed_verify.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, except that the real-model files go to one worker together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class _Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "real-model files" if os.path.basename(path) in _REAL_MODEL_FILES else path
+
+    return _Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FILES_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[id(item)]))
+
+
 SMOLLM2_PROMPTS = (
     "Explain why the sky is blue in a few sentences.",
     "Write a short story about a robot who learns to paint.",
