@@ -89,6 +89,7 @@ def configure_allocator() -> list[str]:
 # held by jax's C++ jit caches and by the engine's own table). Over the main job's ~130
 # programs that is most of the growth of its RSS from step to step.
 _SLOW_COMPILE_S = 0.1  # a backend compile this long is a new program (eager ops take ~20-40 ms)
+_EAGER_OP_CACHE = "xla_primitive_callable"  # jax's cache of the programs of eager ops
 _new_programs = [0]
 _watch_lock = threading.Lock()
 
@@ -112,8 +113,9 @@ def release_trace_caches(force: bool = False) -> bool:
     array re-lowers in ~20-40 ms). The first call only starts watching compiles (and clears
     when `force`).
 
-    This is `jax._src.util.clear_all_caches`, the first half of `jax.clear_caches()` (whose
-    second half drops the executables too); a jax without it makes this a no-op (False).
+    This is `jax._src.util.clear_all_caches` (the first half of `jax.clear_caches()`, whose
+    second half drops the executables too) except the cache of eager ops' programs (small,
+    and they would all recompile); a jax without those internals makes this a no-op (False).
     """
     _watch_compiles()
     with _watch_lock:
@@ -122,10 +124,14 @@ def release_trace_caches(force: bool = False) -> bool:
         _new_programs[0] = 0
     try:
         from jax._src import util
-        clear = util.clear_all_caches
+        caches = list(util._caches)
     except (ImportError, AttributeError):  # pragma: no cover - another jax
         return False
-    clear()
+    for cache in caches:
+        # eager ops keep theirs: each is a small program, and dropping it would recompile every
+        # eager op of the next step (~25 programs of the main job, each counted as "new")
+        if getattr(getattr(cache, "__wrapped__", None), "__name__", "") != _EAGER_OP_CACHE:
+            cache.cache_clear()
     gc.collect()
     release_free_memory()
     return True

@@ -17,12 +17,15 @@ def test_release_trace_caches_keeps_compiled_programs():
             return jnp.tanh(x @ x.T).sum()
         f = jax.jit(program_f)
         x = jnp.ones((8, 8))
+        eager = float((x + 1.0).sum())  # eager ops: their programs are kept too
         expected = float(f(x))
         assert compiled.count("jit(program_f)") == 1
         assert release_trace_caches(force=True)
         assert not release_trace_caches()  # nothing compiled since: nothing to drop
         assert float(f(x)) == expected
         assert compiled.count("jit(program_f)") == 1  # the same executable, not rebuilt
+        n = len(compiled)
+        assert float((x + 1.0).sum()) == eager and len(compiled) == n
         assert float(f(jnp.ones((4, 8)))) == float(jnp.tanh(jnp.full((4, 4), 8.0)).sum())
         assert compiled.count("jit(program_f)") == 2  # a new shape still compiles
     finally:
