@@ -504,7 +504,7 @@ def summary_table(records: Sequence[dict[str, Any]], wall_s: float | None = None
             ("forward passes (generated tokens)", f"{fp} ({gen})"),
             ("tokens per forward", f"{gen / fp:.2f}" if fp else "-"),
             ("peak RSS (this process)",
-             f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.2f} GB")]
+             f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.2f} GiB")]
     w = max(len(k) for k, _ in rows)
     out = [f"| {'metric'.ljust(w)} | value |", f"|{'-' * (w + 2)}|-------|"]
     out += [f"| {k.ljust(w)} | {v} |" for k, v in rows]
