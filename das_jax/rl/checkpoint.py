@@ -161,6 +161,9 @@ def _is_closed_loop_noise(exc: BaseException | None) -> bool:
     return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
 
 
+_NOISE_FILTERS: set = set()  # the hooks `_filter_aborted_save_noise` installed
+
+
 def _filter_aborted_save_noise() -> None:
     """Process-wide: drop the closed-event-loop echoes of an aborted save (`sys.excepthook`,
     which tensorstore's callbacks print through, and `sys.unraisablehook`, which reports the
@@ -168,7 +171,7 @@ def _filter_aborted_save_noise() -> None:
     Installed once, by the first `CheckpointManager`."""
     import logging
     import sys
-    if getattr(sys.excepthook, "_das_jax_filter", False):
+    if sys.excepthook in _NOISE_FILTERS:
         return
     log = logging.getLogger(__name__)
     prev_except, prev_unraisable = sys.excepthook, sys.unraisablehook
@@ -186,7 +189,7 @@ def _filter_aborted_save_noise() -> None:
             return
         prev_unraisable(unraisable)
 
-    excepthook._das_jax_filter = unraisablehook._das_jax_filter = True
+    _NOISE_FILTERS.update((excepthook, unraisablehook))
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
