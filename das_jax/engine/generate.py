@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Hashable, Sequence
 
@@ -478,23 +479,24 @@ class Engine:
         if memo in self._precompiled:
             return 0
         params_abs = jax.tree_util.tree_map(abstract, params)
-        caches: dict[int, Any] = {}
+
+        def i32(*shape):
+            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+
+        @functools.lru_cache(maxsize=None)
+        def cache_abs(B):
+            return jax.tree_util.tree_map(abstract, jax.eval_shape(
+                lambda: KVCache.zeros(self.config, B, S, dtype)))
+
         before = len(self._compiled._cache)
         for B, N, W, kv in shapes:
-            if B not in caches:
-                caches[B] = jax.tree_util.tree_map(abstract, jax.eval_shape(
-                    lambda B=B: KVCache.zeros(self.config, B, S, dtype)))
-            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-            args = (self.config, skey, kv, W, params_abs, caches[B], i32(B), i32(N), i32(N),
+            args = (self.config, skey, kv, W, params_abs, cache_abs(B), i32(B), i32(N), i32(N),
                     i32(N), i32(B), i32(B))
             self._packed_executable(B, N, W, S, kv, skey, dtype.name, args)
         logits = self.engine_config.share_prompts
         for B, N, T in refills:
-            if B not in caches:
-                caches[B] = jax.tree_util.tree_map(abstract, jax.eval_shape(
-                    lambda B=B: KVCache.zeros(self.config, B, S, dtype)))
-            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-            args = (self.config, skey, 1, T, params_abs, caches[B]) + (i32(N),) * 3 + (i32(B),) * 5
+            args = ((self.config, skey, 1, T, params_abs, cache_abs(B)) + (i32(N),) * 3
+                    + (i32(B),) * 5)
             self._compiled.get(("prefill_packed", B, S, N, 1, T, skey, self.config, dtype.name)
                                + (("logits",) if logits else ()), step_lib.prefill_packed,
                                *args, with_logits=logits)
