@@ -88,7 +88,7 @@ class Rollout:
                                                    kv_memory_fraction=r.kv_memory_fraction,
                                                    exact=r.exact, verify=r.verify,
                                                    prefill=r.prefill,
-                                                   precompile=getattr(r, "precompile", False)))
+                                                   precompile=r.precompile))
         sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                   max_new_tokens=r.max_new_tokens,
                                   stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
