@@ -39,6 +39,8 @@ import optax
 from das_jax.models.config import ModelConfig
 from das_jax.models.transformer import ActivationConfig, decoder_layer, rms_norm
 from das_jax.rl import losses
+from das_jax.rl.head_logprobs import (vocab_chunk_width, vocab_chunked_forward,
+                                      vocab_chunked_grad_stats, vocab_chunked_logprobs)
 
 __all__ = ["make_fused_update"]
 
@@ -114,15 +116,57 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
             dx, dlp = vjp(dx)
             return dx, [g.astype(jnp.float32) for g in jax.tree_util.tree_leaves(dlp)]
 
-        def tail(x_GxSxD, tp):
-            h = rms_norm(x_GxSxD, tp["final_norm"], config.rms_norm_eps, config.contraction)
-            h_RxWxD = h[grp[:, None], src]
-            logp, ent = chunked_head_logprobs(config, tp, h_RxWxD, tgt,
-                                              loss_config.temperature, activation.logits_chunk,
-                                              True)
+        def pre_head(x_GxSxD, final_norm):
+            """The completion positions' final hidden states `[R, W, D]`."""
+            h = rms_norm(x_GxSxD, final_norm, config.rms_norm_eps, config.contraction)
+            return h[grp[:, None], src]
+
+        def post_head(logp, ent):
+            """(the loss, the metric sums) from the target log-probs `[R, W]`."""
             logp = jnp.where(cmask, logp, 0.0)
             terms = loss_fn.per_token(logp, old, adv, cmask, ref, loss_config)
             return jnp.sum(w * terms.loss_BxT), losses.metric_sums(terms, cmask, ent)
+
+        def chunk_width(h_RxWxD):
+            R, W, _ = h_RxWxD.shape
+            return vocab_chunk_width(config.vocab_size, R * W, activation.logits_chunk)
+
+        def tail(x_GxSxD, tp):
+            h_RxWxD = pre_head(x_GxSxD, tp["final_norm"])
+            if config.contraction.exact:
+                logp, ent = chunked_head_logprobs(config, tp, h_RxWxD, tgt,
+                                                  loss_config.temperature,
+                                                  activation.logits_chunk, True)
+            else:  # one [V, D] gradient buffer, not two (head_logprobs)
+                R, W, D = h_RxWxD.shape
+                logp, ent = (x.reshape(R, W) for x in vocab_chunked_logprobs(
+                    tp[head_key], h_RxWxD.reshape(R * W, D), tgt.reshape(R * W),
+                    loss_config.temperature, chunk_width(h_RxWxD)))
+            return post_head(logp, ent)
+
+        def tail_backward(x_GxSxD, tp):
+            """The tail's value and backward pass for the norm: (loss, sums, dx, the float32
+            squared norm of the tail params' gradient, the tied head's gradient at the rows of
+            the batch's tokens `[G, S, D]` or None). Outside exact mode the head's `[V, D]`
+            gradient is reduced one vocabulary slice at a time and never exists whole."""
+            if config.contraction.exact:
+                loss, vjp, sums = jax.vjp(tail, x_GxSxD, tp, has_aux=True)
+                dx, dtail = vjp(jnp.ones_like(loss))
+                e_rows = dtail["embed"].astype(jnp.float32)[tok] if "embed" in dtail else None
+                return loss, sums, dx, sq(v.astype(jnp.float32) for v in dtail.values()), e_rows
+            h_RxWxD, pre_vjp = jax.vjp(pre_head, x_GxSxD, tp["final_norm"])
+            R, W, D = h_RxWxD.shape
+            C = chunk_width(h_RxWxD)
+            h_NxD, t_N, w_VxD = h_RxWxD.reshape(R * W, D), tgt.reshape(R * W), tp[head_key]
+            logp, ent, lse = vocab_chunked_forward(w_VxD, h_NxD, t_N, loss_config.temperature, C)
+            loss, post_vjp, sums = jax.vjp(
+                lambda lp: post_head(lp.reshape(R, W), ent.reshape(R, W)), logp, has_aux=True)
+            g_logp = post_vjp(jnp.ones_like(loss))[0]
+            dh, head_sq, e_rows = vocab_chunked_grad_stats(
+                w_VxD, h_NxD, t_N, lse, g_logp, loss_config.temperature, C,
+                rows_M=tok if head_key == "embed" else None)
+            dx, d_norm = pre_vjp(dh.reshape(R, W, D))
+            return loss, sums, dx, head_sq + sq([d_norm.astype(jnp.float32)]), e_rows
 
         def tail_grads(dtail, dx0):
             """float32 gradients of the non-layer params: the tail's, and the embedding's
@@ -132,7 +176,7 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
             g["embed"] = emb.at[tok].add(dx0.astype(jnp.float32))
             return g
 
-        return layer, layer_grad, tail, tail_grads
+        return layer, layer_grad, tail, tail_grads, tail_backward
 
     def sq(leaves):
         return sum(jnp.sum(jnp.square(g)) for g in leaves)
@@ -143,19 +187,42 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
 
     L = config.num_layers
 
+    def tail_params(pairs):
+        """The tail's params (final norm, head) in the compute dtype, from (name, value) pairs."""
+        return {k: cast(v) for k, v in pairs if k in ("final_norm", head_key)}
+
+    def embed_cross_norm(tok, e_rows, dx0):
+        """The part of the squared gradient norm that the embedding's two gradients add besides
+        their own squares: the tied head's gradient `E` (`[V, D]`) and the scatter-add `S` of
+        the token rows' gradients `dx0` (`S[v] = sum_{i: tok_i = v} dx0_i`) sum to the
+        embedding's gradient, and `|E + S|^2 = |E|^2 + 2 <E, S> + |S|^2` with
+        `<E, S> = sum_i <E[tok_i], dx0_i>` (`e_rows` = `E[tok]`, gathered before the backward
+        pass so that `E` need not stay alive through it) and `|S|^2` the squared sum of `dx0`
+        over equal tokens (a segment sum over the batch's distinct tokens, `[G * S, D]`, never
+        `[V, D]`). Returns `2 <E, S> + |S|^2` (float32 scalar)."""
+        d = dx0.astype(jnp.float32).reshape(-1, dx0.shape[-1])
+        flat = tok.reshape(-1)
+        _, inv = jnp.unique(flat, return_inverse=True, size=flat.shape[0])
+        seg = jax.ops.segment_sum(d, inv.reshape(-1), num_segments=flat.shape[0])
+        cross = 0.0 if e_rows is None else jnp.sum(e_rows.reshape(d.shape) * d)
+        return 2.0 * cross + jnp.sum(jnp.square(seg))
+
     @jax.jit
     def forward_and_norm(params, xs):
-        """Program 1: the forward (keeping each layer's input), the tail's vjp, and with the clip
-        the first backward pass (the global gradient norm, one layer's gradient at a time)."""
-        layer, layer_grad, tail, tail_grads = helpers(params, xs)
-        x0 = cast(params["embed"])[xs[0][0]]
+        """Program 1: the forward (keeping each layer's input and the last hidden state), and
+        with the clip the tail's vjp and the first backward pass (the global gradient norm, one
+        layer's gradient at a time). The tail's own gradient (the `[V, D]` head) is never
+        whole here: only its square and its rows at the batch's tokens are taken
+        (`tail_backward`), and `finish` recomputes it (one more head vjp per step; the CPU main
+        job's update peaks ~0.2 GB lower than with the gradient kept)."""
+        layer, layer_grad, _, _, tail_backward = helpers(params, xs)
+        tok = xs[0][0]
+        x0 = cast(params["embed"])[tok]
         xL, x_in_L = jax.lax.scan(lambda x, lp: (layer(x, lp), x), x0,
                                   jax.tree_util.tree_map(cast, params["layers"]))
-        tail_c = {k: cast(v) for k, v in params.items() if k in ("final_norm", head_key)}
-        loss, tail_vjp, sums = jax.vjp(tail, xL, tail_c, has_aux=True)
-        dxL, dtail = tail_vjp(jnp.ones_like(loss))
+        loss, sums, dxL, tail_sq, e_rows = tail_backward(xL, tail_params(params.items()))
         if not clip:
-            return loss, sums, x_in_L, dxL, dtail, None, None
+            return loss, sums, x_in_L, dxL, xL, None
         p_layers = jax.tree_util.tree_leaves(params["layers"])
 
         def body(carry, inp):
@@ -165,8 +232,8 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
             return (dx, total + sq(g)), None
         (dx0, layers_sq), _ = jax.lax.scan(body, (dxL, jnp.zeros((), jnp.float32)),
                                            (x_in_L, jnp.arange(L)), reverse=True)
-        g_tail = tail_grads(dtail, dx0)
-        return loss, sums, x_in_L, dxL, None, g_tail, jnp.sqrt(layers_sq + sq(g_tail.values()))
+        total = layers_sq + tail_sq + embed_cross_norm(tok, e_rows, dx0)
+        return loss, sums, x_in_L, dxL, xL, jnp.sqrt(total)
 
     def adamw_on(idx, p_vals, g_vals, s_vals, s_def, owner, shared, p_def, n):
         """optax.adamw on the param leaves `idx` (values by param index in `p_vals` /
@@ -200,7 +267,7 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         if xs is None:  # nothing to train on this step: a zero gradient (AdamW still moves)
             g = [jnp.zeros(a.shape, jnp.float32) for a in p_i]
         else:
-            _, layer_grad, _, _ = helpers(params_like, xs)
+            _, layer_grad, _, _, _ = helpers(params_like, xs)
             dx, g = layer_grad(dx, x, jax.tree_util.tree_unflatten(params_like.layers_def, p_i))
         new_p, new_s, u = adamw_on(set(layer_idx), dict(zip(layer_idx, p_i)),
                                    {li: clipped(gi, norm) for li, gi in zip(layer_idx, g)},
@@ -217,19 +284,24 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         written here, so XLA does not copy them)."""
         return jax.tree_util.tree_map(lambda a, v: a.at[i].set(v), stacks, values)
 
-    @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(8, 9))
-    def finish(meta, params_like, xs, dtail, dx0, g_tail, norm, layers_gsq, p_o, s_o, shared):
-        """AdamW on the non-layer params (embedding, final norm, an untied head), which also
-        advances the shared step counts; the gradient / update norms."""
+    @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(7, 8))
+    def finish(meta, params_like, xs, xL, dx0, norm, layers_gsq, p_o, s_o, shared):
+        """The non-layer params' gradient (the tail's vjp at the kept last hidden state `xL`,
+        plus the embedded tokens' scatter-add of `dx0`) and AdamW on them (embedding, final
+        norm, an untied head), which also advances the shared step counts; the gradient /
+        update norms."""
         other_idx, s_other, s_def, owner, p_def, n, names = meta
         names = dict(names)
         if xs is None:
             g_tail = {names[i]: jnp.zeros(a.shape, jnp.float32) for i, a in zip(other_idx, p_o)}
             norm = jnp.zeros((), jnp.float32)
-        elif not clip:
-            _, _, _, tail_grads = helpers(params_like, xs)
-            g_tail = tail_grads(dtail, dx0)
-            norm = jnp.sqrt(layers_gsq + sq(g_tail.values()))
+        else:
+            _, _, tail, tail_grads, _ = helpers(params_like, xs)
+            tp = tail_params((names[i], p) for i, p in zip(other_idx, p_o))
+            loss, tail_vjp, _ = jax.vjp(lambda t: tail(xL, t), tp, has_aux=True)
+            g_tail = tail_grads(tail_vjp(jnp.ones_like(loss))[0], dx0)
+            if not clip:
+                norm = jnp.sqrt(layers_gsq + sq(g_tail.values()))
         new_p, new_s, u = adamw_on(set(other_idx), dict(zip(other_idx, p_o)),
                                    {i: clipped(g_tail[names[i]], norm) for i in other_idx},
                                    dict(zip(s_other, s_o)), s_def, owner, shared, p_def, n)
@@ -243,9 +315,9 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         if xs is None:
             zero = jnp.zeros((), jnp.float32)
             loss, sums = zero, {k: zero for k in losses.METRIC_SUM_KEYS}
-            x_in_L, dx, dtail, g_tail, norm = [None] * L, None, None, None, zero
+            x_in_L, dx, xL, norm = [None] * L, None, None, zero
         else:
-            loss, sums, x_in_L, dx, dtail, g_tail, norm = forward_and_norm(params, xs)
+            loss, sums, x_in_L, dx, xL, norm = forward_and_norm(params, xs)
         inner = opt_state[1] if clip else opt_state
         p_leaves, p_def = jax.tree_util.tree_flatten(params)
         paths = [jax.tree_util.keystr(k) for k, _ in
@@ -281,7 +353,7 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         names = {i: paths[i][2:-2] for i in other_idx}  # "['embed']" -> "embed"
         new_p, new_s, u, norm = finish(
             (other_idx, s_other, s_def, owner, p_def, n, tuple(sorted(names.items()))),
-            shapes, xs, dtail, dx, g_tail, norm, gsq,
+            shapes, xs, xL, dx, norm, gsq,
             [p_leaves[i] for i in other_idx], [s_leaves[k] for k in s_other], shared)
         out_p = list(p_leaves)
         for i, a in zip(layer_idx, p_st):
