@@ -80,6 +80,26 @@ def test_fused_update_equals_unfused(case):
     assert _max_rel(p_new, params0) > 1e-3
 
 
+def test_fused_update_adamw_in_row_blocks_equals_unfused(monkeypatch):
+    """The non-layer leaves' AdamW in row blocks (a block of 4 rows here, as the [V, D]
+    embedding runs in ~16 MB blocks) gives the unfused step's params and moments."""
+    from das_jax.rl import fused_update
+    monkeypatch.setattr(fused_update, "_BLOCK_BYTES", 4 * CFG.hidden_size * 4)
+    assert len(fused_update._row_blocks(np.zeros((CFG.vocab_size, CFG.hidden_size),
+                                                 np.float32))) == 10
+    config = dataclasses.replace(CFG, tie_word_embeddings=False)  # embed and lm_head in blocks
+    grpo = _grpo(micro_batch_size=9, learning_rate=3e-2, adam_epsilon=1e-4, loss_type="dapo",
+                 max_grad_norm=0.05, weight_decay=0.1)
+    params0 = tiny_params(config, seed=3)
+    batches = [_group_batch(params0, seed=s) for s in (7, 8)]
+    p_ref, s_ref, m_ref = _run(config, grpo, batches, fused=False)
+    p_new, s_new, m_new = _run(config, grpo, batches, fused=True)
+    assert _max_rel(p_new, p_ref) < 1e-5
+    assert _max_rel(s_new, s_ref) < 1e-5
+    for a, b in zip(m_new, m_ref):
+        np.testing.assert_allclose(a["update_norm"], b["update_norm"], rtol=1e-5)
+
+
 def test_fused_update_mixed_precision_tracks_unfused():
     """bf16 compute, float32 master weights and moments: both paths run the same bf16 forward
     and backward; they agree to bf16 rounding and move every weight."""

@@ -94,6 +94,8 @@ def test_resume_equals_uninterrupted(tmp_path):
     cfg = make_config(tmp_path / "b", steps=4, save_every=2)
     first = make_trainer(cfg)
     first.train(progress=False, stop_after=2)        # "killed" after step 2's checkpoint
+    # the Adam moments go once the run is complete (after its last checkpoint), not before
+    assert full.opt_state is None and first.opt_state is not None
     with pytest.raises(RunDirError, match="--resume"):
         make_trainer(cfg).train(progress=False)      # refuses to overwrite a run
     resumed = make_trainer(cfg)
