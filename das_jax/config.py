@@ -218,9 +218,10 @@ class TrainSection:
     log_samples: int = 4
     # Memory (see README "Memory"): master weights / Adam moments dtype (model.dtype is the
     # compute dtype; "bfloat16" here is pure bf16 training, lossy: small updates round away);
-    # per-layer rematerialisation; tokens per chunk of the lm_head + log-softmax; query rows per
-    # attention chunk; check the memory plan before loading weights (device_memory_gb: None reads
-    # the device).
+    # per-layer rematerialisation; tokens per chunk of the lm_head + log-softmax (the fused
+    # update cuts the vocabulary instead, into slices holding as many float32 logits:
+    # das_jax.rl.head_logprobs); query rows per attention chunk; check the memory plan before
+    # loading weights (device_memory_gb: None reads the device).
     master_dtype: str = _choices("float32", "bfloat16", default="float32")
     remat: str = _choices("none", "full", "dots", default="full")
     logits_chunk: int = 1024

@@ -81,12 +81,13 @@ def test_fused_update_equals_unfused(case):
 
 
 def test_fused_update_adamw_in_row_blocks_equals_unfused(monkeypatch):
-    """The non-layer leaves' AdamW in row blocks (a block of 4 rows here, as the [V, D]
-    embedding runs in ~16 MB blocks) gives the unfused step's params and moments."""
+    """The non-layer leaves' AdamW in row blocks (blocks of 4 rows here: 9 of them and a last
+    one of 1 row for the 37-row embedding, as the [V, D] embedding runs in ~16 MB blocks)
+    gives the unfused step's params and moments."""
     from das_jax.rl import fused_update
     monkeypatch.setattr(fused_update, "_BLOCK_BYTES", 4 * CFG.hidden_size * 4)
-    assert len(fused_update._row_blocks(np.zeros((CFG.vocab_size, CFG.hidden_size),
-                                                 np.float32))) == 10
+    blocks = fused_update._row_blocks(np.zeros((CFG.vocab_size, CFG.hidden_size), np.float32))
+    assert blocks[:2] == [(0, 4), (4, 4)] and blocks[-1] == (36, 1) and len(blocks) == 10
     config = dataclasses.replace(CFG, tie_word_embeddings=False)  # embed and lm_head in blocks
     grpo = _grpo(micro_batch_size=9, learning_rate=3e-2, adam_epsilon=1e-4, loss_type="dapo",
                  max_grad_norm=0.05, weight_decay=0.1)

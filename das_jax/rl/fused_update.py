@@ -13,8 +13,9 @@ The tail (final norm, lm_head, loss) is differentiated by hand too (`head_logpro
 vocabulary slices with a written-out backward pass), so that the norm pass never holds the
 head's `[V, D]` gradient: it takes that gradient's square and its rows at the batch's tokens
 slice by slice, and the embedding's norm follows from them (`embed_cross_norm`). The last
-program (`finish`) recomputes the tail's gradient once, adds the embedded tokens' scatter, and
-runs AdamW on the embedding in row blocks written back in place. With this, the CPU main job's
+program (`finish`) recomputes the tail's gradient once and adds the embedded tokens' scatter;
+AdamW then runs on the embedding in row blocks of ~16 MB, each taken, updated and written back
+in place (`adamw_in_row_blocks`). With this, the CPU main job's
 update holds at most ~0.3 GB beyond params and moments (it was ~0.5 GB with the tail's gradient
 kept, and ~0.6 GB more with the whole gradient).
 
@@ -63,16 +64,18 @@ def _state_owners(adamw, inner, params):
         adamw, lambda _, i: i, inner, marks, transform_non_params=lambda _: -1))
 
 
-_BLOCK_BYTES = 16 * 2**20  # AdamW's row blocks of a large non-layer leaf (finish)
+_BLOCK_BYTES = 16 * 2**20  # AdamW's row blocks of a large non-layer leaf
 
 
 def _row_blocks(a) -> list[tuple[int, int]]:
-    """Static [r0, r1) row ranges covering `a`'s leading axis, each of ~`_BLOCK_BYTES`."""
+    """(first row, rows) of the blocks of ~`_BLOCK_BYTES` that cover `a`'s leading axis: equal
+    blocks and one shorter last block (two compiled block shapes at most). One block for a
+    leaf of rank < 2 or under two blocks' worth of rows."""
     rows = a.shape[0] if a.ndim else 1
-    if a.ndim < 2:
-        return [(0, rows)]
     per = max(1, _BLOCK_BYTES // max(1, a.nbytes // rows))
-    return [(r, min(rows, r + per)) for r in range(0, rows, per)]
+    if a.ndim < 2 or rows < 2 * per:
+        return [(0, rows)]
+    return [(r, min(per, rows - r)) for r in range(0, rows, per)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,44 +309,65 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         return jax.tree_util.tree_map(lambda a, v: a.at[i].set(v), stacks, values)
 
     @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(7, 8))
-    def finish(meta, params_like, xs, xL, dx0, norm, layers_gsq, p_o, s_o, shared):
+    def finish(meta, params_like, xs, xL, dx0, norm, layers_gsq, p_o, s_o, shared, p_big):
         """The non-layer params' gradient (the tail's vjp at the kept last hidden state `xL`,
-        plus the embedded tokens' scatter-add of `dx0`) and AdamW on them (embedding, final
-        norm, an untied head), which also advances the shared step counts; the gradient /
-        update norms."""
-        other_idx, s_other, s_def, owner, p_def, n, names = meta
+        plus the embedded tokens' scatter-add of `dx0`) and AdamW on the small ones (final
+        norm), which also advances the shared step counts; the gradient / update norms. The
+        large ones (`p_big`, not donated: the embedding, an untied head) get only their
+        gradient, returned for `_adamw_in_row_blocks`."""
+        other_idx, big_idx, s_other, s_def, owner, p_def, n, names = meta
         names = dict(names)
+        small_idx = [i for i in other_idx if i not in big_idx]
+        p_vals = {**dict(zip(small_idx, p_o)), **dict(zip(big_idx, p_big))}
         if xs is None:
-            g_tail = {names[i]: jnp.zeros(a.shape, jnp.float32) for i, a in zip(other_idx, p_o)}
+            g_tail = {names[i]: jnp.zeros(a.shape, jnp.float32) for i, a in p_vals.items()}
             norm = jnp.zeros((), jnp.float32)
         else:
             _, _, tail, tail_grads, _ = helpers(params_like, xs)
-            tp = tail_params((names[i], p) for i, p in zip(other_idx, p_o))
+            tp = tail_params((names[i], p) for i, p in p_vals.items())
             loss, tail_vjp, _ = jax.vjp(lambda t: tail(xL, t), tp, has_aux=True)
             g_tail = tail_grads(tail_vjp(jnp.ones_like(loss))[0], dx0)
             if not clip:
                 norm = jnp.sqrt(layers_gsq + sq(g_tail.values()))
-        p_vals, s_vals = dict(zip(other_idx, p_o)), dict(zip(s_other, s_o))
-        new_p, new_s, u = {}, {}, jnp.zeros((), jnp.float32)
-        for i in other_idx:
-            # AdamW is elementwise: run it on blocks of rows of a large leaf (the [V, D]
-            # embedding), each written back in place, so that its moments' and update's
-            # temporaries are a block each rather than a whole leaf each (~3 x 113 MB on the
-            # CPU main job); the shared step counts come out the same from every block
-            keys = [k for k in s_other if owner[k] == i]
-            p_i, g_i = p_vals[i], clipped(g_tail[names[i]], norm)
-            s_i = {k: s_vals[k] for k in keys}
-            for r0, r1 in _row_blocks(p_i):
-                bp, bs, bu = adamw_on({i}, {i: p_i[r0:r1]}, {i: g_i[r0:r1]},
-                                      {k: v[r0:r1] for k, v in s_i.items()}, s_def, owner,
-                                      shared, p_def, n)
-                p_i = p_i.at[r0:r1].set(bp[i])
-                s_i = {k: v.at[r0:r1].set(bs[k]) for k, v in s_i.items()}
-                new_s.update({k: v for k, v in bs.items() if owner[k] < 0})
-                u = u + bu
-            new_p[i] = p_i
-            new_s.update(s_i)
-        return new_p, new_s, u, norm
+        new_p, new_s, u = adamw_on(set(small_idx), {i: p_vals[i] for i in small_idx},
+                                   {i: clipped(g_tail[names[i]], norm) for i in small_idx},
+                                   dict(zip([k for k in s_other if owner[k] not in big_idx],
+                                            s_o)), s_def, owner, shared, p_def, n)
+        return new_p, new_s, u, norm, [g_tail[names[i]] for i in big_idx]
+
+    @functools.partial(jax.jit, static_argnums=(2,))
+    def take_rows(stacks, r0, size):
+        return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, r0, size, 0),
+                                      stacks)
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def put_rows(stacks, r0, values):
+        """Writes rows [r0, r0 + len) of each donated buffer, in place."""
+        return jax.tree_util.tree_map(
+            lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, r0, 0), stacks, values)
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def block_adamw(meta, p_b, g_b, s_b, shared, norm):
+        """AdamW (clipped gradient) on a block of rows of one leaf: (new p, new moments, |u|^2)."""
+        i, keys, s_def, owner, p_def, n = meta
+        new_p, new_s, u = adamw_on({i}, {i: p_b}, {i: clipped(g_b, norm)},
+                                   dict(zip(keys, s_b)), s_def, owner, shared, p_def, n)
+        return new_p[i], [new_s[k] for k in keys], u
+
+    def adamw_in_row_blocks(meta, p, g, s, shared, norm):
+        """AdamW on a large leaf `p` (its moments `s`, gradient `g`) in blocks of rows of ~16 MB:
+        each block taken, updated and written back in place (`put_rows` donates the buffers),
+        so the moments' and the update's temporaries are a block each, not a leaf each (~3 x
+        113 MB for the CPU main job's embedding; AdamW is elementwise: same values). Returns
+        (new p, new moments, |u|^2)."""
+        u = jnp.zeros((), jnp.float32)
+        for r0, size in _row_blocks(p):
+            p_b, g_b, s_b = take_rows((p, g, s), r0, size)
+            new_p, new_s, u_b = block_adamw(meta, p_b, g_b, s_b, shared, norm)
+            del p_b, s_b
+            p, s = put_rows((p, s), r0, (new_p, new_s))
+            u = u + u_b
+        return p, s, u
 
     def update(params, opt_state, xs):
         """One GRPO step: (params, opt_state, loss, metric sums, norms); params and opt_state
@@ -389,10 +413,23 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
             gsq, usq = gsq + g2, usq + u
         del x_in_L
         names = {i: paths[i][2:-2] for i in other_idx}  # "['embed']" -> "embed"
-        new_p, new_s, u, norm = finish(
-            (other_idx, s_other, s_def, owner, p_def, n, tuple(sorted(names.items()))),
-            shapes, xs, xL, dx, norm, gsq,
-            [p_leaves[i] for i in other_idx], [s_leaves[k] for k in s_other], shared)
+        big_idx = tuple(i for i in other_idx if len(_row_blocks(p_leaves[i])) > 1)
+        small_idx = [i for i in other_idx if i not in big_idx]
+        new_p, new_s, u, norm, g_big = finish(
+            (other_idx, big_idx, s_other, s_def, owner, p_def, n,
+             tuple(sorted(names.items()))), shapes, xs, xL, dx, norm, gsq,
+            [p_leaves[i] for i in small_idx],
+            [s_leaves[k] for k in s_other if owner[k] not in big_idx], shared,
+            [p_leaves[i] for i in big_idx])
+        for i, g in zip(big_idx, g_big):
+            keys = tuple(k for k in s_other if owner[k] == i)
+            p_i, s_i, u_i = adamw_in_row_blocks((i, keys, s_def, owner, p_def, n),
+                                                p_leaves[i], g, [s_leaves[k] for k in keys],
+                                                shared, norm)
+            new_p[i] = p_i
+            new_s.update(zip(keys, s_i))
+            u = u + u_i
+        del g_big
         out_p = list(p_leaves)
         for i, a in zip(layer_idx, p_st):
             out_p[i] = a
