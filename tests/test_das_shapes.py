@@ -1,5 +1,5 @@
 """The DAS budget on measured step shapes: the cost model's per-shape table (N, K, W), the step
-shape's width, the policy's preference for measured (compiled) shapes, round-robin admission."""
+shape's width, the policy's preference for measured (compiled) shapes."""
 from __future__ import annotations
 
 import numpy as np
@@ -94,10 +94,3 @@ def test_unmeasured_drafting_shapes_wait_for_an_exploration_step():
     # Without any measured shape (a fresh or frozen model), every shape is priced alike.
     fresh = _policy(CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0))
     assert fresh.choose(rows, probs, shape)[0].sum() > 0
-
-
-def test_admission_spreads_a_groups_samples_when_predictions_tie():
-    pol = DASPolicy(lambda pid: {"long": [90, 100]}.get(pid, []))
-    # No history for a and b: their samples alternate; the predicted-long problem goes first.
-    assert pol.admission_order(["a", "a", "b", "b"]) == [0, 2, 1, 3]
-    assert pol.admission_order(["a", "a", "long", "long", "b", "b"]) == [2, 3, 0, 4, 1, 5]

@@ -83,7 +83,6 @@ def test_replay_takes_the_engine_decisions_by_construction(params, verify, name,
     # The replay of the engine's trace.
     r_drafter, r_policy = build_speculation(name, das, cm)
     kinds, batches = set(), set()
-    drafted = accepted = 0
     for epoch in range(2):
         sampling = SamplingParams(temperature=temperature, max_new_tokens=MAX_NEW, seed=epoch)
         eng_exec = Recorder(eng.step_executor(reqs, sampling), cost_model=cm)
@@ -124,9 +123,7 @@ def test_replay_takes_the_engine_decisions_by_construction(params, verify, name,
                     for o in outs])
         if sim is not None:   # the public `simulate` is that same run
             assert sim.steps == st.steps and _counters(sim) == _counters(st)
-        drafted += st.drafted_tokens
-        accepted += st.accepted_draft_tokens
-    assert drafted > 0 and accepted > 0   # the runs compared above did speculate
+    assert st.drafted_tokens > 0 and st.accepted_draft_tokens > 0
     assert {"start", "prefill", "compact", "verify"} <= kinds, kinds
     assert len(batches) > 1   # the tail ran smaller batch buckets
 

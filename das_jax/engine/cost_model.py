@@ -293,24 +293,25 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     """The (batch, width, num_tokens, kv_len) shapes `calibrate` times.
 
     Packed engine: at each batch bucket B and attended length, the step without drafts (W = 1,
-    N = B) and, for every width W > 1, the step with drafts at the smallest slot count above B
-    (the first drafting bucket, what the DAS budget mostly chooses), so the fit sees N vary at
-    fixed attended KV and the attended KV vary at fixed N. These are the shapes generation runs
-    (and `Engine.precompile` compiles), so their executables are reused there. Larger slot
-    buckets are not timed: each costs a compile (~2 s for SmolLM2-135M on the 2-core CPU) that a
-    rollout may never reuse; the online fit and the per-shape table learn them when they run.
-    Padded engine: N = B * W for every width.
+    N = B), and at the largest B, for every width W > 1, the step with drafts at the smallest
+    slot count above B (the first drafting bucket, what the DAS budget mostly chooses), so the
+    fit sees N vary at fixed attended KV and the attended KV vary at fixed N. These are the
+    shapes generation runs (and `Engine.precompile` compiles), so their executables are reused
+    there. Other drafting shapes are not timed: each costs a compile (~2 s for SmolLM2-135M on
+    the 2-core CPU) that a rollout may never reuse; the online fit and the per-shape table
+    learn them when they run. Padded engine: N = B * W for every width.
     """
     from das_jax.engine.schedule import precompile_token_buckets
 
     widths = tuple(widths)
     wmax = max(widths)
     out = []
+    batches = tuple(batches)
     for B in batches:
         for S in kv_lens:
             if engine.engine_config.verify == "packed":
                 out.append((B, 1, B, S))
-                out.extend((B, W, n, S) for W in widths if W > 1
+                out.extend((B, W, n, S) for W in widths if W > 1 and B == max(batches)
                            for n in precompile_token_buckets(B, wmax)[1:2] if n <= B * W)
             else:
                 out.extend((B, W, B * W, S) for W in widths)

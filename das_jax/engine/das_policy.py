@@ -35,13 +35,13 @@ Decides how much to speculate, for whom, at each decode step:
    (`acceptance_ema`) of committed accepted tokens at that depth over the predicted ones. Every
    `explore_every`-th step whose best choice is no drafts although drafts exist verifies the best
    speculative candidate anyway, so the cost model and the calibration keep learning.
-5. Admission. Predicted-long requests enter slots first, so they start early; samples of one
-   problem with the same prediction enter round-robin across problems, so a group's later
-   samples can draft from its earlier ones.
+5. Admission. Predicted-long requests enter slots first, so they start early.
 6. Measured shapes. With a cost model that keeps measured times per step shape (`CostModel`
    with a width: `CostModel.predict_step`), a choice is priced by its shape's measured time,
    and a drafting shape never run (priced by the linear fit, and costing a compile) is chosen
-   only on an exploration step and only when predicted `UNSEEN_MARGIN` better.
+   only on an exploration step, at most once per `UNSEEN_EVERY` * explore_every steps, and
+   only when predicted `UNSEEN_MARGIN` better than the best measured choice, or when no
+   drafting shape it could use has been measured.
 
 Ablations: `unlimited=True` is "das-unlimited" (every row verifies its whole draft; no classes,
 no cost model); `budget_short` / `budget_medium` / `budget_long` cap the draft tokens requested
@@ -64,6 +64,7 @@ _ORDER = {SHORT: 0, MEDIUM: 1, LONG: 2}
 MAX_VALUE_CUTS = 24        # value cut-offs of the greedy order evaluated per step
 _SCALE_RANGE = (0.02, 4.0)  # bounds of the per-depth calibration factor
 UNSEEN_MARGIN = 0.1        # how much better (J) an unmeasured shape must be predicted to try it
+UNSEEN_EVERY = 4           # at most one unmeasured shape per UNSEEN_EVERY * explore_every steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +141,7 @@ class DASPolicy:
         self.depth_scale = np.zeros(0)     # per-depth calibration factors (grown on demand)
         self._pending = None               # (n_draft, raw path probabilities) of the last choice
         self._steps = 0
+        self._last_unseen = None           # step of the last unmeasured shape explored
         self._finished_count = 0           # finished rollouts seen (invalidates _th_cache)
         self._th_cache = None
 
@@ -187,18 +189,9 @@ class DASPolicy:
 
     # ----- SpeculationPolicy --------------------------------------------------------------------
     def admission_order(self, problem_ids: Sequence[Hashable]) -> list[int]:
-        """Predicted-long problems first; among equal predictions (e.g. no history yet), the
-        samples of a problem are spread out round-robin (every problem's first sample, then every
-        second one, ...), so a group's later samples start after its earlier ones have run ahead
-        and can draft from them. Seeds do not depend on the order, so neither do the tokens."""
         cache: dict[Hashable, float] = {}
         pred = [cache.setdefault(p, self.predicted_length(p)) for p in problem_ids]
-        seen: dict[Hashable, int] = {}
-        rank = []
-        for p in problem_ids:
-            rank.append(seen.get(p, 0))
-            seen[p] = rank[-1] + 1
-        return sorted(range(len(problem_ids)), key=lambda i: (-pred[i], rank[i]))
+        return sorted(range(len(problem_ids)), key=lambda i: -pred[i])  # stable: ties keep order
 
     def begin(self, request_id: int, problem_id: Hashable, prompt_len: int) -> None:
         self.classes[request_id] = self.initial_class(problem_id)
@@ -308,18 +301,27 @@ class DASPolicy:
         key = lambda x: (x[0], x[1], x[2])   # noqa: E731
         # Shapes already measured (compiled) are priced by their own times; a shape never run
         # is priced by the linear fit, which underprices drafting steps on a CPU, and costs a
-        # compile. So it is chosen only on an exploration step, and only when it is predicted
-        # `UNSEEN_MARGIN` better than the best measured choice.
+        # compile (~2 s for SmolLM2-135M on 2 CPU cores, 15 plain steps). So it is chosen only
+        # on an exploration step, at most once per UNSEEN_EVERY * explore_every steps, and only
+        # when predicted UNSEEN_MARGIN better than the best measured choice or when no measured
+        # drafting shape is among the candidates.
         best = min((x for x in scored if x[4]), key=key)
         self._steps += 1
-        if self.config.explore_every and self._steps % self.config.explore_every == 0:
+        every = self.config.explore_every
+        if every and self._steps % every == 0:
             top = min(scored, key=key)
-            spec = ([x for x in scored if x[2] > 0 and x[4]]
-                    or [x for x in scored if x[2] > 0])   # measured shapes first
-            if top[2] > 0 and not top[4] and top[0] < (1 - UNSEEN_MARGIN) * best[0]:
+            seen_spec = [x for x in scored if x[2] > 0 and x[4]]
+            new_ok = (self._last_unseen is None or
+                      self._steps - self._last_unseen >= UNSEEN_EVERY * every)
+            if (new_ok and top[2] > 0 and not top[4]
+                    and top[0] < (1 - UNSEEN_MARGIN) * best[0]):
                 best = top
-            elif best[2] == 0:
-                best = min(spec, key=key)
+            elif best[2] == 0 and seen_spec:
+                best = min(seen_spec, key=key)
+            elif best[2] == 0 and new_ok:
+                best = min((x for x in scored if x[2] > 0), key=key)
+            if not best[4]:
+                self._last_unseen = self._steps
         n = best[3]
         if n.sum():
             self._pending = (n.copy(), [np.asarray(p, np.float64) for p in draft_probs])
