@@ -94,3 +94,30 @@ def test_unmeasured_drafting_shapes_wait_for_an_exploration_step():
     # Without any measured shape (a fresh or frozen model), every shape is priced alike.
     fresh = _policy(CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0))
     assert fresh.choose(rows, probs, shape)[0].sum() > 0
+
+
+def test_unmeasured_shapes_are_explored_at_most_once_per_unseen_every_explorations():
+    from das_jax.engine.das_policy import UNSEEN_EVERY
+    rows = [RowView(i, "p", 5, 50) for i in range(4)]
+    shape = step_shape_fn("packed", 4, 128, (1, 4, 8))
+    cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0)
+    for _ in range(2):
+        cm.observe_step(4, 512, 0.050, width=1)
+    pol = _policy(cm, explore_every=2)
+    chosen = []
+    for step in range(1, 2 * UNSEEN_EVERY + 5):
+        probs = [np.full(7, 0.95)] * 4 if step <= 2 else [np.array([0.9])] * 4
+        n, _ = pol.choose(rows, probs, shape)
+        chosen.append(int(n.sum()))
+        s = shape(n)
+        # The first explored shape (every row's whole draft) turns out slow.
+        pol.observe(StepRecord(batch=4, active=4, width=s.width, kv_len=128,
+                               drafted=int(n.sum()), accepted=0, emitted=4,
+                               seconds=0.2 if n.sum() else 0.05, num_tokens=s[0],
+                               attended_kv=512, accepted_per_row=(0,) * 4))
+    # Step 2 explored an unmeasured shape; the next unmeasured one (one draft token per row,
+    # predicted well better by the fit) waits UNSEEN_EVERY * explore_every steps.
+    assert chosen[1] == 28
+    first_again = 2 + UNSEEN_EVERY * 2
+    assert chosen[2:first_again - 1] == [0] * (first_again - 3)
+    assert chosen[first_again - 1] == 4
