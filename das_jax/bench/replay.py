@@ -67,7 +67,7 @@ from das_jax.engine import (CostModel, EngineConfig, GenerateStats, Limits, Pref
 class FrozenCostModel(CostModel):
     """A cost model that ignores observations (the replay plans with fixed coefficients)."""
 
-    def observe_step(self, num_tokens, attended_kv, seconds, refit=True):
+    def observe_step(self, num_tokens, attended_kv, seconds, refit=True, width=None):
         pass
 
     @classmethod

@@ -14,6 +14,16 @@ term added. The coefficients are fitted by non-negative least squares over the m
 the window holds only new steps, the fit is that of the new machine): first at warm-up
 (`calibrate`), then refined with every step the engine runs.
 
+Measured step times per compiled shape. A linear model misprices the steps a real engine runs:
+on this CPU (SmolLM2-135M, f32) one draft slot at B = 1 costs +38% (a one-row matmul is a
+faster class than two rows) where the fit predicts +6%, the first draft bucket at B = 16
+(N 16 -> 24) +28% where it predicts +17%, and a query block of W = 4 at the same N +9% where it
+predicts nothing. So the model also keeps, per shape (N, K, W) a step was observed at with its
+query-block width W, the recent measured seconds (`table_window` of them), and
+`predict_step(N, K, width=W)` returns their median once `table_min` are there (the linear fit
+otherwise, and whenever no width is given). `seen(N, K, W)` says whether a shape has been
+measured, i.e. whether its program is compiled (the DAS policy prefers compiled shapes).
+
 `predict(batch, width, kv_len)` / `observe(batch, width, kv_len, seconds)` are the padded-engine
 spelling of `predict_step(batch * width, batch * kv_len)` / `observe_step(...)`.
 
@@ -94,6 +104,9 @@ class CostModel:
       history: how many recent observations the fit uses (older ones are dropped, so the model
         follows drift such as thermal throttling or a co-tenant).
       observations: the window, (num_tokens, attended_kv, seconds) tuples, oldest first.
+      table_window / table_min: measured seconds kept per shape (N, K, W), and how many are
+        needed before `predict_step` with a width returns their median instead of the fit.
+      table: {(num_tokens, attended_kv, width): deque of recent seconds}.
     """
 
     c_base: float = _PRIOR.c_base
@@ -101,6 +114,9 @@ class CostModel:
     c_kv: float = _PRIOR.c_kv
     history: int = _PRIOR.history
     observations: collections.deque = dataclasses.field(default_factory=collections.deque)
+    table_window: int = 16
+    table_min: int = 2
+    table: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: CostModelConfig) -> "CostModel":
@@ -118,15 +134,30 @@ class CostModel:
                    history=config.history)
 
     # ----- the step-shape interface (shared contract with the packed engine) -------------------
-    def predict_step(self, num_tokens: int, attended_kv: int) -> float:
+    def predict_step(self, num_tokens: int, attended_kv: int, width: int | None = None) -> float:
         """Predicted seconds of a verify step computing `num_tokens` token slots that attend
-        `attended_kv` cached positions in total (summed over rows)."""
+        `attended_kv` cached positions in total (summed over rows), with query-block `width`
+        W when known: the median of the shape's recent measured times once `table_min` are
+        there, else (and without a width) the linear fit."""
+        if width is not None:
+            ts = self.table.get((int(num_tokens), int(attended_kv), int(width)))
+            if ts is not None and len(ts) >= self.table_min:
+                return float(np.median(ts))
         return self.c_base + self.c_tok * num_tokens + self.c_kv * attended_kv
 
+    def seen(self, num_tokens: int, attended_kv: int, width: int) -> bool:
+        """Whether a step of this shape has been measured (so its program is compiled)."""
+        return (int(num_tokens), int(attended_kv), int(width)) in self.table
+
     def observe_step(self, num_tokens: int, attended_kv: int, seconds: float,
-                     refit: bool = True) -> None:
+                     refit: bool = True, width: int | None = None) -> None:
         """Adds one measured step to the window (dropping the oldest beyond `history`) and, with
-        `refit`, refits the coefficients."""
+        `refit`, refits the coefficients; with its query-block `width`, also to the shape's
+        entry of `table`."""
+        if width is not None:
+            key = (int(num_tokens), int(attended_kv), int(width))
+            self.table.setdefault(key, collections.deque(maxlen=self.table_window)).append(
+                float(seconds))
         self.observations.append((int(num_tokens), int(attended_kv), float(seconds)))
         while len(self.observations) > self.history:
             self.observations.popleft()
@@ -244,10 +275,14 @@ def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
     return coef
 
 
-def _observe_step(cost_model, num_tokens: int, attended_kv: int, seconds: float) -> None:
-    """One calibration observation in the step terms (num_tokens, attended_kv): through
-    `observe_step` where the model has it, else as the old (batch 1, width N, kv attended)."""
-    if hasattr(cost_model, "observe_step"):
+def _observe_step(cost_model, num_tokens: int, attended_kv: int, seconds: float,
+                  width: int) -> None:
+    """One calibration observation in the step terms (num_tokens, attended_kv, query-block
+    width): through `observe_step` where the model has it, else as the old (batch 1, width N,
+    kv attended)."""
+    if isinstance(cost_model, CostModel):
+        cost_model.observe_step(num_tokens, attended_kv, seconds, width=width)
+    elif hasattr(cost_model, "observe_step"):
         cost_model.observe_step(num_tokens, attended_kv, seconds)
     else:
         cost_model.observe(1, num_tokens, attended_kv, seconds, refit=False)
@@ -258,23 +293,26 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     """The (batch, width, num_tokens, kv_len) shapes `calibrate` times.
 
     Packed engine: at each batch bucket B and attended length, the step without drafts (W = 1,
-    N = B) and, for every width W > 1, the steps with drafts at every slot count N of
-    `precompile_token_buckets` with B < N <= B * W, so the fit sees N vary at fixed attended
-    KV and the attended KV vary at fixed N. These are the shapes generation runs (and
-    `Engine.precompile` compiles), so their executables are reused there instead of compiled
-    for calibration only. Padded engine: N = B * W for every width.
+    N = B), and at the largest B, for every width W > 1, the step with drafts at the smallest
+    slot count above B (the first drafting bucket, what the DAS budget mostly chooses), so the
+    fit sees N vary at fixed attended KV and the attended KV vary at fixed N. These are the
+    shapes generation runs (and `Engine.precompile` compiles), so their executables are reused
+    there. Other drafting shapes are not timed: each costs a compile (~2 s for SmolLM2-135M on
+    the 2-core CPU) that a rollout may never reuse; the online fit and the per-shape table
+    learn them when they run. Padded engine: N = B * W for every width.
     """
     from das_jax.engine.schedule import precompile_token_buckets
 
     widths = tuple(widths)
     wmax = max(widths)
     out = []
+    batches = tuple(batches)
     for B in batches:
         for S in kv_lens:
             if engine.engine_config.verify == "packed":
                 out.append((B, 1, B, S))
-                out.extend((B, W, n, S) for W in widths if W > 1
-                           for n in precompile_token_buckets(B, wmax) if B < n <= B * W)
+                out.extend((B, W, n, S) for W in widths if W > 1 and B == max(batches)
+                           for n in precompile_token_buckets(B, wmax)[1:2] if n <= B * W)
             else:
                 out.extend((B, W, B * W, S) for W in widths)
     return list(dict.fromkeys(out))
@@ -309,7 +347,7 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     for B, W, N, S in shapes:
         seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key,
                                           num_tokens=N)
-        _observe_step(cost_model, N, B * S, seconds)
+        _observe_step(cost_model, N, B * S, seconds, W)
     cost_model.fit()
     log.info("calibrated the cost model in %.1f s: t = %.1f ms + %.2f ms * tokens + %.2f us * "
              "attended KV", time.perf_counter() - t0, cost_model.c_base * 1e3,

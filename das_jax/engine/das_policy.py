@@ -36,6 +36,12 @@ Decides how much to speculate, for whom, at each decode step:
    `explore_every`-th step whose best choice is no drafts although drafts exist verifies the best
    speculative candidate anyway, so the cost model and the calibration keep learning.
 5. Admission. Predicted-long requests enter slots first, so they start early.
+6. Measured shapes. With a cost model that keeps measured times per step shape (`CostModel`
+   with a width: `CostModel.predict_step`), a choice is priced by its shape's measured time,
+   and a drafting shape never run (priced by the linear fit, and costing a compile) is chosen
+   only on an exploration step, at most once per `UNSEEN_EVERY` * explore_every steps, and
+   only when predicted `UNSEEN_MARGIN` better than the best measured choice, or when no
+   drafting shape it could use has been measured.
 
 Ablations: `unlimited=True` is "das-unlimited" (every row verifies its whole draft; no classes,
 no cost model); `budget_short` / `budget_medium` / `budget_long` cap the draft tokens requested
@@ -57,6 +63,8 @@ SHORT, MEDIUM, LONG = "short", "medium", "long"
 _ORDER = {SHORT: 0, MEDIUM: 1, LONG: 2}
 MAX_VALUE_CUTS = 24        # value cut-offs of the greedy order evaluated per step
 _SCALE_RANGE = (0.02, 4.0)  # bounds of the per-depth calibration factor
+UNSEEN_MARGIN = 0.1        # how much better (J) an unmeasured shape must be predicted to try it
+UNSEEN_EVERY = 4           # at most one unmeasured shape per UNSEEN_EVERY * explore_every steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +141,7 @@ class DASPolicy:
         self.depth_scale = np.zeros(0)     # per-depth calibration factors (grown on demand)
         self._pending = None               # (n_draft, raw path probabilities) of the last choice
         self._steps = 0
+        self._last_unseen = None           # step of the last unmeasured shape explored
         self._finished_count = 0           # finished rollouts seen (invalidates _th_cache)
         self._th_cache = None
 
@@ -253,10 +262,26 @@ class DASPolicy:
                 out.append(np.minimum((value_BxD >= tau).sum(axis=1).astype(np.int32), lens))
         return out
 
+    def _predict(self, shape) -> float:
+        """Predicted seconds of a step shape (its measured time when the cost model has one for
+        the shape's width, `CostModel.predict_step`)."""
+        width = getattr(shape, "width", None)
+        if width is not None and hasattr(self.cost_model, "seen"):
+            return float(self.cost_model.predict_step(shape[0], shape[1], width=width))
+        return float(self.cost_model.predict_step(*shape))
+
+    def _seen(self, shape) -> bool:
+        """Whether the cost model has measured this shape (its program is compiled). True when
+        the model keeps no per-shape table or has measured nothing yet (then it prices every
+        shape alike)."""
+        width = getattr(shape, "width", None)
+        table = getattr(self.cost_model, "table", None)
+        return width is None or not table or self.cost_model.seen(shape[0], shape[1], width)
+
     def objective(self, n: np.ndarray, weights: np.ndarray, cum_value_BxD1: np.ndarray,
                   step_shape) -> tuple[float, float]:
         """(J, predicted seconds) of choice n: predicted seconds per expected weighted token."""
-        t = float(self.cost_model.predict_step(*step_shape(n)))
+        t = self._predict(step_shape(n))
         value = float(weights.sum() + cum_value_BxD1[np.arange(len(n)), n].sum())
         return t / max(value, 1e-12), t
 
@@ -264,7 +289,7 @@ class DASPolicy:
         lens = np.array([len(p) for p in draft_probs], np.int32)
         self._pending = None
         if self.config.unlimited or lens.max(initial=0) == 0:
-            return lens, float(self.cost_model.predict_step(*step_shape(lens)))
+            return lens, self._predict(step_shape(lens))
         q_BxD = self.calibrated(draft_probs)
         weights = self.row_weights(rows)
         value_BxD = weights[:, None] * q_BxD
@@ -272,19 +297,41 @@ class DASPolicy:
         scored = []
         for n in self.candidates(lens, value_BxD):
             J, t = self.objective(n, weights, cum, step_shape)
-            scored.append((J, t, int(n.sum()), n))
-        best = min(scored, key=lambda x: (x[0], x[1], x[2]))
+            scored.append((J, t, int(n.sum()), n, n.sum() == 0 or self._seen(step_shape(n))))
+        key = lambda x: (x[0], x[1], x[2])   # noqa: E731
+        # Shapes already measured (compiled) are priced by their own times; a shape never run
+        # is priced by the linear fit, which underprices drafting steps on a CPU, and costs a
+        # compile (~2 s for SmolLM2-135M on 2 CPU cores, 15 plain steps). So it is chosen only
+        # on an exploration step, at most once per UNSEEN_EVERY * explore_every steps, and only
+        # when predicted UNSEEN_MARGIN better than the best measured choice or when no measured
+        # drafting shape is among the candidates.
+        best = min((x for x in scored if x[4]), key=key)
         self._steps += 1
-        if (best[2] == 0 and self.config.explore_every
-                and self._steps % self.config.explore_every == 0):
-            best = min((x for x in scored if x[2] > 0), key=lambda x: (x[0], x[1], x[2]))
+        every = self.config.explore_every
+        if every and self._steps % every == 0:
+            top = min(scored, key=key)
+            seen_spec = [x for x in scored if x[2] > 0 and x[4]]
+            new_ok = (self._last_unseen is None or
+                      self._steps - self._last_unseen >= UNSEEN_EVERY * every)
+            if (new_ok and top[2] > 0 and not top[4]
+                    and top[0] < (1 - UNSEEN_MARGIN) * best[0]):
+                best = top
+            elif best[2] == 0 and seen_spec:
+                best = min(seen_spec, key=key)
+            elif best[2] == 0 and new_ok:
+                best = min((x for x in scored if x[2] > 0), key=key)
+            if not best[4]:
+                self._last_unseen = self._steps
         n = best[3]
         if n.sum():
             self._pending = (n.copy(), [np.asarray(p, np.float64) for p in draft_probs])
         return n.astype(np.int32), best[1]
 
     def observe(self, record: StepRecord) -> None:
-        self.cost_model.observe_step(*record.step_shape(), record.seconds)
+        if hasattr(self.cost_model, "seen"):   # a model with a per-shape table
+            self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width)
+        else:
+            self.cost_model.observe_step(*record.step_shape(), record.seconds)
         pending, self._pending = self._pending, None
         if pending is None or not record.drafted:
             return

@@ -190,17 +190,33 @@ def padded_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int,
     return batch * packed_width(n_draft_B, widths), batch * kv_len
 
 
+class StepShape(tuple):
+    """(num_tokens, attended_kv), plus the query-block width W the step runs at as `.width`
+    (compares and unpacks as the plain pair)."""
+
+    width: int
+
+    def __new__(cls, num_tokens: int, attended_kv: int, width: int):
+        out = super().__new__(cls, (num_tokens, attended_kv))
+        out.width = int(width)
+        return out
+
+
 def step_shape_fn(verify: str, batch: int, kv_len: int, widths: Sequence[int]):
-    """`step_shape(n_draft_B) -> (num_tokens, attended_kv)` of the verify step at batch bucket
-    `batch` and attended length `kv_len`: `packed_step_shape` (`verify_token_buckets`: B,
-    then slot buckets up to batch x the widest width) or `padded_step_shape`, by `verify` ("packed" | "padded"). Shared
-    by the engine and the trace replay, so both price a choice of drafts the same way."""
+    """`step_shape(n_draft_B) -> StepShape (num_tokens, attended_kv; .width W)` of the verify
+    step at batch bucket `batch` and attended length `kv_len`: `packed_step_shape`
+    (`verify_token_buckets`: B, then slot buckets up to batch x the widest width) or
+    `padded_step_shape`, by `verify` ("packed" | "padded"); W is `packed_width` (the smallest
+    compiled width holding the longest row). Shared by the engine and the trace replay, so both
+    price a choice of drafts the same way."""
     widths = tuple(sorted(int(w) for w in widths))
     if verify == "packed":
         buckets = verify_token_buckets(batch, widths[-1])   # once: the policy prices many choices
         attended = batch * kv_len
-        return lambda n_draft_B: (_slot_bucket(n_draft_B, buckets), attended)
-    return lambda n_draft_B: padded_step_shape(n_draft_B, batch, kv_len, widths)
+        return lambda n_draft_B: StepShape(_slot_bucket(n_draft_B, buckets), attended,
+                                           packed_width(n_draft_B, widths))
+    return lambda n_draft_B: StepShape(*padded_step_shape(n_draft_B, batch, kv_len, widths),
+                                       packed_width(n_draft_B, widths))
 
 
 def tail_bucket(num_live: int, batch: int, batch_buckets: Sequence[int],
