@@ -16,8 +16,9 @@ slice by slice, and the embedding's norm follows from them (`embed_cross_norm`).
 program (`finish`) recomputes the tail's gradient once and adds the embedded tokens' scatter;
 AdamW then runs on the embedding in row blocks of ~16 MB, each taken, updated and written back
 in place (`adamw_in_row_blocks`). With this, the CPU main job's
-update holds at most ~0.3 GB beyond params and moments (it was ~0.5 GB with the tail's gradient
-kept, and ~0.6 GB more with the whole gradient).
+update holds at most ~0.33 GB beyond params and moments (`forward_and_norm` at 8 groups x 256
+tokens: the layer inputs and one layer's backward scratch); it was ~0.5 GB with the tail's
+gradient kept, and ~0.6 GB more with the whole gradient.
 
 Global-norm clipping needs the norm of the whole gradient before any weight moves, so the
 backward pass runs twice (LOMO: Lv et al. 2023, "Full Parameter Fine-tuning for Large Language
@@ -314,7 +315,7 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         plus the embedded tokens' scatter-add of `dx0`) and AdamW on the small ones (final
         norm), which also advances the shared step counts; the gradient / update norms. The
         large ones (`p_big`, not donated: the embedding, an untied head) get only their
-        gradient, returned for `_adamw_in_row_blocks`."""
+        gradient, returned for `adamw_in_row_blocks`."""
         other_idx, big_idx, s_other, s_def, owner, p_def, n, names = meta
         names = dict(names)
         small_idx = [i for i in other_idx if i not in big_idx]
@@ -443,5 +444,5 @@ def make_fused_update(model_config: ModelConfig, loss_config: losses.LossConfig,
         return (jax.tree_util.tree_unflatten(p_def, out_p), new_state, loss, sums,
                 {"grad_norm": norm, "update_norm": jnp.sqrt(usq + u)})
 
-    update.programs = (forward_and_norm, layer_update, finish)
+    update.programs = (forward_and_norm, layer_update, finish, block_adamw)
     return update
