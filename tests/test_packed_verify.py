@@ -220,7 +220,7 @@ class RecordingCostModel:
     def __init__(self):
         self.steps = []
 
-    def observe_step(self, num_tokens, attended_kv, seconds):
+    def observe_step(self, num_tokens, attended_kv, seconds, width=None):
         self.steps.append((num_tokens, attended_kv, seconds))
 
     def fit(self):

@@ -280,10 +280,8 @@ def _observe_step(cost_model, num_tokens: int, attended_kv: int, seconds: float,
     """One calibration observation in the step terms (num_tokens, attended_kv, query-block
     width): through `observe_step` where the model has it, else as the old (batch 1, width N,
     kv attended)."""
-    if isinstance(cost_model, CostModel):
+    if hasattr(cost_model, "observe_step"):
         cost_model.observe_step(num_tokens, attended_kv, seconds, width=width)
-    elif hasattr(cost_model, "observe_step"):
-        cost_model.observe_step(num_tokens, attended_kv, seconds)
     else:
         cost_model.observe(1, num_tokens, attended_kv, seconds, refit=False)
 

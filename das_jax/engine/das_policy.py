@@ -263,25 +263,24 @@ class DASPolicy:
         return out
 
     def _predict(self, shape) -> float:
-        """Predicted seconds of a step shape (its measured time when the cost model has one for
-        the shape's width, `CostModel.predict_step`)."""
-        width = getattr(shape, "width", None)
-        if width is not None and hasattr(self.cost_model, "seen"):
-            return float(self.cost_model.predict_step(shape[0], shape[1], width=width))
-        return float(self.cost_model.predict_step(*shape))
+        """Predicted seconds of a step shape (`schedule.StepShape`): its measured time when the
+        cost model has one for the shape's width, else the linear fit
+        (`CostModel.predict_step`)."""
+        return float(self.cost_model.predict_step(shape[0], shape[1],
+                                                  width=getattr(shape, "width", None)))
 
     def _seen(self, shape) -> bool:
         """Whether the cost model has measured this shape (its program is compiled). True when
-        the model keeps no per-shape table or has measured nothing yet (then it prices every
-        shape alike)."""
+        the model has measured nothing yet (then it prices every shape alike)."""
         width = getattr(shape, "width", None)
-        table = getattr(self.cost_model, "table", None)
-        return width is None or not table or self.cost_model.seen(shape[0], shape[1], width)
+        return width is None or not self.cost_model.table or self.cost_model.seen(
+            shape[0], shape[1], width)
 
     def objective(self, n: np.ndarray, weights: np.ndarray, cum_value_BxD1: np.ndarray,
-                  step_shape) -> tuple[float, float]:
-        """(J, predicted seconds) of choice n: predicted seconds per expected weighted token."""
-        t = self._predict(step_shape(n))
+                  shape) -> tuple[float, float]:
+        """(J, predicted seconds) of choice n, whose verify step has `shape`: predicted seconds
+        per expected weighted token."""
+        t = self._predict(shape)
         value = float(weights.sum() + cum_value_BxD1[np.arange(len(n)), n].sum())
         return t / max(value, 1e-12), t
 
@@ -296,8 +295,9 @@ class DASPolicy:
         cum = np.concatenate([np.zeros((len(lens), 1)), np.cumsum(value_BxD, axis=1)], axis=1)
         scored = []
         for n in self.candidates(lens, value_BxD):
-            J, t = self.objective(n, weights, cum, step_shape)
-            scored.append((J, t, int(n.sum()), n, n.sum() == 0 or self._seen(step_shape(n))))
+            shape = step_shape(n)
+            J, t = self.objective(n, weights, cum, shape)
+            scored.append((J, t, int(n.sum()), n, n.sum() == 0 or self._seen(shape)))
         key = lambda x: (x[0], x[1], x[2])   # noqa: E731
         # Shapes already measured (compiled) are priced by their own times; a shape never run
         # is priced by the linear fit, which underprices drafting steps on a CPU, and costs a
@@ -328,10 +328,7 @@ class DASPolicy:
         return n.astype(np.int32), best[1]
 
     def observe(self, record: StepRecord) -> None:
-        if hasattr(self.cost_model, "seen"):   # a model with a per-shape table
-            self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width)
-        else:
-            self.cost_model.observe_step(*record.step_shape(), record.seconds)
+        self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width)
         pending, self._pending = self._pending, None
         if pending is None or not record.drafted:
             return
