@@ -152,13 +152,13 @@ def test_kv_cache_layout_ops():
     c = DenseKVCache.zeros(CFG, 3, 8)
     k_new = jnp.ones((CFG.num_layers, 3, 2, CFG.num_kv_heads, CFG.head_dim))
     c = c.write(k_new, 2 * k_new, jnp.array([0, 5, 7], jnp.int32))
-    assert float(c.k[0, 1, 5, 0, 0]) == 1 and float(c.v[0, 2, 7, 0, 0]) == 2
-    assert float(c.k[0, 2, 6, 0, 0]) == 0  # position 8 of row 2 dropped, 6 untouched
+    assert float(c.k[0, 1, 0, 5, 0]) == 1 and float(c.v[0, 2, 0, 7, 0]) == 2
+    assert float(c.k[0, 2, 0, 6, 0]) == 0  # position 8 of row 2 dropped, 6 untouched
     g = c.gather_rows(jnp.array([2, 2], jnp.int32))
-    assert g.batch == 2 and float(g.v[0, 1, 7, 0, 0]) == 2
+    assert g.batch == 2 and float(g.v[0, 1, 0, 7, 0]) == 2
     d = DenseKVCache.zeros(CFG, 4, 8).insert_rows(jnp.array([3, 9], jnp.int32), g,
                                                   jnp.array([0, 1], jnp.int32))
-    assert float(d.v[0, 3, 7, 0, 0]) == 2 and float(d.v[0, :3].sum()) == 0
+    assert float(d.v[0, 3, 0, 7, 0]) == 2 and float(d.v[0, :3].sum()) == 0
 
 
 def test_sharding_rules_table():

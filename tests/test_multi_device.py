@@ -127,9 +127,9 @@ MESH_CHECK = textwrap.dedent('''
         assert rollout.tensor_parallel == 4
         eng = rollout.replicas[1].engine
         cache = eng._zeros_cache(1, 128, "float32")
-        assert cache.k.sharding.spec == jax.sharding.PartitionSpec(None, None, None, "tensor",
+        assert cache.k.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None,
                                                                    None), cache.k.sharding
-        assert cache.k.addressable_shards[0].data.shape[3] == 1   # one KV head per device
+        assert cache.k.addressable_shards[0].data.shape[2] == 1   # one KV head per device
         # Resharding from the training sharding: on device only, values kept.
         with jax.transfer_guard("disallow"):
             placed = reshard_for_rollout(train_params, meshes[1])

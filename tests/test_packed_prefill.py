@@ -92,10 +92,11 @@ def test_packed_prefill_equals_padded_prefill(params, exact, seed):
         for a, b in ((c1.k, c2.k), (c1.v, c2.v)):
             # fast mode: float32 rounding of K/V (|x| up to ~5 with these weights) across the
             # [U, T] and [N] matmul shapes; exact mode: bitwise.
-            np.testing.assert_allclose(np.asarray(b[:, row, :n]), np.asarray(a[:, row, :n]),
+            np.testing.assert_allclose(np.asarray(b[:, row, :, :n]), np.asarray(a[:, row, :, :n]),
                                        atol=tol, rtol=tol)
             # Past the prompt bucket the row keeps what it held (both paths write [0, T)).
-            np.testing.assert_array_equal(np.asarray(b[:, row, T:]), np.asarray(a[:, row, T:]))
+            np.testing.assert_array_equal(np.asarray(b[:, row, :, T:]),
+                                          np.asarray(a[:, row, :, T:]))
     # Rows not admitted are untouched.
     for row in sorted(set(range(B)) - set(rows.tolist())):
         np.testing.assert_array_equal(np.asarray(c2.k[:, row]), np.asarray(cache.k[:, row]))
@@ -106,8 +107,8 @@ def test_packed_prefill_equals_padded_prefill(params, exact, seed):
         for i in range(j):
             if src[i] == src[j]:
                 n = len(prompts[src[j]])
-                np.testing.assert_array_equal(np.asarray(c2.k[:, rows[i], :n]),
-                                              np.asarray(c2.k[:, rows[j], :n]))
+                np.testing.assert_array_equal(np.asarray(c2.k[:, rows[i], :, :n]),
+                                              np.asarray(c2.k[:, rows[j], :, :n]))
 
 
 def test_packed_prefill_without_jit_matches_jit(params):
@@ -122,7 +123,8 @@ def test_packed_prefill_without_jit_matches_jit(params):
     np.testing.assert_allclose(l2, l1, atol=1e-5, rtol=0)
     for row, u in zip(rows, src):
         n = len(prompts[u])
-        np.testing.assert_allclose(np.asarray(c2.k[:, row, :n]), np.asarray(c1.k[:, row, :n]),
+        np.testing.assert_allclose(np.asarray(c2.k[:, row, :, :n]),
+                                   np.asarray(c1.k[:, row, :, :n]),
                                    atol=1e-5, rtol=1e-5)
 
 

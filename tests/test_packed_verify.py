@@ -100,11 +100,12 @@ def test_packed_step_equals_padded_step_with_ragged_drafts(params, exact, seed):
         accepted_any |= e1[b] > 1
         written = slice(int(cache_len[b]), int(cache_len[b]) + n)
         for a, c in ((c1.k, c2.k), (c1.v, c2.v)):
-            np.testing.assert_allclose(np.asarray(c[:, b, written]), np.asarray(a[:, b, written]),
+            np.testing.assert_allclose(np.asarray(c[:, b, :, written]),
+                                       np.asarray(a[:, b, :, written]),
                                        atol=0 if exact else 1e-5, rtol=0)
-            np.testing.assert_array_equal(np.asarray(c[:, b, :cache_len[b]]),
+            np.testing.assert_array_equal(np.asarray(c[:, b, :, :cache_len[b]]),
                                           np.asarray(cache.k if a is c1.k else cache.v)[
-                                              :, b, :cache_len[b]])
+                                              :, b, :, :cache_len[b]])
     if seed == 0:
         assert accepted_any
     # Padding rows' cache rows are untouched by the packed step.

@@ -5,13 +5,17 @@ Every user of the cache goes through these operations (and never indexes `k` / `
     zeros(config, batch, max_len, dtype)     an empty cache of `batch` rows x `max_len` positions
     nbytes_for(config, batch, max_len, dtype) bytes it would take (sizing from a memory budget)
     layers()                                 the per-layer pytree `forward_hidden` scans over
-    attended(layer, kv_len)                  that layer's attended view `[B, kv_len, KVH, K]`
+    attended(layer, kv_len)                  that layer's attended view `[B, KVH, kv_len, K]`
     write(k_new, v_new, cache_len_B)         store new tokens' K/V at positions cache_len[b] + t
     write_slots(k_new, v_new, rows, pos)     store packed token slots' K/V at (row, position)
     insert_rows(slots_R, src, src_R)         copy rows of a (prefill scratch) cache into slots
     gather_rows(rows_B)                      a cache of the given rows (tail compaction)
 
-`DenseKVCache` (alias `KVCache`) stores `k, v: [L, B, S, KVH, K]`, post-RoPE keys. Row b holds
+`DenseKVCache` (alias `KVCache`) stores `k, v: [L, B, KVH, S, K]`, post-RoPE keys, head-major:
+each (row, KV head) holds its positions as one contiguous `[S, K]` block, so the attention's
+score and value contractions run as plain batched matrix products over (row, head) without a
+transpose of the attended cache (on XLA CPU the `[B, S, KVH, K]` layout cost ~3x in the score
+contraction; head-major is also the layout of the usual decode kernels). Row b holds
 `cache_len[b]` valid positions (tracked by the caller); positions at or past `cache_len` are
 garbage and are never attended, so rejected draft tokens are rolled back by not advancing
 `cache_len`. Its memory is `B * S` positions whether rows are short or long, which is what makes
@@ -20,7 +24,7 @@ long-tail RL rollouts (a few 16K-token rows among many short ones) expensive:
 
 Paged design (not built yet; the operations above are its interface):
 
-* Page pool: `k_pages, v_pages: [L, P, page, KVH, K]` (page = 16..128 positions), P sized from
+* Page pool: `k_pages, v_pages: [L, P, KVH, page, K]` (page = 16..128 positions), P sized from
   the memory budget (`rollout.kv_memory_gb`) rather than from `slots x max_len`; a host-side free
   list hands out pages.
 * Page table: int32 `[B, max_pages]` per row (page ids; -1 unused), and the row's length. `write`
@@ -33,7 +37,7 @@ Paged design (not built yet; the operations above are its interface):
 * `attended(layer, kv_len)`: on GPU, a paged-attention kernel reading pages through the table
   (Pallas `jax.experimental.pallas.ops.gpu` paged attention, or a cuDNN / FlashInfer paged
   decode kernel through an FFI call); on TPU, Pallas `ops.tpu.paged_attention`; on CPU (tests,
-  small models), a gather of the row's pages into the dense `[B, kv_len, KVH, K]` view followed
+  small models), a gather of the row's pages into the dense `[B, KVH, kv_len, K]` view followed
   by the dense attention, which keeps the paged cache exact against the dense one.
 * Admission: the scheduler admits a request only when the pool has pages for its prompt plus
   a reserve, and preempts (recomputes) the youngest row when the pool runs dry, instead of
@@ -51,7 +55,7 @@ from das_jax.models.config import ModelConfig
 
 @flax.struct.dataclass
 class DenseKVCache:
-    """Dense key/value cache `k, v: [L, B, S, KVH, K]` (module docstring)."""
+    """Dense key/value cache `k, v: [L, B, KVH, S, K]` (module docstring)."""
 
     k: jax.Array
     v: jax.Array
@@ -59,14 +63,14 @@ class DenseKVCache:
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32
               ) -> "DenseKVCache":
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @classmethod
     def abstract(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32
                  ) -> "DenseKVCache":
         """`jax.ShapeDtypeStruct` leaves of the same layout (for lowering without allocating)."""
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
         s = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
         return cls(k=s, v=s)
 
@@ -83,7 +87,7 @@ class DenseKVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -94,15 +98,15 @@ class DenseKVCache:
         return self.k.dtype
 
     def layers(self):
-        """The per-layer pytree scanned with the layer params: (k_l, v_l) `[B, S, KVH, K]`."""
+        """The per-layer pytree scanned with the layer params: (k_l, v_l) `[B, KVH, S, K]`."""
         return (self.k, self.v)
 
     @staticmethod
     def attended(layer, kv_len: int):
-        """The first `kv_len` positions of one layer: (k, v) `[B, kv_len, KVH, K]`. Slicing per
+        """The first `kv_len` positions of one layer: (k, v) `[B, KVH, kv_len, K]`. Slicing per
         layer inside the scan (not the stacked cache up front, which would copy every layer)."""
         k_l, v_l = layer
-        return k_l[:, :kv_len], v_l[:, :kv_len]
+        return k_l[:, :, :kv_len], v_l[:, :, :kv_len]
 
     def write(self, k_new_LxBxTxKVHxK, v_new_LxBxTxKVHxK, cache_len_B) -> "DenseKVCache":
         """Stores token t of row b at position `cache_len_B[b] + t` in every layer (one scatter);
@@ -110,29 +114,32 @@ class DenseKVCache:
         B, T = k_new_LxBxTxKVHxK.shape[1:3]
         rows_Bx1 = jnp.arange(B)[:, None]
         cols_BxT = cache_len_B[:, None] + jnp.arange(T)[None, :]
+        # The two index arrays are split by the head axis, so the indexed block is
+        # `[B, T, L, KVH, K]` (NumPy's rule for separated advanced indices).
         return DenseKVCache(
-            k=self.k.at[:, rows_Bx1, cols_BxT].set(k_new_LxBxTxKVHxK.astype(self.k.dtype),
-                                                   mode="drop"),
-            v=self.v.at[:, rows_Bx1, cols_BxT].set(v_new_LxBxTxKVHxK.astype(self.v.dtype),
-                                                   mode="drop"))
+            k=self.k.at[:, rows_Bx1, :, cols_BxT].set(
+                k_new_LxBxTxKVHxK.transpose(1, 2, 0, 3, 4).astype(self.k.dtype), mode="drop"),
+            v=self.v.at[:, rows_Bx1, :, cols_BxT].set(
+                v_new_LxBxTxKVHxK.transpose(1, 2, 0, 3, 4).astype(self.v.dtype), mode="drop"))
 
     def write_slots(self, k_new_LxNxKVHxK, v_new_LxNxKVHxK, rows_N, positions_N
                     ) -> "DenseKVCache":
         """Stores packed token slot i at row `rows_N[i]`, position `positions_N[i]` in every layer
         (one scatter; the packed verify step). A row index >= B (a padding slot) or a position
         >= S is dropped."""
+        # Indexed block `[N, L, KVH, K]` (separated advanced indices, as in `write`).
         return DenseKVCache(
-            k=self.k.at[:, rows_N, positions_N].set(k_new_LxNxKVHxK.astype(self.k.dtype),
-                                                    mode="drop"),
-            v=self.v.at[:, rows_N, positions_N].set(v_new_LxNxKVHxK.astype(self.v.dtype),
-                                                    mode="drop"))
+            k=self.k.at[:, rows_N, :, positions_N].set(
+                k_new_LxNxKVHxK.transpose(1, 0, 2, 3).astype(self.k.dtype), mode="drop"),
+            v=self.v.at[:, rows_N, :, positions_N].set(
+                v_new_LxNxKVHxK.transpose(1, 0, 2, 3).astype(self.v.dtype), mode="drop"))
 
     def insert_rows(self, slots_R, src: "DenseKVCache", src_R) -> "DenseKVCache":
         """Copies rows `src_R` of `src` (positions `[0, src.max_len)`) into rows `slots_R`; a slot
         index >= B is dropped (padding of the R bucket)."""
         T = src.max_len
-        return DenseKVCache(k=self.k.at[:, slots_R, :T].set(src.k[:, src_R], mode="drop"),
-                            v=self.v.at[:, slots_R, :T].set(src.v[:, src_R], mode="drop"))
+        return DenseKVCache(k=self.k.at[:, slots_R, :, :T].set(src.k[:, src_R], mode="drop"),
+                            v=self.v.at[:, slots_R, :, :T].set(src.v[:, src_R], mode="drop"))
 
     def gather_rows(self, rows_B) -> "DenseKVCache":
         """A cache of `len(rows_B)` rows taken from this one (rows may repeat: padding)."""

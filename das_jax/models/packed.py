@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from das_jax.models.config import ModelConfig
-from das_jax.models.decode_attention import attend_cache, attended_length
+from das_jax.models.decode_attention import attend_cache
 from das_jax.models.kv_cache import KVCache
 from das_jax.models.transformer import Params, decoder_layer, rms_norm
 
@@ -96,8 +96,7 @@ def forward_packed_hidden(
     valid_BxW = to_rows(jnp.ones(tokens_N.shape, bool), row_N, offset_N, B, width, False)
     x_1xNxD = params["embed"][tokens_N][None]
     inv_freq = config.rope_inv_freq()
-    S = min(kv_len, kv_cache.max_len)
-    A = attended_length(S, width, kv_cache.max_len)
+    A = min(kv_len, kv_cache.max_len)
 
     def body(x, inputs):
         lp, layer = inputs
@@ -105,7 +104,7 @@ def forward_packed_hidden(
 
         def attend(q_1xN, k_1xN, v_1xN):
             q, k, v = (to_rows(a[0], row_N, offset_N, B, width) for a in (q_1xN, k_1xN, v_1xN))
-            out_BxWxHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_BxW, S)
+            out_BxWxHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_BxW, A)
             return to_slots(out_BxWxHxK, row_N, offset_N)[None]
         x, k, v = decoder_layer(config, inv_freq, x, lp, pos_N[None], attend=attend)
         return x, (k[0], v[0])

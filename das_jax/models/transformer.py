@@ -33,7 +33,7 @@ import numpy as np
 
 from das_jax.models import contraction as cx
 from das_jax.models.config import ModelConfig
-from das_jax.models.decode_attention import attend_cache, attended_length
+from das_jax.models.decode_attention import attend_cache
 from das_jax.models.kv_cache import DenseKVCache, KVCache  # noqa: F401  (re-exported)
 
 Params = dict[str, Any]
@@ -282,15 +282,14 @@ def forward_hidden(
     else:
         if cache_len_B is None:
             raise ValueError("forward with a kv_cache needs cache_len_B")
-        S = kv_cache.max_len if kv_len is None else min(kv_len, kv_cache.max_len)
-        A = attended_length(S, T, kv_cache.max_len)
+        A = kv_cache.max_len if kv_len is None else min(kv_len, kv_cache.max_len)
 
         def body(x, inputs):
             lp, layer = inputs
             view = kv_cache.attended(layer, A)
 
             def attend(q, k, v):
-                return attend_cache(config, q, k, v, view, cache_len_B, valid_BxT, S)
+                return attend_cache(config, q, k, v, view, cache_len_B, valid_BxT, A)
             x, k, v = decoder_layer(config, inv_freq, x, lp, positions_BxT, attend=attend)
             return x, (k, v)
         x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.layers()))

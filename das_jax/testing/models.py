@@ -30,7 +30,7 @@ def tiny_params(config: ModelConfig | None = None, seed: int = 0, scale: float =
 
 
 def random_kv_cache(config: ModelConfig, batch: int, cache_len: int, seed: int):
-    """A float32 `KVCache` of shape `[L, batch, cache_len, KVH, K]` filled with standard-normal
+    """A float32 `KVCache` of shape `[L, batch, KVH, cache_len, K]` filled with standard-normal
     K and V from `numpy.random.default_rng(seed)`: a cache that already holds (random) history,
     for tests that attend over it."""
     import jax.numpy as jnp
@@ -38,7 +38,7 @@ def random_kv_cache(config: ModelConfig, batch: int, cache_len: int, seed: int):
 
     from das_jax.models.transformer import KVCache
     rng = np.random.default_rng(seed)
-    shape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, cache_len, config.head_dim)
     return KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
                    v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
 
