@@ -18,8 +18,9 @@ Design (issue 12, "attention that reads each cached position once"):
 * Head-major cache (`KVCache`: `[B, KVH, S, K]` per layer): both contractions are batched
   matrix products over (row, KV head) with the G query heads of a KV head and the T new tokens
   as one M = G*T axis, so K/V are never repeated per query head and XLA needs no transpose of
-  the view. Measured on XLA CPU (SmolLM2-135M shapes, B=16, 384 attended positions, one layer):
-  the whole attention 1.4-2x faster than the placed-view einsums over `[B, S, KVH, K]`.
+  the view. Measured on XLA CPU against the placed view over `[B, S, KVH, K]` (SmolLM2-135M,
+  all 30 layers, packed verify step, side by side in one process): B=16 steps 1.09x faster at
+  384 attended positions, 1.13x with 24 draft slots at 640, 1.20x at 1024; B=1 unchanged.
   `jax.nn.dot_product_attention(implementation="xla")` computes the same but was measured ~5x
   slower for the whole step on XLA CPU; its cuDNN kernel takes no per-query mask of this form.
   The attended length is a static bucket (`engine.schedule.kv_len_bucket`: quarter octaves,
