@@ -53,6 +53,7 @@ Modelling assumptions (what the prediction leaves out or approximates):
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from typing import Any, Hashable, Iterable, Sequence
 
@@ -114,36 +115,54 @@ def write_trace(path, header: dict, rollouts: Iterable[TraceRollout]) -> None:
             f.write(json.dumps(r.to_json()) + "\n")
 
 
+def _trace_lines(path) -> list[bytes]:
+    """The raw lines of a trace file, gunzipped when the name ends in `.gz`."""
+    if not str(path).endswith(".gz"):
+        with open(path, "rb") as f:
+            return f.read().splitlines()
+    try:
+        with gzip.open(path, "rb") as f:
+            return f.read().splitlines()
+    except (OSError, EOFError) as e:   # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path}: not a readable gzip file ({e}); is it a trace written by "
+                         "`bench rollout`, compressed with gzip?") from None
+
+
 def read_trace(path) -> Trace:
+    """The trace at `path` (`write_trace`'s JSON lines; gzip-compressed when the name ends in
+    `.gz`).
+
+    Raises:
+      ValueError: one line naming the file (and line) that is not a trace.
+    """
     header: dict = {}
     rollouts = []
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f):
-            try:
-                line = raw.decode("utf-8")
-                obj = json.loads(line) if line.strip() else None
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: invalid UTF-8 at byte {e.start} of the line; "
-                                 "is it a trace written by `bench rollout`?") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}); is it a trace written by "
-                                 "`bench rollout`?") from None
-            if obj is None:
-                continue
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{i + 1}: not a JSON object")
-            if obj.get("type") == "header":
-                header = {k: v for k, v in obj.items() if k != "type"}
-                continue
-            try:
-                rollouts.append(TraceRollout(
-                    epoch=int(obj["epoch"]), problem_id=obj["problem_id"],
-                    sample_index=int(obj["sample_index"]), prompt_ids=tuple(obj["prompt_ids"]),
-                    token_ids=tuple(obj["token_ids"]),
-                    finish_reason=obj.get("finish_reason", "stop"),
-                    temperature=float(obj.get("temperature", 0.0))))
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{i + 1}: not a trace rollout line ({e})") from None
+    for i, raw in enumerate(_trace_lines(path)):
+        try:
+            line = raw.decode("utf-8")
+            obj = json.loads(line) if line.strip() else None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{i + 1}: invalid UTF-8 at byte {e.start} of the line; "
+                             "is it a trace written by `bench rollout`?") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}); is it a trace written by "
+                             "`bench rollout`?") from None
+        if obj is None:
+            continue
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{i + 1}: not a JSON object")
+        if obj.get("type") == "header":
+            header = {k: v for k, v in obj.items() if k != "type"}
+            continue
+        try:
+            rollouts.append(TraceRollout(
+                epoch=int(obj["epoch"]), problem_id=obj["problem_id"],
+                sample_index=int(obj["sample_index"]), prompt_ids=tuple(obj["prompt_ids"]),
+                token_ids=tuple(obj["token_ids"]),
+                finish_reason=obj.get("finish_reason", "stop"),
+                temperature=float(obj.get("temperature", 0.0))))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{i + 1}: not a trace rollout line ({e})") from None
     if not header:
         raise ValueError(f"{path}: no header line (type=header) with the cost model")
     return Trace(header, rollouts)
