@@ -12,8 +12,9 @@
    non-negative least squares of `engine.cost_model.CostModel.fit`), prints measured against
    fitted times, and saves each model as a cost-model file (`DIR/cost-<model>-<device>.json`,
    the format `--cost-model PATH.json` reads, with the measurements as provenance).
-3. Replays a recorded trace at paper scale (`bench.rollout_bench.run_paper`: 16 problems x 8
-   samples stretched to a long tail, 128 slots, widths 1/4/8/16) under the measured 7B model and
+3. Replays the first `--paper-epochs` (2) epochs of a recorded trace at paper scale
+   (`bench.rollout_bench.run_paper`: 16 problems x 8 samples stretched to a long tail of up to
+   16K tokens, 128 slots, widths 1/4/8/16) under the measured 7B model and
    the datasheet models `h100-7b` / `h200-7b`, and prints the table (das vs none, vs the best
    baseline, and the regime of each model).
 
@@ -161,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-rows", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--paper-epochs", type=int, default=2,
+                    help="epochs of the trace the paper-scale replay uses (the first ones)")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model and small shapes (CPU smoke test of every part)")
     args = ap.parse_args(argv)
@@ -228,6 +231,8 @@ def main(argv=None) -> int:
     # models of a 7B on H100 / H200.
     measured = list(files)[-1]
     trace = rp.read_trace(trace_path)
+    keep = sorted({r.epoch for r in trace.rollouts})[:max(args.paper_epochs, 1)]
+    trace = rp.Trace(trace.header, [r for r in trace.rollouts if r.epoch in keep])
     spec = PaperSpec(cost_models=(files[measured], "h100-7b", "h200-7b"))
     if args.smoke:
         spec = PaperSpec(cost_models=(files[measured], "h100-7b"), problems=2, samples=2,
