@@ -4,8 +4,9 @@
 
 1. Random-weight bfloat16 models of Qwen2-1.5B and Qwen2-7B shapes. For N in {16, 64, 256,
    1024, 4096} token slots and 1K / 8K attended positions per row, times the engine's packed
-   verify step (`engine.step.verify_packed`: projections, MLP, lm_head and sampling on N slots,
-   attention per row over its cache, the cache written in place). A shape's rows are as many as
+   verify step (`Engine.time_verify_step`, as the cost-model calibration does: projections,
+   MLP, lm_head and sampling on N slots, attention per row over its cache, the cache written in
+   place). A shape's rows are as many as
    N allows (at most `--max-rows`) within `--kv-memory-gb` of cache; each row verifies
    N / rows slots (its pending token and N / rows - 1 draft tokens).
 2. Fits `t = c_base + c_tok * N + c_kv * K` per model (K = rows x attended positions; the
@@ -71,50 +72,26 @@ def step_layout(num_tokens: int, kv_len: int, bytes_per_position: int, kv_budget
     return rows, width
 
 
-def time_packed_step(config, params, rows: int, width: int, kv_len: int, dtype,
-                     repeats: int) -> tuple[float, float]:
-    """(median seconds of `repeats` timed calls, compile seconds) of `step.verify_packed` on
-    `rows` cache rows each holding `kv_len` positions and verifying `width` slots."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from das_jax.engine import step as step_lib
-    from das_jax.models.kv_cache import KVCache
-
-    cache = jax.jit(lambda: KVCache.zeros(config, rows, kv_len + width, dtype))()
-    N = rows * width
-    rng = np.random.default_rng(0)
-    args = dict(
-        cache_len_B=jnp.full((rows,), kv_len, jnp.int32),
-        tokens_N=jnp.asarray(rng.integers(0, config.vocab_size, N), jnp.int32),
-        row_N=jnp.asarray(np.repeat(np.arange(rows), width), jnp.int32),
-        offset_N=jnp.asarray(np.tile(np.arange(width), rows), jnp.int32),
-        n_draft_B=jnp.full((rows,), width - 1, jnp.int32),
-        seeds_B=jnp.arange(rows, dtype=jnp.int32))
-    skey = (0.6, 0, 1.0)
+def time_packed_step(engine, rows: int, width: int, kv_len: int, repeats: int
+                     ) -> tuple[float, float]:
+    """(median seconds of `repeats` timed calls, wall seconds of the whole measurement incl. the
+    compile) of the engine's packed verify step (`Engine.time_verify_step`, the call the
+    cost-model calibration times) on `rows` cache rows, each attending `kv_len` cached
+    positions and verifying `width` slots (its pending token and `width - 1` drafts)."""
     t0 = time.perf_counter()
-    cache, y, *_ = step_lib.verify_packed(config, skey, kv_len, width, params, cache, **args)
-    y.block_until_ready()
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        cache, y, *_ = step_lib.verify_packed(config, skey, kv_len, width, params, cache, **args)
-        y.block_until_ready()
-        times.append(time.perf_counter() - t0)
-    del cache
-    return float(np.median(times)), compile_s
+    sec = engine.time_verify_step(rows, width, kv_len, kv_len + width, repeats=repeats,
+                                  sampling_key=(0.6, 0, 1.0))
+    return sec, time.perf_counter() - t0
 
 
 def measure_model(name: str, config, tokens, kv_lens, dtype, kv_budget_bytes: float,
                   max_rows: int, repeats: int, log=print) -> dict:
     """Times every (N, kv) shape of one model and fits its cost model; returns
-    {"model", "shapes": [{tokens, kv_len, rows, width, attended_kv, seconds, compile_s}],
+    {"model", "shapes": [{tokens, kv_len, rows, width, attended_kv, seconds, wall_s}],
      "coef": {c_base, c_tok, c_kv}, "fit_error": max relative error of the fit}."""
     import jax
 
-    from das_jax.engine.cost_model import CostModel
+    from das_jax.engine import CostModel, Engine, EngineConfig
     from das_jax.models.kv_cache import KVCache
     from das_jax.models.transformer import init_params
 
@@ -124,18 +101,21 @@ def measure_model(name: str, config, tokens, kv_lens, dtype, kv_budget_bytes: fl
     log(f"{name}: {config.num_params() / 1e9:.2f}B random {jax.numpy.dtype(dtype).name} params in "
         f"{time.perf_counter() - t0:.1f}s")
     bpp = KVCache.bytes_per_position(config, dtype)
+    ec = EngineConfig(max_slots=max_rows, max_cache_len=max(kv_lens) + max(tokens),
+                      draft_widths=(1,), kv_memory_gb=kv_budget_bytes / 1e9)
+    engine = Engine(config, params, eos_token_ids=[0], engine_config=ec)
     shapes = []
     cm = CostModel(history=10_000)
     for kv in kv_lens:
         for n in tokens:
             rows, width = step_layout(n, kv, bpp, kv_budget_bytes, max_rows)
-            sec, comp = time_packed_step(config, params, rows, width, kv, dtype, repeats)
+            sec, wall = time_packed_step(engine, rows, width, kv, repeats)
             shapes.append({"tokens": n, "kv_len": kv, "rows": rows, "width": width,
-                           "attended_kv": rows * kv, "seconds": sec, "compile_s": comp})
+                           "attended_kv": rows * kv, "seconds": sec, "wall_s": wall})
             cm.observe_step(n, rows * kv, sec, refit=False)
             log(f"  N={n:5d} kv={kv:5d}: {rows:4d} rows x {width:3d} slots  {sec * 1e3:9.2f} ms"
-                f"  (compile {comp:.1f}s)")
-    del params
+                f"  ({wall:.1f}s with the compile)")
+    del params, engine
     cm.fit()
     coef = cm.to_dict()
     err = 0.0
@@ -195,7 +175,7 @@ def main(argv=None) -> int:
     from das_jax.bench import replay as rp
     from das_jax.bench.rollout_bench import PaperSpec, run_paper
     from das_jax.config import DASSection
-    from das_jax.engine.cost_model import save_cost_model
+    from das_jax.engine import save_cost_model
     from das_jax.models.config import ModelConfig
 
     out = pathlib.Path(args.out)
