@@ -174,7 +174,6 @@ def main(argv=None) -> int:
     from das_jax.bench import paper_replay as pr
     from das_jax.bench import replay as rp
     from das_jax.bench.rollout_bench import PaperSpec, run_paper
-    from das_jax.config import DASSection
     from das_jax.engine import save_cost_model
     from das_jax.models.config import ModelConfig
 
@@ -219,7 +218,7 @@ def main(argv=None) -> int:
                          max_tokens=256, median=64.0, slots=4, widths=(1, 4))
     names_r = ["none", "ngram", "suffix-global", "das", "das-unlimited"]
     t0 = time.perf_counter()
-    paper = run_paper(trace, names_r, spec.max_tokens, DASSection(), spec)
+    paper = run_paper(trace, names_r, spec.max_tokens, rp.das_from_header(trace.header), spec)
     res["paper"] = {"trace": str(trace_path), "seconds": time.perf_counter() - t0,
                     "settings": paper["settings"], "workload": paper["workload"],
                     "summary": {m: {"regime": r["regime"], "summary": r["summary"],
