@@ -210,12 +210,11 @@ def main(argv=None) -> int:
     # models of a 7B on H100 / H200.
     measured = list(files)[-1]
     trace = rp.read_trace(trace_path)
-    keep = sorted({r.epoch for r in trace.rollouts})[:max(args.paper_epochs, 1)]
-    trace = rp.Trace(trace.header, [r for r in trace.rollouts if r.epoch in keep])
-    spec = PaperSpec(cost_models=(files[measured], "h100-7b", "h200-7b"))
+    epochs = max(args.paper_epochs, 1)
+    spec = PaperSpec(cost_models=(files[measured], "h100-7b", "h200-7b"), epochs=epochs)
     if args.smoke:
-        spec = PaperSpec(cost_models=(files[measured], "h100-7b"), problems=2, samples=2,
-                         max_tokens=256, median=64.0, slots=4, widths=(1, 4))
+        spec = PaperSpec(cost_models=(files[measured], "h100-7b"), epochs=epochs, problems=2,
+                         samples=2, max_tokens=256, median=64.0, slots=4, widths=(1, 4))
     names_r = ["none", "ngram", "suffix-global", "das", "das-unlimited"]
     t0 = time.perf_counter()
     paper = run_paper(trace, names_r, spec.max_tokens, rp.das_from_header(trace.header), spec)

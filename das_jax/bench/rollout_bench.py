@@ -143,6 +143,7 @@ class PaperSpec:
     max_tokens: int = 16384
     median: float = 4000.0
     sigma: float = 0.8
+    epochs: int | None = None     # the trace's first epochs to replay (None: all)
     slots: int = 128
     widths: tuple[int, ...] = (1, 4, 8, 16)
 
@@ -393,7 +394,7 @@ def run_paper(trace, names, max_new_tokens: int, das, spec: "PaperSpec", log=pri
     t0 = time.perf_counter()
     epochs = rp.paper_workload(trace, problems=spec.problems, samples=spec.samples,
                                max_tokens=spec.max_tokens, median_len=spec.median,
-                               sigma=spec.sigma)
+                               sigma=spec.sigma, epochs=spec.epochs)
     lens = [len(r.token_ids) for rs in epochs.values() for r in rs]
     max_prompt = max(len(r.prompt_ids) for rs in epochs.values() for r in rs)
     ec = EngineConfig(max_slots=spec.slots, draft_widths=tuple(spec.widths),
