@@ -188,7 +188,7 @@ class DASSection:
     min_token_prob: a suffix draft stops when its path probability drops below this.
     policy: the DAS length-aware policy (`das_jax.engine.DASConfig`): short_quantile,
       long_quantile, short_threshold, long_threshold (length classes), weight_short,
-      weight_medium, weight_long (row weights of the draft budget's objective), budget_short,
+      weight_medium, weight_long (class weights sharing the per-step cost), budget_short,
       budget_medium, budget_long (optional per-class caps), min_history, length_history,
       acceptance_ema, explore_every, unlimited.
     cost_model: the step-cost model the policy plans with (`das_jax.engine.CostModelConfig`):

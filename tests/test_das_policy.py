@@ -235,10 +235,16 @@ def test_per_depth_calibration_learns_where_drafts_break():
     assert chosen[0].tolist() == [7] * 4 and chosen[-1].tolist() == [2] * 4
 
 
-def _objective(cm, n, weights, q, step_shape):
+def _net_time(cm, n, lam, q, step_shape):
+    """F(n) = t(step) - sum_b lambda_b * (1 + Q_b(n_b)), written out independently."""
     t = cm.predict_step(*step_shape(n))
-    value = weights.sum() + sum(weights[b] * q[b, :n[b]].sum() for b in range(len(n)))
-    return t / value
+    return t - sum(lam[b] * (1 + q[b, :n[b]].sum()) for b in range(len(n)))
+
+
+def _token_values(cm, f, q, lens):
+    """lambda_b = min over n <= lens[b] of (f_b + c_tok * n) / (1 + Q_b(n)), by brute force."""
+    return np.array([min((f[b] + cm.c_tok * k) / (1 + q[b, :k].sum()) for k in range(lens[b] + 1))
+                     for b in range(len(f))])
 
 
 @pytest.mark.parametrize("engine", ["padded", "packed"])
@@ -274,10 +280,14 @@ def test_budget_never_worse_than_no_drafts_or_all_drafts(engine):
         assert n.dtype == np.int32 and (0 <= n).all() and (n <= lens).all()
         assert t == pytest.approx(cm.predict_step(*shape(n)))
         q = pol.calibrated(probs)
-        w = pol.row_weights(rows)
-        j = _objective(cm, n, w, q, shape)
-        assert j <= _objective(cm, np.zeros_like(lens), w, q, shape) * (1 + 1e-9)
-        assert j <= _objective(cm, lens, w, q, shape) * (1 + 1e-9)
+        share = pol.base_shares(rows, pol.row_weights(rows))
+        assert share.sum() == pytest.approx(1.0)
+        f = c_tok + share * (c_base + c_kv * shape(np.zeros_like(lens))[1])
+        lam = _token_values(cm, f, q, lens)
+        F = _net_time(cm, n, lam, q, shape)
+        tol = 1e-9 * (1 + abs(F))
+        assert F <= _net_time(cm, np.zeros_like(lens), lam, q, shape) + tol
+        assert F <= _net_time(cm, lens, lam, q, shape) + tol
     check()
 
 
@@ -288,3 +298,55 @@ def test_fixed_policy_verifies_whole_drafts_and_plan_sets_the_width():
     assert padded_step_shape(2, (1, 4, 8), 128)(n) == (16, 256)
     assert packed_step_shape(np.array([100, 28]), (4, 16))(n) == (16, 128)
     assert packed_step_shape(np.array([100, 28]))(n) == (9, 128)
+
+
+def test_packed_budget_is_each_rows_own_optimum():
+    # On a packed step linear in the token slots, F separates by row: each row verifies the
+    # draft length minimising its expected cost per emitted token, (f_b + c_tok n) / (1 + Q_b(n)),
+    # i.e. adds its d-th draft token exactly when lambda_b * q_b,d >= c_tok.
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        cm = CostModel(c_base=float(rng.uniform(1e-3, 0.05)), c_tok=float(rng.uniform(1e-5, 2e-3)),
+                       c_kv=float(rng.uniform(0, 2e-7)))
+        pol = DASPolicy(config=DASConfig(explore_every=0), cost_model=cm)
+        B = int(rng.integers(1, 40))
+        pol.admission_order(["p"] * B)
+        rows = []
+        for i in range(B):
+            pol.begin(i, "p", 8)
+            rows.append(RowView(i, "p", int(rng.integers(0, 500)), 1000))
+        probs = [np.sort(rng.uniform(0, 1, int(rng.integers(0, 16))))[::-1] for _ in range(B)]
+        kv = rng.integers(16, 8192, B)
+        n, _ = pol.choose(rows, probs, packed_step_shape(kv))
+        q = pol.calibrated(probs)
+        f = cm.c_tok + (cm.c_base + cm.c_kv * kv.sum()) / B   # none waits, all medium: 1/B each
+        for b in range(B):
+            g = [(f + cm.c_tok * k) / (1 + q[b, :k].sum()) for k in range(len(probs[b]) + 1)]
+            assert n[b] == int(np.argmin(g)), (trial, b, g)
+
+
+def test_per_step_cost_share_follows_queue_and_classes():
+    history = {"s": [5] * 4, "l": [500] * 4}
+    pol = policy_with_history(history, short_threshold=10, long_threshold=100)
+    pol.admission_order(["s", "l", "l"])
+    pol.begin(0, "s", 4)
+    pol.begin(1, "l", 4)
+    rows = [RowView(0, "s", 0, 100), RowView(1, "l", 0, 100)]
+    # A request still waits: a row finishing early is replaced, so the rows share equally.
+    assert pol.base_shares(rows, pol.row_weights(rows)).tolist() == [0.5, 0.5]
+    pol.begin(2, "l", 4)
+    rows.append(RowView(2, "l", 0, 100))
+    # None waits: by class weight (short 0.5, long 2), the long rows decide the step's end.
+    assert pol.base_shares(rows, pol.row_weights(rows)) == pytest.approx([0.5 / 4.5, 2 / 4.5,
+                                                                          2 / 4.5])
+    # A long row bears more of the step's fixed cost, so it values its tokens more and drafts
+    # deeper on the same draft.
+    cm = pol.cost_model = CostModel(c_base=0.02, c_tok=2e-4, c_kv=0.0)
+    probs = [0.6 ** np.arange(1, 8)] * 3
+    n, _ = pol.choose(rows, probs, packed_step_shape(np.full(3, 64)))
+    assert n[0] < n[1] == n[2], n
+    f = cm.c_tok + 0.02 * np.array([0.5, 2, 2]) / 4.5
+    q = pol.calibrated(probs)
+    for b in range(3):
+        g = [(f[b] + cm.c_tok * k) / (1 + q[b, :k].sum()) for k in range(8)]
+        assert n[b] == int(np.argmin(g))

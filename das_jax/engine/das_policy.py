@@ -8,29 +8,39 @@ Decides how much to speculate, for whom, at each decode step:
    thresholds default to the 1/3 and 2/3 quantiles of the run's own finished lengths. At run time
    a request is re-classed by its partial length: one that has outgrown its class is promoted,
    so rows still running in the tail of the length distribution count as long.
-2. Row weights. A synchronous RL step ends with its longest rollout, so a token of a row that is
-   predicted long (or still running in the tail) shortens the step more than a token of a row
-   that will finish soon: each row weighs w_b = `weight_short` / `weight_medium` /
-   `weight_long` by its class.
-3. The budget. Each step chooses every row's draft length n_b in 0..len(draft_b) to minimise
-   the expected time per weighted emitted token,
+2. Row weights. A synchronous RL step ends with its longest rollout, so the cost a step pays
+   whatever the drafts -- its fixed cost c_base and its attention reads c_kv * K -- is paid for
+   the rows that will finish last: each row bears a share beta_b of it. While requests wait for a
+   slot every live row bears an equal share (a row that finishes early is replaced, so the step
+   count follows the total work); once none wait, the share goes by class weight, w_b / sum w
+   with w_b = `weight_short` / `weight_medium` / `weight_long` (a row predicted long, or still
+   running in the tail, is more likely the last one).
+3. The budget. Row b then costs each step f_b = c_tok + beta_b * (c_base + c_kv * K), plus
+   c_tok per draft token, and a draft of n tokens emits 1 + Q_b(n) tokens in expectation,
+   Q_b(n) = sum_{d <= n} q_b,d, q_b,d the calibrated chance that its first d draft tokens are
+   all accepted (the drafter's path probability times a per-depth calibration factor, made
+   nonincreasing in d). So a token of row b is worth lambda_b = min_n (f_b + c_tok * n) /
+   (1 + Q_b(n)) seconds, its least expected decoding cost on a later step, and the step
+   chooses every row's draft length n_b in 0..len(draft_b) to minimise the net time
 
-       J(n) = t(step_shape(n)) / sum_b w_b * (1 + sum_{d <= n_b} q_b,d)
+       F(n) = t(step_shape(n)) - sum_b lambda_b * (1 + Q_b(n_b)),
 
-   where t is the fitted cost model (`CostModel.predict_step`), `step_shape` the engine's map
-   from a choice to the token slots and attended KV it computes (padded: B * W(max n_b);
-   packed: sum_b (1 + n_b)), and q_b,d the calibrated chance that row b's first d draft tokens
-   are all accepted (the drafter's path probability times a per-depth calibration factor, made
-   nonincreasing in d). Draft tokens are added greedily in the order of their marginal value
-   w_b * q_b,d (the value of a row's d-th token never exceeds that of its (d-1)-th, so every
-   prefix of that order is a valid choice), and since a padded step's cost jumps with the
-   widest draft, also depth by depth (every row up to depth L, L = 1..longest); J is evaluated
-   at every depth cap and at up to `MAX_VALUE_CUTS` value cut-offs of the greedy order, and the
-   choice with the smallest J wins. No drafts (the empty prefix) and all drafts (depth cap =
-   longest) are among the candidates, so the chosen budget is never predicted slower per
-   weighted token than either (tests/test_das_policy.py checks it on random cost models).
-   Because t grows with the computed tokens, the optimum speculates little while the batch is
-   large and compute-bound, and more as the batch shrinks to the memory-bound stragglers.
+   t the fitted cost model (`CostModel.predict_step`) and `step_shape` the engine's map from a
+   choice to the token slots and attended KV it computes (packed: sum_b (1 + n_b); padded:
+   B * W(max n_b)). That is Dinkelbach's form of minimising the rollout's expected decoding
+   time per emitted token, row by row (W. Dinkelbach, "On nonlinear fractional programming",
+   Management Science 13(7), 1967): with a packed step linear in the token slots the optimum
+   is each row's own argmin of g_b(n) = (f_b + c_tok * n) / (1 + Q_b(n)), a draft token being
+   added exactly when lambda_b * q_b,d >= c_tok. Candidates: no drafts, that per-row optimum
+   and all drafts, each capped at every depth 1..longest (a padded step's cost jumps with the
+   widest draft), and up to `MAX_VALUE_CUTS` cut-offs of the greedy order of marginal value
+   lambda_b * q_b,d (nonincreasing along a row's draft, so every prefix of that order is a
+   valid choice); the smallest F wins. No drafts and all drafts are among the candidates, so
+   the chosen budget never has a larger F than either (tests/test_das_policy.py checks it on
+   random cost models). Because t grows with the computed tokens while the per-step costs are
+   shared by many rows, the optimum drafts only well-accepted tokens while the batch is large
+   and compute-bound, and more as it shrinks to the memory-bound stragglers, whose share of
+   the per-step cost grows.
 4. Calibration. The chance of acceptance at depth d is calibrated online: per depth, an EMA
    (`acceptance_ema`) of committed accepted tokens at that depth over the predicted ones. Every
    `explore_every`-th step whose best choice is no drafts although drafts exist verifies the best
@@ -63,7 +73,7 @@ SHORT, MEDIUM, LONG = "short", "medium", "long"
 _ORDER = {SHORT: 0, MEDIUM: 1, LONG: 2}
 MAX_VALUE_CUTS = 24        # value cut-offs of the greedy order evaluated per step
 _SCALE_RANGE = (0.02, 4.0)  # bounds of the per-depth calibration factor
-UNSEEN_MARGIN = 0.1        # how much better (J) an unmeasured shape must be predicted to try it
+UNSEEN_MARGIN = 0.1        # how much better (F, in step times) an unmeasured shape must be
 UNSEEN_EVERY = 4           # at most one unmeasured shape per UNSEEN_EVERY * explore_every steps
 
 
@@ -73,8 +83,10 @@ class DASConfig:
 
     short_quantile / long_quantile: quantiles of the run's finished lengths that separate the
       classes (used unless short_threshold / long_threshold, in tokens, are given).
-    weight_short / weight_medium / weight_long: weight of a row's emitted tokens in the budget's
-      objective, by class (> 0; long rows decide when the step ends, so they weigh most).
+    weight_short / weight_medium / weight_long: by class, a row's weight in sharing the
+      per-step cost (c_base + attention reads) among the live rows once no request waits for a
+      slot (> 0; long rows decide when the step ends, so they weigh most). Its share raises
+      what the row's tokens are worth, so it drafts deeper.
     budget_short / budget_medium / budget_long: optional caps on the draft tokens requested per
       class (null: no cap; the class-caps ablation is 0 / 3 / null).
     min_history: finished rollouts needed before quantile thresholds are trusted (before that
@@ -144,6 +156,7 @@ class DASPolicy:
         self._last_unseen = None           # step of the last unmeasured shape explored
         self._finished_count = 0           # finished rollouts seen (invalidates _th_cache)
         self._th_cache = None
+        self._waiting = 0                  # requests of this generate call not yet in a slot
 
     # ----- classes ------------------------------------------------------------------------------
     def thresholds(self) -> tuple[float, float] | None:
@@ -191,10 +204,12 @@ class DASPolicy:
     def admission_order(self, problem_ids: Sequence[Hashable]) -> list[int]:
         cache: dict[Hashable, float] = {}
         pred = [cache.setdefault(p, self.predicted_length(p)) for p in problem_ids]
+        self._waiting = len(problem_ids)
         return sorted(range(len(problem_ids)), key=lambda i: -pred[i])  # stable: ties keep order
 
     def begin(self, request_id: int, problem_id: Hashable, prompt_len: int) -> None:
         self.classes[request_id] = self.initial_class(problem_id)
+        self._waiting = max(self._waiting - 1, 0)
 
     def current_class(self, row: RowView, th) -> str:
         cls = self.classes.get(row.request_id, MEDIUM)
@@ -248,11 +263,16 @@ class DASPolicy:
         """Mean calibration factor over the depths seen so far (1.0 before any)."""
         return float(np.mean(self.depth_scale)) if len(self.depth_scale) else 1.0
 
-    def candidates(self, lens: np.ndarray, value_BxD: np.ndarray) -> list[np.ndarray]:
-        """The choices the budget evaluates: no drafts, every depth cap 1..longest (the last is
-        all drafts), and up to `MAX_VALUE_CUTS` cut-offs of the greedy marginal-value order."""
+    def candidates(self, lens: np.ndarray, value_BxD: np.ndarray,
+                   n_opt: np.ndarray | None = None) -> list[np.ndarray]:
+        """The choices the budget evaluates: no drafts, every depth cap 1..longest of all drafts
+        (the last is all drafts) and of `n_opt` (each row's own best draft length), and up to
+        `MAX_VALUE_CUTS` cut-offs of the greedy marginal-value order."""
         D = value_BxD.shape[1]
         out = [np.zeros_like(lens)] + [np.minimum(lens, L) for L in range(1, D + 1)]
+        if n_opt is not None:
+            top = int(n_opt.max(initial=0))
+            out += [np.minimum(n_opt, L).astype(lens.dtype) for L in range(1, top + 1)]
         pos = value_BxD[value_BxD > 0]
         if pos.size:
             cuts = np.unique(pos)[::-1]
@@ -276,13 +296,52 @@ class DASPolicy:
         return width is None or not self.cost_model.table or self.cost_model.seen(
             shape[0], shape[1], width)
 
-    def objective(self, n: np.ndarray, weights: np.ndarray, cum_value_BxD1: np.ndarray,
+    def base_shares(self, rows: Sequence[RowView], weights: np.ndarray) -> np.ndarray:
+        """float64 `[len(rows)]`: each row's share beta_b of a step's fixed cost c_base (sums to 1).
+
+        While requests wait for a slot, a row that finishes early is replaced at once, so the
+        number of steps follows the total work and every live row bears an equal share. Once
+        none wait, the steps left are those of the row that finishes last; which row that is is
+        uncertain, so the share goes by class weight (w_b / sum w: rows predicted long, or still
+        running in the tail, bear most)."""
+        if self._waiting > 0 or not weights.sum() > 0:
+            return np.full(len(rows), 1.0 / max(len(rows), 1))
+        return weights / weights.sum()
+
+    def row_fixed_costs(self, rows: Sequence[RowView], weights: np.ndarray,
+                        attended_kv: int) -> np.ndarray:
+        """float64 `[len(rows)]`, seconds: f_b, what row b adds to every step it is live in,
+        drafts aside: its pending token's slot and its share beta_b (`base_shares`) of the cost
+        the step pays whatever the drafts, the fixed cost and the attention reads (the step
+        attends `attended_kv` cached positions): c_tok + beta_b * (c_base + c_kv * attended_kv).
+        """
+        cm = self.cost_model
+        fixed = max(cm.c_base, 0.0) + max(cm.c_kv, 0.0) * attended_kv
+        return max(cm.c_tok, 0.0) + fixed * self.base_shares(rows, weights)
+
+    @staticmethod
+    def token_values(f_B: np.ndarray, c_tok: float, cum_q_BxD1: np.ndarray,
+                     lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(lambda_B float64 seconds, n_B int32): each row's least expected cost per emitted
+        token, min over n in 0..lens[b] of g_b(n) = (f_b + c_tok * n) / (1 + Q_b(n)), and the n
+        attaining it (the smallest on ties); Q_b(n) = cum_q_BxD1[b, n], the expected accepted
+        tokens of a draft of n. lambda_b is what a token of row b is worth: the decoding time
+        the row would spend to emit it on a later step."""
+        D1 = cum_q_BxD1.shape[1]
+        n = np.arange(D1)
+        g = (f_B[:, None] + c_tok * n[None, :]) / (1.0 + cum_q_BxD1)
+        g = np.where(n[None, :] <= lens[:, None], g, np.inf)
+        best = np.argmin(g, axis=1)
+        return g[np.arange(len(f_B)), best], best.astype(np.int32)
+
+    def objective(self, n: np.ndarray, lam_B: np.ndarray, cum_q_BxD1: np.ndarray,
                   shape) -> tuple[float, float]:
-        """(J, predicted seconds) of choice n, whose verify step has `shape`: predicted seconds
-        per expected weighted token."""
+        """(F, predicted seconds t) of choice n, whose verify step has `shape`:
+        F = t - sum_b lambda_b * (1 + Q_b(n_b)), the step's time less the decoding time its
+        expected emitted tokens save (`token_values`). Smaller is better."""
         t = self._predict(shape)
-        value = float(weights.sum() + cum_value_BxD1[np.arange(len(n)), n].sum())
-        return t / max(value, 1e-12), t
+        saved = float((lam_B * (1.0 + cum_q_BxD1[np.arange(len(n)), n])).sum())
+        return t - saved, t
 
     def choose(self, rows, draft_probs, step_shape):
         lens = np.array([len(p) for p in draft_probs], np.int32)
@@ -290,14 +349,17 @@ class DASPolicy:
         if self.config.unlimited or lens.max(initial=0) == 0:
             return lens, self._predict(step_shape(lens))
         q_BxD = self.calibrated(draft_probs)
-        weights = self.row_weights(rows)
-        value_BxD = weights[:, None] * q_BxD
-        cum = np.concatenate([np.zeros((len(lens), 1)), np.cumsum(value_BxD, axis=1)], axis=1)
+        cum = np.concatenate([np.zeros((len(lens), 1)), np.cumsum(q_BxD, axis=1)], axis=1)
+        f = self.row_fixed_costs(rows, self.row_weights(rows),
+                                 step_shape(np.zeros_like(lens))[1])
+        c_tok = max(self.cost_model.c_tok, 0.0)
+        lam, n_opt = self.token_values(f, c_tok, cum, lens)
+        value_BxD = lam[:, None] * q_BxD
         scored = []
-        for n in self.candidates(lens, value_BxD):
+        for n in self.candidates(lens, value_BxD, n_opt):
             shape = step_shape(n)
-            J, t = self.objective(n, weights, cum, shape)
-            scored.append((J, t, int(n.sum()), n, n.sum() == 0 or self._seen(shape)))
+            F, t = self.objective(n, lam, cum, shape)
+            scored.append((F, t, int(n.sum()), n, n.sum() == 0 or self._seen(shape)))
         key = lambda x: (x[0], x[1], x[2])   # noqa: E731
         # Shapes already measured (compiled) are priced by their own times; a shape never run
         # is priced by the linear fit, which underprices drafting steps on a CPU, and costs a
@@ -314,7 +376,7 @@ class DASPolicy:
             new_ok = (self._last_unseen is None or
                       self._steps - self._last_unseen >= UNSEEN_EVERY * every)
             if (new_ok and top[2] > 0 and not top[4]
-                    and top[0] < (1 - UNSEEN_MARGIN) * best[0]):
+                    and top[0] < best[0] - UNSEEN_MARGIN * best[1]):
                 best = top
             elif best[2] == 0 and seen_spec:
                 best = min(seen_spec, key=key)

@@ -23,7 +23,7 @@ the benchmarks. Built-in names:
 | suffix-global   | global + per-request tree (SuffixDecoding) | fixed: widest width           |
 | das             | per-problem suffix trees                   | DAS: per-row draft lengths    |
 |                 |                                            | minimising the expected time  |
-|                 |                                            | per weighted token (ablations |
+|                 |                                            | per token (ablations          |
 |                 |                                            | in `das.policy`)              |
 | das-unlimited   | per-problem suffix trees                   | ablation: every row verifies  |
 |                 |                                            | its whole draft               |
@@ -169,7 +169,7 @@ def _das(das, cost_model, unlimited: bool):
 
 
 @register_speculation("das", description="per-problem suffix trees, DAS budget (per-row draft "
-                      "lengths minimising expected time per weighted token)",
+                      "lengths minimising the expected decoding time per token)",
                       uses_cost_model=True)
 def _das_policy(das, cost_model):
     return _das(das, cost_model, unlimited=False)
