@@ -11,6 +11,11 @@ from das_jax.testing import tiny_model_config
 CFG = tiny_model_config()   # H=4 query heads over KVH=2 KV heads (G=2)
 
 
+def keys_view(k_BxKVHxAxK):
+    """The cache's key layout `[B, KVH, K, A]` of position-major keys."""
+    return np.swapaxes(k_BxKVHxAxK, -1, -2)
+
+
 def reference(q, k_new, v_new, k_cache, v_cache, cache_len, valid):
     """float64 loops: q [B, T, H, K]; k/v_new [B, T, KVH, K]; k/v_cache [B, KVH, A, K]."""
     B, T, H, K = q.shape
@@ -54,7 +59,8 @@ def test_attend_cache_matches_reference(jit, B, T, A, kv_len):
         cache_len[:] = 0
 
     def f(q, k_new, v_new, k_cache, v_cache, cache_len, valid):
-        return attend_cache(CFG, q, k_new, v_new, (k_cache, v_cache), cache_len, valid, kv_len)
+        return attend_cache(CFG, q, k_new, v_new, (keys_view(k_cache), v_cache), cache_len,
+                            valid, kv_len)
     if jit:
         f = jax.jit(f)
     got = np.asarray(f(q, k_new, v_new, k_cache, v_cache, cache_len, valid))
@@ -67,19 +73,19 @@ def test_attend_cache_ignores_garbage_past_cache_len():
     """Positions at or past a row's cache_len (rejected drafts, stale rows) never matter."""
     q, k_new, v_new, k_cache, v_cache, cache_len, valid = case(1, 3, 4, 32, 32)
     cache_len = np.array([0, 7, 32], np.int32)
-    a = attend_cache(CFG, q, k_new, v_new, (k_cache, v_cache), cache_len, valid, 32)
+    a = attend_cache(CFG, q, k_new, v_new, (keys_view(k_cache), v_cache), cache_len, valid, 32)
     k2, v2 = k_cache.copy(), v_cache.copy()
     for b, n in enumerate(cache_len):
         k2[b, :, n:] = 1e4
         v2[b, :, n:] = -1e4
-    b_ = attend_cache(CFG, q, k_new, v_new, (k2, v2), cache_len, valid, 32)
+    b_ = attend_cache(CFG, q, k_new, v_new, (keys_view(k2), v2), cache_len, valid, 32)
     np.testing.assert_array_equal(np.asarray(a)[valid], np.asarray(b_)[valid])
 
 
 def test_attend_cache_bf16_cache_with_f32_queries():
     """A bf16 cache is read at the queries' dtype (float32 here), output float32."""
     q, k_new, v_new, k_cache, v_cache, cache_len, valid = case(2, 2, 3, 16, 16)
-    out = attend_cache(CFG, q, k_new, v_new, (jnp.asarray(k_cache, jnp.bfloat16),
+    out = attend_cache(CFG, q, k_new, v_new, (jnp.asarray(keys_view(k_cache), jnp.bfloat16),
                                               jnp.asarray(v_cache, jnp.bfloat16)),
                        cache_len, valid, 16)
     assert out.dtype == jnp.float32

@@ -152,13 +152,24 @@ def test_kv_cache_layout_ops():
     c = DenseKVCache.zeros(CFG, 3, 8)
     k_new = jnp.ones((CFG.num_layers, 3, 2, CFG.num_kv_heads, CFG.head_dim))
     c = c.write(k_new, 2 * k_new, jnp.array([0, 5, 7], jnp.int32))
-    assert float(c.k[0, 1, 0, 5, 0]) == 1 and float(c.v[0, 2, 0, 7, 0]) == 2
-    assert float(c.k[0, 2, 0, 6, 0]) == 0  # position 8 of row 2 dropped, 6 untouched
+    # Keys are stored [L, B, KVH, K, S], values [L, B, KVH, S, K].
+    assert c.k.shape == (CFG.num_layers, 3, CFG.num_kv_heads, CFG.head_dim, 8)
+    assert c.v.shape == (CFG.num_layers, 3, CFG.num_kv_heads, 8, CFG.head_dim)
+    assert float(c.k[0, 1, 0, 0, 5]) == 1 and float(c.v[0, 2, 0, 7, 0]) == 2
+    assert float(c.k[0, 2, 0, 0, 6]) == 0  # position 8 of row 2 dropped, 6 untouched
+    assert float(c.k[0, 1, 0, 0, 4]) == 0 and float(c.k[0, 1, 0, 0, 6]) == 1
+    slots = jnp.ones((CFG.num_layers, 3, CFG.num_kv_heads, CFG.head_dim))
+    s = c.write_slots(3 * slots, 4 * slots, jnp.array([2, 0, 3], jnp.int32),
+                      jnp.array([1, 2, 0], jnp.int32))   # row 3: a padding slot, dropped
+    assert float(s.k[0, 2, 1, 5, 1]) == 3 and float(s.v[0, 0, 1, 2, 5]) == 4
+    assert float(s.k[0, 0, 0, 0, 3]) == 0 and float(s.k[0, 0, 0, 0, 1]) == 1
     g = c.gather_rows(jnp.array([2, 2], jnp.int32))
     assert g.batch == 2 and float(g.v[0, 1, 0, 7, 0]) == 2
     d = DenseKVCache.zeros(CFG, 4, 8).insert_rows(jnp.array([3, 9], jnp.int32), g,
                                                   jnp.array([0, 1], jnp.int32))
     assert float(d.v[0, 3, 0, 7, 0]) == 2 and float(d.v[0, :3].sum()) == 0
+    assert float(d.k[0, 3, 0, 0, 7]) == 1 and float(d.k[0, :3].sum()) == 0
+    assert DenseKVCache.abstract(CFG, 3, 8).k.shape == c.k.shape
 
 
 def test_sharding_rules_table():

@@ -16,7 +16,8 @@ from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
 from das_jax.engine.sampling import SamplingParams
 from das_jax.engine.schedule import bucket, pack_prompts, prompt_bucket, token_buckets
 from das_jax.models import contraction as cx
-from das_jax.testing import AdversaryDrafter, random_kv_cache, tiny_model_config, tiny_params
+from das_jax.testing import (AdversaryDrafter, kv_by_position, random_kv_cache,
+                             tiny_model_config, tiny_params)
 
 CFG = tiny_model_config()
 EXACT_CFG = dataclasses.replace(CFG, contraction=cx.EXACT)
@@ -87,9 +88,10 @@ def test_packed_prefill_equals_padded_prefill(params, exact, seed):
     tol = 0 if exact else 1e-5
     np.testing.assert_array_equal(y2, y1)
     np.testing.assert_allclose(l2, l1, atol=tol, rtol=0)
+    (k1, v1), (k2, v2) = kv_by_position(c1), kv_by_position(c2)
     for j, row in enumerate(rows):
         n = len(prompts[src[j]])
-        for a, b in ((c1.k, c2.k), (c1.v, c2.v)):
+        for a, b in ((k1, k2), (v1, v2)):
             # fast mode: float32 rounding of K/V (|x| up to ~5 with these weights) across the
             # [U, T] and [N] matmul shapes; exact mode: bitwise.
             np.testing.assert_allclose(np.asarray(b[:, row, :, :n]), np.asarray(a[:, row, :, :n]),
@@ -107,8 +109,7 @@ def test_packed_prefill_equals_padded_prefill(params, exact, seed):
         for i in range(j):
             if src[i] == src[j]:
                 n = len(prompts[src[j]])
-                np.testing.assert_array_equal(np.asarray(c2.k[:, rows[i], :, :n]),
-                                              np.asarray(c2.k[:, rows[j], :, :n]))
+                np.testing.assert_array_equal(k2[:, rows[i], :, :n], k2[:, rows[j], :, :n])
 
 
 def test_packed_prefill_without_jit_matches_jit(params):
@@ -123,9 +124,8 @@ def test_packed_prefill_without_jit_matches_jit(params):
     np.testing.assert_allclose(l2, l1, atol=1e-5, rtol=0)
     for row, u in zip(rows, src):
         n = len(prompts[u])
-        np.testing.assert_allclose(np.asarray(c2.k[:, row, :, :n]),
-                                   np.asarray(c1.k[:, row, :, :n]),
-                                   atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(kv_by_position(c2)[0][:, row, :, :n],
+                                   kv_by_position(c1)[0][:, row, :, :n], atol=1e-5, rtol=1e-5)
 
 
 def test_pack_prompts_layout():

@@ -18,8 +18,8 @@ from das_jax.engine.sampling import SamplingParams
 from das_jax.engine.schedule import (kv_len_bucket, packed_step_shape, packed_width,
                                      token_buckets)
 from das_jax.models import contraction as cx
-from das_jax.testing import (AdversaryDrafter, OracleDrafter, random_kv_cache, tiny_model_config,
-                            tiny_params)
+from das_jax.testing import (AdversaryDrafter, OracleDrafter, kv_by_position, random_kv_cache,
+                             tiny_model_config, tiny_params)
 
 CFG = tiny_model_config()
 EXACT_CFG = dataclasses.replace(CFG, contraction=cx.EXACT)
@@ -99,13 +99,10 @@ def test_packed_step_equals_padded_step_with_ragged_drafts(params, exact, seed):
         assert e2[b] == e1[b]
         accepted_any |= e1[b] > 1
         written = slice(int(cache_len[b]), int(cache_len[b]) + n)
-        for a, c in ((c1.k, c2.k), (c1.v, c2.v)):
-            np.testing.assert_allclose(np.asarray(c[:, b, :, written]),
-                                       np.asarray(a[:, b, :, written]),
+        for a, c, old in zip(kv_by_position(c1), kv_by_position(c2), kv_by_position(cache)):
+            np.testing.assert_allclose(c[:, b, :, written], a[:, b, :, written],
                                        atol=0 if exact else 1e-5, rtol=0)
-            np.testing.assert_array_equal(np.asarray(c[:, b, :, :cache_len[b]]),
-                                          np.asarray(cache.k if a is c1.k else cache.v)[
-                                              :, b, :, :cache_len[b]])
+            np.testing.assert_array_equal(c[:, b, :, :cache_len[b]], old[:, b, :, :cache_len[b]])
     if seed == 0:
         assert accepted_any
     # Padding rows' cache rows are untouched by the packed step.

@@ -8,7 +8,8 @@ An engine given a `jax.sharding.Mesh` (`Engine(mesh=...)`) runs tensor-parallel 
   head-parallel axes: attention heads / KV heads and the MLP hidden dimension split over
   `tensor` (Megatron-style), embedding, vocabulary and norms replicated (a vocabulary-parallel
   head would need a sampler that reads sharded logits);
-* KV cache `[L, B, KVH, S, K]`: split on KV heads (`KV_CACHE_AXES`), so each device holds and
+* KV cache (keys `[L, B, KVH, K, S]`, values `[L, B, KVH, S, K]`): split on KV heads
+  (`KVCache.logical_axes`), so each device holds and
   attends to its own heads' keys and values; replicated when `tensor` does not divide KVH;
 * the jitted steps (`das_jax.engine.step`, unchanged): compiled with these shardings at the jit
   boundary (`MeshPlacement.compile`: every cache in or out on the cache sharding, params on the
@@ -34,8 +35,6 @@ from das_jax.parallel.sharding import DEFAULT_RULES, logical_axes, logical_to_sp
 ROLLOUT_RULES: dict[str, tuple[str, ...] | None] = {
     k: (v if k in ("heads", "kv_heads", "mlp") else None) for k, v in DEFAULT_RULES.items()}
 
-# Logical axes of the dense KV cache's k and v `[L, B, KVH, S, K]` (models/kv_cache.py).
-KV_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 def _is_cache(x) -> bool:
@@ -106,14 +105,13 @@ class MeshPlacement:
         return sh
 
     def cache_shardings(self, cache):
-        """The cache pytree with each `[L, B, KVH, S, K]` leaf's NamedSharding (KV heads split
-        over `tensor` when it divides them)."""
-        def one(x):
-            if len(x.shape) != len(KV_CACHE_AXES):
-                return self.replicated
-            return NamedSharding(self.mesh, logical_to_spec(KV_CACHE_AXES, x.shape, self.mesh,
-                                                            self.rules))
-        return jax.tree_util.tree_map(one, cache)
+        """The cache pytree with each leaf's NamedSharding from its logical axes
+        (`KVCache.logical_axes`: KV heads split over `tensor` when it divides them)."""
+        axes = type(cache).logical_axes()
+        return type(cache)(**{
+            name: NamedSharding(self.mesh, logical_to_spec(ax, getattr(cache, name).shape,
+                                                           self.mesh, self.rules))
+            for name, ax in axes.items()})
 
     def put_params(self, params):
         """`params` on this mesh's param shardings (`jax.device_put`: device-to-device for arrays

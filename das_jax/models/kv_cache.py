@@ -5,17 +5,22 @@ Every user of the cache goes through these operations (and never indexes `k` / `
     zeros(config, batch, max_len, dtype)     an empty cache of `batch` rows x `max_len` positions
     nbytes_for(config, batch, max_len, dtype) bytes it would take (sizing from a memory budget)
     layers()                                 the per-layer pytree `forward_hidden` scans over
-    attended(layer, kv_len)                  that layer's attended view `[B, KVH, kv_len, K]`
+    attended(layer, kv_len)                  that layer's attended view: keys `[B, KVH, K, kv_len]`,
+                                             values `[B, KVH, kv_len, K]`
     write(k_new, v_new, cache_len_B)         store new tokens' K/V at positions cache_len[b] + t
     write_slots(k_new, v_new, rows, pos)     store packed token slots' K/V at (row, position)
     insert_rows(slots_R, src, src_R)         copy rows of a (prefill scratch) cache into slots
     gather_rows(rows_B)                      a cache of the given rows (tail compaction)
 
-`DenseKVCache` (alias `KVCache`) stores `k, v: [L, B, KVH, S, K]`, post-RoPE keys, head-major:
-each (row, KV head) holds its positions as one contiguous `[S, K]` block, so the attention's
-score and value contractions run as plain batched matrix products over (row, head) without a
-transpose of the attended cache (on XLA CPU the `[B, S, KVH, K]` layout cost ~3x in the score
-contraction; head-major is also the layout of the usual decode kernels). Row b holds
+`DenseKVCache` (alias `KVCache`) stores post-RoPE keys `k: [L, B, KVH, K, S]` and values
+`v: [L, B, KVH, S, K]`, head-major: each (row, KV head) holds its keys as one contiguous `[K, S]`
+block and its values as one `[S, K]` block, so the attention's two contractions,
+`q [M, K] @ k [K, S]` and `p [M, S] @ v [S, K]`, are plain batched matrix products over
+(row, head) with no transposed operand and no transpose of the attended cache. Measured on XLA
+CPU (2 cores, SmolLM2-135M shapes, 30 layers, B=16, 512 attended positions, side by side): keys
+stored `[S, K]` (contracted on their last axis) made the whole attention 1.3-1.65x slower than
+`[K, S]`; the `[B, S, KVH, K]` layout before that cost ~3x in the score contraction.
+Row b holds
 `cache_len[b]` valid positions (tracked by the caller); positions at or past `cache_len` are
 garbage and are never attended, so rejected draft tokens are rolled back by not advancing
 `cache_len`. Its memory is `B * S` positions whether rows are short or long, which is what makes
@@ -24,7 +29,7 @@ long-tail RL rollouts (a few 16K-token rows among many short ones) expensive:
 
 Paged design (not built yet; the operations above are its interface):
 
-* Page pool: `k_pages, v_pages: [L, P, KVH, page, K]` (page = 16..128 positions), P sized from
+* Page pool: `k_pages: [L, P, KVH, K, page]`, `v_pages: [L, P, KVH, page, K]` (page = 16..128 positions), P sized from
   the memory budget (`rollout.kv_memory_gb`) rather than from `slots x max_len`; a host-side free
   list hands out pages.
 * Page table: int32 `[B, max_pages]` per row (page ids; -1 unused), and the row's length. `write`
@@ -37,7 +42,7 @@ Paged design (not built yet; the operations above are its interface):
 * `attended(layer, kv_len)`: on GPU, a paged-attention kernel reading pages through the table
   (Pallas `jax.experimental.pallas.ops.gpu` paged attention, or a cuDNN / FlashInfer paged
   decode kernel through an FFI call); on TPU, Pallas `ops.tpu.paged_attention`; on CPU (tests,
-  small models), a gather of the row's pages into the dense `[B, KVH, kv_len, K]` view followed
+  small models), a gather of the row's pages into the dense views (as `attended`) followed
   by the dense attention, which keeps the paged cache exact against the dense one.
 * Admission: the scheduler admits a request only when the pool has pages for its prompt plus
   a reserve, and preempts (recomputes) the youngest row when the pool runs dry, instead of
@@ -53,26 +58,43 @@ import numpy as np
 from das_jax.models.config import ModelConfig
 
 
+# Logical axes of each leaf (the sharding rules' names, `das_jax.parallel`).
+K_AXES = ("layers", "batch", "kv_heads", "head_dim", "length")
+V_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
+
+
 @flax.struct.dataclass
 class DenseKVCache:
-    """Dense key/value cache `k, v: [L, B, KVH, S, K]` (module docstring)."""
+    """Dense key/value cache: keys `k: [L, B, KVH, K, S]`, values `v: [L, B, KVH, S, K]`
+    (module docstring)."""
 
     k: jax.Array
     v: jax.Array
 
+    @staticmethod
+    def shapes(config: ModelConfig, batch: int, max_len: int) -> tuple[tuple, tuple]:
+        """(k shape, v shape) of a cache of `batch` rows x `max_len` positions."""
+        L, KVH, K = config.num_layers, config.num_kv_heads, config.head_dim
+        return (L, batch, KVH, K, max_len), (L, batch, KVH, max_len, K)
+
+    @staticmethod
+    def logical_axes() -> dict[str, tuple[str, ...]]:
+        """Logical axis names of each leaf, by field (`das_jax.engine.placement`)."""
+        return {"k": K_AXES, "v": V_AXES}
+
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32
               ) -> "DenseKVCache":
-        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        ks, vs = cls.shapes(config, batch, max_len)
+        return cls(k=jnp.zeros(ks, dtype), v=jnp.zeros(vs, dtype))
 
     @classmethod
     def abstract(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32
                  ) -> "DenseKVCache":
         """`jax.ShapeDtypeStruct` leaves of the same layout (for lowering without allocating)."""
-        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
-        s = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-        return cls(k=s, v=s)
+        ks, vs = cls.shapes(config, batch, max_len)
+        return cls(k=jax.ShapeDtypeStruct(ks, jnp.dtype(dtype)),
+                   v=jax.ShapeDtypeStruct(vs, jnp.dtype(dtype)))
 
     @staticmethod
     def bytes_per_position(config: ModelConfig, dtype) -> int:
@@ -87,7 +109,7 @@ class DenseKVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.v.shape[3]
 
     @property
     def batch(self) -> int:
@@ -98,15 +120,17 @@ class DenseKVCache:
         return self.k.dtype
 
     def layers(self):
-        """The per-layer pytree scanned with the layer params: (k_l, v_l) `[B, KVH, S, K]`."""
+        """The per-layer pytree scanned with the layer params: (k_l `[B, KVH, K, S]`,
+        v_l `[B, KVH, S, K]`)."""
         return (self.k, self.v)
 
     @staticmethod
     def attended(layer, kv_len: int):
-        """The first `kv_len` positions of one layer: (k, v) `[B, KVH, kv_len, K]`. Slicing per
-        layer inside the scan (not the stacked cache up front, which would copy every layer)."""
+        """The first `kv_len` positions of one layer: (k `[B, KVH, K, kv_len]`,
+        v `[B, KVH, kv_len, K]`). Slicing per layer inside the scan (not the stacked cache up
+        front, which would copy every layer)."""
         k_l, v_l = layer
-        return k_l[:, :, :kv_len], v_l[:, :, :kv_len]
+        return k_l[..., :kv_len], v_l[:, :, :kv_len]
 
     def write(self, k_new_LxBxTxKVHxK, v_new_LxBxTxKVHxK, cache_len_B) -> "DenseKVCache":
         """Stores token t of row b at position `cache_len_B[b] + t` in every layer (one scatter);
@@ -114,10 +138,10 @@ class DenseKVCache:
         B, T = k_new_LxBxTxKVHxK.shape[1:3]
         rows_Bx1 = jnp.arange(B)[:, None]
         cols_BxT = cache_len_B[:, None] + jnp.arange(T)[None, :]
-        # The two index arrays are split by the head axis, so the indexed block is
-        # `[B, T, L, KVH, K]` (NumPy's rule for separated advanced indices).
+        # The two index arrays are split by other axes, so the indexed block is
+        # `[B, T, L, KVH, K]` in both leaves (NumPy's rule for separated advanced indices).
         return DenseKVCache(
-            k=self.k.at[:, rows_Bx1, :, cols_BxT].set(
+            k=self.k.at[:, rows_Bx1, :, :, cols_BxT].set(
                 k_new_LxBxTxKVHxK.transpose(1, 2, 0, 3, 4).astype(self.k.dtype), mode="drop"),
             v=self.v.at[:, rows_Bx1, :, cols_BxT].set(
                 v_new_LxBxTxKVHxK.transpose(1, 2, 0, 3, 4).astype(self.v.dtype), mode="drop"))
@@ -129,7 +153,7 @@ class DenseKVCache:
         >= S is dropped."""
         # Indexed block `[N, L, KVH, K]` (separated advanced indices, as in `write`).
         return DenseKVCache(
-            k=self.k.at[:, rows_N, :, positions_N].set(
+            k=self.k.at[:, rows_N, :, :, positions_N].set(
                 k_new_LxNxKVHxK.transpose(1, 0, 2, 3).astype(self.k.dtype), mode="drop"),
             v=self.v.at[:, rows_N, :, positions_N].set(
                 v_new_LxNxKVHxK.transpose(1, 0, 2, 3).astype(self.v.dtype), mode="drop"))
@@ -138,7 +162,7 @@ class DenseKVCache:
         """Copies rows `src_R` of `src` (positions `[0, src.max_len)`) into rows `slots_R`; a slot
         index >= B is dropped (padding of the R bucket)."""
         T = src.max_len
-        return DenseKVCache(k=self.k.at[:, slots_R, :, :T].set(src.k[:, src_R], mode="drop"),
+        return DenseKVCache(k=self.k.at[:, slots_R, :, :, :T].set(src.k[:, src_R], mode="drop"),
                             v=self.v.at[:, slots_R, :, :T].set(src.v[:, src_R], mode="drop"))
 
     def gather_rows(self, rows_B) -> "DenseKVCache":

@@ -4,6 +4,7 @@ Public surface:
   tiny_model_config(**overrides) -> ModelConfig   the tiny random-model config of the tests
   tiny_params(config=None, seed=0, scale=0.5)      its random params (`init_params`)
   random_kv_cache(config, batch, cache_len, seed)  a float32 KV cache of random history
+  kv_by_position(cache)                           its (k, v) as numpy `[L, B, KVH, S, K]`
   random_requests(problems, samples, seed)         random prompts, each sampled `samples` times
   OracleDrafter, AdversaryDrafter                   drafters that test verification (drafters.py)
   CharTokenizer                                     a 62-character tokenizer (tokenizers.py)
@@ -16,6 +17,7 @@ from das_jax._lazy import lazy_exports
 
 _EXPORTS = {
     "tiny_model_config": "models", "tiny_params": "models", "random_kv_cache": "models",
+    "kv_by_position": "models",
     "random_requests": "models",
     "OracleDrafter": "drafters", "AdversaryDrafter": "drafters",
     "CharTokenizer": "tokenizers",

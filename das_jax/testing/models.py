@@ -30,17 +30,26 @@ def tiny_params(config: ModelConfig | None = None, seed: int = 0, scale: float =
 
 
 def random_kv_cache(config: ModelConfig, batch: int, cache_len: int, seed: int):
-    """A float32 `KVCache` of shape `[L, batch, KVH, cache_len, K]` filled with standard-normal
-    K and V from `numpy.random.default_rng(seed)`: a cache that already holds (random) history,
-    for tests that attend over it."""
+    """A float32 `KVCache` of `batch` rows x `cache_len` positions filled with standard-normal
+    K and V from `numpy.random.default_rng(seed)` (drawn position-major, `[L, batch, KVH,
+    cache_len, K]`, then stored in the cache's layout): a cache that already holds (random)
+    history, for tests that attend over it."""
     import jax.numpy as jnp
     import numpy as np
 
     from das_jax.models.transformer import KVCache
     rng = np.random.default_rng(seed)
     shape = (config.num_layers, batch, config.num_kv_heads, cache_len, config.head_dim)
-    return KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                   v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    return KVCache(k=jnp.asarray(np.swapaxes(k, -1, -2), jnp.float32),
+                   v=jnp.asarray(v, jnp.float32))
+
+
+def kv_by_position(cache):
+    """(k, v) of a `KVCache` as numpy arrays `[L, B, KVH, S, K]` each (keys are stored
+    `[L, B, KVH, K, S]`), so tests index positions the same way in both."""
+    import numpy as np
+    return np.swapaxes(np.asarray(cache.k), -1, -2), np.asarray(cache.v)
 
 
 def random_requests(problems: int = 3, samples: int = 3, seed: int = 0):
