@@ -19,7 +19,7 @@ Design (issue 12, "attention that reads each cached position once"):
   both contractions are batched matrix products over (row, KV head) with the G query heads of a
   KV head and the T new tokens as one M = G*T axis, `q [M, K] @ k [K, A]` and
   `p [M, A] @ v [A, K]`, so K/V are never repeated per query head and neither operand is
-  contracted on a transposed axis (keys stored `[S, K]` made the attention 1.3-1.65x slower on
+  contracted on a transposed axis (keys stored `[S, K]` made the attention 1.2-1.65x slower on
   XLA CPU). Measured on XLA CPU against the placed view over `[B, S, KVH, K]` (SmolLM2-135M,
   all 30 layers, packed verify step, side by side in one process): B=16 steps 1.09x faster at
   384 attended positions, 1.13x with 24 draft slots at 640, 1.20x at 1024; B=1 unchanged.
