@@ -297,7 +297,8 @@ class DASPolicy:
             shape[0], shape[1], width)
 
     def base_shares(self, rows: Sequence[RowView], weights: np.ndarray) -> np.ndarray:
-        """float64 `[len(rows)]`: each row's share beta_b of a step's fixed cost c_base (sums to 1).
+        """float64 `[len(rows)]`: each row's share beta_b (summing to 1) of the cost a step pays
+        whatever the drafts, c_base + c_kv * K (`row_fixed_costs`).
 
         While requests wait for a slot, a row that finishes early is replaced at once, so the
         number of steps follows the total work and every live row bears an equal share. Once

@@ -22,13 +22,15 @@ stored `[S, K]` (contracted on their last axis) made the whole attention 1.2-1.6
 `[K, S]`, and a B=16 packed verify step 1.12-1.31x slower; the `[B, S, KVH, K]` layout before
 that cost ~3x in the score contraction. Row b holds `cache_len[b]` valid positions (tracked by
 the caller); positions at or past `cache_len` are garbage and are never attended, so rejected
-draft tokens are rolled back by not advancing `cache_len`. Its memory is `B * S` positions whether rows are short or long, which is what makes
+draft tokens are rolled back by not advancing `cache_len`. Its memory is `B * S` positions
+whether rows are short or long, which is what makes
 long-tail RL rollouts (a few 16K-token rows among many short ones) expensive:
 `2 * L * KVH * K * bytes` per position (Qwen2-7B bf16: 57 KB; 256 rows x 17,408: 256 GB).
 
 Paged design (not built yet; the operations above are its interface):
 
-* Page pool: `k_pages: [L, P, KVH, K, page]`, `v_pages: [L, P, KVH, page, K]` (page = 16..128 positions), P sized from
+* Page pool: `k_pages: [L, P, KVH, K, page]`, `v_pages: [L, P, KVH, page, K]` (page = 16..128
+  positions), P sized from
   the memory budget (`rollout.kv_memory_gb`) rather than from `slots x max_len`; a host-side free
   list hands out pages.
 * Page table: int32 `[B, max_pages]` per row (page ids; -1 unused), and the row's length. `write`
