@@ -350,3 +350,80 @@ def test_per_step_cost_share_follows_queue_and_classes():
     for b in range(3):
         g = [(f[b] + cm.c_tok * k) / (1 + q[b, :k].sum()) for k in range(8)]
         assert n[b] == int(np.argmin(g))
+
+
+# ------------------------------------------------------------------------- support buckets
+def test_support_buckets_and_step_ratios():
+    from das_jax.engine.das_policy import step_ratios, support_bucket, support_prior
+    assert support_bucket(np.array([0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 1000])).tolist() == \
+        [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    np.testing.assert_allclose(step_ratios(np.array([1.0, 0.5, 0.25, 0.0, 0.0])),
+                               [1.0, 0.5, 0.5, 0.0, 0.0])
+    np.testing.assert_allclose(support_prior(), [1 / 2, 2 / 3, 4 / 5, 8 / 9, 16 / 17, 32 / 33])
+
+
+def test_calibration_by_support_learns_that_once_seen_tokens_are_coin_flips():
+    # Issue 12: a suffix-trie token continuing a path seen once has count ratio 1, and the old
+    # per-depth calibration could not tell it from a token seen 40 times. Rows 0-1 draft tokens
+    # seen once, rows 2-3 tokens seen 40 times, all with drafter ratio 1; verification accepts
+    # 1 of rows 0-1's 4 tokens and all of rows 2-3's.
+    pol = DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0, acceptance_ema=1.0),
+                    cost_model=CostModel(c_base=1.0, c_tok=1e-6))
+    rows = [RowView(i, "p", 10, 100) for i in range(4)]
+    probs = [np.ones(4, np.float32)] * 4
+    support = [np.full(4, 1, np.int32)] * 2 + [np.full(4, 40, np.int32)] * 2
+    n, t = pol.choose(rows, probs, packed_step_shape(np.full(4, 64)), draft_support=support)
+    assert n.tolist() == [4] * 4
+    pol.observe(StepRecord(batch=4, active=4, width=8, kv_len=64, drafted=16, accepted=10,
+                           emitted=14, seconds=t, accepted_per_row=(1, 1, 4, 4)))
+    # Bucket 0 (support 1): 2 tokens verified per row after an accepted prefix, 1 accepted.
+    # Bucket 5 (support 32+): 4 verified, 4 accepted. Others keep their prior.
+    from das_jax.engine.das_policy import support_prior
+    want = support_prior()
+    want[0], want[5] = 0.5, 1.0
+    np.testing.assert_allclose(pol.support_scale, want)
+    assert (pol.depth_scale == 1.0).all()      # drafts with support leave the depth factors
+    q = pol.calibrated([np.ones(3), np.ones(3), np.array([1.0, 0.5, 0.5])],
+                       [np.ones(3, np.int32), np.full(3, 40, np.int32),
+                        np.array([40, 40, 3], np.int32)])
+    np.testing.assert_allclose(q[0], [0.5, 0.25, 0.125])
+    np.testing.assert_allclose(q[1], [1.0, 1.0, 1.0])
+    np.testing.assert_allclose(q[2], [1.0, 0.5, 0.5 * 2 / 3])
+    # Where drafts cost something, the budget now drafts deep for the well-supported rows only.
+    pol.cost_model = CostModel(c_base=0.03, c_tok=0.004)
+    n, _ = pol.choose(rows, probs, packed_step_shape(np.full(4, 64)), draft_support=support)
+    assert n[2] == n[3] == 4 and n[0] == n[1] < 2
+    # The learned factors are state: a checkpoint and a fork carry them.
+    other = DASPolicy(config=pol.config)
+    other.load_state_dict(pol.state_dict())
+    np.testing.assert_allclose(other.support_scale, pol.support_scale)
+    np.testing.assert_allclose(pol.fork().support_scale, pol.support_scale)
+    other.load_state_dict({"finished_lengths": []})       # an older checkpoint: the prior
+    np.testing.assert_allclose(other.support_scale, support_prior())
+
+
+def test_plan_step_hands_the_drafts_support_to_the_policy():
+    from das_jax.engine.policy import plan_step
+
+    class Supported:
+        def propose(self, request_id, max_tokens):
+            k = min(max_tokens, 3)
+            return Draft(np.arange(k, dtype=np.int32), np.ones(k, np.float32),
+                         np.full(k, 7 + request_id, np.int32))
+
+    seen = {}
+
+    class Recorder(FixedPolicy):
+        def choose(self, rows, draft_probs, step_shape, draft_support=None):
+            seen["support"] = draft_support
+            return super().choose(rows, draft_probs, step_shape, draft_support)
+
+    rows = [RowView(i, "p", 10, 100) for i in range(2)]
+    plan = plan_step(Supported(), Recorder(), rows, 2, (1, 4), 64)
+    assert [s.tolist() for s in seen["support"]] == [[7, 7, 7], [8, 8, 8]]
+    assert [t.tolist() for t in plan.tokens] == [[0, 1, 2]] * 2
+
+
+def test_draft_support_must_match_its_tokens():
+    with pytest.raises(ValueError, match="support"):
+        Draft(np.zeros(3, np.int32), np.ones(3, np.float32), np.ones(2, np.int32))

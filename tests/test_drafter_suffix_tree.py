@@ -20,6 +20,14 @@ def _assert_same(tree: SuffixTree, ref: BruteIndex, ctx, max_tokens, cfg, own_id
     np.testing.assert_allclose(got.draft.probs, np.asarray(probs, np.float32), rtol=1e-6)
     assert got.match_len == m
     assert got.draft.tokens.dtype == np.int32 and got.draft.probs.dtype == np.float32
+    # Each token's support: the count of the context path it continues (the matched tail plus
+    # the draft before it), less the requester's own trailing occurrence.
+    ctx_l = [int(x) for x in ctx]
+    own_l = None if own is None else [int(x) for x in own]
+    want = [ref.count(tuple(ctx_l[len(ctx_l) - m:] + toks[:i]), own_l) for i in range(len(toks))]
+    if toks:
+        assert got.draft.support is not None and got.draft.support.dtype == np.int32
+        assert got.draft.support.tolist() == want, (ctx, got.draft.support, want)
     assert np.all(np.diff(got.draft.probs) <= 0)
     if toks:
         assert got.draft.probs[-1] >= cfg.min_token_prob
@@ -192,6 +200,8 @@ def test_propose_simple_example():
     # "5 6 7" occurs twice, always followed by "5 6", then 8 or 9 (tie -> smaller id 8, p=0.5)
     assert d.tokens.tolist() == [5, 6, 8]
     np.testing.assert_allclose(d.probs, [1.0, 1.0, 0.5])
+    # Every step rests on the two occurrences of "5 6 7", "5 6 7 5" and "5 6 7 5 6".
+    assert d.support.tolist() == [2, 2, 2]
     assert len(tree.propose([1, 5, 6, 7], 0)) == 0
     assert len(tree.propose([], 4)) == 0
     assert len(tree.propose([42], 4)) == 0

@@ -468,8 +468,11 @@ def _self_count(nodes, seqs, act, meta, own, n, d):
 
 
 @_jit
-def _walk(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, out_t, out_p):
-    """Greedy highest-count walk from depth d inside node n. Returns (n_tokens, score)."""
+def _walk(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, out_t, out_p, out_c):
+    """Greedy highest-count walk from depth d inside node n. Returns (n_tokens, score).
+
+    out_c[k]: the support of token k, the count of the context path it continues (less the
+    requester's own trailing occurrence)."""
     prob = 1.0
     score = 0.0
     k = 0
@@ -477,6 +480,7 @@ def _walk(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, out_t, out_p
     while k < limit:
         if d < nd:
             t = edge_tok(nodes, seqs, toks, n, d)     # inside an edge: ratio 1
+            cn = nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, d)
         else:
             best = -1
             bc = -1
@@ -502,6 +506,7 @@ def _walk(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, out_t, out_p
             nd = depth_of(nodes, seqs, meta, n)
         out_t[k] = t
         out_p[k] = prob
+        out_c[k] = cn
         score += prob
         k += 1
         d += 1
@@ -510,13 +515,14 @@ def _walk(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, out_t, out_p
 
 @_jit
 def propose(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, min_prob,
-            spec_factor, spec_offset, min_match, match_nodes, out_t, out_p, tmp_t, tmp_p):
+            spec_factor, spec_offset, min_match, match_nodes, out_t, out_p, out_c, tmp_t, tmp_p,
+            tmp_c):
     """Best-scoring greedy draft over all matched tail lengths. Returns (k, match_len, score).
 
     `own`: the requesting live sequence indexed in this trie whose tail is the context's tail
     (or -1); its own trailing occurrences are not counted. Writes the draft to out_t[:k]
-    (int32) / out_p[:k] (float32). Scratch arrays have length >= max_depth (+1 for
-    match_nodes).
+    (int32) / out_p[:k] (float32) / out_c[:k] (int32 supports, see `_walk`). Scratch arrays
+    have length >= max_depth (+1 for match_nodes).
     """
     md = meta[M_MAXD]
     lc = ctx.shape[0]
@@ -547,7 +553,7 @@ def propose(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, min_pr
         if limit <= 0:
             continue
         k, score = _walk(nodes, seqs, toks, act, meta, own, match_nodes[m], m, limit, min_prob,
-                         tmp_t, tmp_p)
+                         tmp_t, tmp_p, tmp_c)
         if k > 0 and score > best_score:
             best_score = score
             best_k = k
@@ -555,6 +561,7 @@ def propose(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, min_pr
             for i in range(k):
                 out_t[i] = tmp_t[i]
                 out_p[i] = tmp_p[i]
+                out_c[i] = tmp_c[i]
     return best_k, best_m, best_score
 
 

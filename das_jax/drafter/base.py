@@ -20,16 +20,24 @@ class Draft:
       tokens: int32 [k], the proposed continuation of the request's context; k may be 0.
       probs: float32 [k]; probs[i] is the drafter's estimate of the probability that
         tokens[:i+1] are all accepted (a path probability, so non-increasing in i).
+      support: optional int32 [k]; support[i] is how many past occurrences the estimate of
+        token i rests on (a suffix trie: the count of the context path it continues). None:
+        unknown (e.g. prompt lookup). The DAS policy calibrates acceptance by it.
     """
 
     tokens: np.ndarray
     probs: np.ndarray
+    support: np.ndarray | None = None
 
     def __post_init__(self):
         if self.tokens.shape != self.probs.shape or self.tokens.ndim != 1:
             raise ValueError(
                 f"Draft tokens and probs must be 1-D of equal length, got {self.tokens.shape} "
                 f"and {self.probs.shape}")
+        if self.support is not None and self.support.shape != self.tokens.shape:
+            raise ValueError(
+                f"Draft support must match its tokens' shape {self.tokens.shape}, got "
+                f"{self.support.shape}")
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

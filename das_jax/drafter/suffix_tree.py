@@ -116,6 +116,8 @@ class SuffixForest:
         self._out_p = np.zeros(d, np.float32)
         self._tmp_t = np.zeros(d, np.int32)
         self._tmp_p = np.zeros(d, np.float32)
+        self._out_c = np.zeros(d, np.int32)
+        self._tmp_c = np.zeros(d, np.int32)
         self._stack = np.zeros(d + 1, np.int64)
 
     # ------------------------------------------------------------------ capacity
@@ -284,11 +286,12 @@ class SuffixForest:
         k, m, score = K.propose(self.nodes, self.ht, self.seqs, self.toks, self.act, self.meta,
                                 root, context, own_seq, max_tokens, cfg.min_token_prob,
                                 cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_match_len,
-                                self._match_nodes, self._out_t, self._out_p, self._tmp_t,
-                                self._tmp_p)
+                                self._match_nodes, self._out_t, self._out_p, self._out_c,
+                                self._tmp_t, self._tmp_p, self._tmp_c)
         if k == 0:
             return _EMPTY
-        return ScoredDraft(Draft(self._out_t[:k].copy(), self._out_p[:k].copy()), int(m),
+        return ScoredDraft(Draft(self._out_t[:k].copy(), self._out_p[:k].copy(),
+                                 self._out_c[:k].copy()), int(m),
                            float(score))
 
     # ------------------------------------------------------------------ introspection

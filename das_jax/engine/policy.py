@@ -124,11 +124,14 @@ class SpeculationPolicy(Protocol):
         """int `[len(rows)]`: draft tokens to request per row (0 = do not draft for it)."""
 
     def choose(self, rows: Sequence[RowView], draft_probs: Sequence[np.ndarray],
-               step_shape: StepShape) -> tuple[np.ndarray, float | None]:
+               step_shape: StepShape, draft_support: Sequence[np.ndarray | None] | None = None
+               ) -> tuple[np.ndarray, float | None]:
         """(int32 n_draft per row, each in 0..len(draft_probs[b]), predicted seconds or None).
 
         draft_probs[b]: the drafter's path probabilities of row b's draft (float `[len]`,
         nonincreasing: the chance that its first i + 1 tokens are all accepted).
+        draft_support[b]: int32 `[len]` past occurrences each token's estimate rests on
+        (`Draft.support`), or None where the drafter does not say (None: for every row).
         step_shape: n_draft_B -> (num_tokens, attended_kv) of the verify step the engine would
         run for that choice (`padded_step_shape`, `packed_step_shape`)."""
 
@@ -167,7 +170,7 @@ class FixedPolicy:
         k = max_width - 1 if self.max_draft is None else min(self.max_draft, max_width - 1)
         return np.array([min(k, max(r.remaining - 1, 0)) for r in rows], np.int32)
 
-    def choose(self, rows, draft_probs, step_shape):
+    def choose(self, rows, draft_probs, step_shape, draft_support=None):
         return np.array([len(p) for p in draft_probs], np.int32), None
 
     def observe(self, record):
@@ -213,19 +216,22 @@ def plan_step(drafter, policy: "SpeculationPolicy", rows: Sequence[RowView], bat
     t1 = time.perf_counter()
     tokens: list[np.ndarray] = []
     probs: list[np.ndarray] = []
+    support: list[np.ndarray | None] = []
     for row, k in zip(rows, budgets):
         k = int(min(k, max_w - 1, row.remaining - 1))
         d = drafter.propose(row.request_id, k) if k > 0 else None
         if d is None or len(d.tokens) == 0:
             tokens.append(np.zeros(0, np.int32))
             probs.append(np.zeros(0, np.float32))
+            support.append(None)
         else:
             tokens.append(np.asarray(d.tokens[:k], np.int32))
             probs.append(np.asarray(d.probs[:k], np.float32))
+            support.append(None if d.support is None else np.asarray(d.support[:k], np.int32))
     t2 = time.perf_counter()
     ws = sorted(int(w) for w in widths)
     shape = step_shape or padded_step_shape(batch, ws, kv_len)
-    n_draft, predicted = policy.choose(rows, probs, shape)
+    n_draft, predicted = policy.choose(rows, probs, shape, draft_support=support)
     t3 = time.perf_counter()
     n_draft = np.minimum(np.asarray(n_draft, np.int32), ws[-1] - 1)
     tokens = [t[:int(n)] for t, n in zip(tokens, n_draft)]
