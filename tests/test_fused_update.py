@@ -34,6 +34,15 @@ def _run(config, grpo, batches, fused, **kw):
     return params, state, metrics
 
 
+# Max error relative to each leaf's largest entry, after two AdamW steps at lr 3e-2 (one step
+# moves a weight by up to ~3e-2 of the largest): the fused and unfused updates sum the same
+# gradient in different orders, and AdamW's normalisation amplifies that rounding where |g| is
+# small. Measured 2.7e-5 and 4.9e-5 on an AMX Xeon whose XLA dots accumulate differently (below
+# 1e-5 on the earlier machines); a missed term is far off (dropping the KL term of the
+# grpo_kl_unclipped case: 0.15; the second step on another batch: 0.08).
+PARAM_TOL = 1e-4
+
+
 def _max_rel(a, b):
     errs = [float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-12))
             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
@@ -69,8 +78,8 @@ def test_fused_update_equals_unfused(case):
         assert len(np.unique(real)) < len(real)
     p_ref, s_ref, m_ref = _run(config, grpo, batches, fused=False)
     p_new, s_new, m_new = _run(config, grpo, batches, fused=True)
-    assert _max_rel(p_new, p_ref) < 1e-5
-    assert _max_rel(s_new, s_ref) < 1e-5  # moments and step counts
+    assert _max_rel(p_new, p_ref) < PARAM_TOL
+    assert _max_rel(s_new, s_ref) < PARAM_TOL  # moments and step counts
     assert jax.tree_util.tree_structure(s_new) == jax.tree_util.tree_structure(s_ref)
     for a, b in zip(m_new, m_ref):
         assert a.keys() == b.keys()
@@ -95,8 +104,8 @@ def test_fused_update_adamw_in_row_blocks_equals_unfused(monkeypatch):
     batches = [_group_batch(params0, seed=s) for s in (7, 8)]
     p_ref, s_ref, m_ref = _run(config, grpo, batches, fused=False)
     p_new, s_new, m_new = _run(config, grpo, batches, fused=True)
-    assert _max_rel(p_new, p_ref) < 1e-5
-    assert _max_rel(s_new, s_ref) < 1e-5
+    assert _max_rel(p_new, p_ref) < PARAM_TOL
+    assert _max_rel(s_new, s_ref) < PARAM_TOL
     for a, b in zip(m_new, m_ref):
         np.testing.assert_allclose(a["update_norm"], b["update_norm"], rtol=1e-5)
 
@@ -142,7 +151,7 @@ def test_fused_update_of_a_step_with_nothing_to_train_on():
     b0 = dataclasses.replace(b1, advantages_B=jnp.zeros_like(b1.advantages_B))
     out = {fused: _run(CFG, grpo, (b1, b0), fused, skip_zero_advantage=True)
            for fused in (False, True)}
-    assert _max_rel(out[True][0], out[False][0]) < 1e-5
-    assert _max_rel(out[True][1], out[False][1]) < 1e-5
+    assert _max_rel(out[True][0], out[False][0]) < PARAM_TOL
+    assert _max_rel(out[True][1], out[False][1]) < PARAM_TOL
     assert out[True][2][1] == pytest.approx(out[False][2][1], rel=1e-5, abs=1e-7)
     assert out[True][2][1]["grad_norm"] == 0.0 and out[True][2][1]["update_norm"] > 0
