@@ -186,7 +186,7 @@ class DASPolicy:
         self.classes: dict[int, str] = {}
         self.depth_scale = np.zeros(0)     # per-depth calibration factors (grown on demand)
         self.support_scale = support_prior()   # per-support-bucket factors
-        self._pending = None               # (n_draft, raw path probabilities) of the last choice
+        self._pending = None               # (n_draft, probabilities, supports) of last choice
         self._steps = 0
         self._last_unseen = None           # step of the last unmeasured shape explored
         self._finished_count = 0           # finished rollouts seen (invalidates _th_cache)
