@@ -193,7 +193,8 @@ class DASSection:
       acceptance_ema, explore_every, unlimited.
     cost_model: the step-cost model the policy plans with (`das_jax.engine.CostModelConfig`):
       c_base, c_tok, c_kv, source (cpu | h100-7b | h200-7b | PATH.json instead of the three
-      coefficients), history, calibrate, calibrate_kv_lens, calibrate_repeats.
+      coefficients), history, calibrate, calibrate_kv_lens, calibrate_repeats, compile_s
+      (prior seconds per new verify-step compile, until one is measured).
     """
 
     window: int = 16

@@ -71,53 +71,127 @@ def test_budget_follows_measured_cost_not_the_fit():
     assert n.tolist() == [1] * 4 and t == pytest.approx(0.055)
 
 
-def test_unmeasured_drafting_shapes_wait_for_an_exploration_step():
+def _record(shape, n, seconds, compile_s=0.0):
+    s = shape(n)
+    return StepRecord(batch=4, active=4, width=s.width, kv_len=128, drafted=int(n.sum()),
+                      accepted=0, emitted=4, seconds=seconds, num_tokens=s[0],
+                      attended_kv=512, accepted_per_row=(0,) * 4, compile_s=compile_s)
+
+
+def _steps_until_bought(compile_s, steps=60, explore_every=0, measured=()):
+    """(chosen draft totals per step, the unmeasured shapes' accounts after step 1): 4 rows whose
+    7-token drafts the fit says pay, where only the plain step (and `measured`: (N, W, seconds)
+    shapes) was measured."""
     rows = [RowView(i, "p", 5, 50) for i in range(4)]
     shape = step_shape_fn("packed", 4, 128, (1, 4, 8))
-    probs = [np.full(7, 0.95)] * 4       # the fit says drafting all of it pays
-    cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0)
+    probs = [np.full(7, 0.95)] * 4
+    cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0, compile_s=compile_s)
     for _ in range(2):
-        cm.observe_step(4, 512, 0.050, width=1)    # only the plain step was measured
-    pol = _policy(cm, explore_every=4)
-    chosen = []
-    for _ in range(8):
-        n, t = pol.choose(rows, probs, shape)
+        cm.observe_step(4, 512, 0.050, width=1)
+        for N, W, t in measured:
+            cm.observe_step(N, 512, t, width=W)
+    pol = _policy(cm, explore_every=explore_every)
+    chosen, account = [], None
+    for step in range(steps):
+        n, _ = pol.choose(rows, probs, shape)
         chosen.append(int(n.sum()))
-        w = packed_width(n, (1, 4, 8))
-        pol.observe(StepRecord(batch=4, active=4, width=w, kv_len=128, drafted=int(n.sum()),
-                               accepted=0, emitted=4, seconds=0.05, num_tokens=shape(n)[0],
-                               attended_kv=512, accepted_per_row=(0,) * 4))
-    # Steps 1-3: only measured shapes (no drafts); step 4 explores the unmeasured one, whose
-    # time (as cheap as the plain step) is now measured, so later steps may draft.
-    assert chosen[:3] == [0, 0, 0] and chosen[3] > 0
-    assert cm.seen(shape(np.full(4, 7))[0], 512, 8)
-    # Without any measured shape (a fresh or frozen model), every shape is priced alike.
-    fresh = _policy(CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0))
-    assert fresh.choose(rows, probs, shape)[0].sum() > 0
+        if step == 0:
+            account = dict(pol._regret)
+        pol.observe(_record(shape, n, 0.05))
+        if n.sum():
+            assert cm.seen(shape(n)[0], 512, shape(n).width)
+    return chosen, account
 
 
-def test_unmeasured_shapes_are_explored_at_most_once_per_unseen_every_explorations():
-    from das_jax.engine.das_policy import UNSEEN_EVERY
+def test_an_unmeasured_shape_is_compiled_once_its_forgone_savings_reach_the_compile_time():
+    # Ski rental: each step the drafting shape would have beaten the measured plain step adds
+    # the predicted seconds it would have saved (the same g every step here); it is compiled
+    # (run) on the first step its account reaches compile_s, and not before.
+    chosen, account = _steps_until_bought(compile_s=0.1)
+    # Every unmeasured shape that would have beaten it has an account; the best (all drafts:
+    # N = 4 + 28 slots, width 8) gains most per step.
+    key, g = max(account.items(), key=lambda kv: kv[1])
+    assert key == (32, 512, 8) and g > 0 and len(account) > 1
+    k = int(np.ceil(0.1 / g - 1e-9))
+    assert 1 < k < 60
+    assert chosen[:k - 1] == [0] * (k - 1)
+    assert chosen[k - 1] == 28
+    # Twice the price, about twice the wait; free compiles are bought at once.
+    chosen2, _ = _steps_until_bought(compile_s=0.2)
+    k2 = chosen2.index(28) + 1
+    assert k2 == int(np.ceil(0.2 / g - 1e-9))
+    assert _steps_until_bought(compile_s=0.0)[0][0] == 28
+    # A compile dearer than anything the run would save is never paid.
+    assert set(_steps_until_bought(compile_s=1e6)[0]) == {0}
+
+
+def test_exploration_runs_an_unmeasured_shape_only_while_no_drafting_shape_is_measured():
+    # Cold start (no calibration): the 4th step explores the best drafting choice, measured
+    # as cheap as the plain step, so every later step drafts.
+    chosen, _ = _steps_until_bought(compile_s=1e6, steps=8, explore_every=4)
+    assert chosen[:3] == [0, 0, 0] and chosen[3:] == [28] * 5
+    # With a drafting shape measured (slow: one draft per row, 0.2 s), exploration steps run
+    # that one, never an unmeasured shape whose compile has not paid.
+    chosen, _ = _steps_until_bought(compile_s=1e6, steps=12, explore_every=4,
+                                    measured=((8, 4, 0.2),))
+    assert chosen == [0, 0, 0, 4] * 3
+
+
+def test_a_shape_that_would_pay_once_is_not_compiled_and_measured_shapes_need_no_account():
     rows = [RowView(i, "p", 5, 50) for i in range(4)]
     shape = step_shape_fn("packed", 4, 128, (1, 4, 8))
-    cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0)
+    cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0, compile_s=0.1)
     for _ in range(2):
         cm.observe_step(4, 512, 0.050, width=1)
     pol = _policy(cm, explore_every=2)
     chosen = []
-    for step in range(1, 2 * UNSEEN_EVERY + 5):
-        probs = [np.full(7, 0.95)] * 4 if step <= 2 else [np.array([0.9])] * 4
+    for step in range(12):
+        probs = [np.full(7, 0.95)] * 4 if step == 0 else [np.zeros(0)] * 4
         n, _ = pol.choose(rows, probs, shape)
         chosen.append(int(n.sum()))
-        s = shape(n)
-        # The first explored shape (every row's whole draft) turns out slow.
-        pol.observe(StepRecord(batch=4, active=4, width=s.width, kv_len=128,
-                               drafted=int(n.sum()), accepted=0, emitted=4,
-                               seconds=0.2 if n.sum() else 0.05, num_tokens=s[0],
-                               attended_kv=512, accepted_per_row=(0,) * 4))
-    # Step 2 explored an unmeasured shape; the next unmeasured one (one draft token per row,
-    # predicted well better by the fit) waits UNSEEN_EVERY * explore_every steps.
-    assert chosen[1] == 28
-    first_again = 2 + UNSEEN_EVERY * 2
-    assert chosen[2:first_again - 1] == [0] * (first_again - 3)
-    assert chosen[first_again - 1] == 4
+        pol.observe(_record(shape, n, 0.05))
+    assert chosen == [0] * 12
+    assert 0 < pol._regret[(32, 512, 8)] < 0.1
+    # Once the shape is measured (by any route: calibration, another policy), its account is
+    # closed and its measured time prices it.
+    for _ in range(2):
+        pol.observe(_record(shape, np.full(4, 7), 0.05))
+    assert (32, 512, 8) not in pol._regret
+    n, t = pol.choose(rows, [np.full(7, 0.95)] * 4, shape)
+    assert n.sum() == 28 and t == pytest.approx(0.05)
+
+
+def test_the_compile_time_is_learned_from_the_steps_that_compiled():
+    cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0, compile_s=1.0)
+    pol = _policy(cm)
+    shape = step_shape_fn("packed", 4, 128, (1, 4, 8))
+    pol.observe(_record(shape, np.zeros(4, np.int32), 0.05))      # compiled nothing
+    assert cm.compile_s == 1.0 and cm.compile_count == 0
+    pol.observe(_record(shape, np.full(4, 3), 0.06, compile_s=2.0))
+    assert cm.compile_s == pytest.approx(2.0) and cm.compile_count == 1   # the prior is dropped
+    pol.observe(_record(shape, np.full(4, 7), 0.07, compile_s=3.0))
+    assert cm.compile_s == pytest.approx(2.5) and cm.compile_count == 2
+    # It is part of the checkpointed state.
+    state = pol.state_dict()
+    fresh = _policy(CostModel())
+    fresh.load_state_dict(state)
+    assert fresh.cost_model.compile_s == pytest.approx(2.5)
+    assert fresh.cost_model.compile_count == 2 and isinstance(fresh.cost_model.compile_count, int)
+    # The compile time does not make records unequal (a program compiled by an earlier run of
+    # the process is not compiled again), and a frozen cost model ignores it.
+    assert _record(shape, np.full(4, 3), 0.06, compile_s=2.0) == _record(shape, np.full(4, 3),
+                                                                          0.06)
+    from das_jax.bench.replay import FrozenCostModel
+    frozen = FrozenCostModel.of({"c_base": 0.05, "c_tok": 1e-4})
+    frozen.observe_compile(5.0)
+    assert frozen.compile_s == 1.0 and frozen.compile_count == 0
+    # From the config (das.cost_model.compile_s), checked there.
+    from das_jax.engine.cost_model import CostModelConfig
+    assert CostModel.from_config(CostModelConfig(compile_s=0.25)).compile_s == 0.25
+    # A fitted model's to_dict is config keys (the rollout benchmark hands its fit to every
+    # drafter through `dataclasses.replace(das.cost_model, **coef)`), compile time included.
+    import dataclasses
+    fitted = dataclasses.replace(CostModelConfig(), calibrate=False, **cm.to_dict())
+    assert fitted.compile_s == pytest.approx(2.5) and fitted.c_tok == cm.c_tok
+    with pytest.raises(ValueError, match="compile_s must be >= 0"):
+        CostModelConfig(compile_s=-1.0)

@@ -244,6 +244,14 @@ def test_calibrate_times_packed_shapes(params):
     cm = calibrate(eng, CostModel(), cache_len=256, batches=(4,), kv_lens=(128,), repeats=1)
     assert len(cm.observations) == len(shapes)
     assert cm.c_base >= 0 and cm.c_tok >= 0 and cm.c_kv >= 0
+    # Each shape compiled by the calibration is a measured compile time (a cache length no
+    # other test uses, so every shape is new); a second calibration compiles nothing.
+    fresh = calibrate(eng, CostModel(compile_s=99.0), cache_len=232, batches=(4,),
+                      kv_lens=(128,), repeats=1)
+    assert fresh.compile_count == len(shapes) and 0 < fresh.compile_s < 99.0
+    again = calibrate(eng, CostModel(compile_s=99.0), cache_len=232, batches=(4,),
+                      kv_lens=(128,), repeats=1)
+    assert again.compile_count == 0 and again.compile_s == 99.0
 
 
 def test_bad_verify_mode():

@@ -71,6 +71,9 @@ class FrozenCostModel(CostModel):
     def observe_step(self, num_tokens, attended_kv, seconds, refit=True, width=None):
         pass
 
+    def observe_compile(self, seconds):
+        pass
+
     @classmethod
     def of(cls, coef: dict) -> "FrozenCostModel":
         return cls(c_base=float(coef["c_base"]), c_tok=float(coef["c_tok"]),

@@ -63,6 +63,10 @@ class CostModelConfig:
     calibrate_kv_lens: attended lengths S timed by the calibration (each at batch 1 and
       max_slots, every compiled width).
     calibrate_repeats: timed calls per shape (the median is one observation).
+    compile_s: seconds one new verify-step shape costs to compile, the prior until a compile is
+      measured (then the mean of the measured ones: the calibration's and the rollouts'). The
+      DAS policy compiles a new shape only once the time it would have saved reaches this
+      (`das_policy`, "Measured shapes"); 0: never wait.
     """
 
     c_base: float = 0.05
@@ -73,9 +77,10 @@ class CostModelConfig:
     calibrate: bool = True
     calibrate_kv_lens: tuple[int, ...] = (128, 512)
     calibrate_repeats: int = 3
+    compile_s: float = 1.0
 
     def __post_init__(self):
-        for name in ("c_base", "c_tok", "c_kv"):
+        for name in ("c_base", "c_tok", "c_kv", "compile_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (seconds), got {getattr(self, name)}")
         if self.history < 3:
@@ -107,6 +112,8 @@ class CostModel:
       table_window / table_min: measured seconds kept per shape (N, K, W), and how many are
         needed before `predict_step` with a width returns their median instead of the fit.
       table: {(num_tokens, attended_kv, width): deque of recent seconds}.
+      compile_s: seconds to compile one new verify-step shape: the prior, replaced by the mean of
+        the `compile_count` compiles measured so far (`observe_compile`).
     """
 
     c_base: float = _PRIOR.c_base
@@ -117,6 +124,8 @@ class CostModel:
     table_window: int = 16
     table_min: int = 2
     table: dict = dataclasses.field(default_factory=dict)
+    compile_s: float = _PRIOR.compile_s
+    compile_count: int = 0
 
     @classmethod
     def from_config(cls, config: CostModelConfig) -> "CostModel":
@@ -131,7 +140,7 @@ class CostModel:
             from das_jax.engine.gpu_cost import resolve_cost_model
             coef = resolve_cost_model(config.source)
         return cls(c_base=coef["c_base"], c_tok=coef["c_tok"], c_kv=coef["c_kv"],
-                   history=config.history)
+                   history=config.history, compile_s=config.compile_s)
 
     # ----- the step-shape interface (shared contract with the packed engine) -------------------
     def predict_step(self, num_tokens: int, attended_kv: int, width: int | None = None) -> float:
@@ -202,8 +211,16 @@ class CostModel:
     def _coef(self) -> np.ndarray:
         return np.array([self.c_base, self.c_tok, self.c_kv])
 
+    def observe_compile(self, seconds: float) -> None:
+        """One measured compile of a new verify-step shape: `compile_s` becomes the mean of the
+        measured compiles (the prior is dropped at the first one)."""
+        self.compile_count += 1
+        self.compile_s += (float(seconds) - self.compile_s) / self.compile_count
+
     def to_dict(self) -> dict:
-        return {"c_base": self.c_base, "c_tok": self.c_tok, "c_kv": self.c_kv}
+        """The coefficients and the compile time, as `CostModelConfig` keys."""
+        return {"c_base": self.c_base, "c_tok": self.c_tok, "c_kv": self.c_kv,
+                "compile_s": self.compile_s}
 
 
 # ----- the cost-model file ---------------------------------------------------------------------
@@ -342,10 +359,15 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
              "S %s; each compiled once) ...", ec.verify, len(shapes), list(batches),
              list(widths), kv)
     t0 = time.perf_counter()
+    compiled = getattr(engine, "_compiled", None)
     for B, W, N, S in shapes:
+        c0 = compiled.compile_s if compiled is not None else 0.0
         seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key,
                                           num_tokens=N)
         _observe_step(cost_model, N, B * S, seconds, W)
+        if compiled is not None and compiled.compile_s > c0 and hasattr(cost_model,
+                                                                        "observe_compile"):
+            cost_model.observe_compile(compiled.compile_s - c0)
     cost_model.fit()
     log.info("calibrated the cost model in %.1f s: t = %.1f ms + %.2f ms * tokens + %.2f us * "
              "attended KV", time.perf_counter() - t0, cost_model.c_base * 1e3,

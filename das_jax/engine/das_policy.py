@@ -56,11 +56,15 @@ Decides how much to speculate, for whom, at each decode step:
    so the cost model and the calibration keep learning.
 5. Admission. Predicted-long requests enter slots first, so they start early.
 6. Measured shapes. With a cost model that keeps measured times per step shape (`CostModel`
-   with a width: `CostModel.predict_step`), a choice is priced by its shape's measured time,
-   and a drafting shape never run (priced by the linear fit, and costing a compile) is chosen
-   only on an exploration step, at most once per `UNSEEN_EVERY` * explore_every steps, and
-   only when predicted `UNSEEN_MARGIN` better than the best measured choice, or when no
-   drafting shape it could use has been measured.
+   with a width: `CostModel.predict_step`), a choice is priced by its shape's measured time.
+   A drafting shape never run is priced by the linear fit and costs a compile
+   (`CostModel.compile_s`, measured), so it is bought as in the ski-rental problem: every step
+   on which it would have beaten the best measured choice adds the predicted seconds it would
+   have saved to its account, and it is compiled once the account reaches the compile time
+   (`_buy_unmeasured`). A shape that would pay once is never compiled, and a compile is paid
+   only once the savings it was predicted to bring have reached its price. Before any drafting shape is measured (no
+   calibration), an exploration step may run the best drafting choice, at most once per
+   `UNSEEN_EVERY` * explore_every steps.
 
 Ablations: `unlimited=True` is "das-unlimited" (every row verifies its whole draft; no classes,
 no cost model); `budget_short` / `budget_medium` / `budget_long` cap the draft tokens requested
@@ -82,8 +86,7 @@ SHORT, MEDIUM, LONG = "short", "medium", "long"
 _ORDER = {SHORT: 0, MEDIUM: 1, LONG: 2}
 MAX_VALUE_CUTS = 24        # value cut-offs of the greedy order evaluated per step
 _SCALE_RANGE = (0.02, 4.0)  # bounds of the per-depth calibration factor
-UNSEEN_MARGIN = 0.1        # how much better (F, in step times) an unmeasured shape must be
-UNSEEN_EVERY = 4           # at most one unmeasured shape per UNSEEN_EVERY * explore_every steps
+UNSEEN_EVERY = 4           # cold start: one unmeasured shape per UNSEEN_EVERY * explore_every steps
 SUPPORT_BUCKETS = 6        # support buckets 1, 2-3, 4-7, 8-15, 16-31, 32+ occurrences
 
 
@@ -129,8 +132,9 @@ class DASConfig:
       predicted draft tokens, per support bucket (per depth for drafts without support), which
       rescale the drafter's probabilities (calibration).
     explore_every: every n-th step whose best choice is no drafts although drafts exist verifies
-      the best speculative choice instead, so the cost model and the calibration keep seeing
-      speculative steps (0 disables).
+      the best speculative choice of a measured shape instead (of any shape while no drafting
+      shape is measured), so the cost model and the calibration keep seeing speculative steps
+      (0 disables).
     unlimited: the das-unlimited ablation (module docstring).
     """
 
@@ -189,6 +193,7 @@ class DASPolicy:
         self._pending = None               # (n_draft, probabilities, supports) of last choice
         self._steps = 0
         self._last_unseen = None           # step of the last unmeasured shape explored
+        self._regret: dict = {}            # unmeasured shape -> seconds it would have saved
         self._finished_count = 0           # finished rollouts seen (invalidates _th_cache)
         self._th_cache = None
         self._waiting = 0                  # requests of this generate call not yet in a slot
@@ -349,6 +354,43 @@ class DASPolicy:
         return width is None or not self.cost_model.table or self.cost_model.seen(
             shape[0], shape[1], width)
 
+    @staticmethod
+    def _shape_key(shape) -> tuple:
+        """The compiled program a step shape runs: (num_tokens, attended_kv, width)."""
+        return (int(shape[0]), int(shape[1]), getattr(shape, "width", None))
+
+    def _measured_drafting(self) -> bool:
+        """Whether the cost model has measured any step shape with drafts (width > 1)."""
+        return any(k[2] > 1 for k in self.cost_model.table)
+
+    def _buy_unmeasured(self, scored: list, best: tuple) -> tuple | None:
+        """Ski rental over unmeasured shapes (the break-even rule of Karlin, Manasse, Rudolph &
+        Sleator 1988, "Competitive snoopy caching", Algorithmica 3: rent until the rent paid
+        equals the price, then buy; never more than twice the cost of the best choice made with
+        hindsight). Each unmeasured shape among
+        this step's candidates that beats the measured `best` (smaller F, seconds) adds
+        best F - its best F to `_regret[shape]`, the time the rollouts would have saved so far had
+        it been compiled. Returns the best candidate among the shapes whose regret reached the
+        cost model's `compile_s` (its account is then closed), else None. So compiles cost at
+        most what they were predicted to save, and a shape that would pay only once is never
+        compiled."""
+        gains: dict = {}
+        for x in scored:
+            if not x[4] and x[2] > 0 and x[0] < best[0]:
+                gains[x[5]] = max(gains.get(x[5], 0.0), best[0] - x[0])
+        if not gains:
+            return None
+        price = max(float(getattr(self.cost_model, "compile_s", 0.0)), 0.0)
+        for k, g in gains.items():
+            self._regret[k] = self._regret.get(k, 0.0) + g
+        ripe = [x for x in scored if x[5] in gains and self._regret[x[5]] >= price
+                and not x[4] and x[2] > 0 and x[0] < best[0]]
+        if not ripe:
+            return None
+        top = min(ripe, key=lambda x: (x[0], x[1], x[2]))
+        del self._regret[top[5]]
+        return top
+
     def base_shares(self, rows: Sequence[RowView], weights: np.ndarray) -> np.ndarray:
         """float64 `[len(rows)]`: each row's share beta_b (summing to 1) of the cost a step pays
         whatever the drafts, c_base + c_kv * K (`row_fixed_costs`).
@@ -413,30 +455,32 @@ class DASPolicy:
         for n in self.candidates(lens, value_BxD, n_opt):
             shape = step_shape(n)
             F, t = self.objective(n, lam, cum, shape)
-            scored.append((F, t, int(n.sum()), n, n.sum() == 0 or self._seen(shape)))
+            scored.append((F, t, int(n.sum()), n, n.sum() == 0 or self._seen(shape),
+                           self._shape_key(shape)))
         key = lambda x: (x[0], x[1], x[2])   # noqa: E731
-        # Shapes already measured (compiled) are priced by their own times; a shape never run
-        # is priced by the linear fit, which underprices drafting steps on a CPU, and costs a
-        # compile (~2 s for SmolLM2-135M on 2 CPU cores, 15 plain steps). So it is chosen only
-        # on an exploration step, at most once per UNSEEN_EVERY * explore_every steps, and only
-        # when predicted UNSEEN_MARGIN better than the best measured choice or when no measured
-        # drafting shape is among the candidates.
+        # Shapes already measured (compiled) are priced by their own times. A shape never run is
+        # priced by the linear fit and costs a compile (`CostModel.compile_s`; ~1.5-2.5 s for
+        # SmolLM2-135M on 2 CPU cores, 30-50 plain steps), so it is bought like skis in the
+        # ski-rental problem: each step it would have beaten the best measured choice adds the
+        # predicted seconds it would have saved to its account, and it is compiled once its
+        # account reaches the compile time (`_buy_unmeasured`).
         best = min((x for x in scored if x[4]), key=key)
         self._steps += 1
-        every = self.config.explore_every
-        if every and self._steps % every == 0:
-            top = min(scored, key=key)
+        bought = self._buy_unmeasured(scored, best)
+        if bought is not None:
+            best = bought
+        elif best[2] == 0 and self.config.explore_every and \
+                self._steps % self.config.explore_every == 0:
+            # Exploration (calibration keeps learning): a measured drafting candidate; when the
+            # cost model has measured no drafting shape at all, the best drafting one, at most
+            # once per UNSEEN_EVERY * explore_every steps.
             seen_spec = [x for x in scored if x[2] > 0 and x[4]]
-            new_ok = (self._last_unseen is None or
-                      self._steps - self._last_unseen >= UNSEEN_EVERY * every)
-            if (new_ok and top[2] > 0 and not top[4]
-                    and top[0] < best[0] - UNSEEN_MARGIN * best[1]):
-                best = top
-            elif best[2] == 0 and seen_spec:
+            new_ok = (self._last_unseen is None or self._steps - self._last_unseen
+                      >= UNSEEN_EVERY * self.config.explore_every)
+            if seen_spec:
                 best = min(seen_spec, key=key)
-            elif best[2] == 0 and new_ok:
+            elif new_ok and not self._measured_drafting():
                 best = min((x for x in scored if x[2] > 0), key=key)
-            if not best[4]:
                 self._last_unseen = self._steps
         n = best[3]
         if n.sum():
@@ -447,6 +491,9 @@ class DASPolicy:
 
     def observe(self, record: StepRecord) -> None:
         self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width)
+        self._regret.pop((*record.step_shape(), record.width), None)
+        if record.compile_s > 0 and hasattr(self.cost_model, "observe_compile"):
+            self.cost_model.observe_compile(record.compile_s)
         pending, self._pending = self._pending, None
         if pending is None or not record.drafted:
             return
@@ -518,7 +565,8 @@ class DASPolicy:
     # ----- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"finished_lengths": list(self.finished_lengths),
-                "cost_model": self.cost_model.to_dict(),
+                "cost_model": {**self.cost_model.to_dict(),
+                               "compile_count": getattr(self.cost_model, "compile_count", 0)},
                 "acceptance_by_depth": [float(x) for x in self.depth_scale],
                 "acceptance_by_support": [float(x) for x in self.support_scale]}
 
@@ -527,7 +575,7 @@ class DASPolicy:
         self.finished_lengths.extend(int(n) for n in state.get("finished_lengths", ()))
         self._finished_count += 1
         for k, v in state.get("cost_model", {}).items():
-            setattr(self.cost_model, k, float(v))
+            setattr(self.cost_model, k, int(v) if k == "compile_count" else float(v))
         if "acceptance_by_depth" in state:
             self.depth_scale = np.asarray(state["acceptance_by_depth"], np.float64)
         else:   # a checkpoint of the single-factor calibration

@@ -747,6 +747,7 @@ class DeviceExecutor:
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
         eng, skey, dtype = self.engine, self.skey, self.dtype
         B, W, live, kv_len = st.batch, st.width, st.live, st.kv_len
+        compiled_before = eng._compiled.compile_s
         if eng.engine_config.verify == "packed":
             args = eng._packed_args(B, W, st.num_tokens, kv_len, skey, self.params, self.cache,
                                     st.cache_len_B, self.pending, self.row_seed, live, st.drafts,
@@ -772,4 +773,5 @@ class DeviceExecutor:
             self.pending[r] = y_BxW[r, ne - 1]
             tokens.append(y_BxW[r, :ne])
             logps.append(logp_BxW[r, :ne])
-        return scheduler.StepOutput(tokens, logps, seconds)
+        return scheduler.StepOutput(tokens, logps, seconds,
+                                    compile_s=eng._compiled.compile_s - compiled_before)

@@ -47,7 +47,10 @@ class StepRecord:
     {"long": 3, "medium": 5, "short": 0}); num_tokens / attended_kv: the token slots the step
     computed and the cached positions it attended, summed over rows (what the cost model
     observes; None: batch * width and batch * kv_len); accepted_per_row: committed accepted draft
-    tokens of each live row, in the order of the rows the policy was shown (None: unknown).
+    tokens of each live row, in the order of the rows the policy was shown (None: unknown);
+    compile_s: seconds spent compiling the step's program, when the step was the first of its
+    shape (0.0 otherwise; not part of `seconds`, and not compared: a program compiled by an
+    earlier run of the process is not compiled again).
     """
 
     batch: int
@@ -63,6 +66,7 @@ class StepRecord:
     num_tokens: int | None = None
     attended_kv: int | None = None
     accepted_per_row: tuple[int, ...] | None = None
+    compile_s: float = dataclasses.field(default=0.0, compare=False)
 
     def step_shape(self) -> tuple[int, int]:
         """(num_tokens, attended_kv) of the step (from batch, width, kv_len when not given)."""

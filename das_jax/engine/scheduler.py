@@ -164,12 +164,15 @@ class StepInput:
 class StepOutput:
     """What a verify step returns per live row (`[A]`): tokens[j] (1 + accepted drafts sampled
     tokens, before the stop / max_new_tokens cut), logprobs[j], ends[j] ("" or a finish reason
-    the executor knows; None: none known); and the step's seconds."""
+    the executor knows; None: none known); the step's seconds (compilation excluded); and
+    compile_s, the seconds spent compiling the step's program when this step was its first
+    (0.0 otherwise, and in the replay)."""
 
     tokens: Sequence[Sequence[int]]
     logprobs: Sequence[Sequence[float]]
     seconds: float
     ends: Sequence[str] | None = None
+    compile_s: float = 0.0
 
 
 class StepExecutor(Protocol):
@@ -359,7 +362,7 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
                             seconds=out.seconds,
                             predicted_seconds=plan.predicted_seconds, classes=classes,
                             num_tokens=num_tokens, attended_kv=attended_kv,
-                            accepted_per_row=tuple(accepted_rows))
+                            accepted_per_row=tuple(accepted_rows), compile_s=out.compile_s)
         stats.steps.append(record)
         t0 = time.perf_counter()
         policy.observe(record)
