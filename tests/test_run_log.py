@@ -173,3 +173,34 @@ def test_eta_leaves_out_compile_time(tmp_path, monkeypatch):
     logger._watch.close()
     logger._file.close()
     logger._samples_file.close()
+
+
+def test_bench_main_job_compares_the_runs_drafter_with_none_from_its_checkpoint(
+        runs, monkeypatch, tmp_path):
+    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    monkeypatch.setattr(rl_cli, "_load_model", lambda config: (
+        CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
+    run_dir = runs["das"][0]
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    rc, out, err = _run_cli(["bench", "main-job", str(run_dir), "--steps", "2"])
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"restored step 2 of {run_dir}; rolling out steps 3-4 with das "
+                               "and none")
+    for step in (3, 4):
+        line = next(x for x in lines if x.startswith(f"step {step}: "))
+        # tiny float32 model: speculation is token-exact
+        assert "identical 8/8" in line and "| das " in line and "| none " in line, line
+    summary = lines[-1]
+    assert summary.startswith("steps 4-4: das ") and "das / none " in summary, summary
+    assert "identical rollouts 8/8" in summary and "(target <= 0.8)" in summary
+    # Nothing was written into the run directory.
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+    # Bad input: one line, exit 2.
+    for argv, message in (
+            ([str(run_dir), "--from-step", "1"], "no checkpoint at or below step 1"),
+            ([str(tmp_path)], "no config.yaml there"),
+            ([str(runs["none"][0])], "the run's drafter is none; pass --drafter das"),
+            ([str(run_dir), "--drafter", "das,none"], "--drafter takes one speculation name")):
+        rc, _, err = _run_cli(["bench", "main-job", *argv])
+        assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err

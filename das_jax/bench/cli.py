@@ -13,6 +13,9 @@
       HF transformers `generate` reference, paper-scale replay under cpu / h100-7b / h200-7b.
   das-jax bench replay TRACE.jsonl [--drafters ...] [--scale paper]
       predicted rollout time per drafter from a recorded trace (simulation + cost model).
+  das-jax bench main-job RUN_DIR [--from-step K] [--steps N]
+      a training run's rollout batches after its checkpoint, with its drafter and with none,
+      side by side in one process (the main job's das / none rollout time).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from das_jax.arg_types import float_list, int_at_least, name_list, positive_int,
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: engine, drafter, rollout, replay",
+    p = subparsers.add_parser("bench", help="benchmarks: engine, drafter, rollout, replay, main-job",
                               description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
 
@@ -47,6 +50,15 @@ def register(subparsers) -> None:
     arguments.add_replay_arguments(pp)
     set_type(pp, "--drafters", name_list(_speculation_names, as_text=True))
     pp.set_defaults(func=_run("das_jax.bench.replay_cli"))
+
+    pm = sub.add_parser("main-job", help="a training run's rollouts with its drafter vs none, "
+                        "side by side from a checkpoint")
+    from das_jax.bench import main_job_bench
+    main_job_bench.add_arguments(pm)
+    set_type(pm, "--steps", positive_int)
+    set_type(pm, "--from-step", int_at_least(0))
+    set_type(pm, "--drafter", name_list(_speculation_names, as_text=True))
+    pm.set_defaults(func=_run("das_jax.bench.main_job_bench"))
 
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 

@@ -367,15 +367,16 @@ class GRPOTrainer:
                              f"{manager.step_dir(self.step)}; free space on that disk (or move "
                              f"the run to another one), then {then}") from None
 
-    def restore(self, manager: CheckpointManager) -> int:
-        """Restores the newest readable checkpoint; returns its step. A corrupt or unreadable
-        newer checkpoint is skipped with a one-line warning naming it.
+    def restore(self, manager: CheckpointManager, max_step: int | None = None) -> int:
+        """Restores the newest readable checkpoint (at or below `max_step` when given); returns
+        its step. A corrupt or unreadable newer checkpoint is skipped with a one-line warning
+        naming it.
 
         Raises:
           TrainError: no checkpoint, none readable, or one written for another model/optimizer.
         """
         from das_jax.rl.checkpoint import CheckpointError, CheckpointMismatchError
-        steps = manager.all_steps()
+        steps = [s for s in manager.all_steps() if max_step is None or s <= max_step]
         where = manager.step_dir(0).parent
         if not steps:
             raise TrainError(f"no checkpoint to resume from under {where}; start a new run "
