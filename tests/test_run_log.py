@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         # a fresh copy per run: the trainer owns (and donates) the params it is given
-        mp.setattr(rl_cli, "_load_model", lambda config: (
+        mp.setattr(rl_cli, "load_model", lambda config: (
             CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
         try:
             for drafter, flags in (("none", ["--no-progress"]), ("das", [])):
@@ -178,7 +178,7 @@ def test_eta_leaves_out_compile_time(tmp_path, monkeypatch):
 def test_bench_main_job_compares_the_runs_drafter_with_none_from_its_checkpoint(
         runs, monkeypatch, tmp_path):
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-    monkeypatch.setattr(rl_cli, "_load_model", lambda config: (
+    monkeypatch.setattr(rl_cli, "load_model", lambda config: (
         CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
     run_dir = runs["das"][0]
     before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))

@@ -20,7 +20,7 @@ RUN = textwrap.dedent('''
     from das_jax.cli import main
     from das_jax.rl import cli as rl_cli
     from das_jax.testing import CharTokenizer, tiny_model_config, tiny_params
-    rl_cli._load_model = lambda config: (tiny_model_config(), tiny_params(scale=0.5),
+    rl_cli.load_model = lambda config: (tiny_model_config(), tiny_params(scale=0.5),
                                          CharTokenizer())
     print("DEVICES", jax.device_count(), flush=True)
     sys.exit(main(sys.argv[1:]))

@@ -70,8 +70,10 @@ def register(subparsers) -> None:
     c.set_defaults(func=run_compare)
 
 
-def _load_model(config):
-    """Fetches and loads `config.model.source` with phase lines on the console."""
+def load_model(config):
+    """Fetches and loads `config.model.source` (in `config.model.dtype`) with phase lines on the
+    console; returns (ModelConfig, params, tokenizer), what `GRPOTrainer(model=...)` takes.
+    Used by `das-jax train` and `das-jax bench main-job`."""
     from das_jax.models.load import load, params_size, resolve_source
     from das_jax.rl.run_log import phase
     from das_jax.models import sources
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         from das_jax.plan import check_before_training
         check_before_training(config)  # the memory plan, before any weights are loaded
         from das_jax.rl.trainer import GRPOTrainer
-        model = _load_model(config)
+        model = load_model(config)
         try:
             with phase("setting up the trainer (engine, optimizer, prompts)"):
                 trainer = GRPOTrainer(config, model=model, problems=problems)
