@@ -117,7 +117,7 @@ def measure_model(name: str, config, tokens, kv_lens, dtype, kv_budget_bytes: fl
                 f"  ({wall:.1f}s with the compile)")
     del params, engine
     cm.fit()
-    coef = {k: cm.to_dict()[k] for k in ("c_base", "c_tok", "c_kv")}
+    coef = {"c_base": cm.c_base, "c_tok": cm.c_tok, "c_kv": cm.c_kv}
     err = 0.0
     for s in shapes:
         s["fitted_seconds"] = cm.predict_step(s["tokens"], s["attended_kv"])

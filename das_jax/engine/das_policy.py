@@ -367,24 +367,18 @@ class DASPolicy:
         """Ski rental over unmeasured shapes (the break-even rule of Karlin, Manasse, Rudolph &
         Sleator 1988, "Competitive snoopy caching", Algorithmica 3: rent until the rent paid
         equals the price, then buy; never more than twice the cost of the best choice made with
-        hindsight). Each unmeasured shape among
-        this step's candidates that beats the measured `best` (smaller F, seconds) adds
-        best F - its best F to `_regret[shape]`, the time the rollouts would have saved so far had
-        it been compiled. Returns the best candidate among the shapes whose regret reached the
-        cost model's `compile_s` (its account is then closed), else None. So compiles cost at
-        most what they were predicted to save, and a shape that would pay only once is never
-        compiled."""
+        hindsight). Each unmeasured shape among this step's drafting candidates that beats the
+        measured `best` (smaller F, seconds) adds best F - its best F to `_regret[shape]`, the
+        time the rollouts would have saved so far had it been compiled. Returns the best such
+        candidate whose shape's regret reached the cost model's `compile_s` (that account is
+        then closed), else None: a shape that would pay only once is never compiled."""
+        winners = [x for x in scored if not x[4] and x[2] > 0 and x[0] < best[0]]
         gains: dict = {}
-        for x in scored:
-            if not x[4] and x[2] > 0 and x[0] < best[0]:
-                gains[x[5]] = max(gains.get(x[5], 0.0), best[0] - x[0])
-        if not gains:
-            return None
-        price = max(float(getattr(self.cost_model, "compile_s", 0.0)), 0.0)
+        for x in winners:
+            gains[x[5]] = max(gains.get(x[5], 0.0), best[0] - x[0])
         for k, g in gains.items():
             self._regret[k] = self._regret.get(k, 0.0) + g
-        ripe = [x for x in scored if x[5] in gains and self._regret[x[5]] >= price
-                and not x[4] and x[2] > 0 and x[0] < best[0]]
+        ripe = [x for x in winners if self._regret[x[5]] >= self.cost_model.compile_s]
         if not ripe:
             return None
         top = min(ripe, key=lambda x: (x[0], x[1], x[2]))
@@ -492,7 +486,7 @@ class DASPolicy:
     def observe(self, record: StepRecord) -> None:
         self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width)
         self._regret.pop((*record.step_shape(), record.width), None)
-        if record.compile_s > 0 and hasattr(self.cost_model, "observe_compile"):
+        if record.compile_s > 0:
             self.cost_model.observe_compile(record.compile_s)
         pending, self._pending = self._pending, None
         if pending is None or not record.drafted:
@@ -566,7 +560,7 @@ class DASPolicy:
     def state_dict(self) -> dict:
         return {"finished_lengths": list(self.finished_lengths),
                 "cost_model": {**self.cost_model.to_dict(),
-                               "compile_count": getattr(self.cost_model, "compile_count", 0)},
+                               "compile_count": self.cost_model.compile_count},
                 "acceptance_by_depth": [float(x) for x in self.depth_scale],
                 "acceptance_by_support": [float(x) for x in self.support_scale]}
 
