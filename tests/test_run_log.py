@@ -194,11 +194,12 @@ def test_bench_main_job_compares_the_runs_drafter_with_none_from_its_checkpoint(
     summary = lines[-1]
     assert summary.startswith("steps 4-4: das ") and "das / none " in summary, summary
     assert "identical rollouts 8/8" in summary and "(target <= 0.8)" in summary
-    # Nothing was written into the run directory.
+    # Nothing was written into the run directory (but its lock file, which is not new).
     assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
     # Bad input: one line, exit 2.
     for argv, message in (
-            ([str(run_dir), "--from-step", "1"], "no checkpoint at or below step 1"),
+            ([str(run_dir), "--from-step", "1"],
+             "no checkpoint at or below step 1 (it has steps 2)"),
             ([str(tmp_path)], "no config.yaml there"),
             ([str(runs["none"][0])], "the run's drafter is none; pass --drafter das"),
             ([str(run_dir), "--drafter", "das,none"], "--drafter takes one speculation name")):
