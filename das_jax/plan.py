@@ -1,4 +1,4 @@
-"""`das-jax plan`: per-device memory of a run, from abstract shapes (no weights loaded).
+"""Per-device memory of a run (`das-jax plan`), from abstract shapes (no weights loaded).
 
     das-jax plan --config configs/gpu/qwen3-8b-code.yaml --devices 8 --device-memory-gb 141
 
@@ -28,7 +28,6 @@ is replaced by the chunked XLA attention, which keeps one [B, H, chunk, T] f32 b
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -346,45 +345,6 @@ def check_before_training(config) -> MemoryPlan | None:
     if not p.fits:
         raise PlanError(p.advice(config) + " (or set train.memory_check=false)")
     return p
-
-
-# ----- CLI ----------------------------------------------------------------------------------------
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "plan", help="per-device memory of a run (abstract shapes, no weights)",
-        description="Compile the train step and the largest rollout shapes against abstract "
-                    "shapes and print per-device bytes; exit 1 with one line naming what to "
-                    "change when it does not fit.")
-    p.add_argument("--config", required=True, help="YAML run config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--devices", type=int, default=1, help="devices to shard over (FSDP)")
-    p.add_argument("--device-memory-gb", type=float, default=None,
-                   help="per-device memory (default: train.device_memory_gb or the local device)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    from das_jax.config import ConfigError, load_config
-    try:
-        config = load_config(args.config, args.overrides)
-        if args.devices < 1:
-            raise ConfigError(f"--devices must be >= 1, got {args.devices}")
-    except ConfigError as e:
-        print(f"das-jax plan: {e}", file=sys.stderr)
-        return 2
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # analysis only: never grab an accelerator
-    try:
-        p = plan(config, args.devices, args.device_memory_gb)
-    except (PlanError, ValueError, OSError) as e:
-        print(f"das-jax plan: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(p.to_json()) if args.json else p.table())
-    if not p.fits:
-        print(f"das-jax plan: does not fit: {p.advice(config)}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _subprocess_main() -> None:

@@ -166,7 +166,8 @@ def test_cost_model_file_roundtrip_and_errors(tmp_path):
 
 def test_replay_cli_cost_model_flag(params, tmp_path, capsys):
     import argparse
-    from das_jax.bench import arguments, replay_cli
+    from das_jax.bench import arguments
+    from das_jax.cli import bench_replay as replay_cli
     _, _, rollouts = _run_real_and_replay(params, "none", 0.0, epochs=1)
     header = {"model": "tiny", "cost_model": COEF, "max_new_tokens": 40,
               "engine": {"max_slots": 4, "max_cache_len": 256, "draft_widths": [1, 4, 8]}}

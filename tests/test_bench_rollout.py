@@ -57,7 +57,7 @@ def test_bench_rollout_core(tmp_path):
 
 
 def test_bench_cli_registration_imports_no_jax():
-    code = ("import sys; import das_jax.bench.cli as c, argparse; p = argparse.ArgumentParser(); "
+    code = ("import sys; import das_jax.cli.bench as c, argparse; p = argparse.ArgumentParser(); "
             "c.register(p.add_subparsers()); "
             "a = p.parse_args(['bench', 'rollout', '--epochs', '2']); "
             "assert a.epochs == 2 and callable(a.func); "
@@ -124,7 +124,7 @@ def test_count_until_stop():
 def test_bench_rollout_preset_and_bad_paper_model():
     import argparse
 
-    from das_jax.bench import cli
+    from das_jax.cli import bench as cli
     from das_jax.bench.rollout_bench import apply_preset
     p = argparse.ArgumentParser()
     cli.register(p.add_subparsers())

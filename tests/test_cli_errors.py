@@ -272,7 +272,7 @@ def test_debug_env_shows_the_traceback(monkeypatch, capsys):
 # ----- generate: NaN never reaches JSON ------------------------------------------------------------
 
 def test_json_line_never_writes_nan():
-    from das_jax.engine.cli import json_line
+    from das_jax.cli.generate import json_line
     line = json_line({"stats": {"a": float("nan"), "b": [1.0, float("inf")], "c": 2}})
     assert json.loads(line) == {"stats": {"a": None, "b": [1.0, None], "c": 2}}
     assert "NaN" not in line and "Infinity" not in line
@@ -281,7 +281,7 @@ def test_json_line_never_writes_nan():
 def test_nan_logprobs_are_reported_naming_the_model():
     from types import SimpleNamespace
 
-    from das_jax.engine.cli import check_finite_logprobs
+    from das_jax.cli.generate import check_finite_logprobs
     ok = SimpleNamespace(logprobs=[-0.5, -1.0], request=SimpleNamespace(problem_id=0,
                                                                           sample_index=0))
     bad = SimpleNamespace(logprobs=[-0.5, float("nan")], request=SimpleNamespace(problem_id=1,

@@ -220,7 +220,7 @@ def test_config_and_cli_expose_exact_mode():
     import argparse
 
     from das_jax.config import config_from_dict
-    from das_jax.engine import cli as engine_cli
+    from das_jax.cli import generate as engine_cli
     assert config_from_dict(None, ["rollout.exact=true"]).rollout.exact is True
     assert config_from_dict(None).rollout.exact is False
     parser = argparse.ArgumentParser()

@@ -110,7 +110,7 @@ def test_cli_model_info_and_errors(tmp_path, capsys):
 def test_registration_does_not_import_jax():
     import subprocess
     import sys
-    code = ("import sys, argparse; import das_jax.models.cli as c; "
+    code = ("import sys, argparse; import das_jax.cli.models as c; "
             "c.register(argparse.ArgumentParser().add_subparsers()); print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -18,7 +18,7 @@ import pytest
 
 from das_jax.cli import main
 from das_jax.models import ModelConfig, init_params
-from das_jax.rl import cli as rl_cli
+from das_jax.cli import train as rl_cli
 from das_jax.rl import run_log
 from das_jax.rl.compare import compare_table
 from das_jax.rl.plots import plot_run

@@ -1,4 +1,4 @@
-"""das_jax.bench: benchmarks (`das-jax bench ...`, see `cli.py`).
+"""das_jax.bench: benchmarks (`das-jax bench ...`, see `das_jax.cli.bench`).
 
 - `engine_bench`: decode throughput of the verify step and `Engine.generate` vs HF transformers,
   and the memory-bandwidth floor of a step.
@@ -7,7 +7,7 @@
   trace recording, replay prediction, plots); its core `run_bench(BenchSetup)` takes an engine
   and tokenized prompts.
 - `replay`: trace format (`write_trace` / `read_trace`), the simulator `simulate`
-  (`Engine.generate`'s own scheduler on recorded tokens), `replay_epochs`, `paper_workload`; `replay_cli` drives it.
+  (`Engine.generate`'s own scheduler on recorded tokens), `replay_epochs`, `paper_workload`; `das_jax.cli.bench_replay` drives it.
 
-Modules here import jax lazily (registration in `cli.py` imports none).
+Modules here import jax lazily (the command registration, `das_jax.cli.bench`, imports none).
 """

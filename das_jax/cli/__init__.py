@@ -1,8 +1,9 @@
 """The `das-jax` command.
 
-Each subcommand lives next to the code it drives: a module listed in `_COMMAND_MODULES` exposes
-`register(subparsers)`, which adds its parsers and sets `func` (called with the parsed args,
-returning an exit code). Registration must not import jax, so `das-jax --help` stays fast.
+Every command lives in this package, the top floor of the code: no library module imports it. A
+module listed in `_COMMAND_MODULES` exposes `register(subparsers)`, which adds its parsers and sets
+`func` (called with the parsed args, returning an exit code). Registration must not import jax, so
+`das-jax --help` stays fast.
 
 Errors: every subcommand runs under one handler. A user error (`das_jax.errors`: a bad config,
 model source, dataset or run directory, a corrupt checkpoint, a full disk, ...) and a bad
@@ -17,12 +18,14 @@ import importlib
 import os
 import sys
 
+from das_jax.errors import user_error_message
+
 _COMMAND_MODULES = (
-    "das_jax.models.cli",     # models, model-info
-    "das_jax.engine.cli",     # generate
-    "das_jax.rl.cli",         # train, samples, compare
-    "das_jax.bench.cli",      # bench engine|drafter|rollout|replay
-    "das_jax.plan",           # plan
+    "das_jax.cli.models",     # models, model-info
+    "das_jax.cli.generate",   # generate
+    "das_jax.cli.train",      # train, samples, compare
+    "das_jax.cli.bench",      # bench engine|drafter|rollout|replay|main-job
+    "das_jax.cli.plan",       # plan
 )
 
 
@@ -87,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except (Exception, SystemExit) as e:  # noqa: BLE001 - classified below; bugs are re-raised
-        from das_jax.errors import user_error_message
         if isinstance(e, SystemExit) and not isinstance(e.code, str):
             raise
         message = user_error_message(e)
@@ -102,6 +104,3 @@ def _prog(args: argparse.Namespace) -> str:
                            if getattr(args, k, None)]
     return " ".join(words)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

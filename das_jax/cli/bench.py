@@ -20,8 +20,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from das_jax.arg_types import float_list, int_at_least, name_list, positive_int, set_type
+from das_jax.bench import arguments, drafter_bench, main_job_bench, rollout_bench
+from das_jax.rollout import speculation_names
 
 
 def register(subparsers) -> None:
@@ -30,42 +33,33 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
 
     pe = sub.add_parser("engine", help="decode throughput of the engine vs HF transformers")
-    from das_jax.bench import arguments
     arguments.add_engine_arguments(pe)
     pe.set_defaults(func=_run("das_jax.bench.engine_bench"))
 
     pd = sub.add_parser("drafter", help="drafter latency, acceptance and memory (no model)")
-    from das_jax.bench import drafter_bench
     drafter_bench.add_arguments(pd)
     _check_drafter_arguments(pd)
     pd.set_defaults(func=drafter_bench.main)
 
     pr = sub.add_parser("rollout", help="rollout time per drafter over RL epochs (real model)")
-    from das_jax.bench import rollout_bench
     rollout_bench.add_arguments(pr)
     _check_rollout_arguments(pr)
     pr.set_defaults(func=_run("das_jax.bench.rollout_bench"))
 
     pp = sub.add_parser("replay", help="predict rollout time per drafter from a recorded trace")
     arguments.add_replay_arguments(pp)
-    set_type(pp, "--drafters", name_list(_speculation_names, as_text=True))
-    pp.set_defaults(func=_run("das_jax.bench.replay_cli"))
+    set_type(pp, "--drafters", name_list(speculation_names, as_text=True))
+    pp.set_defaults(func=_run("das_jax.cli.bench_replay"))
 
     pm = sub.add_parser("main-job", help="a training run's rollouts with its drafter vs none, "
                         "side by side from a checkpoint")
-    from das_jax.bench import main_job_bench
     main_job_bench.add_arguments(pm)
     set_type(pm, "--steps", positive_int)
     set_type(pm, "--from-step", int_at_least(0))
-    set_type(pm, "--drafter", name_list(_speculation_names, as_text=True))
+    set_type(pm, "--drafter", name_list(speculation_names, as_text=True))
     pm.set_defaults(func=_run("das_jax.bench.main_job_bench"))
 
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
-
-
-def _speculation_names() -> tuple[str, ...]:
-    from das_jax.rollout import speculation_names  # the registry (no jax / numba)
-    return speculation_names()
 
 
 def _check_drafter_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,7 +72,7 @@ def _check_drafter_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_rollout_arguments(p: argparse.ArgumentParser) -> None:
     """Converters naming the flag for the options `rollout_bench` defines as plain strings/ints."""
-    set_type(p, "--drafters", name_list(_speculation_names, as_text=True))
+    set_type(p, "--drafters", name_list(speculation_names, as_text=True))
     set_type(p, "--temperatures", float_list(minimum=0.0, as_text=True))
     for flag in ("--epochs", "--num-problems", "--max-new-tokens", "--hf-batches", "--hf-threads",
                  "--paper-problems", "--paper-samples", "--paper-max-tokens", "--paper-slots"):
@@ -87,7 +81,7 @@ def _check_rollout_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(module: str):
+    """`module.main(args)`, the module imported when the command runs (it imports jax)."""
     def run(args: argparse.Namespace) -> int:
-        import importlib
         return importlib.import_module(module).main(args)
     return run

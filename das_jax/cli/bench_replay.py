@@ -8,6 +8,9 @@ import time
 
 import numpy as np
 
+from das_jax.bench import replay as rp
+from das_jax.engine import EngineConfig, cache_len_for, resolve_cost_model
+
 # Paper-scale defaults: a 7B bf16 model on one H100 SXM (`das_jax.engine.gpu_cost`), 256 slots.
 PAPER_COST_MODEL = "h100-7b"
 PAPER_SLOTS = 256
@@ -15,11 +18,6 @@ PAPER_WIDTHS = (1, 4, 8, 16)
 
 
 def main(args: argparse.Namespace) -> int:
-    from das_jax.bench import replay as rp
-    from das_jax.engine import EngineConfig, cache_len_for
-
-    from das_jax.engine import resolve_cost_model
-
     paper = args.scale == "paper"
     try:
         trace = rp.read_trace(args.trace)
@@ -92,7 +90,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def paper_groups(trace, args):
-    from das_jax.bench import replay as rp
     return rp.paper_workload(trace, problems=args.paper_problems, samples=args.paper_samples,
                              max_tokens=args.paper_max_tokens, epochs=args.paper_epochs,
                              median_len=args.paper_median, sigma=args.paper_sigma)

@@ -7,7 +7,9 @@ import math
 import sys
 
 from das_jax.arg_types import int_list, nonnegative_int, positive_int
+from das_jax.config import DASSection
 from das_jax.errors import one_line
+from das_jax.rollout import speculation_names
 
 
 def register(subparsers) -> None:
@@ -30,7 +32,6 @@ def register(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=nonnegative_int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    from das_jax.rollout.speculation import speculation_names
     p.add_argument("--drafter", default="none", choices=speculation_names(),
                    help="speculation name (default none)")
     p.add_argument("--draft-widths", type=int_list(), default="1,4,8",
@@ -112,7 +113,7 @@ def check_finite_logprobs(outputs, model: str, dtype: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from das_jax.engine.sampling import SamplingParams
+    from das_jax.engine import SamplingParams  # jax
     try:
         if args.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
@@ -126,10 +127,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"das-jax generate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
 
-    import jax.numpy as jnp
+    import jax.numpy as jnp  # jax: imported when the command runs, not for --help
     from tqdm import tqdm
 
-    from das_jax.config import DASSection
     from das_jax.engine import CostModelConfig, Engine, EngineConfig, Request
     from das_jax.models import load
     from das_jax.rollout import Rollout

@@ -1,12 +1,18 @@
 """`das-jax models` (list named sources) and `das-jax model-info SOURCE` (load and describe).
 
-`register` only adds parsers; jax is imported inside the command functions.
+`register` only adds parsers; jax is imported inside `cmd_model_info`.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+from das_jax.errors import one_line
+from das_jax.models.config import ModelConfigError
+from das_jax.models.errors import ModelLoadError
+from das_jax.models.sources import SOURCES, cache_dir, cached_path
 
 
 def register(subparsers) -> None:
@@ -34,8 +40,6 @@ def _human(n: float) -> str:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from das_jax.models.sources import SOURCES, cache_dir, cached_path
-    import os
     print(f"{'NAME':<24} {'FORMAT':<6} {'SIZE':>9}  CACHED  DESCRIPTION")
     for s in SOURCES.values():
         cached = "yes" if os.path.isfile(cached_path(s.name)) else "no"
@@ -45,13 +49,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_model_info(args: argparse.Namespace) -> int:
-    from das_jax.models.config import ModelConfigError
-    from das_jax.models.errors import ModelLoadError
     try:
-        from das_jax.models.load import load, params_size
+        from das_jax.models.load import load, params_size  # jax
         config, params, tokenizer = load(args.source, dtype=args.dtype)
     except (ModelLoadError, ModelConfigError) as e:
-        from das_jax.errors import one_line
         print(f"das-jax model-info: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     n, nbytes = params_size(params)

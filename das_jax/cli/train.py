@@ -9,11 +9,23 @@ finished run), the platform, and the dataset (read here, before the model).
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import sys
 from pathlib import Path
 
 from das_jax.arg_types import nonnegative_int
+from das_jax.config import ConfigError, apply_platform, load_config
+from das_jax.data import problems_from_config
+from das_jax.errors import one_line
+from das_jax.malloc import configure_allocator
+from das_jax.parallel import distributed as dist
+from das_jax.plan import check_before_training
+from das_jax.rl import run_dir as rd
+from das_jax.rl.compare import RunDirError, compare_table, load_run
+from das_jax.rl.model_loading import load_model
+from das_jax.rl.plots import plot_compare
+from das_jax.rl.run_log import (SAMPLES_FILE, format_sample, phase, read_jsonl,
+                                setup_console_logging)
 
 DEFAULT_CONFIG = "configs/smollm2-135m-arith.yaml"
 
@@ -70,31 +82,6 @@ def register(subparsers) -> None:
     c.set_defaults(func=run_compare)
 
 
-def load_model(config):
-    """Fetches and loads `config.model.source` (in `config.model.dtype`) with phase lines on the
-    console; returns (ModelConfig, params, tokenizer), what `GRPOTrainer(model=...)` takes.
-    Used by `das-jax train` and `das-jax bench main-job`."""
-    from das_jax.models.load import load, params_size, resolve_source
-    from das_jax.rl.run_log import phase
-    from das_jax.models import sources
-    src = config.model.source
-    what = f"fetching the model {src}"
-    if src in sources.SOURCES and not os.path.isfile(sources.cached_path(src)):
-        what += (f" (not cached yet: downloading "
-                 f"{sources.get_source(src).size_bytes / 1e6:.0f} MB with pip)")
-    if src in sources.SOURCES:
-        with phase(what) as ph:
-            _, path = resolve_source(src)
-            ph.detail = path
-    else:  # a local path (or a hub id): a bad one fails at once, in one line
-        _, path = resolve_source(src)
-    with phase(f"loading the model ({config.model.dtype})") as ph:
-        model = load(path, dtype=config.model.dtype)
-        n, nbytes = params_size(model[1])
-        ph.detail = f"{n / 1e6:.0f}M parameters, {nbytes / 1e6:.0f} MB"
-    return model
-
-
 def load_run_config(args: argparse.Namespace):
     """The validated config of `args` (the run's own config.yaml on --resume).
 
@@ -102,7 +89,6 @@ def load_run_config(args: argparse.Namespace):
       ConfigError: bad flags combination, no run at --resume, invalid config, or an override
         of model.source on --resume.
     """
-    from das_jax.config import ConfigError, load_config
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
@@ -129,14 +115,8 @@ def load_run_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import contextlib
-
-    from das_jax.malloc import configure_allocator
     configure_allocator()  # before XLA's threads start: freed buffers go back to the OS
 
-    from das_jax.config import apply_platform
-    from das_jax.parallel import distributed as dist
-    from das_jax.rl import run_dir as rd
     config = load_run_config(args)
     # A multi-process run connects its processes first (before JAX touches a device); process
     # 0 holds the run directory's lock, the others share it.
@@ -159,20 +139,16 @@ def run(args: argparse.Namespace) -> int:
             rd.check_new_run(config.output_dir, has_checkpoint=bool(steps_on_disk))
         dist.initialize_from_config(config.distributed)
         apply_platform(config)
-        from das_jax.data import problems_from_config
         problems = problems_from_config(config.data)
 
-        from das_jax.rl.run_log import phase, setup_console_logging
         setup_console_logging()
-        from das_jax.plan import check_before_training
         check_before_training(config)  # the memory plan, before any weights are loaded
-        from das_jax.rl.trainer import GRPOTrainer
+        from das_jax.rl.trainer import GRPOTrainer  # jax (after configure_allocator)
         model = load_model(config)
         try:
             with phase("setting up the trainer (engine, optimizer, prompts)"):
                 trainer = GRPOTrainer(config, model=model, problems=problems)
         except ValueError as e:  # engine / sampling settings rejected by their constructors
-            from das_jax.errors import one_line
             print(f"das-jax train: error: {one_line(str(e))}", file=sys.stderr)
             return 2
         records = trainer.train(resume=bool(args.resume), progress=not args.no_progress,
@@ -187,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_samples(args: argparse.Namespace) -> int:
-    from das_jax.rl.run_log import SAMPLES_FILE, format_sample, read_jsonl
     path = Path(args.run_dir) / SAMPLES_FILE
     if not path.exists():
         print(f"das-jax samples: error: {path} does not exist; pass a run directory written by "
@@ -223,7 +198,6 @@ def _ranges(steps: list[int]) -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from das_jax.rl.compare import RunDirError, compare_table, load_run
     try:
         runs = [load_run(args.run_a), load_run(args.run_b)]
     except RunDirError as e:
@@ -232,7 +206,6 @@ def run_compare(args: argparse.Namespace) -> int:
     names = [Path(args.run_a).resolve().name, Path(args.run_b).resolve().name]
     if names[0] == names[1]:
         names = [str(args.run_a), str(args.run_b)]
-    from das_jax.rl.plots import plot_compare
     out = Path(args.out or f"compare_{names[0]}_vs_{names[1]}.png".replace("/", "_"))
     pairs = list(zip(names, runs))
     plot_compare(pairs, out)

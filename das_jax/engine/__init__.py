@@ -17,7 +17,7 @@ Public surface:
 
 The jitted device functions (`prefill_insert`, `prefill_packed`, `share_prompt_rows`, `verify`,
 `verify_packed`) are in `step.py`. Names are imported
-lazily (PEP 562) so `das_jax.engine.cli` registers without importing jax.
+lazily (PEP 562) so `das_jax.cli.generate` registers without importing jax.
 """
 from __future__ import annotations
 

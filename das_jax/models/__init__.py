@@ -6,8 +6,8 @@ Public surface:
   errors: ModelLoadError (base of loader errors), WeightsError (a ModelLoadError), ModelConfigError
   LOAD_ERRORS: the tuple of all three, for `except LOAD_ERRORS`.
 
-Names are imported lazily (PEP 562), so importing a submodule such as `das_jax.models.cli` or
-`das_jax.models.sources` does not import jax.
+Names are imported lazily (PEP 562), so importing a submodule such as `das_jax.models.sources` or
+`das_jax.models.config` does not import jax.
 """
 from __future__ import annotations
 

