@@ -7,7 +7,7 @@ import pytest
 
 from das_jax.bench import replay as rp
 from das_jax.config import DASSection
-from das_jax.engine.das_policy import DASConfig
+from das_jax.speculation.das_policy import DASConfig
 from das_jax.engine.generate import Engine, EngineConfig
 from das_jax.engine.sampling import SamplingParams
 from das_jax.rollout import build_speculation
@@ -123,7 +123,7 @@ def test_paper_workload_shapes(params):
 
 
 def test_gpu_cost_models_from_published_figures():
-    from das_jax.engine import gpu_cost as g
+    from das_jax.speculation import gpu_cost as g
     # Qwen2-7B: 7.07 G streamed parameters (14.1 GB bf16), 57,344 B of K/V per position.
     assert g.QWEN2_7B.weight_bytes() == pytest.approx(14.14e9, rel=1e-3)
     assert g.QWEN2_7B.kv_bytes_per_position() == 57344
@@ -138,9 +138,9 @@ def test_gpu_cost_models_from_published_figures():
 
 
 def test_cost_model_file_roundtrip_and_errors(tmp_path):
-    from das_jax.engine.cost_model import (COST_MODEL_FORMAT, CostModel, CostModelConfig,
-                                           load_cost_model, save_cost_model)
-    from das_jax.engine.gpu_cost import resolve_cost_model
+    from das_jax.speculation import (COST_MODEL_FORMAT, CostModel, CostModelConfig,
+                                     load_cost_model, save_cost_model)
+    from das_jax.speculation.gpu_cost import resolve_cost_model
     path = tmp_path / "gpu.json"
     save_cost_model(path, {"c_base": 0.004, "c_tok": 2e-5, "c_kv": 1e-8}, device="H200",
                     shapes=[[16, 1024]])
@@ -196,7 +196,8 @@ def test_das_budget_beats_unlimited_drafts_at_paper_scale_on_a_gpu_model():
     from pathlib import Path
 
     from das_jax.bench import paper_replay as pr
-    from das_jax.engine import cache_len_for, resolve_cost_model
+    from das_jax.engine import cache_len_for
+    from das_jax.speculation import resolve_cost_model
 
     trace = rp.read_trace(Path(__file__).parents[1] / "docs/traces/gsm8k-smollm2-135m.jsonl.gz")
     wl = rp.paper_workload(trace, problems=16, samples=8, max_tokens=8192, median_len=2000,

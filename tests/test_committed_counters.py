@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das_jax.engine.cost_model import CostModel
-from das_jax.engine.das_policy import DASConfig, DASPolicy
+from das_jax.speculation.cost_model import CostModel
+from das_jax.speculation.das_policy import DASConfig, DASPolicy
 from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.policy import FixedPolicy
 from das_jax.engine.sampling import SamplingParams

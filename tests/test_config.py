@@ -178,7 +178,7 @@ das:
     with pytest.raises(ConfigError, match="unknown key 'das.policy.budget'"):
         load_config(None, ["das.policy.budget=3"])
     # Every field of the policy and cost-model settings is a key of the das: section.
-    from das_jax.engine import CostModelConfig, DASConfig
+    from das_jax.speculation import CostModelConfig, DASConfig
     plain = config_to_dict(load_config(None))["das"]
     assert set(plain["policy"]) == {f.name for f in dataclasses.fields(DASConfig)}
     assert set(plain["cost_model"]) == {f.name for f in dataclasses.fields(CostModelConfig)}

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from das_jax.drafter.base import Draft
-from das_jax.engine.cost_model import CostModel
-from das_jax.engine.das_policy import LONG, MEDIUM, SHORT, DASConfig, DASPolicy
+from das_jax.speculation.cost_model import CostModel
+from das_jax.speculation.das_policy import LONG, MEDIUM, SHORT, DASConfig, DASPolicy
 from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.policy import (FixedPolicy, RowView, StepRecord, packed_step_shape,
                                    padded_step_shape, width_for)
@@ -354,7 +354,7 @@ def test_per_step_cost_share_follows_queue_and_classes():
 
 # ------------------------------------------------------------------------- support buckets
 def test_support_buckets_and_step_ratios():
-    from das_jax.engine.das_policy import step_ratios, support_bucket, support_prior
+    from das_jax.speculation.das_policy import step_ratios, support_bucket, support_prior
     assert support_bucket(np.array([0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 1000])).tolist() == \
         [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     np.testing.assert_allclose(step_ratios(np.array([1.0, 0.5, 0.25, 0.0, 0.0])),
@@ -378,7 +378,7 @@ def test_calibration_by_support_learns_that_once_seen_tokens_are_coin_flips():
                            emitted=14, seconds=t, accepted_per_row=(1, 1, 4, 4)))
     # Bucket 0 (support 1): 2 tokens verified per row after an accepted prefix, 1 accepted.
     # Bucket 5 (support 32+): 4 verified, 4 accepted. Others keep their prior.
-    from das_jax.engine.das_policy import support_prior
+    from das_jax.speculation.das_policy import support_prior
     want = support_prior()
     want[0], want[5] = 0.5, 1.0
     np.testing.assert_allclose(pol.support_scale, want)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das_jax.engine.cost_model import CostModel
-from das_jax.engine.das_policy import DASConfig, DASPolicy
+from das_jax.speculation.cost_model import CostModel
+from das_jax.speculation.das_policy import DASConfig, DASPolicy
 from das_jax.engine.policy import RowView, StepRecord
 from das_jax.engine.schedule import StepShape, packed_width, step_shape_fn
 
@@ -186,7 +186,7 @@ def test_the_compile_time_is_learned_from_the_steps_that_compiled():
     frozen.observe_compile(5.0)
     assert frozen.compile_s == 1.0 and frozen.compile_count == 0
     # From the config (das.cost_model.compile_s), checked there.
-    from das_jax.engine.cost_model import CostModelConfig
+    from das_jax.speculation.cost_model import CostModelConfig
     assert CostModel.from_config(CostModelConfig(compile_s=0.25)).compile_s == 0.25
     # A fitted model's to_dict is config keys (the rollout benchmark hands its fit to every
     # drafter through `dataclasses.replace(das.cost_model, **coef)`), compile time included.

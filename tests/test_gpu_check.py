@@ -7,7 +7,7 @@ import pytest
 
 from das_jax.bench import gpu_check
 from das_jax.bench import replay as rp
-from das_jax.engine import load_cost_model
+from das_jax.speculation import load_cost_model
 
 KB57 = 57_344   # Qwen2-7B bf16: K and V of one position, all 28 layers
 

@@ -17,11 +17,11 @@ import pytest
 
 from das_jax.config import DASSection, config_from_dict
 from das_jax.drafter import Draft, Drafter, make_drafter
-from das_jax.engine import (CostModelConfig, DASConfig, DASPolicy, Engine, EngineConfig,
-                            GenerateError, Request, SamplingParams)
+from das_jax.engine import Engine, EngineConfig, GenerateError, Request, SamplingParams
 from das_jax.rollout import (DataParallelStats, LockedDrafter, Rollout, ShardedRollout,
                              assign_contiguous, assign_groups, assign_lpt, assignment_loads,
                              group_indices, replica_meshes)
+from das_jax.speculation import CostModelConfig, DASConfig, DASPolicy
 from das_jax.testing import tiny_model_config, tiny_params
 
 SKEWED = [1000, 900, 50, 40, 30, 20, 10, 5]
@@ -33,7 +33,8 @@ MESH_CHECK = textwrap.dedent('''
     import jax, numpy as np
     from das_jax.config import DASSection
     from das_jax.engine import generate as gen
-    from das_jax.engine import CostModelConfig, DASConfig, Engine, EngineConfig, Request
+    from das_jax.engine import Engine, EngineConfig, Request
+    from das_jax.speculation import CostModelConfig, DASConfig
     from das_jax.engine import SamplingParams
     from das_jax.parallel.sharding import make_mesh, param_shardings
     from das_jax.rollout import (Rollout, ShardedRollout, assign_groups, gather_to_local,

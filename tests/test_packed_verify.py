@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from das_jax.engine import step as step_lib
-from das_jax.engine.cost_model import CostModel, calibrate, calibration_shapes
+from das_jax.speculation.cost_model import CostModel, calibrate, calibration_shapes
 from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
 from das_jax.engine.sampling import SamplingParams
 from das_jax.engine.schedule import (kv_len_bucket, packed_step_shape, packed_width,

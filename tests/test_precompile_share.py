@@ -11,7 +11,7 @@ import pytest
 
 from das_jax.engine import generate as gen
 from das_jax.engine import step as step_lib
-from das_jax.engine.cost_model import calibration_shapes
+from das_jax.speculation.cost_model import calibration_shapes
 from das_jax.engine.generate import Engine, EngineConfig
 from das_jax.engine.policy import FixedPolicy
 from das_jax.engine.sampling import SamplingParams, sample

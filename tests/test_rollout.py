@@ -12,10 +12,10 @@ import pytest
 import das_jax
 from das_jax.config import DASSection, config_from_dict
 from das_jax.drafter import Draft
-from das_jax.engine import (CostModelConfig, DASConfig, Engine, EngineConfig, FixedPolicy,
-                            Request, SamplingParams)
+from das_jax.engine import Engine, EngineConfig, FixedPolicy, Request, SamplingParams
 from das_jax.rollout import (Rollout, SpeculationError, build_speculation, get_speculation,
                              register_speculation, speculation_names, unregister_speculation)
+from das_jax.speculation import CostModelConfig, DASConfig
 from das_jax.testing import tiny_model_config, tiny_params
 
 CFG = tiny_model_config()

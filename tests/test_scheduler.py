@@ -12,7 +12,7 @@ import pytest
 from das_jax.bench import replay as rp
 from das_jax.config import DASSection
 from das_jax.engine import scheduler
-from das_jax.engine.das_policy import DASConfig
+from das_jax.speculation.das_policy import DASConfig
 from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.sampling import SamplingParams
 from das_jax.rollout import build_speculation

@@ -35,7 +35,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    help="compiled widths, e.g. 1,4,8,16")
     p.add_argument("--cost-model", default=None, metavar="cpu|h100-7b|h200-7b|PATH.json",
                    help="the step-cost model the replay times steps with and DAS plans with: a "
-                        "named model (das_jax.engine.gpu_cost: cpu = SmolLM2-135M measured on a "
+                        "named model (das_jax.speculation.gpu_cost: cpu = SmolLM2-135M measured on a "
                         "2-core CPU; h100-7b / h200-7b = a 7B bf16 model derived from datasheet "
                         "figures) or a cost-model JSON file; default: the trace's fitted model "
                         "(--scale trace) or h100-7b (--scale paper)")

@@ -10,7 +10,7 @@
    N allows (at most `--max-rows`) within `--kv-memory-gb` of cache; each row verifies
    N / rows slots (its pending token and N / rows - 1 draft tokens).
 2. Fits `t = c_base + c_tok * N + c_kv * K` per model (K = rows x attended positions; the
-   non-negative least squares of `engine.cost_model.CostModel.fit`), prints measured against
+   non-negative least squares of `das_jax.speculation.CostModel.fit`), prints measured against
    fitted times, and saves each model as a cost-model file (`DIR/cost-<model>-<device>.json`,
    the format `--cost-model PATH.json` reads, with the measurements as provenance).
 3. Replays the first `--paper-epochs` (2) epochs of a recorded trace at paper scale
@@ -91,7 +91,8 @@ def measure_model(name: str, config, tokens, kv_lens, dtype, kv_budget_bytes: fl
      "coef": {c_base, c_tok, c_kv}, "fit_error": max relative error of the fit}."""
     import jax
 
-    from das_jax.engine import CostModel, Engine, EngineConfig
+    from das_jax.engine import Engine, EngineConfig
+    from das_jax.speculation import CostModel
     from das_jax.models.kv_cache import KVCache
     from das_jax.models.transformer import init_params
 
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     from das_jax.bench import paper_replay as pr
     from das_jax.bench import replay as rp
     from das_jax.bench.rollout_bench import PaperSpec, run_paper
-    from das_jax.engine import save_cost_model
+    from das_jax.speculation import save_cost_model
     from das_jax.models.config import ModelConfig
 
     out = pathlib.Path(args.out)

@@ -61,8 +61,9 @@ import numpy as np
 
 # The engine's own host scheduler and result types: the simulation runs the engine's loop.
 # Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
-from das_jax.engine import (CostModel, EngineConfig, GenerateStats, Limits, Prefilled,
-                            PromptRows, StepInput, StepOutput, prefill_layout, run_schedule)
+from das_jax.engine import (EngineConfig, GenerateStats, Limits, Prefilled, PromptRows, StepInput,
+                            StepOutput, prefill_layout, run_schedule)
+from das_jax.speculation import CostModel
 
 
 class FrozenCostModel(CostModel):

@@ -389,7 +389,8 @@ def run_paper(trace, names, max_new_tokens: int, das, spec: "PaperSpec", log=pri
     `spec.cost_models` (`paper_replay.replay_models`); returns {"settings", "models"}."""
     from das_jax.bench import paper_replay as pr
     from das_jax.bench import replay as rp
-    from das_jax.engine import EngineConfig, cache_len_for, resolve_cost_model
+    from das_jax.engine import EngineConfig, cache_len_for
+    from das_jax.speculation import resolve_cost_model
 
     t0 = time.perf_counter()
     epochs = rp.paper_workload(trace, problems=spec.problems, samples=spec.samples,
@@ -595,7 +596,7 @@ def main(args: argparse.Namespace) -> int:
     args = apply_preset(args)
     paper = None
     if args.paper_replay:
-        from das_jax.engine import resolve_cost_model
+        from das_jax.speculation import resolve_cost_model
         models = tuple(m.strip() for m in args.paper_replay.split(",") if m.strip())
         try:
             for m in models:

@@ -9,9 +9,10 @@ import time
 import numpy as np
 
 from das_jax.bench import replay as rp
-from das_jax.engine import EngineConfig, cache_len_for, resolve_cost_model
+from das_jax.engine import EngineConfig, cache_len_for
+from das_jax.speculation import resolve_cost_model
 
-# Paper-scale defaults: a 7B bf16 model on one H100 SXM (`das_jax.engine.gpu_cost`), 256 slots.
+# Paper-scale defaults: a 7B bf16 model on one H100 SXM (`das_jax.speculation.gpu_cost`), 256 slots.
 PAPER_COST_MODEL = "h100-7b"
 PAPER_SLOTS = 256
 PAPER_WIDTHS = (1, 4, 8, 16)

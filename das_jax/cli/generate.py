@@ -10,6 +10,7 @@ from das_jax.arg_types import int_list, nonnegative_int, positive_int
 from das_jax.config import DASSection
 from das_jax.errors import one_line
 from das_jax.rollout import speculation_names
+from das_jax.speculation import CostModelConfig
 
 
 def register(subparsers) -> None:
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp  # jax: imported when the command runs, not for --help
     from tqdm import tqdm
 
-    from das_jax.engine import CostModelConfig, Engine, EngineConfig, Request
+    from das_jax.engine import Engine, EngineConfig, Request
     from das_jax.models import load
     from das_jax.rollout import Rollout
 

@@ -40,11 +40,11 @@ def register(subparsers) -> None:
                     "rounding differs between a width-1 and a width-W step, so runs can diverge "
                     "after a rare rounding flip; see the README's caveats).",
         epilog="Config values not set by --config or --set take the defaults in "
-               "das_jax/config.py; the resolved config is saved as RUN_DIR/config.yaml. A run "
+               "das_jax/config/schema.py; the resolved config is saved as RUN_DIR/config.yaml. A run "
                "dir gets metrics.jsonl, samples.jsonl, plots/*.png, tb/ (TensorBoard) and "
                "checkpoints/.")
     p.add_argument("--config", help="YAML run config (default: the built-in defaults of "
-                                    f"das_jax/config.py; the main job is {DEFAULT_CONFIG})")
+                                    f"das_jax/config/schema.py; the main job is {DEFAULT_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set grpo.beta=0.04 --set drafter=none")
     p.add_argument("--resume", metavar="RUN_DIR",

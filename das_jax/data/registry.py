@@ -1,4 +1,7 @@
-"""`load_dataset_from_config`: one entry point for every dataset kind (used by configs / CLI)."""
+"""`load_dataset_from_config`: one entry point for every dataset kind (used by configs / CLI).
+
+The kinds are `das_jax.registry.DATASETS`: name -> `load(path, **kw) -> list[Problem]`; the
+built-ins register here."""
 
 from __future__ import annotations
 
@@ -7,10 +10,50 @@ from typing import Any
 
 from das_jax.data.problems import DatasetError, Problem, load_gsm8k, load_hf_dataset, load_humaneval, load_math
 from das_jax.data.synthetic import synthetic_arithmetic
+from das_jax.registry import DATASETS
 
 __all__ = ["DATASET_KINDS", "load_dataset_from_config", "problems_from_config"]
 
-DATASET_KINDS = ("arithmetic", "gsm8k", "math", "humaneval", "hf")
+
+def _arithmetic(path, **kw: Any) -> list[Problem]:
+    if path is not None:
+        raise DatasetError("dataset kind 'arithmetic' is generated in memory and takes no path")
+    kw.setdefault("num_problems", 256)
+    limit = kw.pop("limit", None)
+    if limit is not None:
+        kw["num_problems"] = min(int(kw["num_problems"]), int(limit))
+    return synthetic_arithmetic(**kw)
+
+
+def _file_kind(kind: str, loader):
+    def load(path, **kw: Any) -> list[Problem]:
+        kw.pop("num_problems", None)
+        kw.pop("seed", None)
+        if path is None:
+            raise DatasetError(f"dataset kind {kind!r} needs a path to a local jsonl file (got "
+                               "path=None)")
+        if not os.path.exists(os.fspath(path)):
+            raise DatasetError(f"dataset kind {kind!r}: file not found: "
+                               f"{os.path.abspath(os.fspath(path))!r}")
+        return loader(path, **kw)
+    return load
+
+
+def _hf(path, **kw: Any) -> list[Problem]:
+    kw.pop("num_problems", None)
+    kw.pop("seed", None)
+    name = kw.pop("name", None) or path
+    if not name:
+        raise DatasetError("dataset kind 'hf' needs a hub dataset name (path=... or name=...)")
+    return load_hf_dataset(str(name), **kw)
+
+
+DATASETS.register("arithmetic", _arithmetic)
+DATASETS.register("gsm8k", _file_kind("gsm8k", load_gsm8k))
+DATASETS.register("math", _file_kind("math", load_math))
+DATASETS.register("humaneval", _file_kind("humaneval", load_humaneval))
+DATASETS.register("hf", _hf)
+DATASET_KINDS = DATASETS.names()  # the built-in kinds
 
 
 def load_dataset_from_config(kind: str, path: str | os.PathLike | None = None, **kw: Any) -> list[Problem]:
@@ -34,29 +77,10 @@ def load_dataset_from_config(kind: str, path: str | os.PathLike | None = None, *
         TypeError: a keyword the loader does not accept.
     """
     k = str(kind).lower().strip()
-    if k not in DATASET_KINDS:
-        raise DatasetError(f"unknown dataset kind {kind!r}; valid kinds: {', '.join(DATASET_KINDS)}")
-    if k == "arithmetic":
-        if path is not None:
-            raise DatasetError("dataset kind 'arithmetic' is generated in memory and takes no path")
-        kw.setdefault("num_problems", 256)
-        limit = kw.pop("limit", None)
-        if limit is not None:
-            kw["num_problems"] = min(int(kw["num_problems"]), int(limit))
-        return synthetic_arithmetic(**kw)
-    kw.pop("num_problems", None)
-    kw.pop("seed", None)
-    if k == "hf":
-        name = kw.pop("name", None) or path
-        if not name:
-            raise DatasetError("dataset kind 'hf' needs a hub dataset name (path=... or name=...)")
-        return load_hf_dataset(str(name), **kw)
-    if path is None:
-        raise DatasetError(f"dataset kind {k!r} needs a path to a local jsonl file (got path=None)")
-    if not os.path.exists(os.fspath(path)):
-        raise DatasetError(f"dataset kind {k!r}: file not found: {os.path.abspath(os.fspath(path))!r}")
-    loader = {"gsm8k": load_gsm8k, "math": load_math, "humaneval": load_humaneval}[k]
-    return loader(path, **kw)
+    if k not in DATASETS:
+        raise DatasetError(f"unknown dataset kind {kind!r}; valid kinds: "
+                           f"{', '.join(DATASETS.names())}")
+    return DATASETS.get(k)(path, **kw)
 
 
 def problems_from_config(data: Any) -> list[Problem]:

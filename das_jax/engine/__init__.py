@@ -8,9 +8,6 @@ Public surface:
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
   SpeculationPolicy, FixedPolicy, RowView, StepRecord, DraftPlan, plan_step,
     acceptance_length, padded_step_shape, packed_step_shape, width_for         (policy.py)
-  DASPolicy, DASConfig                                                         (das_policy.py)
-  CostModel, CostModelConfig, calibrate, save_cost_model, load_cost_model      (cost_model.py)
-  resolve_cost_model (named models: GPU models from published figures)         (gpu_cost.py)
   bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
   token_buckets, packed_width, step_shape_fn, verify_token_buckets,
     precompile_token_buckets, PromptRows (prompt sharing's row bookkeeping)    (schedule.py)
@@ -30,10 +27,7 @@ _EXPORTS = {
     "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy",
     "StepRecord": "policy", "DraftPlan": "policy", "plan_step": "policy",
     "acceptance_length": "policy", "padded_step_shape": "policy", "packed_step_shape": "policy",
-    "width_for": "policy", "DASPolicy": "das_policy", "DASConfig": "das_policy",
-    "CostModel": "cost_model", "CostModelConfig": "cost_model", "calibrate": "cost_model",
-    "save_cost_model": "cost_model", "load_cost_model": "cost_model",
-    "resolve_cost_model": "gpu_cost",
+    "width_for": "policy",
     "bucket": "schedule", "pow2_at_least": "schedule", "cache_len_for": "schedule",
     "kv_len_bucket": "schedule", "tail_bucket": "schedule", "compact_rows": "schedule",
     "token_buckets": "schedule", "packed_width": "schedule",

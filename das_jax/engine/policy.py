@@ -7,7 +7,7 @@ length). The engine says what a choice costs through a step-shape function
 and the cached positions it attends, summed over rows; `padded_step_shape` for the padded engine,
 where every row pays for the widest draft, `packed_step_shape` for a packed one), which the
 policy prices with its cost model (`CostModel.predict_step`). It also sees every step's measured
-time and shape (to fit the cost model) and may reorder admission. The DAS length-aware policy (`das_jax.engine.das_policy`) implements
+time and shape (to fit the cost model) and may reorder admission. The DAS length-aware policy (`das_jax.speculation.DASPolicy`) implements
 the same protocol.
 """
 from __future__ import annotations

@@ -25,6 +25,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from das_jax.registry import ADVANTAGES
+
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's constant in `advantages / (std_rewards + 1e-4)`
 
@@ -122,26 +124,22 @@ def advantage_metrics(rewards_N, num_generations: int) -> dict[str, float]:
 
 # ----- advantage-estimator registry ---------------------------------------------------------------
 
-_ADVANTAGES: dict = {}
-
-
 def register_advantage(name: str):
     """Function decorator: registers `fn(rewards_N, grpo_config) -> float32 [N] advantages` under
     `name` (replacing any earlier one); `grpo.advantage_estimator` selects it. `grpo_config` is the
-    `config.GRPOSection` (num_generations, scale_rewards, ...)."""
+    `config.GRPOSection` (num_generations, scale_rewards, ...). The names live in
+    `das_jax.registry.ADVANTAGES`."""
     def deco(fn):
-        _ADVANTAGES[name] = fn
-        return fn
+        return ADVANTAGES.register(name, fn, replace=True)
     return deco
 
 
 def get_advantage(name: str):
     """The registered estimator `name`; ValueError naming the registered ones otherwise."""
-    try:
-        return _ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(f"advantage_estimator must be one of {tuple(_ADVANTAGES)}, "
-                         f"got {name!r}") from None
+    if name not in ADVANTAGES:
+        raise ValueError(f"advantage_estimator must be one of {ADVANTAGES.names()}, "
+                         f"got {name!r}")
+    return ADVANTAGES.get(name)
 
 
 @register_advantage("grpo")

@@ -46,6 +46,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from das_jax.registry import LOSSES
+
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # the built-in registered losses
 
 
@@ -105,31 +107,27 @@ class Loss:
         raise NotImplementedError
 
 
-_LOSSES: dict[str, Loss] = {}
-
-
 def register_loss(name: str):
     """Class decorator: registers an instance of a `Loss` subclass under `name` (replacing any
     earlier one) and returns the class. `get_loss(name)` then finds it; the train step reads
-    `LossConfig.loss_type`."""
+    `LossConfig.loss_type`. The names live in `das_jax.registry.LOSSES`."""
     def deco(cls):
         inst = cls()
         inst.name = name
-        _LOSSES[name] = inst
+        LOSSES.register(name, inst, replace=True)
         return cls
     return deco
 
 
 def get_loss(name: str) -> Loss:
     """The registered loss `name`; ValueError naming the registered ones otherwise."""
-    try:
-        return _LOSSES[name]
-    except KeyError:
-        raise ValueError(f"loss_type must be one of {tuple(_LOSSES)}, got {name!r}") from None
+    if name not in LOSSES:
+        raise ValueError(f"loss_type must be one of {LOSSES.names()}, got {name!r}")
+    return LOSSES.get(name)
 
 
 def registered_losses() -> tuple[str, ...]:
-    return tuple(_LOSSES)
+    return LOSSES.names()
 
 
 @register_loss("grpo")

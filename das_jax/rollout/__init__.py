@@ -5,7 +5,8 @@ Public surface:
                                               (rollout.py)
   register_speculation, unregister_speculation, speculation_names, get_speculation,
   build_speculation,
-  SpeculationSpec, SpeculationError           the registry of speculation names (speculation.py)
+  SpeculationSpec, SpeculationError           the registry of speculation names
+                                              (`das_jax.speculation`, re-exported here)
   ShardedRollout, replica_meshes,
   reshard_for_rollout, gather_to_local       data-parallel replicas on device meshes, each
                                               tensor-parallel over KV heads (sharded.py)
@@ -13,19 +14,19 @@ Public surface:
   group_indices, assignment_loads             placement of whole groups over replicas
                                               (multi_device.py)
 
-Dependencies: `rl` and `bench` -> `rollout` -> `engine`, `drafter` -> `models`. Names are
-imported lazily (PEP 562); the registry itself imports neither jax nor numpy.
+Dependencies: `rl` and `bench` -> `rollout` -> `speculation`, `config` -> `engine`, `drafter`
+-> `models`. Names are imported lazily (PEP 562); the registry imports no jax.
 """
 from __future__ import annotations
 
 from das_jax._lazy import lazy_exports
 
+_NAMES = "das_jax.speculation.names"
 _EXPORTS = {
     "Rollout": "rollout",
-    "register_speculation": "speculation", "unregister_speculation": "speculation",
-    "speculation_names": "speculation",
-    "get_speculation": "speculation", "build_speculation": "speculation",
-    "SpeculationSpec": "speculation", "SpeculationError": "speculation",
+    "register_speculation": _NAMES, "unregister_speculation": _NAMES,
+    "speculation_names": _NAMES, "get_speculation": _NAMES, "build_speculation": _NAMES,
+    "SpeculationSpec": _NAMES, "SpeculationError": _NAMES,
     "ShardedRollout": "sharded", "replica_meshes": "sharded", "reshard_for_rollout": "sharded",
     "gather_to_local": "sharded",
     "LockedDrafter": "multi_device",

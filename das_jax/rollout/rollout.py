@@ -1,7 +1,7 @@
 """`Rollout`: the one boundary between RL code and speculative generation.
 
 A `Rollout` owns an `Engine` (one model, one device), the speculation chosen by name (a drafter,
-a policy, and the cost model the policy plans with; `das_jax.rollout.speculation`), and the
+a policy, and the cost model the policy plans with; `das_jax.speculation`), and the
 default sampling settings. The trainer, the benchmarks and multi-device placement talk to it
 only (in the spirit of Tunix's `BaseRollout`):
 
@@ -24,7 +24,8 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from das_jax.rollout.speculation import get_speculation
+from das_jax.engine import SamplingParams
+from das_jax.speculation import CostModel, DASSection, calibrate, get_speculation
 
 
 class Rollout:
@@ -33,7 +34,7 @@ class Rollout:
     Args:
       engine: the `das_jax.engine.Engine` to generate with.
       speculation: a registered speculation name (`speculation_names()`).
-      das: the `das:` settings (`das_jax.config.DASSection`; default: its defaults).
+      das: the `das:` settings (`das_jax.speculation.DASSection`; default: its defaults).
       sampling: default `SamplingParams` of `generate` (default: `SamplingParams()`).
       cost_model: the `CostModel` the policy plans with (default: from `das.cost_model`).
 
@@ -43,9 +44,6 @@ class Rollout:
 
     def __init__(self, engine, speculation: str = "none", das=None, sampling=None,
                  cost_model=None, *, _parts: tuple | None = None):
-        from das_jax.config import DASSection
-        from das_jax.engine import CostModel, SamplingParams
-
         self.spec = get_speculation(speculation)
         self.engine = engine
         self.das = das if das is not None else DASSection()
@@ -76,7 +74,7 @@ class Rollout:
         """
         import jax
 
-        from das_jax.engine import Engine, EngineConfig, SamplingParams
+        from das_jax.engine import Engine, EngineConfig
 
         r = config.rollout
         engine = Engine(model_config, params, eos_token_ids=eos_token_ids, device=device,
@@ -160,8 +158,6 @@ class Rollout:
         here are reused by `generate`. `params`: the params to time with (default: the
         engine's own; an engine built without params needs them). Returns the fitted
         `CostModel`."""
-        from das_jax.engine import calibrate
-
         sampling = sampling if sampling is not None else self.sampling
         c = self.das.cost_model
         own = self.engine.params

@@ -27,20 +27,21 @@ measured, i.e. whether its program is compiled (the DAS policy prefers compiled 
 `predict(batch, width, kv_len)` / `observe(batch, width, kv_len, seconds)` are the padded-engine
 spelling of `predict_step(batch * width, batch * kv_len)` / `observe_step(...)`.
 
-Cost models can be saved to / read from a JSON file (`save_cost_model`, `load_cost_model`; format
-in `COST_MODEL_FORMAT`); `das_jax.engine.gpu_cost` derives GPU models from published figures.
+Cost models can be saved to / read from a JSON file (`das_jax.speculation.cost_file`);
+`das_jax.speculation.gpu_cost` derives GPU models from published figures.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
-import math
 import time
 from typing import Iterable
 
 import numpy as np
+
+from das_jax.engine import kv_len_bucket, precompile_token_buckets
+from das_jax.speculation.gpu_cost import resolve_cost_model
 
 log = logging.getLogger("das_jax.engine")
 
@@ -54,7 +55,7 @@ class CostModelConfig:
       observations arrive; the defaults are neutral (a step costs about as much as 16 extra
       token slots).
     source: where the prior comes from instead of c_base / c_tok / c_kv: null (those keys), a
-      named model (`cpu`, `h100-7b`, `h200-7b`: `das_jax.engine.gpu_cost.PRESETS`) or the path of
+      named model (`cpu`, `h100-7b`, `h200-7b`: `das_jax.speculation.gpu_cost.PRESETS`) or the path of
       a cost-model JSON file (`save_cost_model`; e.g. one measured on a GPU).
     history: how many recent (N, K, seconds) observations the fit uses (the window that lets
       it follow drift).
@@ -91,7 +92,6 @@ class CostModelConfig:
         if self.calibrate_repeats < 1:
             raise ValueError(f"calibrate_repeats must be >= 1, got {self.calibrate_repeats}")
         if self.source is not None:
-            from das_jax.engine.gpu_cost import resolve_cost_model
             resolve_cost_model(self.source)   # a bad name or file fails at config load
 
 
@@ -137,7 +137,6 @@ class CostModel:
         """
         coef = {"c_base": config.c_base, "c_tok": config.c_tok, "c_kv": config.c_kv}
         if config.source is not None:
-            from das_jax.engine.gpu_cost import resolve_cost_model
             coef = resolve_cost_model(config.source)
         return cls(c_base=coef["c_base"], c_tok=coef["c_tok"], c_kv=coef["c_kv"],
                    history=config.history, compile_s=config.compile_s)
@@ -223,59 +222,6 @@ class CostModel:
                 "compile_s": self.compile_s}
 
 
-# ----- the cost-model file ---------------------------------------------------------------------
-
-COST_MODEL_FORMAT = "das-jax-cost-model/1"
-"""A cost-model file is one JSON object:
-
-    {"format": "das-jax-cost-model/1",
-     "c_base": seconds per step, "c_tok": seconds per computed token slot,
-     "c_kv": seconds per attended cached position per row,
-     "device": "...", "model": "...", "source": "how it was obtained", ...any other notes}
-
-Only format, c_base, c_tok and c_kv are read; the rest is free-form provenance (a derivation, or
-the measured shapes of a GPU check)."""
-
-
-def save_cost_model(path, coef: dict, **provenance) -> None:
-    """Writes `coef` (c_base, c_tok, c_kv in seconds) and free-form provenance as a cost-model
-    file (`COST_MODEL_FORMAT`)."""
-    obj = {"format": COST_MODEL_FORMAT, **{k: float(coef[k]) for k in ("c_base", "c_tok", "c_kv")},
-           **provenance}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, default=str)
-        f.write("\n")
-
-
-def load_cost_model(path) -> dict:
-    """{"c_base", "c_tok", "c_kv"} (seconds) from a cost-model file.
-
-    Raises:
-      ValueError: one line naming the file and what is wrong (missing, not JSON, wrong format,
-        a coefficient missing, negative or not a number).
-    """
-    hint = ("expected a JSON object {\"format\": \"%s\", \"c_base\": s, \"c_tok\": s, "
-            "\"c_kv\": s}" % COST_MODEL_FORMAT)
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cost model file {path}: cannot read it ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"cost model file {path}: not JSON ({e}); {hint}") from None
-    if not isinstance(obj, dict) or obj.get("format") != COST_MODEL_FORMAT:
-        got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(f"cost model file {path}: format is {got!r}; {hint}")
-    out = {}
-    for k in ("c_base", "c_tok", "c_kv"):
-        v = obj.get(k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"cost model file {path}: {k} must be a number >= 0 (seconds), got "
-                             f"{v!r}")
-        out[k] = float(v)
-    return out
-
-
 def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
     """Least squares with x >= 0 by active-set elimination (few columns, so this is exact enough)."""
     active = list(range(X.shape[1]))
@@ -316,8 +262,6 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     the 2-core CPU) that a rollout may never reuse; the online fit and the per-shape table
     learn them when they run. Padded engine: N = B * W for every width.
     """
-    from das_jax.engine.schedule import precompile_token_buckets
-
     widths = tuple(widths)
     wmax = max(widths)
     out = []
@@ -349,7 +293,6 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     batches = tuple(batches or sorted({1, ec.max_slots}))
     widths = tuple(widths or ec.draft_widths)
     cache_len = cache_len or ec.max_cache_len
-    from das_jax.engine.schedule import kv_len_bucket
 
     # The attended lengths `generate` compiles (quarter-octave buckets, capped at the cache
     # length), so the executables compiled here are the ones generation reuses.

@@ -79,8 +79,8 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from das_jax.engine.cost_model import CostModel
-from das_jax.engine.policy import RowView, StepRecord
+from das_jax.engine import RowView, StepRecord
+from das_jax.speculation.cost_model import CostModel
 
 SHORT, MEDIUM, LONG = "short", "medium", "long"
 _ORDER = {SHORT: 0, MEDIUM: 1, LONG: 2}
@@ -171,7 +171,7 @@ class DASConfig:
 
 
 class DASPolicy:
-    """Implements `das_jax.engine.policy.SpeculationPolicy`.
+    """Implements `das_jax.engine.SpeculationPolicy`.
 
     Args:
       lengths_fn: problem id -> generated lengths of that problem's past rollouts (the drafter's

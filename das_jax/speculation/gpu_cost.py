@@ -69,6 +69,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from das_jax.speculation.cost_file import load_cost_model
+
 __all__ = ["ModelShape", "GPUSpec", "QWEN2_7B", "H100_SXM", "H200", "derive", "PRESETS",
            "resolve_cost_model"]
 
@@ -150,7 +152,6 @@ def resolve_cost_model(spec: str) -> dict:
     """
     if spec in PRESETS:
         return dict(PRESETS[spec])
-    from das_jax.engine.cost_model import load_cost_model
     if spec.endswith(".json") or os.path.sep in spec or os.path.exists(spec):
         return load_cost_model(spec)
     raise ValueError(f"unknown cost model {spec!r}; valid: {', '.join(PRESETS)} or the path of "

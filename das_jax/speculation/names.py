@@ -3,10 +3,10 @@
 A speculation name stands for a (drafter, policy) pair: the drafter proposes tokens (the
 `das_jax.drafter.Drafter` protocol), the policy decides how many the engine verifies
 (`das_jax.engine.SpeculationPolicy`). The registry owns their construction and the settings
-they read (the config's `das:` section, `das_jax.config.DASSection`), so adding one is one
+they read (the config's `das:` section, `DASSection`, defined here), so adding one is one
 module:
 
-    from das_jax.rollout import register_speculation
+    from das_jax.speculation import register_speculation
 
     @register_speculation("my-drafter", description="...", uses_cost_model=False)
     def build(das, cost_model):             # das: DASSection; cost_model: CostModel
@@ -28,15 +28,20 @@ the benchmarks. Built-in names:
 | das-unlimited   | per-problem suffix trees                   | ablation: every row verifies  |
 |                 |                                            | its whole draft               |
 
-This module imports neither jax nor numpy (builders import what they build when called), so
-`das_jax.config` and the CLIs list the names at no cost.
+The names live in `das_jax.registry.SPECULATION` (this module registers the built-ins). The
+builders import the drafters (numba) when called, so listing the names costs no numba import.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
 
-__all__ = ["SpeculationSpec", "register_speculation", "unregister_speculation",
+from das_jax.engine import FixedPolicy
+from das_jax.registry import SPECULATION
+from das_jax.speculation.cost_model import CostModel, CostModelConfig
+from das_jax.speculation.das_policy import DASConfig, DASPolicy
+
+__all__ = ["DASSection", "SpeculationSpec", "register_speculation", "unregister_speculation",
            "speculation_names", "get_speculation", "build_speculation", "SpeculationError"]
 
 
@@ -45,6 +50,31 @@ class SpeculationError(ValueError):
 
 
 Builder = Callable[[Any, Any], tuple[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DASSection:
+    """Speculation settings (the speculation itself is chosen by the top-level `drafter` key).
+
+    window: epochs of rollout history kept per problem (suffix drafters).
+    max_depth: suffix-tree depth (longest match + draft), in tokens.
+    min_token_prob: a suffix draft stops when its path probability drops below this.
+    policy: the DAS length-aware policy (`das_jax.speculation.DASConfig`): short_quantile,
+      long_quantile, short_threshold, long_threshold (length classes), weight_short,
+      weight_medium, weight_long (class weights sharing the per-step cost), budget_short,
+      budget_medium, budget_long (optional per-class caps), min_history, length_history,
+      acceptance_ema, explore_every, unlimited.
+    cost_model: the step-cost model the policy plans with (`das_jax.speculation.CostModelConfig`):
+      c_base, c_tok, c_kv, source (cpu | h100-7b | h200-7b | PATH.json instead of the three
+      coefficients), history, calibrate, calibrate_kv_lens, calibrate_repeats, compile_s
+      (prior seconds per new verify-step compile, until one is measured).
+    """
+
+    window: int = 16
+    max_depth: int = 32
+    min_token_prob: float = 0.1
+    policy: DASConfig = dataclasses.field(default_factory=DASConfig)
+    cost_model: CostModelConfig = dataclasses.field(default_factory=CostModelConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +93,6 @@ class SpeculationSpec:
     uses_cost_model: bool = False
 
 
-_REGISTRY: dict[str, SpeculationSpec] = {}
-
-
 def register_speculation(name: str, *, description: str = "", uses_cost_model: bool = False,
                          replace: bool = False) -> Callable[[Builder], Builder]:
     """Decorator registering `build(das, cost_model) -> (drafter, policy)` under `name`.
@@ -77,10 +104,11 @@ def register_speculation(name: str, *, description: str = "", uses_cost_model: b
         raise SpeculationError(f"a speculation name must be a non-empty string, got {name!r}")
 
     def decorator(build: Builder) -> Builder:
-        if name in _REGISTRY and not replace:
+        if name in SPECULATION and not replace:
             raise SpeculationError(f"speculation {name!r} is already registered; pass "
                                    "replace=True to override it")
-        _REGISTRY[name] = SpeculationSpec(name, build, description, uses_cost_model)
+        SPECULATION.register(name, SpeculationSpec(name, build, description, uses_cost_model),
+                             replace=True)
         return build
     return decorator
 
@@ -89,18 +117,18 @@ def unregister_speculation(name: str) -> None:
     """Removes `name` from the registry (e.g. a test's toy entry). Raises SpeculationError for an
     unknown name."""
     get_speculation(name)
-    del _REGISTRY[name]
+    SPECULATION.unregister(name)
 
 
 def speculation_names() -> tuple[str, ...]:
     """The registered names, in registration order (built-ins first)."""
-    return tuple(_REGISTRY)
+    return SPECULATION.names()
 
 
 def get_speculation(name: str) -> SpeculationSpec:
     """The spec of `name`. Raises SpeculationError for an unknown name (listing the valid ones)."""
     try:
-        return _REGISTRY[name]
+        return SPECULATION.get(name)
     except KeyError:
         raise SpeculationError(f"unknown drafter {name!r}; valid: "
                                f"{', '.join(speculation_names())}") from None
@@ -110,7 +138,7 @@ def build_speculation(name: str, das: Any = None, cost_model: Any = None) -> tup
     """(drafter or None, policy or None) for `name`.
 
     Args:
-      das: the `das:` settings (`das_jax.config.DASSection`; default: its defaults).
+      das: the `das:` settings (`DASSection`; default: its defaults).
       cost_model: the `CostModel` a DAS policy plans with (default: one from `das.cost_model`).
 
     Raises:
@@ -118,15 +146,15 @@ def build_speculation(name: str, das: Any = None, cost_model: Any = None) -> tup
     """
     spec = get_speculation(name)
     if das is None:
-        from das_jax.config import DASSection
         das = DASSection()
     if cost_model is None:
-        from das_jax.engine.cost_model import CostModel
         cost_model = CostModel.from_config(das.cost_model)
     return spec.build(das, cost_model)
 
 
 # ----------------------------------------------------------------------------- built-ins
+
+# The builders import the drafters (numba) when a rollout builds them.
 
 def _suffix_config(das):
     from das_jax.drafter import SuffixTreeConfig
@@ -141,14 +169,12 @@ def _none(das, cost_model):
 @register_speculation("ngram", description="prompt lookup (vLLM ngram), fixed widest width")
 def _ngram(das, cost_model):
     from das_jax.drafter import NgramDrafter
-    from das_jax.engine.policy import FixedPolicy
     return NgramDrafter(), FixedPolicy()
 
 
 @register_speculation("suffix", description="per-problem suffix trees, fixed widest width")
 def _suffix(das, cost_model):
     from das_jax.drafter import SuffixDrafter
-    from das_jax.engine.policy import FixedPolicy
     return SuffixDrafter(_suffix_config(das), window=das.window), FixedPolicy()
 
 
@@ -156,13 +182,11 @@ def _suffix(das, cost_model):
                       description="global + per-request suffix tree (SuffixDecoding), fixed width")
 def _suffix_global(das, cost_model):
     from das_jax.drafter import GlobalSuffixDrafter
-    from das_jax.engine.policy import FixedPolicy
     return GlobalSuffixDrafter(_suffix_config(das), window=das.window), FixedPolicy()
 
 
 def _das(das, cost_model, unlimited: bool):
     from das_jax.drafter import SuffixDrafter
-    from das_jax.engine.das_policy import DASPolicy
     drafter = SuffixDrafter(_suffix_config(das), window=das.window)
     config = dataclasses.replace(das.policy, unlimited=True) if unlimited else das.policy
     return drafter, DASPolicy(drafter.lengths, config, cost_model)

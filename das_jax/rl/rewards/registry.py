@@ -1,18 +1,19 @@
-"""Reward functions by name (for configs): ``math_accuracy``, ``format``, ``code``."""
+"""Reward functions by name (for configs): the built-ins ``math_accuracy``, ``format``, ``code``
+registered in ``das_jax.registry.REWARDS``; ``REWARD_FUNCTIONS`` is that registry's dict."""
 
 from __future__ import annotations
 
+from das_jax.registry import REWARDS
 from das_jax.rl.rewards.code_reward import code_reward
 from das_jax.rl.rewards.math_reward import format_reward, math_accuracy_reward
 from das_jax.rl.rewards.safety import RewardFn
 
 __all__ = ["REWARD_FUNCTIONS", "get_reward_fn", "register_reward_fn"]
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {
-    "math_accuracy": math_accuracy_reward,
-    "format": format_reward,
-    "code": code_reward,
-}
+REWARDS.register("math_accuracy", math_accuracy_reward)
+REWARDS.register("format", format_reward)
+REWARDS.register("code", code_reward)
+REWARD_FUNCTIONS: dict[str, RewardFn] = REWARDS.entries
 
 
 def get_reward_fn(name: str) -> RewardFn:
