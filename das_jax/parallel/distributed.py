@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 from typing import Any, Mapping
@@ -134,11 +135,9 @@ def is_primary() -> bool:
 
 
 def config_fingerprint(config) -> str:
-    """sha256 of the resolved config (`config_to_dict`), without the per-process
-    `distributed.process_id`."""
-    import json
-    from das_jax.config import config_to_dict
-    d = config_to_dict(config)
+    """sha256 of the resolved config (a `das_jax.config.Config`, as JSON), without the
+    per-process `distributed.process_id`."""
+    d = dataclasses.asdict(config)
     d.get("distributed", {}).pop("process_id", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 

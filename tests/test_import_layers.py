@@ -1,0 +1,172 @@
+"""The import layers of the package, drawn from the code itself: every module's imports (at module
+top and inside functions) parsed with `ast`, folded into rooms (a subpackage or a top-level
+module of `das_jax`). The rooms sit on floors (`FLOORS`, ground first); an import may only point
+to the same or a lower floor, and no two rooms may import each other, even through others."""
+from __future__ import annotations
+
+import ast
+import collections
+import pathlib
+
+import das_jax
+
+PKG = pathlib.Path(das_jax.__file__).parent
+
+# Ground floor first. A room imports only rooms on its own floor or below; rooms on one floor
+# must not form a circle. `cli` is the top floor: nothing imports it; `bench` is imported by
+# nothing but `cli`.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("errors", "_lazy", "arg_types", "malloc", "registry"),
+    ("models", "data", "parallel"),
+    ("drafter", "engine"),
+    ("speculation",),
+    ("config",),
+    ("rollout", "testing"),
+    ("rl",),
+    ("plan",),
+    ("bench",),
+    ("cli",),
+)
+FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def import_edges(root: pathlib.Path = PKG) -> dict[str, set[tuple[str, int]]]:
+    """{module: {(imported das_jax module, line)}} for every module under `root`, top-level and
+    in-function imports alike (relative imports resolved; `from pkg import mod` counts as
+    importing `pkg.mod` when that is a module)."""
+    files = sorted(root.rglob("*.py"))
+    modules = {_module_name(f) for f in files}
+    edges: dict[str, set[tuple[str, int]]] = collections.defaultdict(set)
+    for f in files:
+        me = _module_name(f)
+        package = me if f.name == "__init__.py" else me.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names
+                                    if f"{base}.{a.name}" in modules]
+            for t in targets:
+                if t.split(".")[0] == "das_jax" and t != "das_jax":
+                    edges[me].add((t, node.lineno))
+    return edges
+
+
+def room_edges(edges) -> dict[tuple[str, str], list[str]]:
+    """{(room, imported room): ["module:line -> target", ...]} between different rooms."""
+    out: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for module, targets in edges.items():
+        for target, line in sorted(targets):
+            a, b = _room(module), _room(target)
+            if a != b:
+                out[(a, b)].append(f"{module}:{line} -> {target}")
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def layer_violations(edges) -> list[str]:
+    bad = []
+    rooms = room_edges(edges)
+    for (a, b), where in sorted(rooms.items()):
+        if a not in FLOOR or b not in FLOOR:
+            bad.append(f"room {a if a not in FLOOR else b} has no floor in FLOORS: {where[0]}")
+        elif FLOOR[b] > FLOOR[a]:
+            bad += [f"arrow back up ({a} on floor {FLOOR[a]} -> {b} on floor {FLOOR[b]}): {w}"
+                    for w in where]
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for a, b in rooms:
+        graph[a].add(b)
+    bad += [f"import circle between rooms {' <-> '.join(c)}" for c in circles(graph)]
+    return bad
+
+
+def test_rooms_import_only_their_floor_and_below_and_form_no_circle():
+    edges = import_edges()
+    assert len(edges) > 50
+    # Every room of the package has a floor.
+    rooms = {_room(_module_name(f)) for f in PKG.rglob("*.py")} - {"das_jax"}
+    assert rooms <= set(FLOOR), sorted(rooms - set(FLOOR))
+    assert layer_violations(edges) == []
+
+
+def test_named_boundaries():
+    rooms = room_edges(import_edges())
+    importers = collections.defaultdict(set)
+    for a, b in rooms:
+        importers[b].add(a)
+    assert not importers["cli"]                             # nothing imports a command
+    assert importers["bench"] <= {"cli"}                    # bench is outside the library
+    for low in ("config", "rollout", "rl", "speculation"):  # the engine stays below them
+        assert ("engine", low) not in rooms, rooms.get(("engine", low))
+    assert ("config", "rl") not in rooms and ("config", "rollout") not in rooms
+    assert ("parallel", "config") not in rooms
+
+
+def test_the_check_catches_an_arrow_up_and_a_circle(tmp_path):
+    pkg = tmp_path / "das_jax"
+    for rel, text in {"__init__.py": "",
+                      "engine/__init__.py": "",
+                      "engine/step.py": "def f():\n    from das_jax.rl import trainer\n",
+                      "rl/__init__.py": "",
+                      "rl/trainer.py": "from das_jax.engine import step\n",
+                      "models/__init__.py": "from ..data import x\n",
+                      "data/__init__.py": "",
+                      "data/x.py": "import das_jax.models\n"}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    global PKG
+    saved, PKG = PKG, pkg
+    try:
+        found = layer_violations(import_edges(pkg))
+    finally:
+        PKG = saved
+    assert any("arrow back up (engine" in f and "das_jax.engine.step:2" in f for f in found)
+    assert "import circle between rooms engine <-> rl" in found
+    assert "import circle between rooms data <-> models" in found
