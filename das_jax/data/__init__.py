@@ -19,7 +19,7 @@ Public surface:
     MATH_INSTRUCTION, MATH_BOXED_INSTRUCTION, CODE_INSTRUCTION, default_instruction(problem, style)
     DatasetError (ValueError): missing files, bad records, unknown kinds, `datasets` unavailable.
 
-Data files are read from where they are (e.g. /work/shared/data); nothing is copied.
+Data files are read from the paths given; nothing is copied.
 """
 
 from das_jax.data.problems import (

@@ -209,7 +209,7 @@ def load_gsm8k(
     """Load a GSM8K-format jsonl(.gz) file (fields ``question``, ``answer`` with ``#### N``).
 
     Args:
-        path: the jsonl file, e.g. ``/work/shared/data/gsm8k/test.jsonl``.
+        path: the jsonl file, e.g. ``data/gsm8k/test.jsonl``.
         split: name used in ids (``"gsm8k-<split>-<i>"``); default: the file stem
             (``train``/``test``).
         limit: keep only the first ``limit`` problems.

@@ -199,7 +199,8 @@ class CostModel:
             scale = float(np.median(y)) / max(float(np.median(X @ self._coef())), 1e-12)
             self.c_base, self.c_tok, self.c_kv = (c * scale for c in self._coef())
             return
-        coef = _nnls(X[:, cols], y)
+        from scipy.optimize import nnls  # scipy.optimize: a slow import, needed by a fit only
+        coef, _ = nnls(X[:, cols], y)
         full = dict(zip(cols, coef))
         self.c_base = float(full.get(0, 0.0))
         if 1 in full:
@@ -220,22 +221,6 @@ class CostModel:
         """The coefficients and the compile time, as `CostModelConfig` keys."""
         return {"c_base": self.c_base, "c_tok": self.c_tok, "c_kv": self.c_kv,
                 "compile_s": self.compile_s}
-
-
-def _nnls(X: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
-    """Least squares with x >= 0 by active-set elimination (few columns, so this is exact enough)."""
-    active = list(range(X.shape[1]))
-    coef = np.zeros(X.shape[1])
-    for _ in range(iters):
-        sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[active] = sol
-            return coef
-        active.pop(int(np.argmin(sol)))
-        if not active:
-            break
-    return coef
 
 
 def _observe_step(cost_model, num_tokens: int, attended_kv: int, seconds: float,
