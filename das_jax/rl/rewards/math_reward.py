@@ -217,6 +217,10 @@ def _holds_answer(candidate: str) -> bool:
     return not _is_placeholder(core)
 
 
+# Quotes around a #### line's text: "`#### 42`", "end with '#### <number>'." (quote, then punctuation).
+_QUOTES_RE = re.compile(r"^\s*[`'\"]+|[`'\"]+[.,;:!?)]*\s*$")
+
+
 def _hash_answer(line: str) -> str | None:
     """The answer a ``####`` line holds (markdown emphasis and an ``Answer:`` label dropped), or
     None when the line is a heading, empty, a placeholder, or defers to a ``\\boxed`` on it."""
@@ -229,7 +233,7 @@ def _hash_answer(line: str) -> str | None:
         if not rest or not m.group("sep"):
             return None  # "#### Answer", "#### Final Answer" (a heading), "#### Answer key"
         s = rest
-    s = _strip_markdown(s.strip("`").strip())
+    s = _strip_markdown(_QUOTES_RE.sub("", s).strip())
     if _is_prose(s) or not _holds_answer(s):
         return None
     return s
