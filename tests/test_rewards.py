@@ -178,6 +178,11 @@ def test_text_after_the_answer_that_holds_no_answer_does_not_overwrite_it(comple
     ("\\boxed{42}\n\\boxed 7", ("boxed", "7")),
     ("\\boxed{42}\n\\boxed{\\infty}", ("boxed", "\\infty")),
     ("\\boxed{\\boxed{5}}", ("boxed", "5")),
+    ("\\boxed{42}\n#### Answer: yes", ("hash", "yes")),                # a labelled word is an answer
+    ("\\boxed{42}\n#### The answer is **Evelyn**", ("hash", "Evelyn")),
+    ("\\boxed{42}\n#### yes", ("boxed", "42")),                        # an unlabelled word is a heading
+    ("#### 42\nEnd with '#### <number>'.", ("hash", "42")),
+    ("#### `42`", ("hash", "42")),
     ("#### Verification\nI put it in \\boxed{} as asked.", ("all", "#### Verification\nI put it in \\boxed{} as asked.")),
 ])
 def test_last_marker_holding_an_answer_is_the_region(completion, region):

@@ -168,7 +168,8 @@ _BOX_MARK_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 # "#### Answer: 42", "#### **Final answer is** 42": a label before the answer on a #### line.
 _LABEL_RE = re.compile(
-    r"[*_\s]*(?:the\s+)?(?:final\s+)?answer(?![A-Za-z])[*_\s]*(?P<sep>:|=|is(?![A-Za-z]))?[*_\s]*",
+    r"\s*(?P<em>\*\*|__|\*|_)?\s*(?:the\s+)?(?:final\s+)?answer(?![A-Za-z])\s*(?(em)(?P=em)?)\s*"
+    r"(?P<sep>:|=|is(?![A-Za-z]))?\s*(?(em)(?P=em)?)\s*",
     re.IGNORECASE,
 )
 # A markdown heading's text (or prose): begins with a word of two or more letters, optionally
@@ -232,9 +233,9 @@ def _hash_answer(line: str) -> str | None:
         rest = s[m.end():].strip()
         if not rest or not m.group("sep"):
             return None  # "#### Answer", "#### Final Answer" (a heading), "#### Answer key"
-        s = rest
+        s = rest  # labelled: "#### Answer: yes" holds "yes", even though it is a word
     s = _strip_markdown(_QUOTES_RE.sub("", s).strip())
-    if _is_prose(s) or not _holds_answer(s):
+    if (not m and _is_prose(s)) or not _holds_answer(s):
         return None
     return s
 
@@ -268,7 +269,8 @@ def answer_markers(completion: str) -> list[tuple[int, str, str]]:
     argument of a ``\\boxed`` / ``\\fbox`` command (kind ``"boxed"``). It holds an answer only
     when its content is non-empty and is not: a markdown heading or prose (``#### Step 2``,
     ``#### Verification``, ``#### 1. Setup``, ``#### Final Answer``: ``####`` text that begins
-    with a word of two or more letters, other than a math name such as ``sqrt`` or ``pi``), an
+    with a word of two or more letters, other than a math name such as ``sqrt`` or ``pi``, and
+    is not labelled ``Answer:`` / ``The answer is``), an
     echoed placeholder (``\\boxed{}``, ``\\boxed{answer}``, ``\\boxed{your final answer}``,
     ``<answer>``, ``...``), or only punctuation. ``#### Answer: 42`` holds ``42``; a ``####``
     line holding a ``\\boxed{}`` defers to that box.
