@@ -150,6 +150,8 @@ CODE = [
     "```\n#### compute the total\ntotal = {o} + 1\n```",
     "```latex\n\\boxed{{}}\n```",
     "```python\n# The answer is printed below\nprint({o})\n```",
+    "```python\nx = {o}\nprint(f\"\\\\boxed{{{x}}}\")\nprint(\"#### \" + str(x))\n```",
+    "~~~\n#### {o}\n~~~",
 ]
 PROSE = [
     "Let me compute {o} + 1 step by step.",

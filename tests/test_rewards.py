@@ -144,8 +144,18 @@ NOT_AN_ANSWER_AFTER = [
     "#### 42\n#### \\boxed{}",
     "#### 42\n\\boxed{} \\fbox{}",
     "#### 42\nI did not use \\boxed as asked",
-    # a code block after the answer
+    "\\boxed{42}\n#### Q: why does this work?\nBecause 6*7 = 42.",
+    "\\boxed{42}\n#### I. Check\nok",
+    "\\boxed{42}\n#### (a) Check 6*7\nok",
+    "\\boxed{42}\n#### \u2705 Verified",
+    "\\boxed{42}\n#### \u00dcberpr\u00fcfung",
+    "\\boxed{42}\n#### Answer key\nsee above",
+    "\\boxed{42}\n#### [Step 3]",
+    # a code block after the answer; markers in code are code
     "#### 42\n```python\n#### compute it again\nprint(6 * 7)\n```",
+    "\\boxed{42}\n```python\nx = 6 * 7\nprint(f\"\\\\boxed{{{x - 1}}}\")\nprint(\"#### \" + str(x - 1))\n```",
+    "#### 42\n~~~\n\\boxed{41}\n~~~",
+    "#### 42\n```\n#### 41\n",                                      # an unclosed fence
     # a heading before a boxed answer, labels before a #### answer
     "#### Answer\n\\boxed{42}\n",
     "#### Final Answer\nThe result is:\n$$\\boxed{42}$$\nDone.",
@@ -178,6 +188,11 @@ def test_text_after_the_answer_that_holds_no_answer_does_not_overwrite_it(comple
     ("\\boxed{42}\n\\boxed 7", ("boxed", "7")),
     ("\\boxed{42}\n\\boxed{\\infty}", ("boxed", "\\infty")),
     ("\\boxed{\\boxed{5}}", ("boxed", "5")),
+    ("```\n#### 42\n```", ("hash", "42")),                              # only answers in code: they count
+    ("So:\n```\n\\boxed{42}\n```\nDone.", ("boxed", "42")),
+    ("```\n\\boxed{41}\n```\n#### 42", ("hash", "42")),
+    ("\\boxed{0}\n#### Final answer 42", ("hash", "42")),
+    ("\\boxed{0}\n#### x = 3 meters", ("hash", "x = 3 meters")),
     ("\\boxed{42}\n#### Answer: yes", ("hash", "yes")),                # a labelled word is an answer
     ("\\boxed{42}\n#### The answer is **Evelyn**", ("hash", "Evelyn")),
     ("\\boxed{42}\n#### yes", ("boxed", "42")),                        # an unlabelled word is a heading

@@ -9,7 +9,8 @@ How a completion is graded (:func:`math_answer_correct`):
    completion. A marker holds an answer only when its content is non-empty and is not a
    markdown heading or prose (``#### Verification``, ``#### Step 2``, ``#### 1. Setup``), an
    echoed placeholder (``\\boxed{}``, ``\\boxed{answer}``, ``#### <number>``) or bare
-   punctuation, so such text after the answer cannot overwrite it.
+   punctuation, so such text after the answer cannot overwrite it. Markers inside fenced code
+   blocks count only when no marker outside code holds an answer.
 2. Exact numeric fallback: only when the *whole* region is one number
    (:func:`parse_number`: ``18``, ``-3``, ``1,000``, ``$1,234.50``, ``\\$18``, ``25\\%``, ``18.``,
    ``.5``, ``\\frac{1}{2}``, ``-7/2``, ``\\text{18}``) and the gold is one number too, the two
@@ -31,6 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import unicodedata
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -172,9 +174,12 @@ _LABEL_RE = re.compile(
     r"(?P<sep>:|=|is(?![A-Za-z]))?\s*(?(em)(?P=em)?)\s*",
     re.IGNORECASE,
 )
-# A markdown heading's text (or prose): begins with a word of two or more letters, optionally
-# after a list number ("#### Step 2", "#### Verification", "#### 1. Setup", "#### 2) Check").
-_PROSE_START_RE = re.compile(r"[*_`]*\s*(?:\d+[.)]\s+)?[*_`]*\s*(?P<word>[A-Za-z]{2,})(?![A-Za-z])")
+# A markdown heading's text (or prose): before its first number or math symbol it has a word of
+# two or more letters ("#### Step 2", "#### Verification", "#### Q: what is 6*7?"), optionally
+# after emphasis, an emoji or a list number ("#### 1. Setup", "#### a) Check", "#### IV. Notes").
+_ENUMERATOR_RE = re.compile(r"[*_`\s]*(?:\d+|[A-Za-z]|[IVXivx]+)[.)]\s+")
+_MATH_CHAR_RE = re.compile(r"[0-9=\\$+\-\u2212^<>/|]")
+_WORD_RE = re.compile(r"[^\W\d_]{2,}")
 # Words that begin math rather than prose ("#### sqrt(2)", "#### pi/2", "#### infinity").
 _MATH_WORDS = frozenset(
     "sqrt cbrt sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp pi "
@@ -203,10 +208,21 @@ def _is_placeholder(core: str) -> bool:
 
 
 def _is_prose(text: str) -> bool:
-    """Does ``text`` begin like a heading or a sentence (a word of 2+ letters that is not a math
-    function name), rather than like math (a number, a sign, a LaTeX command, one letter)?"""
-    m = _PROSE_START_RE.match(text)
-    return m is not None and m.group("word").lower() not in _MATH_WORDS
+    """Does ``text`` read like a heading or a sentence -- a word of two or more letters (not a
+    math name such as ``sqrt``, not Greek) before its first number or math symbol -- rather than
+    like math (``42``, ``-3``, ``x = 5``, ``\\text{yes}``, ``(C)``, ``18 dollars``)?"""
+    t = text.lstrip()
+    while t and unicodedata.category(t[0]) in ("So", "Sk", "Mn", "Cf", "Zs"):
+        t = t[1:]  # a leading emoji ("#### \u2705 Check")
+    m = _ENUMERATOR_RE.match(t)
+    if m:
+        t = t[m.end():]
+    cut = _MATH_CHAR_RE.search(t)
+    prefix = t[: cut.start()] if cut else t
+    return any(
+        w.lower() not in _MATH_WORDS and not any("\u0370" <= c <= "\u03ff" for c in w)
+        for w in _WORD_RE.findall(prefix)
+    )
 
 
 def _holds_answer(candidate: str) -> bool:
@@ -231,7 +247,7 @@ def _hash_answer(line: str) -> str | None:
     m = _LABEL_RE.match(s)
     if m:
         rest = s[m.end():].strip()
-        if not rest or not m.group("sep"):
+        if not rest or (not m.group("sep") and _is_prose(rest)):
             return None  # "#### Answer", "#### Final Answer" (a heading), "#### Answer key"
         s = rest  # labelled: "#### Answer: yes" holds "yes", even though it is a word
     s = _strip_markdown(_QUOTES_RE.sub("", s).strip())
@@ -262,22 +278,43 @@ def _box_content(text: str, end: int) -> str | None:
     return m.group(1)
 
 
+_FENCE_RE = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})", re.MULTILINE)
+
+
+def _code_spans(text: str) -> list[tuple[int, int]]:
+    """``[start, end)`` of each fenced code block (```` ``` ```` or ``~~~``); an unclosed fence
+    runs to the end of the text (a truncated completion)."""
+    spans, start, fence = [], None, ""
+    for m in _FENCE_RE.finditer(text):
+        f = m.group(1)
+        if start is None:
+            start, fence = m.start(), f
+        elif f[0] == fence[0] and len(f) >= len(fence):
+            spans.append((start, m.end()))
+            start = None
+    if start is not None:
+        spans.append((start, len(text)))
+    return spans
+
+
 def answer_markers(completion: str) -> list[tuple[int, str, str]]:
-    """Every answer marker of ``completion`` that holds an answer, in text order.
+    """The answer markers of ``completion`` that hold an answer, in text order.
 
     A marker is the rest of the line after a run of four or more ``#`` (kind ``"hash"``) or the
     argument of a ``\\boxed`` / ``\\fbox`` command (kind ``"boxed"``). It holds an answer only
     when its content is non-empty and is not: a markdown heading or prose (``#### Step 2``,
-    ``#### Verification``, ``#### 1. Setup``, ``#### Final Answer``: ``####`` text that begins
-    with a word of two or more letters, other than a math name such as ``sqrt`` or ``pi``, and
-    is not labelled ``Answer:`` / ``The answer is``), an
-    echoed placeholder (``\\boxed{}``, ``\\boxed{answer}``, ``\\boxed{your final answer}``,
-    ``<answer>``, ``...``), or only punctuation. ``#### Answer: 42`` holds ``42``; a ``####``
-    line holding a ``\\boxed{}`` defers to that box.
+    ``#### Verification``, ``#### 1. Setup``, ``#### Final Answer``: ``####`` text with a word
+    of two or more letters -- other than a math name such as ``sqrt`` or ``pi`` -- before its
+    first number or math symbol, unless labelled ``Answer:`` / ``The answer is``), an echoed
+    placeholder (``\\boxed{}``, ``\\boxed{answer}``, ``\\boxed{your final answer}``,
+    ``<number>``, ``...``), or only punctuation. ``#### Answer: 42`` holds ``42``; a ``####``
+    line holding a ``\\boxed{}`` defers to that box. Markers inside fenced code blocks
+    (```` ``` ````) are code (``print("#### " + str(x))``) and count only when no marker
+    outside code holds an answer.
 
     Returns:
-        ``[(offset, kind, content)]``; content of a ``####`` line has markdown emphasis and an
-        answer label dropped, boxed content is returned as written.
+        ``[(offset, kind, content)]``; content of a ``####`` line has markdown emphasis, quotes
+        and an answer label dropped, boxed content is returned as written.
     """
     out: list[tuple[int, str, str]] = []
     for m in _HASH_MARK_RE.finditer(completion):
@@ -290,6 +327,11 @@ def answer_markers(completion: str) -> list[tuple[int, str, str]]:
         if content is not None and _holds_answer(content):
             out.append((m.start(), "boxed", content))
     out.sort(key=lambda t: t[0])
+    spans = _code_spans(completion) if "```" in completion or "~~~" in completion else []
+    if spans:
+        outside = [t for t in out if not any(a <= t[0] < b for a, b in spans)]
+        if outside:
+            return outside
     return out
 
 
