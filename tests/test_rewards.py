@@ -141,6 +141,9 @@ NOT_AN_ANSWER_AFTER = [
     "#### 42\nI wrote it as \\boxed{ } would be wrong.",
     "#### 42\n\\boxed{\\,}",
     "#### 42\n\\boxed{...}",
+    "#### 42\n\\boxed{\\frac{}{}}",
+    "#### 42\n\\boxed{\\sqrt{ }}",
+    "#### 42\n\\boxed \\boxed{}",
     "#### 42\n#### \\boxed{}",
     "#### 42\n\\boxed{} \\fbox{}",
     "#### 42\nI did not use \\boxed as asked",
@@ -187,6 +190,8 @@ def test_text_after_the_answer_that_holds_no_answer_does_not_overwrite_it(comple
     ("\\boxed{42}\n\\boxed{x}", ("boxed", "x")),
     ("\\boxed{42}\n\\boxed 7", ("boxed", "7")),
     ("\\boxed{42}\n\\boxed{\\infty}", ("boxed", "\\infty")),
+    ("\\boxed{42}\n\\boxed{\\emptyset}", ("boxed", "\\emptyset")),
+    ("\\boxed{42}\n\\boxed{\\frac{\\pi}{2}}", ("boxed", "\\frac{\\pi}{2}")),
     ("\\boxed{\\boxed{5}}", ("boxed", "5")),
     ("```\n#### 42\n```", ("hash", "42")),                              # only answers in code: they count
     ("So:\n```\n\\boxed{42}\n```\nDone.", ("boxed", "42")),

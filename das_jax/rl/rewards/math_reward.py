@@ -231,6 +231,8 @@ def _holds_answer(candidate: str) -> bool:
     meat = _SPACING_RE.sub("", core)
     if not re.search(r"[^\W_]|[\u221e\u2205]", meat):  # nothing but punctuation / spacing
         return False
+    if re.search(r"\{\s*\}", core) and not re.search(r"[^\W_]", re.sub(r"\\[A-Za-z]+", "", meat)):
+        return False  # an empty template: "\frac{}{}", "\sqrt{}", "\text{} \%"
     return not _is_placeholder(core)
 
 
@@ -256,24 +258,30 @@ def _hash_answer(line: str) -> str | None:
     return s
 
 
-def _box_content(text: str, end: int) -> str | None:
+def _brace_pairs(text: str) -> dict[int, int]:
+    """``{index of "{": index of its matching "}"}`` for every balanced brace group (one pass)."""
+    pairs, stack = {}, []
+    for k, c in enumerate(text):
+        if c == "{":
+            stack.append(k)
+        elif c == "}" and stack:
+            pairs[stack.pop()] = k
+    return pairs
+
+
+_SPACES_RE = re.compile(r"\s*")
+
+
+def _box_content(text: str, end: int, pairs: dict[int, int]) -> str | None:
     """The argument of a ``\\boxed`` command ending at ``end``: its balanced brace group, or the
-    one token after it (``\\boxed 5``); None when unbalanced or absent."""
-    rest = text[end:]
-    stripped = rest.lstrip()
-    if stripped.startswith("{"):
-        j = end + len(rest) - len(stripped)
-        depth = 0
-        for k in range(j, len(text)):
-            if text[k] == "{":
-                depth += 1
-            elif text[k] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[j + 1 : k]
-        return None  # unbalanced (e.g. a truncated completion)
-    m = re.match(r"\s+([^\s$]+)", rest)
-    if m is None or _is_prose(m.group(1)):
+    one token after it (``\\boxed 5``); None when unbalanced or absent. ``pairs``:
+    :func:`_brace_pairs` of ``text``."""
+    j = _SPACES_RE.match(text, end).end()
+    if text.startswith("{", j):
+        k = pairs.get(j)
+        return None if k is None else text[j + 1 : k]  # None: unbalanced (a truncated completion)
+    m = re.match(r"\s+([^\s$]+)", text[end : end + 4096])
+    if m is None or _is_prose(m.group(1)) or _BOX_MARK_RE.match(m.group(1)):
         return None  # "\boxed as asked" mentions the command, it does not box an answer
     return m.group(1)
 
@@ -318,12 +326,13 @@ def answer_markers(completion: str) -> list[tuple[int, str, str]]:
     """
     out: list[tuple[int, str, str]] = []
     for m in _HASH_MARK_RE.finditer(completion):
-        line = completion[m.end():].split("\n", 1)[0]
-        ans = _hash_answer(line)
+        eol = completion.find("\n", m.end())
+        ans = _hash_answer(completion[m.end() : eol if eol >= 0 else len(completion)])
         if ans is not None:
             out.append((m.start(), "hash", ans))
+    pairs = _brace_pairs(completion) if "{" in completion else {}
     for m in _BOX_MARK_RE.finditer(completion):
-        content = _box_content(completion, m.end())
+        content = _box_content(completion, m.end(), pairs)
         if content is not None and _holds_answer(content):
             out.append((m.start(), "boxed", content))
     out.sort(key=lambda t: t[0])
