@@ -20,8 +20,8 @@ How a completion is graded (:func:`math_answer_correct`):
 3. Normalised string equality of region and gold (whitespace around operators, ``\\left``/
    ``\\right``, ``\\!``/``\\,``, ``dfrac``; digits separated by a space stay separated). Each
    rule matches whole commands only: ``\\leftarrow`` is not ``\\left`` + ``arrow``.
-4. math-verify (``parse`` + ``verify``) on the region wrapped in ``$...$`` (whole completion when
-   there is no marker), main thread only (its timeouts use SIGALRM).
+4. math-verify (``parse`` + ``verify``) on the region wrapped in ``$...$`` (the whole completion
+   when no marker holds an answer), main thread only (its timeouts use SIGALRM).
 
 Steps 2 and 3 only ever accept what math-verify also accepts (a property test checks this); they
 make the common case fast and keep grading off the main thread possible.
