@@ -1,4 +1,4 @@
-"""Property tests: the math reward agrees with math-verify's own verdicts (issue 13, section 2).
+"""Property tests: the math reward agrees with math-verify's own verdicts.
 
 ``math_answer_correct`` = exact numeric fallback OR normalised string match OR math-verify. So it
 equals math-verify's verdict on the final-answer region exactly when the two fallbacks never
@@ -121,3 +121,83 @@ def test_right_number_scores_one_without_math_verify(v, data, style, other_v):
     assert parse_number(region) == v, region
     assert math_answer_correct(completion, _plain(v), use_math_verify=False), (completion, v)
     assert math_answer_correct(completion, _plain(v)), (completion, v)
+
+
+# ------------------------------- completions built from parts around exactly one real answer
+#
+# Prose, markdown headings, code blocks and echoed instructions (none of which holds an answer)
+# before and after one real answer. The reward must be math-verify's verdict on that answer: no
+# heading, empty marker or echoed ``\boxed{}`` may overwrite it, and the numbers in the
+# surrounding prose and code must not be graded.
+
+HEADINGS = [
+    "#### Step 1: Understand the problem", "### Step 2", "#### Step 3", "#### Verification",
+    "#### **Check**", "####", "#### 2. Compute the total", "## Solution", "#### Final Answer",
+    "##### Notes", "#### ---", "#### Answer", "#### *Why this works*", "#### 3) Double-check",
+]
+ECHOED = [
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+    "I put the final answer in \\boxed{} as asked.",
+    "Write the answer as \\boxed{answer}.",
+    "End your response with '#### <number>'.",
+    "Answer format: \\boxed{your final answer}",
+    "(The answer goes in \\boxed{ }, after ####.)",
+    "Final answer: \\boxed{...}",
+    "Put the number after #### on its own line.",
+]
+CODE = [
+    "```python\nx = 6 * 7\nprint(x)  # {o}\n```",
+    "```\n#### compute the total\ntotal = {o} + 1\n```",
+    "```latex\n\\boxed{{}}\n```",
+    "```python\n# The answer is printed below\nprint({o})\n```",
+    "```python\nx = {o}\nprint(f\"\\\\boxed{{{x}}}\")\nprint(\"#### \" + str(x))\n```",
+    "~~~\n#### {o}\n~~~",
+]
+PROSE = [
+    "Let me compute {o} + 1 step by step.",
+    "So 3 + 4 = 7, and 7 * 2 = 14.",
+    "Hope this helps!",
+    "Double-check: {o} / 1 = {o}, correct.",
+    "Note that {o} is not the answer.",
+    "**Verification:** plugging back in gives {o}.",
+]
+
+
+@st.composite
+def distractor(draw, other: str) -> str:
+    kind = draw(st.sampled_from(["heading", "echo", "code", "prose", "heading+prose"]))
+    if kind == "heading":
+        return draw(st.sampled_from(HEADINGS))
+    if kind == "echo":
+        return draw(st.sampled_from(ECHOED))
+    if kind == "code":
+        return draw(st.sampled_from(CODE)).replace("{o}", other).replace("{{}}", "{}")
+    text = draw(st.sampled_from(PROSE)).replace("{o}", other)
+    return f"{draw(st.sampled_from(HEADINGS))}\n{text}" if kind == "heading+prose" else text
+
+
+ANSWER_FORMS = [
+    "#### {r}", "\\boxed{{{r}}}", "So the answer is $\\boxed{{{r}}}$.", "#### Answer\n\\boxed{{{r}}}",
+    "#### **Answer:** {r}", "#### The answer is {r}", "#### Final Answer\n$$\\boxed{{{r}}}$$",
+    "The result is \\fbox{{{r}}}.",
+]
+
+
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(region_and_gold(), st.sampled_from(ANSWER_FORMS), values, st.data())
+def test_completion_with_one_answer_agrees_with_math_verify(rg, form, other_v, data):
+    from das_jax.rl.rewards.math_reward import extract_answer_region
+
+    region, gold = rg
+    other = _plain(other_v)
+    before = data.draw(st.lists(distractor(other), max_size=3))
+    after = data.draw(st.lists(distractor(other), max_size=3))
+    completion = "\n\n".join([*before, form.format(r=region), *after])
+    assert extract_answer_region(completion)[1] == region, completion
+    expected = _mv(region, gold)
+    assert math_answer_correct(completion, gold) == expected, (completion, gold)
+    if not expected:  # the fallback alone never accepts what math-verify rejects
+        assert not math_answer_correct(completion, gold, use_math_verify=False), (completion, gold)
+    elif parse_number(region) is not None and parse_number(gold) is not None:
+        assert math_answer_correct(completion, gold, use_math_verify=False), (completion, gold)

@@ -17,6 +17,7 @@ from das_jax.rl.rewards import (
     register_reward_fn,
     safe_reward,
 )
+from das_jax.rl.rewards.math_reward import extract_answer_region
 
 
 def _acc(completions, answers, **kw):
@@ -114,6 +115,146 @@ def test_issue13_units_and_text_go_to_math_verify():
     assert _acc(["#### 18 dollars"], ["18"]) == [0.0]  # math-verify says False too
 
 
+# ------------------------------------------------ an answer marker counts only when it holds an answer
+
+# Text after the answer that looks like a marker but holds no answer: it must not overwrite it.
+NOT_AN_ANSWER_AFTER = [
+    # the three reported inputs
+    "So the total is \\boxed{42}.\n\n#### Verification\n6*7 = 42, correct.",
+    "So the total is \\boxed{42}\n####",
+    "So the total is \\boxed{42}. I put the final answer in \\boxed{} as asked.",
+    # other markdown headings after the answer
+    "#### 42\n\n#### Step 2\nCheck: 6*7 = 42.",
+    "\\boxed{42}\n\n#### 1. Double-check\n6*7 = 42.",
+    "\\boxed{42}\n#### **Verification**\nok",
+    "\\boxed{42}\n##### Notes\nnone",
+    "\\boxed{42}\n#### Final Answer",
+    "\\boxed{42}\n#### ---\n",
+    "\\boxed{42}\n#### ...",
+    # echoed instructions and placeholders after the answer
+    "\\boxed{42}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    "\\boxed{42}. The answer goes in \\boxed{answer}.",
+    "\\boxed{42} (written as \\boxed{your final answer}, as asked)",
+    "\\boxed{42} as \\boxed{\\text{Your Answer}} asked",
+    "\\boxed{42}\nFormat: #### <number>",
+    "\\boxed{42}\nEnd with #### followed by the number.",
+    "#### 42\nI wrote it as \\boxed{ } would be wrong.",
+    "#### 42\n\\boxed{\\,}",
+    "#### 42\n\\boxed{...}",
+    "#### 42\n\\boxed{\\frac{}{}}",
+    "#### 42\n\\boxed{\\sqrt{ }}",
+    "#### 42\n\\boxed \\boxed{}",
+    "#### 42\n#### \\boxed{}",
+    "#### 42\n\\boxed{} \\fbox{}",
+    "#### 42\nI did not use \\boxed as asked",
+    "\\boxed{42}\n#### Q: why does this work?\nBecause 6*7 = 42.",
+    "\\boxed{42}\n#### I. Check\nok",
+    "\\boxed{42}\n#### (a) Check 6*7\nok",
+    "\\boxed{42}\n#### \u2705 Verified",
+    "\\boxed{42}\n#### \u00dcberpr\u00fcfung",
+    "\\boxed{42}\n#### Answer key\nsee above",
+    "\\boxed{42}\n#### [Step 3]",
+    # a code block after the answer; markers in code are code
+    "#### 42\n```python\n#### compute it again\nprint(6 * 7)\n```",
+    "\\boxed{42}\n```python\nx = 6 * 7\nprint(f\"\\\\boxed{{{x - 1}}}\")\nprint(\"#### \" + str(x - 1))\n```",
+    "#### 42\n~~~\n\\boxed{41}\n~~~",
+    "#### 42\n```\n#### 41\n",                                      # an unclosed fence
+    # a heading before a boxed answer, labels before a #### answer
+    "#### Answer\n\\boxed{42}\n",
+    "#### Final Answer\nThe result is:\n$$\\boxed{42}$$\nDone.",
+    "#### **Answer:** 42",
+    "#### The answer is 42\n\n#### Check\nok",
+    "#### Answer: $42$",
+    # a truncated (unbalanced) box after the answer
+    "\\boxed{42} and again \\boxed{4",
+]
+
+
+@pytest.mark.parametrize("completion", NOT_AN_ANSWER_AFTER)
+def test_text_after_the_answer_that_holds_no_answer_does_not_overwrite_it(completion):
+    assert _acc([completion], ["42"]) == [1.0]
+    assert _acc([completion], ["42"], use_math_verify=False) == [1.0]
+    assert _acc([completion], ["41"]) == [0.0]
+    assert format_reward([""], [completion]) == [1.0]
+
+
+@pytest.mark.parametrize("completion,region", [
+    ("#### 41\nNo wait.\n#### 42", ("hash", "42")),                  # the last real answer wins
+    ("\\boxed{41}\n#### Verification\n\\boxed{42}\n#### Step 3", ("boxed", "42")),
+    ("#### 42\n\\boxed{41}\n\\boxed{}", ("boxed", "41")),
+    ("\\boxed{42}\n#### sqrt(2)", ("hash", "sqrt(2)")),                 # math names are not prose
+    ("\\boxed{42}\n#### x = 3", ("hash", "x = 3")),
+    ("\\boxed{42}\n#### \\text{Evelyn}", ("hash", "\\text{Evelyn}")),
+    ("\\boxed{42}\n#### (C)", ("hash", "(C)")),
+    ("\\boxed{42}\n\\boxed{\\text{(A)}}", ("boxed", "\\text{(A)}")),
+    ("\\boxed{42}\n\\boxed{x}", ("boxed", "x")),
+    ("\\boxed{42}\n\\boxed 7", ("boxed", "7")),
+    ("\\boxed{42}\n\\boxed{\\infty}", ("boxed", "\\infty")),
+    ("\\boxed{42}\n\\boxed{\\emptyset}", ("boxed", "\\emptyset")),
+    ("\\boxed{42}\n\\boxed{\\frac{\\pi}{2}}", ("boxed", "\\frac{\\pi}{2}")),
+    ("\\boxed{\\boxed{5}}", ("boxed", "5")),
+    ("```\n#### 42\n```", ("hash", "42")),                              # only answers in code: they count
+    ("So:\n```\n\\boxed{42}\n```\nDone.", ("boxed", "42")),
+    ("```\n\\boxed{41}\n```\n#### 42", ("hash", "42")),
+    ("\\boxed{0}\n#### Final answer 42", ("hash", "42")),
+    ("\\boxed{0}\n#### x = 3 meters", ("hash", "x = 3 meters")),
+    ("\\boxed{42}\n#### Answer: yes", ("hash", "yes")),                # a labelled word is an answer
+    ("\\boxed{42}\n#### The answer is **Evelyn**", ("hash", "Evelyn")),
+    ("\\boxed{42}\n#### yes", ("boxed", "42")),                        # an unlabelled word is a heading
+    ("#### 42\nEnd with '#### <number>'.", ("hash", "42")),
+    ("#### `42`", ("hash", "42")),
+    ("#### Verification\nI put it in \\boxed{} as asked.", ("all", "#### Verification\nI put it in \\boxed{} as asked.")),
+])
+def test_last_marker_holding_an_answer_is_the_region(completion, region):
+    assert extract_answer_region(completion) == region
+
+
+def test_real_answers_after_the_answer_still_win():
+    # a correction is a real answer: it overwrites (graded 0 against the first answer)
+    assert _acc(["\\boxed{42}\nOops, it is\n#### 41"], ["42"]) == [0.0]
+    assert _acc(["#### 42\nActually \\boxed{41}."], ["42"]) == [0.0]
+    assert _acc(["\\boxed{42}\n#### 18 dollars"], ["42"]) == [0.0]  # a number with a unit is an answer
+    # no marker holds an answer: math-verify reads the whole completion
+    assert _acc(["So it is 42.\n#### Verification\nI put it in \\boxed{} as asked."], ["42"],
+                use_math_verify=False) == [0.0]
+
+
+# ------------------------------------------------ normalisation matches whole commands only
+
+@pytest.mark.parametrize("completion,gold", [
+    ("\\boxed{x \\leftarrow 1}", "x \\rightarrow 1"),     # the reported input
+    ("\\boxed{x \\rightarrow 1}", "x \\leftarrow 1"),
+    ("\\boxed{\\leftharpoonup}", "\\rightharpoonup"),
+    ("\\boxed{A \\leftrightarrow B}", "A \\rightarrow B"),
+    ("\\boxed{\\tfrac{a}{b}}", "\\frac ab"),              # different spellings stay different strings
+    ("\\boxed{1\\!000}", "1"),
+])
+def test_normalisation_does_not_merge_distinct_commands(completion, gold):
+    assert _acc([completion], [gold], use_math_verify=False) == [0.0]
+    assert _acc([completion], [gold]) == [0.0]
+
+
+@pytest.mark.parametrize("completion,gold", [
+    ("\\boxed{x \\leftarrow 1}", "x \\leftarrow 1"),
+    ("\\boxed{\\left(1, 2\\right)}", "(1,2)"),
+    ("\\boxed{\\left[ 0, 1 \\right)}", "[0,1)"),
+    ("\\boxed{\\dfrac{a}{b}}", "\\frac{a}{b}"),
+    ("\\boxed{\\tfrac{a}{b}}", "\\frac{a}{b}"),
+    ("\\boxed{x \\, y}", "x y"),
+    ("\\boxed{\\text{(C)}}", "(C)"),
+])
+def test_normalisation_keeps_equal_spellings_equal(completion, gold):
+    assert _acc([completion], [gold], use_math_verify=False) == [1.0]
+
+
+def test_norm_expr_reads_line_break_before_thin_space():
+    from das_jax.rl.rewards.math_reward import _norm_expr
+
+    assert _norm_expr("a\\\\,b") == "a\\\\,b"                # "\\" then ",", not "\" then "\,"
+    assert _norm_expr("\\leftarrow") == "\\leftarrow"
+    assert _norm_expr("\\dfracx") == "\\dfracx"
+
+
 def test_issue13_huge_number_scores_only_its_own_sample():
     big = "9" * 400
     comps = ["#### 18", "The answer is " + big, "#### " + big, "\\boxed{" + big + "}", "#### 7"]
@@ -194,6 +335,10 @@ def test_math_missing_column():
 def test_format_reward():
     comps = ["blah\n#### 12", "#### 1,234.5", "\\boxed{x^2}", "\\boxed{}", "the answer is 3", "#### abc"]
     assert format_reward([""] * len(comps), comps) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    # markers that hold no answer earn no format credit
+    comps = ["#### 1. Setup\nwork", "#### Step 2", "I put the final answer in \\boxed{} as asked.",
+             "\\boxed{answer}", "#### <number>", "\\boxed{\\frac{1}{2}}", "#### $-3", "#### Answer: 7"]
+    assert format_reward([""] * len(comps), comps) == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
 
 
 # ------------------------------------------------------------------------------ safety

@@ -2,10 +2,15 @@
 
 How a completion is graded (:func:`math_answer_correct`):
 
-1. The *final-answer region* is located (:func:`extract_answer_region`): the last final answer
-   the completion gives -- the rest of the line after the last ``####`` or the content of the
-   last complete ``\\boxed{}``, whichever comes later (a completion that corrects itself,
-   ``#### 3 ... \\boxed{5}``, is graded on ``5``); without either marker, the whole completion.
+1. The *final-answer region* is located (:func:`extract_answer_region`): the last answer marker
+   that holds an answer (:func:`answer_markers`) -- the rest of the line after a ``####`` or the
+   content of a complete ``\\boxed{}`` / ``\\fbox{}``, whichever comes later (a completion that
+   corrects itself, ``#### 3 ... \\boxed{5}``, is graded on ``5``); without one, the whole
+   completion. A marker holds an answer only when its content is non-empty and is not a
+   markdown heading or prose (``#### Verification``, ``#### Step 2``, ``#### 1. Setup``), an
+   echoed placeholder (``\\boxed{}``, ``\\boxed{answer}``, ``#### <number>``) or bare
+   punctuation, so such text after the answer cannot overwrite it. Markers inside fenced code
+   blocks count only when no marker outside code holds an answer.
 2. Exact numeric fallback: only when the *whole* region is one number
    (:func:`parse_number`: ``18``, ``-3``, ``1,000``, ``$1,234.50``, ``\\$18``, ``25\\%``, ``18.``,
    ``.5``, ``\\frac{1}{2}``, ``-7/2``, ``\\text{18}``) and the gold is one number too, the two
@@ -13,9 +18,10 @@ How a completion is graded (:func:`math_answer_correct`):
    pulled out of a region that is not itself a number: ``4\\sqrt{2}``, ``3 \\cdot 7``,
    ``3 or 4``, ``3, 4``, ``[3, 4]`` and ``18 dollars`` are left to math-verify.
 3. Normalised string equality of region and gold (whitespace around operators, ``\\left``/
-   ``\\right``, ``\\!``/``\\,``, ``dfrac``; digits separated by a space stay separated).
-4. math-verify (``parse`` + ``verify``) on the region wrapped in ``$...$`` (whole completion when
-   there is no marker), main thread only (its timeouts use SIGALRM).
+   ``\\right``, ``\\!``/``\\,``, ``dfrac``; digits separated by a space stay separated). Each
+   rule matches whole commands only: ``\\leftarrow`` is not ``\\left`` + ``arrow``.
+4. math-verify (``parse`` + ``verify``) on the region wrapped in ``$...$`` (the whole completion
+   when no marker holds an answer), main thread only (its timeouts use SIGALRM).
 
 Steps 2 and 3 only ever accept what math-verify also accepts (a property test checks this); they
 make the common case fast and keep grading off the main thread possible.
@@ -26,6 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import unicodedata
 from fractions import Fraction
 from typing import Any, Sequence
 
@@ -37,11 +44,12 @@ __all__ = [
     "math_answer_correct",
     "extract_final_number",
     "extract_answer_region",
+    "answer_markers",
     "parse_number",
 ]
 
-_FORMAT_HASH_RE = re.compile(r"####\s*\$?\s*-?\d[\d,]*(?:\.\d+)?")
-_FORMAT_BOXED_RE = re.compile(r"\\boxed\s*\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
+# format_reward: a #### answer that begins with a number ("18", "$1,234.50", "-7").
+_FORMAT_HASH_RE = re.compile(r"\\?\$?\s*[-+\u2212]?\s*\\?\$?\d")
 
 #: seconds math-verify may spend parsing / comparing one answer (signal-based, main thread only).
 MATH_VERIFY_TIMEOUT_S = 3
@@ -155,28 +163,202 @@ def _strip_markdown(line: str) -> str:
     return m.group("inner").strip() if m else line
 
 
+# An answer marker: a run of four or more "#" (the rest of its line is the candidate) or a whole
+# \boxed / \fbox command (its brace group, or the one token after it, is the candidate).
+_HASH_MARK_RE = re.compile(r"#{4,}")
+_BOX_MARK_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+
+# "#### Answer: 42", "#### **Final answer is** 42": a label before the answer on a #### line.
+_LABEL_RE = re.compile(
+    r"\s*(?P<em>\*\*|__|\*|_)?\s*(?:the\s+)?(?:final\s+)?answer(?![A-Za-z])\s*(?(em)(?P=em)?)\s*"
+    r"(?P<sep>:|=|is(?![A-Za-z]))?\s*(?(em)(?P=em)?)\s*",
+    re.IGNORECASE,
+)
+# A markdown heading's text (or prose): before its first number or math symbol it has a word of
+# two or more letters ("#### Step 2", "#### Verification", "#### Q: what is 6*7?"), optionally
+# after emphasis, an emoji or a list number ("#### 1. Setup", "#### a) Check", "#### IV. Notes").
+_ENUMERATOR_RE = re.compile(r"[*_`\s]*(?:\d+|[A-Za-z]|[IVXivx]+)[.)]\s+")
+_MATH_CHAR_RE = re.compile(r"[0-9=\\$+\-\u2212^<>/|]")
+_WORD_RE = re.compile(r"[^\W\d_]{2,}")
+# Words that begin math rather than prose ("#### sqrt(2)", "#### pi/2", "#### infinity").
+_MATH_WORDS = frozenset(
+    "sqrt cbrt sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp pi "
+    "inf infty infinity oo max min gcd lcm mod det".split()
+)
+# An echoed placeholder: "answer", "your final answer", "[answer here]", "{final_answer}", a
+# template slot "<number>", "...", "?", "___".
+_PLACEHOLDER_WORDS = frozenset(
+    "your the a an my final answer answers here result solution goes number value expression".split()
+)
+_PLACEHOLDER_NOUNS = frozenset("answer answers result solution number value expression".split())
+_PLACEHOLDER_SYMBOL_RE = re.compile(
+    r"(?:\.{2,}|\u2026|\\[lc]?dots(?![A-Za-z])|(?:\\?_)+|\?+|\\square(?![A-Za-z])|<[A-Za-z_ ]+>)"
+)
+_SPACING_RE = re.compile(r"\\[,;:! ]|\\q?quad(?![A-Za-z])|~|[{}$\s]")
+
+
+def _is_placeholder(core: str) -> bool:
+    c = core.strip()
+    if _PLACEHOLDER_SYMBOL_RE.fullmatch(c):
+        return True
+    if len(c) >= 2 and (c[0], c[-1]) in (("[", "]"), ("(", ")"), ("{", "}")):
+        c = c[1:-1].strip()
+    words = re.split(r"[\s_]+", _strip_wrappers(c).lower().strip())
+    return set(words) <= _PLACEHOLDER_WORDS and bool(set(words) & _PLACEHOLDER_NOUNS)
+
+
+def _is_prose(text: str) -> bool:
+    """Does ``text`` read like a heading or a sentence -- a word of two or more letters (not a
+    math name such as ``sqrt``, not Greek) before its first number or math symbol -- rather than
+    like math (``42``, ``-3``, ``x = 5``, ``\\text{yes}``, ``(C)``, ``18 dollars``)?"""
+    t = text.lstrip()
+    while t and unicodedata.category(t[0]) in ("So", "Sk", "Mn", "Cf", "Zs"):
+        t = t[1:]  # a leading emoji ("#### \u2705 Check")
+    m = _ENUMERATOR_RE.match(t)
+    if m:
+        t = t[m.end():]
+    cut = _MATH_CHAR_RE.search(t)
+    prefix = t[: cut.start()] if cut else t
+    return any(
+        w.lower() not in _MATH_WORDS and not any("\u0370" <= c <= "\u03ff" for c in w)
+        for w in _WORD_RE.findall(prefix)
+    )
+
+
+def _holds_answer(candidate: str) -> bool:
+    """Non-empty, not an echoed placeholder: something a grader can compare."""
+    core = _strip_wrappers(_strip_markdown(candidate.strip()))
+    meat = _SPACING_RE.sub("", core)
+    if not re.search(r"[^\W_]|[\u221e\u2205]", meat):  # nothing but punctuation / spacing
+        return False
+    if re.search(r"\{\s*\}", core) and not re.search(r"[^\W_]", re.sub(r"\\[A-Za-z]+", "", meat)):
+        return False  # an empty template: "\frac{}{}", "\sqrt{}", "\text{} \%"
+    return not _is_placeholder(core)
+
+
+# Quotes around a #### line's text: "`#### 42`", "end with '#### <number>'." (quote, then punctuation).
+_QUOTES_RE = re.compile(r"^\s*[`'\"]+|[`'\"]+[.,;:!?)]*\s*$")
+
+
+def _hash_answer(line: str) -> str | None:
+    """The answer a ``####`` line holds (markdown emphasis and an ``Answer:`` label dropped), or
+    None when the line is a heading, empty, a placeholder, or defers to a ``\\boxed`` on it."""
+    s = line.strip()
+    if _BOX_MARK_RE.search(s):
+        return None  # the \boxed{} on this line is a marker of its own
+    m = _LABEL_RE.match(s)
+    if m:
+        rest = s[m.end():].strip()
+        if not rest or (not m.group("sep") and _is_prose(rest)):
+            return None  # "#### Answer", "#### Final Answer" (a heading), "#### Answer key"
+        s = rest  # labelled: "#### Answer: yes" holds "yes", even though it is a word
+    s = _strip_markdown(_QUOTES_RE.sub("", s).strip())
+    if (not m and _is_prose(s)) or not _holds_answer(s):
+        return None
+    return s
+
+
+def _brace_pairs(text: str) -> dict[int, int]:
+    """``{index of "{": index of its matching "}"}`` for every balanced brace group (one pass)."""
+    pairs, stack = {}, []
+    for k, c in enumerate(text):
+        if c == "{":
+            stack.append(k)
+        elif c == "}" and stack:
+            pairs[stack.pop()] = k
+    return pairs
+
+
+_SPACES_RE = re.compile(r"\s*")
+
+
+def _box_content(text: str, end: int, pairs: dict[int, int]) -> str | None:
+    """The argument of a ``\\boxed`` command ending at ``end``: its balanced brace group, or the
+    one token after it (``\\boxed 5``); None when unbalanced or absent. ``pairs``:
+    :func:`_brace_pairs` of ``text``."""
+    j = _SPACES_RE.match(text, end).end()
+    if text.startswith("{", j):
+        k = pairs.get(j)
+        return None if k is None else text[j + 1 : k]  # None: unbalanced (a truncated completion)
+    m = re.match(r"\s+([^\s$]+)", text[end : end + 4096])
+    if m is None or _is_prose(m.group(1)) or _BOX_MARK_RE.match(m.group(1)):
+        return None  # "\boxed as asked" mentions the command, it does not box an answer
+    return m.group(1)
+
+
+_FENCE_RE = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})", re.MULTILINE)
+
+
+def _code_spans(text: str) -> list[tuple[int, int]]:
+    """``[start, end)`` of each fenced code block (```` ``` ```` or ``~~~``); an unclosed fence
+    runs to the end of the text (a truncated completion)."""
+    spans, start, fence = [], None, ""
+    for m in _FENCE_RE.finditer(text):
+        f = m.group(1)
+        if start is None:
+            start, fence = m.start(), f
+        elif f[0] == fence[0] and len(f) >= len(fence):
+            spans.append((start, m.end()))
+            start = None
+    if start is not None:
+        spans.append((start, len(text)))
+    return spans
+
+
+def answer_markers(completion: str) -> list[tuple[int, str, str]]:
+    """The answer markers of ``completion`` that hold an answer, in text order.
+
+    A marker is the rest of the line after a run of four or more ``#`` (kind ``"hash"``) or the
+    argument of a ``\\boxed`` / ``\\fbox`` command (kind ``"boxed"``). It holds an answer only
+    when its content is non-empty and is not: a markdown heading or prose (``#### Step 2``,
+    ``#### Verification``, ``#### 1. Setup``, ``#### Final Answer``: ``####`` text with a word
+    of two or more letters -- other than a math name such as ``sqrt`` or ``pi`` -- before its
+    first number or math symbol, unless labelled ``Answer:`` / ``The answer is``), an echoed
+    placeholder (``\\boxed{}``, ``\\boxed{answer}``, ``\\boxed{your final answer}``,
+    ``<number>``, ``...``), or only punctuation. ``#### Answer: 42`` holds ``42``; a ``####``
+    line holding a ``\\boxed{}`` defers to that box. Markers inside fenced code blocks
+    (```` ``` ````) are code (``print("#### " + str(x))``) and count only when no marker
+    outside code holds an answer.
+
+    Returns:
+        ``[(offset, kind, content)]``; content of a ``####`` line has markdown emphasis, quotes
+        and an answer label dropped, boxed content is returned as written.
+    """
+    out: list[tuple[int, str, str]] = []
+    for m in _HASH_MARK_RE.finditer(completion):
+        eol = completion.find("\n", m.end())
+        ans = _hash_answer(completion[m.end() : eol if eol >= 0 else len(completion)])
+        if ans is not None:
+            out.append((m.start(), "hash", ans))
+    pairs = _brace_pairs(completion) if "{" in completion else {}
+    for m in _BOX_MARK_RE.finditer(completion):
+        content = _box_content(completion, m.end(), pairs)
+        if content is not None and _holds_answer(content):
+            out.append((m.start(), "boxed", content))
+    out.sort(key=lambda t: t[0])
+    spans = _code_spans(completion) if "```" in completion or "~~~" in completion else []
+    if spans:
+        outside = [t for t in out if not any(a <= t[0] < b for a, b in spans)]
+        if outside:
+            return outside
+    return out
+
+
 def extract_answer_region(completion: str) -> tuple[str, str]:
     """Where the completion's last final answer is.
 
-    Returns ``("hash", rest of the line after the last ####, markdown emphasis around it
-    dropped)`` or ``("boxed", content of the
-    last complete \\boxed{} / \\fbox{})``, whichever marker comes later in the text (so a
-    completion that corrects itself is graded on its last answer); ``("all", completion)`` when
-    there is neither.
+    The last answer marker that holds an answer (:func:`answer_markers`): ``("hash", rest of
+    its line)`` or ``("boxed", content of the \\boxed{} / \\fbox{})``. So a completion that
+    corrects itself is graded on its last answer, while a later markdown heading
+    (``#### Verification``), an empty ``####`` or ``\\boxed{}``, or an echoed instruction
+    (``I put the final answer in \\boxed{} as asked.``) cannot overwrite an earlier answer.
+    ``("all", completion)`` when no marker holds an answer.
     """
-    from das_jax.data.problems import extract_last_boxed  # noqa: PLC0415  (rl -> data is fine)
-
-    hash_idx = completion.rfind("####")
-    box_idx = max(completion.rfind("\\boxed"), completion.rfind("\\fbox"))
-    boxed = extract_last_boxed(completion) if box_idx >= 0 else None
-    if boxed is not None and box_idx > hash_idx:
-        return "boxed", boxed
-    if hash_idx >= 0:
-        line = completion[hash_idx + 4 :].strip().split("\n", 1)[0].strip()
-        return "hash", _strip_markdown(line)
-    if boxed is not None:
-        return "boxed", boxed
-    return "all", completion
+    markers = answer_markers(completion) if isinstance(completion, str) else []
+    if not markers:
+        return "all", completion
+    _, kind, content = markers[-1]
+    return kind, content
 
 
 def extract_final_number(completion: str) -> str | None:
@@ -249,13 +431,20 @@ def _math_verify_match(kind: str, region: str, completion: str, gold: str, timeo
         return False
 
 
+# Tokens _norm_expr drops. Every command is matched whole: a letter command only when no letter
+# follows (``\left`` but not ``\leftarrow``, ``\dfrac`` but not ``\dfracx``); ``\\`` (a line
+# break) is matched first so that ``\\,`` is not read as ``\,``.
+_SPACING_CMD_RE = re.compile(r"\\\\|\\(?:left|right)(?![A-Za-z])|\\[!,;: ]")
+_DFRAC_RE = re.compile(r"\\[dt]frac(?![A-Za-z])")
+
+
 def _norm_expr(s: str) -> str:
     """Normalise an answer for string comparison: wrappers and ``\\left``/``\\right``/thin
     spaces dropped, ``dfrac``/``tfrac`` -> ``frac``, whitespace collapsed and removed around
     operators and brackets. Spaces between two word characters stay (``"1 2"`` is not ``"12"``)."""
     s = _strip_wrappers(s)
-    s = re.sub(r"\\left|\\right|\\[!,;: ]", " ", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _SPACING_CMD_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
+    s = _DFRAC_RE.sub(r"\\frac", s)
     s = re.sub(r"\s+", " ", s).strip()
     return re.sub(r"\s*([^\w\s\\])\s*", r"\1", s)
 
@@ -336,15 +525,14 @@ def _grade_one(i: int, completion: str, answer: Any, use_mv: bool) -> float:
 
 
 def format_reward(prompts: Sequence[str], completions: Sequence[Any], **kwargs: Any) -> list[float]:
-    """1.0 when a completion states its answer in the expected format -- ``#### <number>`` or a
-    non-empty ``\\boxed{...}`` -- else 0.0. Ignores all dataset columns."""
+    """1.0 when a completion states an answer in the expected format -- a ``####`` line holding a
+    number (``#### 18``, ``#### $1,234.50``) or a ``\\boxed{...}`` holding an answer -- else 0.0.
+    Markers that hold no answer (:func:`answer_markers`: a heading such as ``#### 1. Setup``, an
+    empty ``\\boxed{}``, an echoed ``\\boxed{answer}``) earn nothing. Ignores all dataset columns."""
     out = []
     for c in completions:
-        t = as_text(c)
-        ok = _FORMAT_HASH_RE.search(t) is not None
-        if not ok:
-            m = _FORMAT_BOXED_RE.search(t)
-            ok = m is not None and m.group(0).split("{", 1)[1][:-1].strip() != ""
+        markers = answer_markers(as_text(c))
+        ok = any(kind == "boxed" or _FORMAT_HASH_RE.match(ans) for _, kind, ans in markers)
         out.append(1.0 if ok else 0.0)
     return out
 
