@@ -347,10 +347,11 @@ def test_fork_bombs_are_contained():
                    make_code_reward(timeout_s=2.0)) == 0.0
     bomb = "import ctypes, os\nprint(os.getuid(), flush=True)\nlibc = ctypes.CDLL(None)\nwhile True:\n    libc.fork()\n"
     # default max_procs=1: no fork at all; max_procs=16: at most 16 processes, all killed at the end
+    # (each has its own CPU limit: the wall-clock backstop ends the group)
     for max_procs in (1, 16):
         t0 = time.monotonic()
-        r = run_in_sandbox(bomb, timeout_s=2.0, guard=False, max_procs=max_procs)
-        assert not r.passed and time.monotonic() - t0 < 2.0 + SLACK_S
+        r = run_in_sandbox(bomb, timeout_s=2.0, guard=False, max_procs=max_procs, wall_timeout_s=4.0)
+        assert not r.passed and time.monotonic() - t0 < 4.0 + SLACK_S
         if sandbox_capabilities().drop_privileges:
             _assert_no_procs_left(int(r.stdout.split()[0]))
 
@@ -421,7 +422,7 @@ def test_nothing_outside_the_sandbox_is_readable(tmp_path):
     assert r.passed, r.stderr
     res = json.loads(r.stdout)
     assert res["exists"] == [] and res["read"] == []
-    assert res["pids"] == [1] and not res["pytest_seen"]  # host /proc is not visible
+    assert res["pids"] == [1, 2] and not res["pytest_seen"]  # host /proc is not visible: supervisor + program
     assert res["tmp"] == []  # a private, empty /tmp
     assert secret.read_text() == "host secret"
 
@@ -506,30 +507,6 @@ def test_code_reward_from_thread():
     t.start()
     t.join(timeout=60)
     assert out == [1.0]
-
-
-def test_degraded_mode_warns_and_still_judges_outside(monkeypatch, caplog):
-    """Without namespaces (forced here), the verdict is still computed outside the solution."""
-    plain = [c for c in sandbox_mod._candidates() if c.mode == "none"]
-    monkeypatch.setattr(sandbox_mod, "_candidates", lambda: plain)
-    try:
-        with caplog.at_level(logging.WARNING, logger="das_jax.rl.rewards.sandbox"):
-            caps = sandbox_capabilities(refresh=True)
-        assert caps.mode == "none" and not caps.isolated
-        assert any("namespaces unavailable" in rec.getMessage() for rec in caplog.records)
-        assert _reward(CLOSE, CLOSE["canonical"]) == 1.0
-        assert _reward(CLOSE, EQ_ATTACK) == 0.0
-        assert _reward(CLOSE, FRAME_ATTACK) == 0.0
-        assert run_in_sandbox("while True:\n    pass\n", timeout_s=1.0).status == "timeout"
-        if caps.drop_privileges:  # as root: a fresh uid, so leftovers can still be found and killed
-            prog = ("import ctypes, os, time\nprint(os.getuid(), flush=True)\n"
-                    "if os.fork() == 0:\n    ctypes.CDLL(None).setsid()\n    time.sleep(60)\n")
-            r = run_in_sandbox(prog, timeout_s=3.0, guard=False, max_procs=4)
-            assert r.passed, r.stderr
-            _assert_no_procs_left(int(r.stdout.split()[0]))
-    finally:
-        monkeypatch.undo()
-        sandbox_capabilities(refresh=True)
 
 
 @pytest.mark.slow
