@@ -368,9 +368,43 @@ def _probe_line(r: SandboxResult) -> str:
     return f"probe {r.status}, exit status {r.returncode}"
 
 
+def _tmp_roots() -> list[str]:
+    """Where unisolated-mode working directories may go: the temp dir, then common fallbacks."""
+    out = []
+    for d in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
+        if d not in out and os.path.isdir(d):
+            out.append(d)
+    return out
+
+
+def _tmp_root(other_uid: bool) -> str:
+    """A writable temp dir for a sandbox's working directory; one that every uid can traverse when
+    the sandbox runs under another uid (pytest's or a user's private ``$TMPDIR`` is not)."""
+    import stat
+
+    roots = _tmp_roots()
+    for d in roots:
+        if not os.access(d, os.W_OK | os.X_OK):
+            continue
+        if other_uid:
+            path, ok = os.path.realpath(d), True
+            while ok:
+                try:
+                    ok = bool(os.stat(path).st_mode & stat.S_IXOTH)
+                except OSError:
+                    ok = False
+                if path == "/":
+                    break
+                path = os.path.dirname(path)
+            if not ok:
+                continue
+        return d
+    return roots[0] if roots else tempfile.gettempdir()
+
+
 def _sweep_stale_dirs() -> None:
     """Remove unisolated-mode working directories of callers that died (SIGKILL leaves them)."""
-    for d in glob.glob(os.path.join(tempfile.gettempdir(), _DIR_PREFIX + "*")):
+    for d in [p for root in _tmp_roots() for p in glob.glob(os.path.join(root, _DIR_PREFIX + "*"))]:
         try:
             pid = int(os.path.basename(d)[len(_DIR_PREFIX):].split("_", 1)[0])
         except ValueError:
@@ -510,7 +544,7 @@ class SandboxProcess:
             "seccomp": True,
             "ro_paths": [*SYSTEM_PATHS, *_python_paths(caps.python)],
             "disk_bytes": int(lim.max_file_mb) << 20,
-            "tmp_root": tempfile.gettempdir(),
+            "tmp_root": _tmp_root(uid is not None),
             "dir_prefix": f"{_DIR_PREFIX}{os.getpid()}_",
             "parent_pid": os.getpid(),
             "uid": uid,
