@@ -778,3 +778,58 @@ def test_all_humaneval_canonical_solutions_pass_and_stubs_fail():
     assert fn([""] * n, [""] * n, **cols) == [0.0] * n
     k = 20
     assert fn([""] * k, [EQ_ATTACK] * k, **{c: v[:k] for c, v in cols.items()}) == [0.0] * k
+
+
+# ------------------------------------------------------------------------ config / trainer hooks
+def test_rewards_config_section_builds_the_code_reward():
+    from das_jax.config import ConfigError, config_from_dict
+    from das_jax.rl.rewards import reward_fns_from_config
+
+    cfg = config_from_dict({}, ["grpo.reward_funcs=[code, format]", "rewards.sandbox=unisolated",
+                                "rewards.workers=3", "rewards.timeout_s=2"])
+    code, fmt = reward_fns_from_config(cfg.grpo.reward_funcs, cfg.rewards)
+    assert code.sandbox == "unisolated" and code is not code_reward and fmt.__name__ == "format_reward"
+    for bad, key in (("rewards.sandbox=none", "rewards.sandbox"), ("rewards.workers=0", "rewards.workers"),
+                     ("rewards.timeout_s=0", "rewards.timeout_s")):
+        with pytest.raises(ConfigError, match=key):
+            config_from_dict({}, [bad])
+
+
+def test_train_refuses_in_one_line_before_the_model_loads(no_unshare, tmp_path, capsys):
+    from das_jax.cli import main
+
+    rc = main(["train", "--set", f"output_dir={tmp_path / 'run'}", "--set", "model.source=/nonexistent/model",
+               "--set", "grpo.reward_funcs=[code]", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "unshare not found on PATH" in err[0] and "rewards.sandbox: unisolated" in err[0]
+    assert "/nonexistent/model" not in err[0]  # stopped before the model
+
+
+def test_trainer_reports_reward_timeouts(tmp_path):
+    from das_jax.config import config_from_dict
+    from das_jax.data import Problem
+    from das_jax.rl.rewards import RewardEvents
+    from das_jax.rl.trainer import GRPOTrainer
+    from das_jax.testing import CharTokenizer, tiny_model_config, tiny_params
+
+    calls = []
+
+    def reward(prompts, completions, **kw):
+        reward.events.add("timeout", 2)
+        return [0.5] * len(completions)
+
+    reward.events = RewardEvents()
+    reward.self_test = lambda: calls.append("self_test")
+    cfg = config_from_dict({
+        "output_dir": str(tmp_path / "run"), "drafter": "none",
+        "data": {"kind": "arithmetic", "chat": False, "instruction": ""},
+        "rollout": {"max_new_tokens": 4, "temperature": 1.0, "max_slots": 4, "max_cache_len": 64},
+        "grpo": {"num_generations": 2, "prompts_per_step": 1, "micro_batch_size": 2, "beta": 0.0},
+        "train": {"steps": 1, "save_every": 0, "seed": 0}})
+    mc = tiny_model_config()
+    trainer = GRPOTrainer(cfg, model=(mc, tiny_params(mc), CharTokenizer()),
+                          problems=[Problem("p0", "1 plus 1", "2")], reward_fns=[reward])
+    assert calls == ["self_test"]
+    records = trainer.train(progress=False)
+    assert records[0]["reward_timeouts"] == 2

@@ -167,10 +167,14 @@ def run(args: argparse.Namespace) -> int:
         from das_jax.plan import check_before_training
         check_before_training(config)  # the memory plan, before any weights are loaded
         from das_jax.rl.trainer import GRPOTrainer
+        from das_jax.rl.rewards import reward_fns_from_config
+        reward_fns = reward_fns_from_config(config.grpo.reward_funcs, config.rewards)
+        for fn in reward_fns:  # the code sandbox's self-test, before any weights are loaded
+            getattr(fn, "self_test", lambda: None)()
         model = load_model(config)
         try:
             with phase("setting up the trainer (engine, optimizer, prompts)"):
-                trainer = GRPOTrainer(config, model=model, problems=problems)
+                trainer = GRPOTrainer(config, model=model, problems=problems, reward_fns=reward_fns)
         except ValueError as e:  # engine / sampling settings rejected by their constructors
             from das_jax.errors import one_line
             print(f"das-jax train: error: {one_line(str(e))}", file=sys.stderr)

@@ -30,6 +30,7 @@ Public surface:
                                             fn.breakdown(...) -> (total, {name: values})
     get_reward_fn(name) -> fn               names: math_accuracy, format, code (KeyError otherwise)
     register_reward_fn(name, fn, *, overwrite=False)
+    reward_fns_from_config(names, rewards_section) -> [fn]   ``code`` built from ``rewards:``
     math_answer_correct(completion, answer, *, use_math_verify=True, timeout_s=3) -> bool
     extract_final_number(completion) -> str | None   the final answer if it is one number
     parse_number(text) -> Fraction | None   exact value when the whole text is one number
@@ -51,7 +52,7 @@ from das_jax.rl.rewards.math_reward import (
     math_answer_correct,
     parse_number,
 )
-from das_jax.rl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, register_reward_fn
+from das_jax.rl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, register_reward_fn, reward_fns_from_config
 from das_jax.rl.rewards.safety import RewardFn, combine_rewards, reward_name, safe_reward
 from das_jax.rl.rewards.sandbox import (
     SandboxCapabilities,
@@ -87,6 +88,7 @@ __all__ = [
     "reward_name",
     "get_reward_fn",
     "register_reward_fn",
+    "reward_fns_from_config",
     "REWARD_FUNCTIONS",
     "math_answer_correct",
     "extract_final_number",

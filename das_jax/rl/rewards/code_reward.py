@@ -135,6 +135,7 @@ class RewardEvents:
 
 
 _SELF_TEST_TESTS = "assert f(1) == 2\nassert f(-3) == -2\nassert f(10 ** 5000) == 10 ** 5000 + 1\n"
+_SELF_TESTED: set = set()
 _SELF_TEST_CASES = (("def f(x):\n    return x + 1\n", True), ("def f(x):\n    return x\n", False))
 
 
@@ -254,13 +255,17 @@ def make_code_reward(
         return out
 
     def self_test() -> None:
-        """Judge one correct and one wrong solution; raise if either verdict is wrong.
+        """Judge one correct and one wrong solution; raise if either verdict is wrong (once per
+        process and configuration: a passing self-test is remembered).
 
         Raises:
             SandboxUnavailableError: the sandbox cannot run here, or gave a wrong verdict (the
                 one-line message names ``rewards.sandbox`` and what went wrong).
         """
         caps = require_sandbox(sandbox)
+        key = (sandbox, caps.mode, limits, max_message_mb)
+        if key in _SELF_TESTED:
+            return
         for solution, want in _SELF_TEST_CASES:
             r = check(solution, _SELF_TEST_TESTS, None, ["f"])
             if r.passed != want:
@@ -270,6 +275,7 @@ def make_code_reward(
                     f"{r.status} (rewards.sandbox={sandbox}, mode {caps.mode}: {why}); code rewards would be "
                     "wrong, so training stops: fix the sandbox (a writable temp dir, $DAS_JAX_SANDBOX_PYTHON "
                     "readable by other users) or set rewards.sandbox")
+        _SELF_TESTED.add(key)
 
     code_reward.__name__ = "code_reward"
     code_reward.events = events  # type: ignore[attr-defined]
