@@ -53,7 +53,6 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import math
 import os
 import secrets
 import shutil
