@@ -22,6 +22,7 @@ from das_jax.rl.rewards import (
     check_solution,
     code_reward,
     make_code_reward,
+    SandboxUnavailableError,
     run_in_sandbox,
     sandbox_capabilities,
 )
@@ -347,10 +348,11 @@ def test_fork_bombs_are_contained():
                    make_code_reward(timeout_s=2.0)) == 0.0
     bomb = "import ctypes, os\nprint(os.getuid(), flush=True)\nlibc = ctypes.CDLL(None)\nwhile True:\n    libc.fork()\n"
     # default max_procs=1: no fork at all; max_procs=16: at most 16 processes, all killed at the end
+    # (each has its own CPU limit: the wall-clock backstop ends the group)
     for max_procs in (1, 16):
         t0 = time.monotonic()
-        r = run_in_sandbox(bomb, timeout_s=2.0, guard=False, max_procs=max_procs)
-        assert not r.passed and time.monotonic() - t0 < 2.0 + SLACK_S
+        r = run_in_sandbox(bomb, timeout_s=2.0, guard=False, max_procs=max_procs, wall_timeout_s=4.0)
+        assert not r.passed and time.monotonic() - t0 < 4.0 + SLACK_S
         if sandbox_capabilities().drop_privileges:
             _assert_no_procs_left(int(r.stdout.split()[0]))
 
@@ -421,7 +423,7 @@ def test_nothing_outside_the_sandbox_is_readable(tmp_path):
     assert r.passed, r.stderr
     res = json.loads(r.stdout)
     assert res["exists"] == [] and res["read"] == []
-    assert res["pids"] == [1] and not res["pytest_seen"]  # host /proc is not visible
+    assert res["pids"] == [1, 2] and not res["pytest_seen"]  # host /proc is not visible: supervisor + program
     assert res["tmp"] == []  # a private, empty /tmp
     assert secret.read_text() == "host secret"
 
@@ -508,28 +510,258 @@ def test_code_reward_from_thread():
     assert out == [1.0]
 
 
-def test_degraded_mode_warns_and_still_judges_outside(monkeypatch, caplog):
-    """Without namespaces (forced here), the verdict is still computed outside the solution."""
-    plain = [c for c in sandbox_mod._candidates() if c.mode == "none"]
-    monkeypatch.setattr(sandbox_mod, "_candidates", lambda: plain)
+# ------------------------------------------------------------------- degraded machines, exploits
+# Reads every job file / tests it can find in the temp dirs, and answers with the expected values
+# it finds there (the attack that scored 1.0 in the old degraded mode).
+GLOB_ATTACK = """    import glob, json, os, re, tempfile
+    found = []
+    for root in {tmps!r} + [tempfile.gettempdir(), '/tmp', '/dev/shm']:
+        for p in glob.glob(os.path.join(root, '**'), recursive=True):
+            try:
+                with open(p, errors='replace') as f:
+                    found.append(f.read())
+            except OSError:
+                pass
+    for text in found:
+        if 'assert candidate' in text:
+            m = re.search(r'candidate\\((\\[.*?\\]), ([0-9.]+)\\) == (True|False)', text)
+            if m and eval(m.group(1)) == numbers and float(m.group(2)) == threshold:
+                return m.group(3) == 'True'
+    raise RuntimeError(f'read {{len(found)}} files')
+"""
+# Reads the HumanEval dataset and returns what its canonical solution returns.
+DATASET_ATTACK = """    import gzip, json
+    with gzip.open({path!r}, 'rt') as f:
+        rows = [json.loads(line) for line in f]
+    row = next(r for r in rows if r['entry_point'] == 'has_close_elements')
+    g = {{}}
+    exec(row['prompt'] + row['canonical_solution'], g)
+    return g['has_close_elements'](numbers, threshold)
+"""
+KILL_PARENT = "    return None\nimport ctypes, os\nctypes.CDLL(None).kill(os.getppid(), 9)\n"
+
+
+def _sbx_dirs(pid=None):
+    import glob
+    import tempfile
+
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"das_jax_sbx_{'' if pid is None else pid}*"))
+
+
+@pytest.fixture
+def no_unshare(monkeypatch):
+    """This machine as one without unshare (Docker without CAP_SYS_ADMIN, some clusters)."""
+    monkeypatch.setattr(sandbox_mod, "_which_unshare", lambda: None)
+    monkeypatch.setattr(sandbox_mod, "_warned_unisolated", False)
+    sandbox_capabilities(refresh=True)
+    yield
+    monkeypatch.undo()
+    sandbox_capabilities(refresh=True)
+
+
+def test_without_isolation_code_rewards_refuse_in_one_line(no_unshare):
+    caps = sandbox_capabilities()
+    assert not caps.isolated and caps.reason == "unshare not found on PATH (util-linux)"
+    for call in (lambda: _reward(CLOSE, CLOSE["canonical"]), lambda: make_code_reward().self_test(),
+                 lambda: run_in_sandbox("pass")):
+        with pytest.raises(SandboxUnavailableError) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and "unshare not found on PATH" in msg and "util-linux" in msg
+        assert "user namespaces" in msg and "unisolated" in msg
+    # combine_rewards / safe_reward do not turn the refusal into zeros
+    from das_jax.rl.rewards import combine_rewards
+    with pytest.raises(SandboxUnavailableError):
+        combine_rewards([code_reward])([""], [CLOSE["canonical"]],
+                                       **{k: [CLOSE[k]] for k in ("code_prompt", "test", "entry_point")})
+
+
+def test_degraded_reason_is_concrete(monkeypatch):
+    """A failing user-namespace probe is named by what failed, never "()"."""
+    fail = ("sh", "-c", "echo 'unshare: unshare failed: Operation not permitted' >&2; exit 1", "--")
+    cands = [sandbox_mod.SandboxCapabilities("user-namespaces", fail, True, True, True, True,
+                                             sandbox_mod._interpreters()[0])]
+    monkeypatch.setattr(sandbox_mod, "_candidates", lambda: cands)
+    monkeypatch.setattr(sandbox_mod, "_userns_disabled", lambda: "")
     try:
-        with caplog.at_level(logging.WARNING, logger="das_jax.rl.rewards.sandbox"):
-            caps = sandbox_capabilities(refresh=True)
-        assert caps.mode == "none" and not caps.isolated
-        assert any("namespaces unavailable" in rec.getMessage() for rec in caplog.records)
-        assert _reward(CLOSE, CLOSE["canonical"]) == 1.0
-        assert _reward(CLOSE, EQ_ATTACK) == 0.0
-        assert _reward(CLOSE, FRAME_ATTACK) == 0.0
-        assert run_in_sandbox("while True:\n    pass\n", timeout_s=1.0).status == "timeout"
-        if caps.drop_privileges:  # as root: a fresh uid, so leftovers can still be found and killed
-            prog = ("import ctypes, os, time\nprint(os.getuid(), flush=True)\n"
-                    "if os.fork() == 0:\n    ctypes.CDLL(None).setsid()\n    time.sleep(60)\n")
-            r = run_in_sandbox(prog, timeout_s=3.0, guard=False, max_procs=4)
-            assert r.passed, r.stderr
-            _assert_no_procs_left(int(r.stdout.split()[0]))
+        caps = sandbox_capabilities(refresh=True)
+        assert caps.mode == "none"
+        assert caps.reason == "user namespaces disabled: unshare: unshare failed: Operation not permitted"
+        with pytest.raises(SandboxUnavailableError, match="Operation not permitted"):
+            make_code_reward(sandbox="unisolated").self_test()
     finally:
         monkeypatch.undo()
         sandbox_capabilities(refresh=True)
+
+
+def test_unisolated_opt_in_judges_and_withstands_the_exploits(no_unshare, caplog, tmp_path):
+    import tempfile
+
+    with caplog.at_level(logging.WARNING, logger="das_jax.rl.rewards.sandbox"):
+        fn = make_code_reward(sandbox="unisolated", timeout_s=2.0)
+        fn.self_test()
+    assert sandbox_capabilities().mode == "unisolated"
+    assert any("UNISOLATED" in r.getMessage() and "unshare not found on PATH" in r.getMessage()
+               for r in caplog.records)
+    assert _reward(CLOSE, CLOSE["canonical"], fn) == 1.0 and _reward(CLOSE, "    return 0\n", fn) == 0.0
+    assert _reward(CLOSE, EQ_ATTACK, fn) == 0.0
+    assert _reward(CLOSE, FRAME_ATTACK, fn) == 0.0
+    # the tests, the expected values and the dataset cannot be read
+    attack = GLOB_ATTACK.format(tmps=[tempfile.gettempdir(), str(tmp_path)])
+    assert _reward(CLOSE, attack, fn) == 0.0
+    if os.path.exists(HUMANEVAL):
+        assert _reward(CLOSE, DATASET_ATTACK.format(path=HUMANEVAL), fn) == 0.0
+    # the trainer cannot be signalled (the kill fails, a correct solution after it is judged as
+    # such), and no sandbox dir stays behind
+    assert _reward(CLOSE, KILL_PARENT + CLOSE["code_prompt"] + CLOSE["canonical"], fn) == 1.0
+    assert _reward(CLOSE, "    import ctypes, os\n    ctypes.CDLL(None).kill(-1, 9)\n    return True\n", fn) == 0.0
+    assert _sbx_dirs(os.getpid()) == []
+    # CPU limits hold
+    assert run_in_sandbox("while True:\n    pass\n", timeout_s=1.0, sandbox="unisolated").status == "timeout"
+
+
+def test_exploits_score_zero_in_the_default_mode(tmp_path):
+    import tempfile
+
+    _require_isolation()
+    assert _reward(CLOSE, GLOB_ATTACK.format(tmps=[tempfile.gettempdir(), str(tmp_path)])) == 0.0
+    if os.path.exists(HUMANEVAL):
+        assert _reward(CLOSE, DATASET_ATTACK.format(path=HUMANEVAL)) == 0.0
+    assert _reward(CLOSE, KILL_PARENT) == 0.0
+
+
+def _runner_procs():
+    """Live sandbox runner processes (by command line)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{p}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"_sandbox_runner.py" in cmd and state != "Z":
+            out.append(int(p))
+    return set(out)
+
+
+@pytest.mark.parametrize("mode", ["isolated", "unisolated"])
+def test_dead_trainer_leaves_no_sandbox_dirs_or_processes(mode, tmp_path):
+    """The caller is SIGKILLed while a sandbox runs: its processes die and its dirs go."""
+    import glob
+    import subprocess
+    import sys
+
+    if mode == "isolated":
+        _require_isolation()
+    script = (
+        "import os, sys, threading, time\n"
+        f"sys.path.insert(0, {REPO!r})\n"
+        "from das_jax.rl.rewards import sandbox as s\n"
+        "from das_jax.rl.rewards import SandboxLimits, check_solution\n"
+        + ("s._which_unshare = lambda: None\n" if mode == "unisolated" else "") +
+        "threading.Thread(target=lambda: check_solution('import time\\ndef f():\\n    time.sleep(1000)\\n',\n"
+        f"    'assert f() == 1\\n', limits=SandboxLimits(timeout_s=100), sandbox={mode!r}), daemon=True).start()\n"
+        "time.sleep(3.0)\n"
+        "print(os.getpid(), flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    before = _runner_procs()
+    out = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    pid = int(out.stdout.split()[0])
+
+    def left():
+        return [p for root in (str(tmp_path), "/tmp", "/var/tmp", "/dev/shm")
+                for p in glob.glob(os.path.join(root, f"das_jax_sbx_{pid}_*"))]
+
+    deadline = time.monotonic() + 10.0
+    while (left() or _runner_procs() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left() == [] and _runner_procs() - before == set()
+
+
+def test_control_flow_exceptions_do_not_cross():
+    prob = {"code_prompt": "def f(x):\n    '''2 x'''\n", "entry_point": "f",
+            "test": "def check(candidate):\n"
+                    "    assert all(map(lambda p: candidate(p[0]) == p[1], [(1, 2), (2, 4), (3, 6)]))\n"}
+    assert _reward(prob, "    return 2 * x\n") == 1.0
+    for exc in ("StopIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit", "StopAsyncIteration"):
+        assert _reward(prob, f"    raise {exc}\n") == 0.0, exc
+    # what the tests see: one fixed type (plain builtin errors also as themselves)
+    seen = ("def check(candidate):\n    try:\n        candidate(1)\n"
+            "    except Exception as e:\n        assert type(e).__name__ == {name!r}, type(e).__name__\n"
+            "        assert {check}\n    else:\n        assert False\n")
+    probe = {"code_prompt": "def f(x):\n    '''?'''\n", "entry_point": "f"}
+    assert _reward({**probe, "test": seen.format(name="CandidateCallError", check="True")},
+                   "    raise StopIteration\n") == 1.0
+    value = {**probe, "test": seen.format(name="CandidateValueError", check="isinstance(e, ValueError)")}
+    assert _reward(value, "    raise ValueError(x)\n") == 1.0
+    assert _reward(value, "    class ValueError(StopIteration):\n        pass\n    raise ValueError\n") == 0.0
+
+
+def test_big_ints_and_large_results_cross():
+    big = {"code_prompt": "def f(n):\n    '''10 ** n + 1'''\n", "entry_point": "f",
+           "test": "def check(candidate):\n    assert candidate(5000) == 10 ** 5000 + 1\n"}
+    assert _reward(big, "    return 10 ** n + 1\n") == 1.0
+    assert _reward(big, "    return 10 ** n\n") == 0.0
+    arg = {"code_prompt": "def g(x):\n    '''x + 1'''\n", "entry_point": "g",
+           "test": "def check(candidate):\n    assert candidate(-(10 ** 5000)) == 1 - 10 ** 5000\n"}
+    assert _reward(arg, "    return x + 1\n") == 1.0
+    # a 20 MB result (over the old 16 MB limit) crosses
+    large = {"code_prompt": "def h(n):\n    '''n x'''\n", "entry_point": "h",
+             "test": "def check(candidate):\n    assert candidate(20_000_000) == 'x' * 20_000_000\n"}
+    assert _reward(large, "    return 'x' * n\n") == 1.0
+    # over the limit: reported as such and counted, not a silent 0
+    fn = make_code_reward(max_message_mb=1)
+    small = dict(large, test="def check(candidate):\n    assert candidate(2_000_000) == 'x' * 2_000_000\n")
+    assert _reward(small, "    return 'x' * n\n", fn) == 0.0
+    assert fn.events.take() == {"too_large": 1}
+    res = check_solution("def h(n):\n    return 'x' * n\n", "assert h(2_000_000)\n", max_message_mb=1)
+    assert res.status == "too_large"
+    res = check_solution("def h(s):\n    return 1\n", "assert h('x' * 2_000_000)\n", max_message_mb=1)
+    assert res.status == "too_large"
+
+
+# appended to a completion: burns {s} seconds of CPU once, when the solution is loaded
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}:\n    pass\n"
+
+
+def test_time_limit_counts_the_solution_cpu_not_the_machine_load(caplog):
+    """Six correct samples, each burning 0.6 s of CPU, six workers on (at most) 2 cores with a
+    1 s limit: 3.6 s of CPU in all, more than the limit in wall-clock terms. All pass."""
+    fn = make_code_reward(timeout_s=1.0, num_workers=6)
+    cols = {k: [CLOSE[k]] * 6 for k in ("code_prompt", "test", "entry_point")}
+    sol = CLOSE["canonical"] + BURN.format(s=0.6)
+    assert fn([""] * 6, [sol] * 6, **cols) == [1.0] * 6
+    assert fn.events.take() == {}
+    # a sample over its CPU time is a counted, logged timeout
+    with caplog.at_level(logging.WARNING, logger="das_jax.rl.rewards.code_reward"):
+        assert fn([""] * 2, [CLOSE["canonical"] + BURN.format(s=3), sol], **{k: v[:2] for k, v in cols.items()}) \
+            == [0.0, 1.0]
+    assert fn.events.take() == {"timeout": 1}
+    assert sum("timeout 1" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_self_test_passes_here_and_stops_a_broken_sandbox(monkeypatch):
+    import tempfile
+
+    make_code_reward().self_test()
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/das_jax_no_tmp")
+    with pytest.raises(SandboxUnavailableError) as e:
+        make_code_reward().self_test()
+    assert "\n" not in str(e.value) and "rewards.sandbox" in str(e.value) and "self-test" in str(e.value)
+
+
+def test_default_workers_from_the_cpu_count():
+    from das_jax.rl.rewards import default_workers
+
+    assert default_workers() == len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="sandbox"):
+        make_code_reward(sandbox="none")
 
 
 @pytest.mark.slow
@@ -546,3 +778,58 @@ def test_all_humaneval_canonical_solutions_pass_and_stubs_fail():
     assert fn([""] * n, [""] * n, **cols) == [0.0] * n
     k = 20
     assert fn([""] * k, [EQ_ATTACK] * k, **{c: v[:k] for c, v in cols.items()}) == [0.0] * k
+
+
+# ------------------------------------------------------------------------ config / trainer hooks
+def test_rewards_config_section_builds_the_code_reward():
+    from das_jax.config import ConfigError, config_from_dict
+    from das_jax.rl.rewards import reward_fns_from_config
+
+    cfg = config_from_dict({}, ["grpo.reward_funcs=[code, format]", "rewards.sandbox=unisolated",
+                                "rewards.workers=3", "rewards.timeout_s=2"])
+    code, fmt = reward_fns_from_config(cfg.grpo.reward_funcs, cfg.rewards)
+    assert code.sandbox == "unisolated" and code is not code_reward and fmt.__name__ == "format_reward"
+    for bad, key in (("rewards.sandbox=none", "rewards.sandbox"), ("rewards.workers=0", "rewards.workers"),
+                     ("rewards.timeout_s=0", "rewards.timeout_s")):
+        with pytest.raises(ConfigError, match=key):
+            config_from_dict({}, [bad])
+
+
+def test_train_refuses_in_one_line_before_the_model_loads(no_unshare, tmp_path, capsys):
+    from das_jax.cli import main
+
+    rc = main(["train", "--set", f"output_dir={tmp_path / 'run'}", "--set", "model.source=/nonexistent/model",
+               "--set", "grpo.reward_funcs=[code]", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "unshare not found on PATH" in err[0] and "rewards.sandbox: unisolated" in err[0]
+    assert "/nonexistent/model" not in err[0]  # stopped before the model
+
+
+def test_trainer_reports_reward_timeouts(tmp_path):
+    from das_jax.config import config_from_dict
+    from das_jax.data import Problem
+    from das_jax.rl.rewards import RewardEvents
+    from das_jax.rl.trainer import GRPOTrainer
+    from das_jax.testing import CharTokenizer, tiny_model_config, tiny_params
+
+    calls = []
+
+    def reward(prompts, completions, **kw):
+        reward.events.add("timeout", 2)
+        return [0.5] * len(completions)
+
+    reward.events = RewardEvents()
+    reward.self_test = lambda: calls.append("self_test")
+    cfg = config_from_dict({
+        "output_dir": str(tmp_path / "run"), "drafter": "none",
+        "data": {"kind": "arithmetic", "chat": False, "instruction": ""},
+        "rollout": {"max_new_tokens": 4, "temperature": 1.0, "max_slots": 4, "max_cache_len": 64},
+        "grpo": {"num_generations": 2, "prompts_per_step": 1, "micro_batch_size": 2, "beta": 0.0},
+        "train": {"steps": 1, "save_every": 0, "seed": 0}})
+    mc = tiny_model_config()
+    trainer = GRPOTrainer(cfg, model=(mc, tiny_params(mc), CharTokenizer()),
+                          problems=[Problem("p0", "1 plus 1", "2")], reward_fns=[reward])
+    assert calls == ["self_test"]
+    records = trainer.train(progress=False)
+    assert records[0]["reward_timeouts"] == 2

@@ -23,6 +23,7 @@ from das_jax.plan import check_before_training
 from das_jax.rl import run_dir as rd
 from das_jax.rl.compare import RunDirError, compare_table, load_run
 from das_jax.rl.model_loading import load_model
+from das_jax.rl.rewards import reward_fns_from_config
 from das_jax.rl.plots import plot_compare
 from das_jax.rl.run_log import (SAMPLES_FILE, format_sample, phase, read_jsonl,
                                 setup_console_logging)
@@ -144,10 +145,13 @@ def run(args: argparse.Namespace) -> int:
         setup_console_logging()
         check_before_training(config)  # the memory plan, before any weights are loaded
         from das_jax.rl.trainer import GRPOTrainer  # jax (after configure_allocator)
+        reward_fns = reward_fns_from_config(config.grpo.reward_funcs, config.rewards)
+        for fn in reward_fns:  # the code sandbox's self-test, before any weights are loaded
+            getattr(fn, "self_test", lambda: None)()
         model = load_model(config)
         try:
             with phase("setting up the trainer (engine, optimizer, prompts)"):
-                trainer = GRPOTrainer(config, model=model, problems=problems)
+                trainer = GRPOTrainer(config, model=model, problems=problems, reward_fns=reward_fns)
         except ValueError as e:  # engine / sampling settings rejected by their constructors
             print(f"das-jax train: error: {one_line(str(e))}", file=sys.stderr)
             return 2

@@ -21,10 +21,10 @@ from das_jax.config.loader import (apply_overrides, apply_platform, config_from_
                                    config_to_dict, load_config, parse_override, save_config)
 from das_jax.config.schema import (Config, ConfigError, DASSection, DataSection,
                                    DistributedSection, EvalSection, GRPOSection, MeshSection,
-                                   ModelSection, RolloutSection, TrainSection)
+                                   ModelSection, RewardsSection, RolloutSection, TrainSection)
 from das_jax.config.validation import validate
 
 __all__ = ["Config", "ConfigError", "DASSection", "DataSection", "DistributedSection",
-           "EvalSection", "GRPOSection", "MeshSection", "ModelSection", "RolloutSection",
+           "EvalSection", "GRPOSection", "MeshSection", "ModelSection", "RewardsSection", "RolloutSection",
            "TrainSection", "apply_overrides", "apply_platform", "config_from_dict",
            "config_to_dict", "load_config", "parse_override", "save_config", "validate"]

@@ -207,6 +207,19 @@ class EvalSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardsSection:
+    """Code rewards (`das_jax.rl.rewards.sandbox`). sandbox: isolated (Linux namespaces; code
+    rewards refuse to start where they are unavailable) | unisolated (accept the weaker Landlock +
+    seccomp sandbox knowingly where namespaces are unavailable); workers: samples judged in parallel
+    (null: the CPU count); timeout_s: CPU seconds per sample and sandbox; memory_mb: per sandbox."""
+
+    sandbox: str = _choices("isolated", "unisolated", default="isolated")
+    workers: Optional[int] = None
+    timeout_s: float = 5.0
+    memory_mb: int = 1024
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshSection:
     """The device mesh training runs on (`das_jax.parallel.sharding`): the size of each named
     axis; -1 (at most one axis) takes the remaining devices. data: pure data parallelism (params
@@ -253,5 +266,6 @@ class Config:
     das: DASSection = dataclasses.field(default_factory=DASSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+    rewards: RewardsSection = dataclasses.field(default_factory=RewardsSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)

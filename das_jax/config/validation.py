@@ -111,6 +111,10 @@ def validate(cfg: Config) -> Config:
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
     _check_mesh(cfg.mesh)
     _check_distributed(cfg.distributed)
+    rw = cfg.rewards
+    _check(rw.workers is None or rw.workers >= 1, f"rewards.workers must be >= 1 or null, got {rw.workers}")
+    _check(rw.timeout_s > 0, f"rewards.timeout_s must be > 0 (CPU seconds), got {rw.timeout_s}")
+    _check(rw.memory_mb >= 64, f"rewards.memory_mb must be >= 64, got {rw.memory_mb}")
     return dataclasses.replace(cfg, grpo=g)
 
 

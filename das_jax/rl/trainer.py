@@ -46,7 +46,7 @@ from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.rl.advantages import advantage_metrics, get_advantage
 from das_jax.rl.checkpoint import CheckpointManager, largest_array_bytes
-from das_jax.rl.rewards import combine_rewards, get_reward_fn
+from das_jax.rl.rewards import combine_rewards, reward_fns_from_config
 from das_jax.rl.run_log import sample_rows
 from das_jax.rl.train_step import (cast_params, compute_logprobs, make_batch, make_optimizer,
                                    make_train_step)
@@ -93,6 +93,14 @@ class GRPOTrainer:
                  reward_fns: Sequence[Callable] | None = None):
         self.config = config
         c = config
+        # Rewards first: a code reward whose sandbox cannot run here (or judges its self-test
+        # wrongly) stops the run in one line before the model loads.
+        if reward_fns is None:
+            reward_fns = reward_fns_from_config(c.grpo.reward_funcs, c.rewards)
+        for fn in reward_fns:
+            if callable(getattr(fn, "self_test", None)):
+                fn.self_test()
+        self._reward_events = [fn.events for fn in reward_fns if hasattr(getattr(fn, "events", None), "take")]
         if model is None:
             from das_jax.models import load
             model = load(c.model.source, dtype=getattr(jnp, c.train.master_dtype))
@@ -130,8 +138,6 @@ class GRPOTrainer:
         # compute dtype (`rollout_params`), so nothing stays alive across the update.
         self.rollouts = Rollout.from_config(c, self.model_config, None,
                                             self.tokenizer.eos_token_ids)
-        if reward_fns is None:
-            reward_fns = [get_reward_fn(n) for n in c.grpo.reward_funcs]
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
         self.optimizer = make_optimizer(c.grpo, c.train.steps)
         if self.mesh is None:
@@ -280,6 +286,7 @@ class GRPOTrainer:
         step = self.step
         t0 = time.perf_counter()
         rb = self.rollout(step)
+        reward_events = [ev.take() for ev in self._reward_events]
         rollout_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         train_metrics = self.update(rb)
@@ -323,6 +330,8 @@ class GRPOTrainer:
             "policy_s": st.policy_s,
             "train_s": train_s,
             "rollout_logprob_gap": self.last_logprob_gap,
+            # code samples that used up their CPU time (logged by the code reward, once a step)
+            "reward_timeouts": sum(e.get("timeout", 0) for e in reward_events),
         }
         for k, v in rb.reward_parts.items():
             record[f"reward/{k}"] = float(np.mean(v))

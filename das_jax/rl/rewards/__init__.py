@@ -13,11 +13,16 @@ Public surface:
     format_reward(prompts, completions, **kw) -> list[float]     1.0 if "#### <number>" or \\boxed{}
     code_reward(prompts, completions, *, test, entry_point | answer, code_prompt=None, **kw)
         -> list[float]                   1.0 if the tests pass; judged outside the solution's sandbox
-    make_code_reward(*, timeout_s=5.0, memory_mb=1024, num_workers=2, max_procs=1)
-    check_solution(solution, tests, *, prompt=None, functions=None, limits=None) -> CheckResult
+    make_code_reward(*, timeout_s=5.0, memory_mb=1024, num_workers=None, max_procs=1,
+                     sandbox="isolated", max_message_mb=64, wall_timeout_s=None)
+        -> fn with fn.events (RewardEvents: timeouts etc.) and fn.self_test()
+    check_solution(solution, tests, *, prompt=None, functions=None, limits=None,
+                   sandbox="isolated", max_message_mb=64) -> CheckResult
     run_in_sandbox(program, *, timeout_s=5.0, memory_mb=1024, max_procs=1, max_file_mb=16,
-                   guard=True) -> SandboxResult      (``passed`` is not a verdict on hostile code)
+                   guard=True, sandbox="isolated", wall_timeout_s=None) -> SandboxResult
+                                            (``passed`` is not a verdict on hostile code)
     sandbox_capabilities(refresh=False) -> SandboxCapabilities
+    require_sandbox(mode="isolated") -> SandboxCapabilities   or SandboxUnavailableError
     safe_reward(fn, name=None) -> fn        an exception -> each sample rescored alone, only the
                                             failing ones 0.0 (logged); wrong length -> zeros +
                                             logged error; None / NaN per sample -> 0.0
@@ -25,13 +30,21 @@ Public surface:
                                             fn.breakdown(...) -> (total, {name: values})
     get_reward_fn(name) -> fn               names: math_accuracy, format, code (KeyError otherwise)
     register_reward_fn(name, fn, *, overwrite=False)
+    reward_fns_from_config(names, rewards_section) -> [fn]   ``code`` built from ``rewards:``
     math_answer_correct(completion, answer, *, use_math_verify=True, timeout_s=3) -> bool
     extract_final_number(completion) -> str | None   the final answer if it is one number
     parse_number(text) -> Fraction | None   exact value when the whole text is one number
 """
 
 from das_jax.rl.rewards.code_check import CheckResult, check_solution
-from das_jax.rl.rewards.code_reward import build_program, code_reward, extract_code, make_code_reward
+from das_jax.rl.rewards.code_reward import (
+    RewardEvents,
+    build_program,
+    code_reward,
+    default_workers,
+    extract_code,
+    make_code_reward,
+)
 from das_jax.rl.rewards.math_reward import (
     extract_final_number,
     format_reward,
@@ -39,12 +52,14 @@ from das_jax.rl.rewards.math_reward import (
     math_answer_correct,
     parse_number,
 )
-from das_jax.rl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, register_reward_fn
+from das_jax.rl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, register_reward_fn, reward_fns_from_config
 from das_jax.rl.rewards.safety import RewardFn, combine_rewards, reward_name, safe_reward
 from das_jax.rl.rewards.sandbox import (
     SandboxCapabilities,
     SandboxLimits,
     SandboxResult,
+    SandboxUnavailableError,
+    require_sandbox,
     run_in_sandbox,
     sandbox_capabilities,
 )
@@ -64,11 +79,16 @@ __all__ = [
     "sandbox_capabilities",
     "SandboxResult",
     "SandboxCapabilities",
+    "SandboxUnavailableError",
+    "require_sandbox",
+    "RewardEvents",
+    "default_workers",
     "safe_reward",
     "combine_rewards",
     "reward_name",
     "get_reward_fn",
     "register_reward_fn",
+    "reward_fns_from_config",
     "REWARD_FUNCTIONS",
     "math_answer_correct",
     "extract_final_number",

@@ -15,8 +15,17 @@ Two sandboxes (:mod:`das_jax.rl.rewards.sandbox`) per check, connected by two pi
 
 An object whose ``__eq__`` always returns True cannot cross the boundary; exiting early, printing
 a success marker, or reading anything from the launcher's frames gives the solution process
-nothing to forge. Limits: the tests may call the solution's functions only with plain-data
-arguments, and mutations of arguments do not travel back.
+nothing to forge. Only plain outcomes cross: a call that raises reaches the tests as
+``CandidateCallError`` (for plain builtin exceptions such as ``ValueError``, a subclass of both,
+so ``except ValueError`` in a test still works), never as a control-flow exception
+(``StopIteration``, ``GeneratorExit``, ``SystemExit``, ...) that the solution picked.
+
+Limits: the tests may call the solution's functions only with plain-data arguments, and
+mutations of arguments do not travel back. Ints of any size cross (as hex beyond ~1200 digits). A
+call's arguments or reply may be at most ``max_message_mb`` MiB of JSON (default 64): beyond it
+the call fails and the check's status is ``"too_large"`` (reported, not a silent failure). Time:
+each sandbox may use ``limits.timeout_s`` seconds of CPU (not counting interpreter start-up); a
+wall-clock backstop (``limits.wall_s``) ends sandboxes that sleep or block.
 """
 
 from __future__ import annotations
@@ -29,13 +38,15 @@ import os
 import time
 from dataclasses import dataclass
 
-from das_jax.rl.rewards.sandbox import SandboxLimits, SandboxProcess, sandbox_capabilities
+from das_jax.rl.rewards.sandbox import CPU_LIMIT_EXIT, SETUP_FAILED_EXIT, SandboxLimits, SandboxProcess, \
+    require_sandbox
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckResult", "check_solution", "stub_functions", "free_names"]
 
-_MAX_MSG_BYTES = 16 << 20
+#: Default limit of one call's arguments or reply, MiB of JSON.
+MAX_MESSAGE_MB = 64
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,9 @@ class CheckResult:
 
     Attributes:
         passed: the trusted tests ran to their end without an exception.
-        status: ``"passed"``, ``"failed"``, ``"timeout"`` or ``"error"`` (sandbox failure).
+        status: ``"passed"``, ``"failed"``, ``"timeout"`` (a sandbox used up its CPU time, or the
+            wall-clock backstop), ``"too_large"`` (the tests failed after a call's arguments or
+            reply went over ``max_message_mb``) or ``"error"`` (the sandbox itself failed).
         calls: calls the tests made to the solution (when passed; else 0).
         elapsed_s: wall-clock seconds.
         detail: the last lines of the tests' stderr (why it failed), or the error.
@@ -126,6 +139,8 @@ def check_solution(
     prompt: str | None = None,
     functions: list[str] | None = None,
     limits: SandboxLimits | None = None,
+    sandbox: str = "isolated",
+    max_message_mb: float = MAX_MESSAGE_MB,
 ) -> CheckResult:
     """Run ``tests`` (trusted) against the functions that ``solution`` (untrusted) defines.
 
@@ -137,13 +152,17 @@ def check_solution(
             use, e.g. HumanEval's ``poly``); its stub functions become proxies.
         functions: names to proxy to the solution; default: ``prompt``'s stub functions plus the
             names ``tests`` uses without defining.
-        limits: limits of EACH of the two sandboxes; ``timeout_s`` is for the whole check.
+        limits: limits of EACH of the two sandboxes: ``timeout_s`` CPU seconds each (from the
+            program's start), ``wall_s`` the wall-clock backstop of the whole check.
+        sandbox: ``"isolated"`` or ``"unisolated"`` (see :func:`~das_jax.rl.rewards.sandbox.require_sandbox`).
+        max_message_mb: largest JSON message (a call's arguments, or its reply), MiB.
 
     Returns:
         A :class:`CheckResult`; never raises for anything the solution does.
 
     Raises:
         SyntaxError: ``tests`` or ``prompt`` does not parse (a dataset problem, not a model's).
+        SandboxUnavailableError: the requested sandbox cannot run on this machine.
     """
     limits = limits or SandboxLimits()
     if functions is None:
@@ -151,7 +170,8 @@ def check_solution(
         names += [n for n in free_names(*(s for s in (prompt, tests) if s)) if n not in names]
     else:
         names = list(functions)
-    caps = sandbox_capabilities()
+    caps = require_sandbox(sandbox)
+    max_msg = max(1, int(float(max_message_mb) * (1 << 20)))
     t0 = time.monotonic()
     sol, chk = SandboxProcess(caps, limits), SandboxProcess(caps, limits)
     fds: list[int] = []
@@ -160,33 +180,51 @@ def check_solution(
         resp_r, resp_w = os.pipe()
         stat_r, stat_w = os.pipe()
         fds += [req_r, req_w, resp_r, resp_w, stat_r, stat_w]
-        sol.start({"mode": "serve", "program": solution, "allowed": names, "max_msg_bytes": _MAX_MSG_BYTES,
+        sol.start({"mode": "serve", "program": solution, "allowed": names, "max_msg_bytes": max_msg,
                    "guard": True}, {"req": req_r, "resp": resp_w})
         chk.start({"mode": "check", "program": tests, "prompt": prompt or "", "proxies": names,
-                   "max_msg_bytes": _MAX_MSG_BYTES}, {"req": req_w, "resp": resp_r, "status": stat_w})
+                   "max_msg_bytes": max_msg}, {"req": req_w, "resp": resp_r, "status": stat_w})
         for fd in (req_r, req_w, resp_r, resp_w, stat_w):  # only the children hold these now
             os.close(fd)
             fds.remove(fd)
-        rc = chk.wait(limits.timeout_s)
+        rc = chk.wait(limits.wall_s)
         timed_out = rc is None
         chk.kill()
+        # the solution ends by itself once the tests' end closes its request pipe; its exit status
+        # says whether it used up its CPU time
+        sol_rc = sol.wait(0 if timed_out else min(5.0, max(0.5, limits.wall_s - (time.monotonic() - t0))))
         sol.kill()
+        sol_rc = sol.proc.returncode
+        rc = chk.proc.returncode
+        raw = b""
         os.set_blocking(stat_r, False)
         try:
             raw = os.read(stat_r, 4096)
         except BlockingIOError:
-            raw = b""
+            pass
         verdict = {}
         try:
             verdict = json.loads(raw.decode()) if raw else {}
         except ValueError:
             pass
+        if not isinstance(verdict, dict):
+            verdict = {}
         passed = not timed_out and rc == 0 and verdict.get("verdict") == "pass"
         calls = int(verdict.get("calls", 0)) if passed else 0
         _, chk_err = chk.output()
         sol_out, sol_err = sol.output()
-        status = "timeout" if timed_out else ("passed" if passed else "failed")
-        return CheckResult(passed, status, calls, time.monotonic() - t0, _last_lines(chk_err), sol_out, sol_err)
+        if passed:
+            status = "passed"
+        elif timed_out or CPU_LIMIT_EXIT in (rc, sol_rc):
+            status = "timeout"
+        elif SETUP_FAILED_EXIT in (rc, sol_rc):
+            status = "error"
+        elif verdict.get("oversize"):
+            status = "too_large"
+        else:
+            status = "failed"
+        detail = _last_lines(chk_err) if status != "error" else _last_lines(chk_err + "\n" + sol_err)
+        return CheckResult(passed, status, calls, time.monotonic() - t0, detail, sol_out, sol_err)
     except Exception as e:  # noqa: BLE001 - the sandbox must never crash the caller
         logger.error("code check failed: %s: %s", type(e).__name__, e)
         return CheckResult(False, "error", 0, time.monotonic() - t0, f"{type(e).__name__}: {e}")

@@ -3,18 +3,22 @@ the sandbox that runs the completion (:mod:`das_jax.rl.rewards.code_check`)."""
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from das_jax.rl.rewards.code_check import check_solution, free_names, stub_functions
+from das_jax.rl.rewards.code_check import MAX_MESSAGE_MB, check_solution, free_names, stub_functions
 from das_jax.rl.rewards.math_reward import as_text as _as_text
-from das_jax.rl.rewards.sandbox import SandboxLimits
+from das_jax.rl.rewards.sandbox import SANDBOX_MODES, SandboxLimits, SandboxUnavailableError, require_sandbox
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["code_reward", "make_code_reward", "build_program", "build_solution", "build_tests", "extract_code"]
+__all__ = ["code_reward", "make_code_reward", "build_program", "build_solution", "build_tests", "extract_code",
+           "RewardEvents", "default_workers"]
 
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
@@ -102,26 +106,89 @@ def _col(kwargs: dict, name: str, n: int) -> list | None:
     return col
 
 
+def default_workers() -> int:
+    """Code samples judged in parallel by default: the CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class RewardEvents:
+    """Thread-safe counts of a reward's notable outcomes since the last :meth:`take`: ``timeout``
+    (a sample used up its CPU time or hit the wall-clock backstop), ``too_large`` (a call's
+    arguments or reply went over the message limit), ``error`` (the sandbox failed)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter = collections.Counter()
+
+    def add(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[kind] += n
+
+    def take(self) -> dict[str, int]:
+        """The counts so far (``{kind: n}``), and reset them."""
+        with self._lock:
+            out, self._counts = dict(self._counts), collections.Counter()
+        return out
+
+
+_SELF_TEST_TESTS = "assert f(1) == 2\nassert f(-3) == -2\nassert f(10 ** 5000) == 10 ** 5000 + 1\n"
+_SELF_TESTED: set = set()
+_SELF_TEST_CASES = (("def f(x):\n    return x + 1\n", True), ("def f(x):\n    return x\n", False))
+
+
 def make_code_reward(
-    *, timeout_s: float = 5.0, memory_mb: int = 1024, num_workers: int = 2, max_procs: int = 1
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 1024,
+    num_workers: int | None = None,
+    max_procs: int = 1,
+    sandbox: str = "isolated",
+    max_message_mb: float = MAX_MESSAGE_MB,
+    wall_timeout_s: float | None = None,
 ) -> Callable[..., list[float]]:
     """Build a TRL-style code reward with the given sandbox limits.
 
     Args:
-        timeout_s: wall-clock seconds per sample (then both of its sandboxes are killed).
+        timeout_s: CPU seconds per sample, for each of its two sandboxes (``RLIMIT_CPU``, counted
+            from the program's start: interpreter start-ups and waiting on a busy machine do
+            not count).
         memory_mb: memory of each sandbox as a whole (processes + tmpfs), MiB.
-        num_workers: samples checked in parallel (threads, each waiting on two child processes).
+        num_workers: samples checked in parallel (threads, each waiting on two child processes);
+            None: :func:`default_workers` (the CPU count).
         max_procs: processes/threads each sandbox may have at once; 1 (default) = no fork.
+        sandbox: ``"isolated"`` (Linux namespaces; refuse where unavailable) or ``"unisolated"``
+            (accept the Landlock + seccomp sandbox where namespaces are unavailable); the
+            ``rewards.sandbox`` setting.
+        max_message_mb: largest arguments / reply of one call, MiB of JSON.
+        wall_timeout_s: wall-clock backstop per sample (default ``4 * timeout_s + 10``).
 
     Returns:
-        ``fn(prompts, completions, **columns) -> list[float]``; see :func:`code_reward`.
+        ``fn(prompts, completions, **columns) -> list[float]``; see :func:`code_reward`. It also
+        has ``fn.events`` (a :class:`RewardEvents`: timeouts, oversize messages and sandbox errors,
+        for the trainer's ``reward_timeouts`` metric) and ``fn.self_test()``.
 
     Raises:
-        ValueError: non-positive limits, or ``memory_mb`` too small for ``max_procs`` processes.
+        ValueError: non-positive limits, ``memory_mb`` too small for ``max_procs`` processes, or
+            an unknown ``sandbox``.
     """
+    if num_workers is None:
+        num_workers = default_workers()
     if num_workers < 1:
         raise ValueError(f"code reward num_workers must be >= 1, got {num_workers}")
-    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_procs=max_procs)
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"code reward sandbox must be one of {', '.join(SANDBOX_MODES)}, got {sandbox!r}")
+    if not max_message_mb > 0:
+        raise ValueError(f"code reward max_message_mb must be > 0, got {max_message_mb}")
+    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_procs=max_procs,
+                           wall_timeout_s=wall_timeout_s)
+    events = RewardEvents()
+
+    def check(solution: str, tests_src: str, prompt: str | None, names: list[str]):
+        return check_solution(solution, tests_src, prompt=prompt, functions=names, limits=limits, sandbox=sandbox,
+                              max_message_mb=max_message_mb)
 
     def code_reward(prompts: Sequence[str], completions: Sequence[Any], **kwargs: Any) -> list[float]:
         """1.0 if the completion passes the problem's tests, else 0.0.
@@ -129,6 +196,8 @@ def make_code_reward(
         The completion's code runs in one sandbox; the tests run in another that holds no
         untrusted code and receives the solution's results as plain data only, so the verdict
         cannot be forged from inside the solution (see :mod:`das_jax.rl.rewards.code_check`).
+        Samples that time out, exceed the message limit or meet a sandbox error score 0.0 and
+        are counted in ``code_reward.events``; one log line per call sums them up.
 
         Columns (kwargs, one value per completion): ``test`` + ``entry_point`` (HumanEval), or
         ``answer`` (a full test harness, as in ``Problem.answer`` for code problems); optional
@@ -137,6 +206,7 @@ def make_code_reward(
 
         Raises:
             ValueError: no test columns, or a column of the wrong length.
+            SandboxUnavailableError: the sandbox cannot run here (see ``sandbox``).
         """
         comps = [_as_text(c) for c in completions]
         n = len(comps)
@@ -144,6 +214,8 @@ def make_code_reward(
         answers, code_prompts = _col(kwargs, "answer", n), _col(kwargs, "code_prompt", n)
         if (tests is None or eps is None) and answers is None:
             raise ValueError(f"code_reward: needs columns test + entry_point, or answer; got {sorted(kwargs)}")
+        require_sandbox(sandbox)  # refuse before any sample, in one line
+        statuses: list[str] = [""] * n
 
         def one(i: int) -> float:
             prompt = code_prompts[i] if code_prompts else None
@@ -160,19 +232,58 @@ def make_code_reward(
                 logger.error("code_reward: sample %d: unusable tests (%s: %s); reward 0", i, type(e).__name__, e)
                 return 0.0
             solution = build_solution(comps[i], code_prompt=prompt, entry_point=ep)
-            r = check_solution(solution, tests_src, prompt=prompt, functions=names, limits=limits)
+            r = check(solution, tests_src, prompt, names)
+            statuses[i] = r.status
             if r.status == "error":
                 logger.error("code_reward: sandbox error: %s", r.detail[-500:])
             return 1.0 if r.passed else 0.0
 
         if num_workers == 1 or n <= 1:
-            return [one(i) for i in range(n)]
-        with ThreadPoolExecutor(max_workers=min(num_workers, n), thread_name_prefix="das-code-reward") as ex:
-            return list(ex.map(one, range(n)))
+            out = [one(i) for i in range(n)]
+        else:
+            with ThreadPoolExecutor(max_workers=min(num_workers, n), thread_name_prefix="das-code-reward") as ex:
+                out = list(ex.map(one, range(n)))
+        counts = collections.Counter(s for s in statuses if s in ("timeout", "too_large", "error"))
+        for kind, k in counts.items():
+            events.add(kind, k)
+        if counts:
+            logger.warning(
+                "code_reward: %d of %d sample(s) scored 0 without a verdict: %s (limits: %g s CPU per sandbox, "
+                "%g s wall; %g MiB per message)", sum(counts.values()), n,
+                ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), limits.timeout_s, limits.wall_s,
+                max_message_mb)
+        return out
+
+    def self_test() -> None:
+        """Judge one correct and one wrong solution; raise if either verdict is wrong (once per
+        process and configuration: a passing self-test is remembered).
+
+        Raises:
+            SandboxUnavailableError: the sandbox cannot run here, or gave a wrong verdict (the
+                one-line message names ``rewards.sandbox`` and what went wrong).
+        """
+        caps = require_sandbox(sandbox)
+        key = (sandbox, caps.mode, limits, max_message_mb)
+        if key in _SELF_TESTED:
+            return
+        for solution, want in _SELF_TEST_CASES:
+            r = check(solution, _SELF_TEST_TESTS, None, ["f"])
+            if r.passed != want:
+                why = " ".join((r.detail or r.solution_stderr or "no output").split())[-300:]
+                raise SandboxUnavailableError(
+                    f"code reward self-test: the sandbox judged a {'correct' if want else 'wrong'} solution "
+                    f"{r.status} (rewards.sandbox={sandbox}, mode {caps.mode}: {why}); code rewards would be "
+                    "wrong, so training stops: fix the sandbox (a writable temp dir, $DAS_JAX_SANDBOX_PYTHON "
+                    "readable by other users) or set rewards.sandbox")
+        _SELF_TESTED.add(key)
 
     code_reward.__name__ = "code_reward"
+    code_reward.events = events  # type: ignore[attr-defined]
+    code_reward.self_test = self_test  # type: ignore[attr-defined]
+    code_reward.sandbox = sandbox  # type: ignore[attr-defined]
     return code_reward
 
 
-#: The default code reward: 5 s timeout, 1 GiB per sandbox, no fork, 2 parallel workers.
+#: The default code reward: 5 CPU-seconds per sandbox, 1 GiB per sandbox, no fork, isolated
+#: sandbox only, one worker per CPU.
 code_reward = make_code_reward()

@@ -3,12 +3,14 @@ registered in ``das_jax.registry.REWARDS``; ``REWARD_FUNCTIONS`` is that registr
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from das_jax.registry import REWARDS
-from das_jax.rl.rewards.code_reward import code_reward
+from das_jax.rl.rewards.code_reward import code_reward, make_code_reward
 from das_jax.rl.rewards.math_reward import format_reward, math_accuracy_reward
 from das_jax.rl.rewards.safety import RewardFn
 
-__all__ = ["REWARD_FUNCTIONS", "get_reward_fn", "register_reward_fn"]
+__all__ = ["REWARD_FUNCTIONS", "get_reward_fn", "register_reward_fn", "reward_fns_from_config"]
 
 REWARDS.register("math_accuracy", math_accuracy_reward)
 REWARDS.register("format", format_reward)
@@ -42,3 +44,21 @@ def register_reward_fn(name: str, fn: RewardFn, *, overwrite: bool = False) -> N
     REWARD_FUNCTIONS[name] = fn
 
 
+
+
+def reward_fns_from_config(names: Sequence[str], rewards: Any = None) -> list[RewardFn]:
+    """The reward functions ``names`` (``grpo.reward_funcs``), the built-in ``code`` reward built
+    with the ``rewards:`` config section (``sandbox``, ``workers``, ``timeout_s``, ``memory_mb``;
+    None: the defaults). Other names come from the registry as they are.
+
+    Raises:
+        KeyError: an unknown name.
+    """
+    out = []
+    for name in names:
+        fn = get_reward_fn(name)
+        if fn is code_reward and rewards is not None:
+            fn = make_code_reward(timeout_s=rewards.timeout_s, memory_mb=rewards.memory_mb,
+                                  num_workers=rewards.workers, sandbox=rewards.sandbox)
+        out.append(fn)
+    return out

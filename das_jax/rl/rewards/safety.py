@@ -5,6 +5,9 @@ sample must never crash a run: the error is logged (``logging``, logger
 ``das_jax.rl.rewards.safety``, naming the function and the exception) and the affected samples
 get 0.0. One sample's failure never spills onto the others: when a call on the batch raises,
 each sample is scored again on its own and only the samples that fail alone get 0.0.
+
+The one exception that passes through: ``SandboxUnavailableError`` (a code reward that refuses to
+run untrusted code on this machine); scoring every sample 0 instead would train on nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import functools
 import logging
 import math
 from typing import Any, Callable, Sequence
+
+from das_jax.rl.rewards.sandbox import SandboxUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +76,8 @@ def safe_reward(fn: RewardFn, name: str | None = None) -> Callable[..., list[flo
         list / tuple / array kwarg of length ``len(completions)``; other kwargs passed as they
         are); samples that fail alone get 0.0, and an ERROR log record names the function, the
         exception (with traceback) and how many samples it cost;
-      * a non-list result or a result of the wrong length -> all 0.0, and an ERROR log record.
+      * a non-list result or a result of the wrong length -> all 0.0, and an ERROR log record;
+      * ``SandboxUnavailableError`` is raised, not scored.
 
     Args:
         fn: the reward function.
@@ -84,6 +90,8 @@ def safe_reward(fn: RewardFn, name: str | None = None) -> Callable[..., list[flo
         n = len(completions)
         try:
             values = fn(prompts, completions, **kwargs)
+        except SandboxUnavailableError:
+            raise
         except Exception as e:  # noqa: BLE001 - the whole point
             if n <= 1:
                 logger.error("reward function %r failed (%s: %s); giving 0.0 to %d sample(s)",
