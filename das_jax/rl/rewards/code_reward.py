@@ -7,6 +7,7 @@ import collections
 import logging
 import os
 import re
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -263,7 +264,8 @@ def make_code_reward(
                 one-line message names ``rewards.sandbox`` and what went wrong).
         """
         caps = require_sandbox(sandbox)
-        key = (sandbox, caps.mode, limits, max_message_mb)
+        # a passing verdict holds for this temp dir (the sandbox's work dirs live under it)
+        key = (sandbox, caps.mode, limits, max_message_mb, tempfile.gettempdir())
         if key in _SELF_TESTED:
             return
         for solution, want in _SELF_TEST_CASES:
