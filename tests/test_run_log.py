@@ -205,3 +205,38 @@ def test_bench_main_job_compares_the_runs_drafter_with_none_from_its_checkpoint(
             ([str(run_dir), "--drafter", "das,none"], "--drafter takes one speculation name")):
         rc, _, err = _run_cli(["bench", "main-job", *argv])
         assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+class _RunsCode:
+    """Unpickling this touches a marker file (what a hostile checkpoint would do instead)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_in_a_run_dir_is_never_executed(runs, monkeypatch, tmp_path):
+    """A checkpoint whose drafter state is a (crafted) pickle: `train --resume` and `bench
+    main-job` refuse it in one line, exit 2, and never unpickle it."""
+    import pickle
+    import shutil
+    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    monkeypatch.setattr(rl_cli, "load_model", lambda config: (
+        CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["das"][0], run_dir)
+    marker = tmp_path / "pwned"
+    for d in (run_dir / "checkpoints").glob("*/drafter"):
+        for f in d.glob("drafter_state.*"):
+            f.unlink()
+        (d / "drafter_state.pkl").write_bytes(pickle.dumps(_RunsCode(marker)))
+    for argv in (["train", "--resume", str(run_dir), "--set", "train.steps=3"],
+                 ["bench", "main-job", str(run_dir), "--steps", "1"]):
+        rc, _, err = _run_cli(argv)
+        lines = [x for x in err.strip().splitlines() if ": error: " in x or "Traceback" in x]
+        assert rc == 2 and "Traceback" not in err, err
+        assert len(lines) == 1 and "drafter state as a pickle (drafter_state.pkl)" in lines[0], err
+        assert not marker.exists()

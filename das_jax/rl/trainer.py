@@ -373,9 +373,11 @@ class GRPOTrainer:
         naming it.
 
         Raises:
-          TrainError: no checkpoint, none readable, or one written for another model/optimizer.
+          TrainError: no checkpoint, none readable, one written for another model/optimizer, or
+            one in a format this version does not read (an older version's pickle).
         """
-        from das_jax.rl.checkpoint import CheckpointError, CheckpointMismatchError
+        from das_jax.rl.checkpoint import (CheckpointError, CheckpointFormatError,
+                                           CheckpointMismatchError)
         steps = [s for s in manager.all_steps() if max_step is None or s <= max_step]
         where = manager.step_dir(0).parent
         if not steps:
@@ -391,6 +393,8 @@ class GRPOTrainer:
             except CheckpointMismatchError as e:
                 raise TrainError(f"{e}; resume with the run's own model.source / model and grpo "
                                  "settings, or start a new run in another output_dir") from None
+            except CheckpointFormatError as e:
+                raise TrainError(str(e)) from None
             except CheckpointError as e:
                 reason = str(e).splitlines()[0] if str(e) else type(e).__name__
                 unreadable.append((step, reason if len(reason) <= 240 else reason[:237] + "..."))
