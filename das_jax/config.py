@@ -449,6 +449,9 @@ def validate(cfg: Config) -> Config:
     """Checks cross-field constraints and resolves defaults that depend on other sections
     (`grpo.max_completion_length`). Returns the resolved config."""
     r, g, t, d, das = cfg.rollout, cfg.grpo, cfg.train, cfg.data, cfg.das
+    _check(cfg.output_dir.strip() != "",
+           f"output_dir is empty ({cfg.output_dir!r}); set it to the run's own directory, e.g. "
+           "--set output_dir=runs/my-run")
     _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
     _check(r.temperature > 0,
            f"rollout.temperature must be > 0 for training, got {r.temperature}: the GRPO "
@@ -661,7 +664,8 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
 
     Raises:
       ConfigError: unreadable/invalid YAML, unknown keys, wrong types, invalid choices or
-        cross-field constraint violations; the message names the file and the key.
+        cross-field constraint violations; the message names the key and where the bad value
+        came from (the file, or the `--set KEY=VALUE` that made the config invalid).
     """
     raw: Any = {}
     if path is not None:
@@ -681,9 +685,22 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     try:
         return config_from_dict(raw, overrides)
     except ConfigError as e:
-        if path is None:
-            raise
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(_blame(raw, path, overrides, str(e))) from None
+
+
+def _blame(raw: Any, path, overrides: Sequence[str], msg: str) -> str:
+    """`msg` prefixed with what holds the bad value: the config file, when it is invalid on its
+    own, else the first `--set KEY=VALUE` after which the config fails with this message."""
+    if msg.startswith("override "):
+        return msg                       # a malformed --set names itself
+    where = f"{path}: " if path is not None else ""
+    for k in range(len(overrides) + 1):
+        try:
+            config_from_dict(raw, overrides[:k])
+        except ConfigError as e:
+            if str(e) == msg:
+                return f"--set {overrides[k - 1]}: {msg}" if k else where + msg
+    return where + msg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -40,8 +40,9 @@ def register(subparsers) -> None:
                         "its config.yaml; --set may still override, e.g. train.steps to extend "
                         "a finished run)")
     p.add_argument("--overwrite", action="store_true",
-                   help="start a new run even if output_dir holds a previous run's files "
-                        "(config.yaml, metrics.jsonl, checkpoints/, tb/, plots/), removing them")
+                   help="start a new run even if output_dir holds a previous run's files, "
+                        "removing only what das-jax wrote there (config.yaml, metrics.jsonl, "
+                        "samples.jsonl, checkpoint steps, TensorBoard events, its plots)")
     p.add_argument("--steps", type=nonnegative_int, help="shortcut for --set train.steps=N")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar: one plain line per step (also the behaviour when "
@@ -155,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
                 print(rd.complete_message(args.resume, steps_on_disk[-1], config.train.steps),
                       file=sys.stderr)
                 return 0
-        elif not args.overwrite:
-            rd.check_new_run(config.output_dir, has_checkpoint=bool(steps_on_disk))
+        else:
+            rd.check_new_run(config.output_dir, has_checkpoint=bool(steps_on_disk),
+                             overwrite=args.overwrite)
         dist.initialize_from_config(config.distributed)
         apply_platform(config)
         from das_jax.data import problems_from_config

@@ -425,12 +425,14 @@ class GRPOTrainer:
 
         The run directory is locked for the whole call (`das_jax.rl.run_dir`). A new run
         (`resume=False`) refuses a directory holding a previous run's files unless `overwrite`
-        (which removes them first). A resumed run that already reached `train.steps` logs that it
-        is complete and returns [].
+        (which removes only the files das-jax wrote there), and a directory whose files it
+        would write over but no das-jax run wrote (`das_jax.rl.run_dir`). A resumed run that
+        already reached `train.steps` logs that it is complete and returns [].
 
         Raises:
           RunDirError: output_dir is in use by another run, holds a previous run (new run without
-            overwrite), or is not a directory.
+            overwrite) or files a new run would write over that no das-jax run wrote, or is not
+            a directory.
           TrainError: nothing to resume; a non-finite loss (nothing of that step is saved); the
             disk filled up while checkpointing.
         """
@@ -441,10 +443,12 @@ class GRPOTrainer:
         primary = dist.is_primary()  # process 0 owns the run directory's files and logs
         with rd.lock_run_dir(self.run_dir) if primary else contextlib.nullcontext():
             if not resume and primary:
+                rd.check_new_run(self.run_dir, overwrite=overwrite,
+                                 has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
                 if overwrite:
                     rd.clear_run(self.run_dir)
-                rd.check_new_run(self.run_dir,
-                                 has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
+            if primary:
+                rd.write_manifest(self.run_dir)   # a resumed older run gets one too
             dist.sync("das_jax.train.run_dir_checked")
             # one array at a time in flight while saving (bounds tensorstore's buffers)
             manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints,
