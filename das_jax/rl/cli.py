@@ -195,7 +195,10 @@ def run_samples(args: argparse.Namespace) -> int:
         print(f"das-jax samples: error: {path} does not exist; pass a run directory written by "
               "'das-jax train' with train.log_samples > 0", file=sys.stderr)
         return 2
-    samples = read_jsonl(path)
+    problems: list[str] = []
+    samples = read_jsonl(path, problems)
+    for msg in problems:
+        print(f"das-jax samples: warning: {msg}", file=sys.stderr)
     steps = sorted({s["step"] for s in samples})
     if not steps:
         print(f"das-jax samples: error: {path} holds no samples yet", file=sys.stderr)
@@ -226,11 +229,14 @@ def _ranges(steps: list[int]) -> str:
 
 def run_compare(args: argparse.Namespace) -> int:
     from das_jax.rl.compare import RunDirError, compare_table, load_run
+    problems: list[str] = []
     try:
-        runs = [load_run(args.run_a), load_run(args.run_b)]
+        runs = [load_run(args.run_a, problems), load_run(args.run_b, problems)]
     except RunDirError as e:
         print(f"das-jax compare: error: {e}", file=sys.stderr)
         return 2
+    for msg in problems:
+        print(f"das-jax compare: warning: {msg}", file=sys.stderr)
     names = [Path(args.run_a).resolve().name, Path(args.run_b).resolve().name]
     if names[0] == names[1]:
         names = [str(args.run_a), str(args.run_b)]

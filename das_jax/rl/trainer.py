@@ -130,6 +130,7 @@ class GRPOTrainer:
         # compute dtype (`rollout_params`), so nothing stays alive across the update.
         self.rollouts = Rollout.from_config(c, self.model_config, None,
                                             self.tokenizer.eos_token_ids)
+        self._check_prompts_and_stop_ids()
         if reward_fns is None:
             reward_fns = [get_reward_fn(n) for n in c.grpo.reward_funcs]
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
@@ -330,6 +331,32 @@ class GRPOTrainer:
                                         self.prompt_text)
         return record
 
+    def _check_prompts_and_stop_ids(self) -> None:
+        """What the engine would reject at the first rollout, checked at construction and named
+        by its config key.
+
+        Raises:
+          TrainError: a rollout.stop_token_ids entry outside the vocabulary, or a prompt that
+            does not fit rollout.max_cache_len with rollout.max_new_tokens and the widest draft.
+        """
+        c, vocab = self.config, self.model_config.vocab_size
+        bad = [t for t in c.rollout.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise TrainError(f"rollout.stop_token_ids {bad} are outside the model's vocabulary "
+                             f"[0, {vocab}); use token ids of the model's tokenizer")
+        ec = getattr(self.rollouts, "engine_config", None)
+        limit = ec.max_cache_len if ec is not None else c.rollout.max_cache_len
+        width = max(ec.draft_widths if ec is not None else c.rollout.draft_widths)
+        pid, ids = max(self.prompt_ids.items(), key=lambda kv: len(kv[1]))
+        need = len(ids) + c.rollout.max_new_tokens + width
+        if need > limit:
+            raise TrainError(
+                f"the longest prompt (problem {pid!r}, {len(ids)} tokens) + rollout.max_new_tokens"
+                f"={c.rollout.max_new_tokens} + draft width {width} needs {need} cache positions "
+                f"but rollout.max_cache_len={limit}; raise rollout.max_cache_len to at least "
+                f"{need}, lower rollout.max_new_tokens, or shorten the prompts (data.instruction, "
+                "data.chat)")
+
     def release_optimizer_state(self) -> None:
         """Drops the optimizer state once the run has reached `train.steps` (after its last
         checkpoint, which holds it): no update follows, so the final evaluation and the plots
@@ -409,13 +436,24 @@ class GRPOTrainer:
             log.warning("checkpoint step %s is unreadable (%s); resuming from step %d, the newest "
                         "readable checkpoint (the unreadable one moved to %s)",
                         ", ".join(str(s) for s, _ in unreadable), unreadable[0][1], step, moved)
+        try:
+            if isinstance(drafter_state, dict) and ROLLOUT_STATE_KEY in drafter_state:
+                # this process's drafter and DAS policy state
+                self.rollouts.load_state_dict(drafter_state[ROLLOUT_STATE_KEY])
+            else:  # a checkpoint written before per-process rollout state
+                self.rollouts.load_state_dict({"drafter": drafter_state,
+                                               "policy": meta.get("policy_state")})
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            saved = (meta.get("config") or {}) if isinstance(meta.get("config"), dict) else {}
+            was = (f" (the run was trained with drafter={saved['drafter']})"
+                   if saved.get("drafter") not in (None, self.config.drafter) else "")
+            raise TrainError(
+                f"checkpoint {manager.step_dir(step)}: its drafter / DAS policy state does not "
+                f"fit drafter={self.config.drafter} and this run's das settings{was}: "
+                f"{type(e).__name__}: {e}; resume with the run's own drafter and das settings "
+                "(drop those --set overrides), or start a new run in another output_dir"
+                ) from None
         self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])
-        if isinstance(drafter_state, dict) and ROLLOUT_STATE_KEY in drafter_state:
-            # this process's drafter and DAS policy state
-            self.rollouts.load_state_dict(drafter_state[ROLLOUT_STATE_KEY])
-        else:  # a checkpoint written before per-process rollout state
-            self.rollouts.load_state_dict({"drafter": drafter_state,
-                                           "policy": meta.get("policy_state")})
         return self.step
 
     # ------------------------------------------------------------------ the loop
