@@ -29,8 +29,8 @@ def register(subparsers) -> None:
                     "after a rare rounding flip; see the README's caveats).",
         epilog="Config values not set by --config or --set take the defaults in "
                "das_jax/config.py; the resolved config is saved as RUN_DIR/config.yaml. A run "
-               "dir gets metrics.jsonl, samples.jsonl, plots/*.png, tb/ (TensorBoard) and "
-               "checkpoints/.")
+               "dir gets das-jax-run.json (the mark of a das-jax run), metrics.jsonl, "
+               "samples.jsonl, plots/*.png, tb/ (TensorBoard) and checkpoints/.")
     p.add_argument("--config", help="YAML run config (default: the built-in defaults of "
                                     f"das_jax/config.py; the main job is {DEFAULT_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
