@@ -151,10 +151,146 @@ def test_missing_and_corrupt_checkpoints(tmp_path, state):
     shutil.rmtree(mngr.directory / "2" / "state")  # array data gone
     with pytest.raises(CheckpointError, match=r"checkpoint .*run/checkpoints/2"):
         mngr.restore(2, small, small_opt)
-    (mngr.directory / "1" / "drafter" / "drafter_state.pkl").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match=r"failed to restore checkpoint .*checkpoints/1"):
+    (mngr.directory / "1" / "drafter" / "drafter_state.json").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"drafter_state.json is not valid JSON"):
         mngr.restore(1, small, small_opt)
     mngr.close()
+
+
+# ----- the rollout state is data: JSON + npz, never a pickle --------------------------------------
+
+class _RunsCode:
+    """Unpickling this touches a marker file (what a hostile checkpoint would do instead)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_rollout_state_round_trips_exactly():
+    from das_jax.rl.checkpoint import decode_state, encode_state
+    state = {"kind": "suffix", "n": np.int64(3), "f": np.float32(0.5), "b": np.bool_(True),
+             "nan": float("nan"), "inf": -float("inf"), "none": None, "empty": {},
+             "ints": {3: "a", -1: "b"}, "tuples": {("p", 1): (1, 2.5, "x")}, "__dunder": 1,
+             "nested": [[1, [2, np.arange(3, dtype=np.int16)]], {"x": np.zeros((2, 0))}],
+             "arrays": [np.arange(6, dtype=np.int32).reshape(2, 3), np.ones(2, np.float64),
+                        np.array([1, 0], np.uint8), jnp.arange(3.0)]}
+    tree, arrays = encode_state(state)
+    import json as _json
+    text = _json.dumps(tree, allow_nan=False)      # strict JSON
+    out = decode_state(_json.loads(text), {f"a{i}": a for i, a in enumerate(arrays)})
+    assert set(out) == set(state)
+    assert out["n"] == 3 and type(out["n"]) is int and out["f"] == 0.5 and out["b"] is True
+    assert np.isnan(out["nan"]) and out["inf"] == -float("inf") and out["none"] is None
+    assert out["empty"] == {} and out["ints"] == {3: "a", -1: "b"} and out["__dunder"] == 1
+    assert out["tuples"] == {("p", 1): (1, 2.5, "x")}
+    assert out["nested"][0][0] == 1 and out["nested"][0][1][0] == 2
+    got = out["nested"][0][1][1]
+    assert got.dtype == np.int16 and got.tolist() == [0, 1, 2]
+    assert out["nested"][1]["x"].shape == (2, 0)
+    for a, b in zip(out["arrays"], state["arrays"]):
+        assert a.dtype == np.asarray(b).dtype and np.array_equal(a, np.asarray(b))
+    with pytest.raises(CheckpointError, match=r"state.bad\[0\] is a object"):
+        encode_state({"bad": [object()]})
+    with pytest.raises(CheckpointError, match="object array"):
+        encode_state({"bad": np.array([None], dtype=object)})
+
+
+def test_drafter_and_policy_state_round_trip_through_a_checkpoint(tmp_path):
+    """A suffix drafter with history and live requests and a DAS policy with observations come
+    back equal, and the restored drafter proposes what the saved one does."""
+    from das_jax.drafter import SuffixDrafter
+    from das_jax.engine.das_policy import DASPolicy
+    drafter = SuffixDrafter()
+    rid = 0
+    for epoch in range(2):
+        for pid, toks in (("arith-0-1", [5, 6, 7, 5, 6, 7, 8]), ("arith-0-2", [1, 2, 3, 1, 2])):
+            for k in range(2):
+                drafter.begin(rid, pid, [9, 9, 5])
+                drafter.append(rid, toks[: len(toks) - k])
+                if epoch == 0 or k == 0:
+                    drafter.end(rid)
+                rid += 1
+        if epoch == 0:
+            drafter.advance_epoch()
+    policy = DASPolicy(drafter.lengths)
+    policy.finished_lengths.extend([3, 9, 27])
+    policy.depth_scale = np.array([0.9, 0.8, 0.7])
+    state = {"rollout": {"drafter": drafter.state_dict(), "policy": policy.state_dict()}}
+    small = {"w": jnp.arange(4.0)}
+    with CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, small, optax.sgd(0.1).init(small), {}, state)
+        _, _, _, back = mngr.restore(1)
+    files = sorted(p.name for p in (tmp_path / "checkpoints" / "1" / "drafter").iterdir()
+                   if p.name.startswith("drafter"))
+    assert files == ["drafter_state.json", "drafter_state.npz"]
+    _assert_state_equal(back, state)
+    d2 = SuffixDrafter()
+    d2.load_state_dict(back["rollout"]["drafter"])
+    _assert_state_equal(d2.state_dict(), drafter.state_dict())
+    p2 = DASPolicy(d2.lengths)
+    p2.load_state_dict(back["rollout"]["policy"])
+    _assert_state_equal(p2.state_dict(), policy.state_dict())
+    for rid in drafter.state_dict()["requests"]:
+        a, b = drafter.propose(rid[0], 4), d2.propose(rid[0], 4)
+        assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.probs, b.probs)
+
+
+def _assert_state_equal(a, b):
+    assert type(a) is type(b) or (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)), (a, b)
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_state_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_state_equal(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    else:
+        assert a == b
+
+
+def test_a_pickled_drafter_state_is_refused_never_unpickled(tmp_path):
+    import pickle
+    from das_jax.rl.checkpoint import CheckpointFormatError
+    small = {"w": jnp.arange(4.0)}
+    marker = tmp_path / "pwned"
+    with CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(1, small, optax.sgd(0.1).init(small), {}, {"x": 1})
+        d = mngr.directory / "1" / "drafter"
+        for f in d.glob("drafter_state.*"):
+            f.unlink()
+        (d / "drafter_state.pkl").write_bytes(pickle.dumps(_RunsCode(marker)))
+        with pytest.raises(CheckpointFormatError, match=r"drafter state as a pickle "
+                           r"\(drafter_state.pkl\).*can run arbitrary code"):
+            mngr.restore(1)
+        assert not marker.exists()
+        # a pickle hidden in the npz (an object array) is not loaded either
+        mngr.save(2, small, optax.sgd(0.1).init(small), {}, {"x": np.arange(2)})
+        npz = mngr.directory / "2" / "drafter" / "drafter_state.npz"
+        np.savez(npz, a0=np.array([_RunsCode(marker)], dtype=object), allow_pickle=True)
+        with pytest.raises(CheckpointError, match="drafter_state.npz .*unreadable"):
+            mngr.restore(2)
+        assert not marker.exists()
+
+
+def test_a_newer_state_schema_is_refused(tmp_path):
+    import json as _json
+    from das_jax.rl.checkpoint import CheckpointFormatError
+    small = {"w": jnp.arange(4.0)}
+    with CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, small, optax.sgd(0.1).init(small), {}, {"x": 1})
+        path = mngr.directory / "1" / "drafter" / "drafter_state.json"
+        head = _json.loads(path.read_text())
+        path.write_text(_json.dumps({**head, "version": 99}))
+        with pytest.raises(CheckpointFormatError, match="schema version 99; this das-jax reads "
+                           "versions 1-1"):
+            mngr.restore(1)
 
 
 def test_aborted_save_echoes_are_filtered_other_errors_printed(monkeypatch, capsys):

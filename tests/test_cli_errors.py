@@ -19,6 +19,7 @@ import pytest
 from das_jax.cli import main
 from das_jax.config import load_config, save_config
 from das_jax.errors import one_line, user_error_message
+from das_jax.rl import run_dir as rd
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_MODEL = "model.source=/nonexistent/model-dir"
@@ -147,6 +148,7 @@ def _fake_run(run_dir: Path, steps: int, checkpoints=(), source="/nonexistent/mo
     cfg = load_config(None, [f"output_dir={run_dir}", f"train.steps={steps}",
                              f"model.source={source}"])
     save_config(cfg, run_dir / "config.yaml")
+    rd.write_manifest(run_dir)
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
     for s in checkpoints:
         (run_dir / "checkpoints" / str(s)).mkdir(parents=True)
@@ -290,3 +292,50 @@ def test_nan_logprobs_are_reported_naming_the_model():
     with pytest.raises(ValueError, match=r"model 'm.gguf' produced non-finite log-probs \(nan\) "
                                          r"at token 1 of prompt 1 sample 2.*corrupt"):
         check_finite_logprobs([ok, bad], "m.gguf", "float32")
+
+
+def test_an_empty_output_dir_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for value in ("", "'  '"):
+        rc, _, err = run_cli(capsys, ["train", "--config", ROOT / "configs" / "tiny.yaml",
+                                      "--set", f"output_dir={value}", "--set", NO_MODEL])
+        assert_one_line_error(rc, err, f"--set output_dir={value}: output_dir is empty",
+                              "das-jax train")
+    assert os.listdir(tmp_path) == []
+
+
+def test_overwrite_never_removes_a_users_own_files(tmp_path, capsys, monkeypatch):
+    """The current directory holding the user's config.yaml and plots/my_figure.png is not a
+    previous run: refused with and without --overwrite, nothing removed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "config.yaml").write_text("mine: true\n")
+    (tmp_path / "plots" / "my_figure.png").write_bytes(b"\x89PNG mine")
+    for extra in ([], ["--overwrite"]):
+        rc, _, err = run_cli(capsys, ["train", "--config", ROOT / "configs" / "tiny.yaml",
+                                      "--set", "output_dir=.", "--set", NO_MODEL, *extra])
+        assert_one_line_error(rc, err, "output_dir '.' holds config.yaml, which no das-jax run "
+                                       "wrote there", "das-jax train")
+        assert "--overwrite" not in err
+    assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
+    assert (tmp_path / "plots" / "my_figure.png").read_bytes() == b"\x89PNG mine"
+    assert sorted(os.listdir(tmp_path)) == [".lock", "config.yaml", "plots"]
+
+
+def test_a_bad_set_value_is_blamed_on_the_set_not_the_file(tmp_path, capsys):
+    tiny = ROOT / "configs" / "tiny.yaml"
+    rc, _, err = run_cli(capsys, ["train", "--config", tiny, "--set", "grpo.learning_rate=nan",
+                                  "--set", NO_MODEL])
+    assert_one_line_error(rc, err, "error: --set grpo.learning_rate=nan: grpo.learning_rate must "
+                                   "be >= 0, got nan", "das-jax train")
+    assert "tiny.yaml" not in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  learning_rate: -1\n")
+    rc, _, err = run_cli(capsys, ["train", "--config", bad, "--set", "grpo.beta=0.1"])
+    assert_one_line_error(rc, err, f"error: {bad}: grpo.learning_rate must be >= 0, got -1.0",
+                          "das-jax train")
+    # a cross-field check broken by an override names that override
+    rc, _, err = run_cli(capsys, ["train", "--config", tiny, "--set", "grpo.beta=0.1",
+                                  "--set", "rollout.max_cache_len=8"])
+    assert_one_line_error(rc, err, "error: --set rollout.max_cache_len=8: rollout.max_cache_len=8 "
+                                   "must exceed rollout.max_new_tokens=16", "das-jax train")

@@ -168,6 +168,26 @@ def test_synthetic_options():
         synthetic_arithmetic(3, seed=0, min_steps=0)
 
 
+def test_synthetic_large_counts_stay_valid():
+    # seed 0's problem 3106 used to buy more $1 comics than the money left: answer -1
+    ps = synthetic_arithmetic(3200, seed=0)
+    assert ps[3106].metadata["template"] == "multi_step" and ps[3106].answer == "0"
+    for seed in (0, 1, 2):
+        for p in synthetic_arithmetic(6000, seed=seed, templates=["multi_step"]):
+            assert int(p.answer) >= 0, (p.problem_id, p.prompt)
+            _check_solution(p)
+    for p in ps:
+        _check_solution(p)
+
+
+def test_synthetic_invalid_answer_raises_even_without_asserts(monkeypatch):
+    from das_jax.data import synthetic
+    monkeypatch.setitem(synthetic.ARITHMETIC_TEMPLATES, "shopping",
+                        lambda rng, steps: ("q?", -1, ["x"] * steps))
+    with pytest.raises(RuntimeError, match="problem 0 of seed 0 .*answer -1"):
+        synthetic_arithmetic(1, seed=0, templates=["shopping"])
+
+
 # ------------------------------------------------------------------------------ dispatcher
 def test_problems_from_config_applies_the_difficulty_keys():
     # The CLI once dropped data.templates / min_steps / max_steps: the main job trained on the

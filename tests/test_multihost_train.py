@@ -121,7 +121,8 @@ def test_two_processes_train_resume_as_one(tmp_path, reference):
     assert abs(ref["losses"][0]) > 1e-3  # a loss that could differ
     assert r0["losses"][0] == pytest.approx(ref["losses"][0], abs=1e-5)
     ckpt = tmp_path / "checkpoints" / "1" / "drafter"
-    assert (ckpt / "drafter_state.pkl").exists() and (ckpt / "drafter_state.p1.pkl").exists()
+    assert (ckpt / "drafter_state.json").exists() and (ckpt / "drafter_state.p1.json").exists()
+    assert (ckpt / "drafter_state.npz").exists() and (ckpt / "drafter_state.p1.npz").exists()
     # resume both processes from step 1 and take step 2
     second = _run("resume", tmp_path, 2)
     for rc, o, e in second:

@@ -88,6 +88,7 @@ def test_output_dir_that_is_a_file(tmp_path):
 def test_a_killed_runs_files_are_not_overwritten(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
+    rd.write_manifest(run)
     (run / "config.yaml").write_text("seed: 1\n")
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(rd.RunDirError) as e:
@@ -97,12 +98,66 @@ def test_a_killed_runs_files_are_not_overwritten(tmp_path):
     assert "another output_dir" in msg and "--overwrite" in msg and "\n" not in msg
     with pytest.raises(rd.RunDirError, match=f"pass --resume {run} to continue it"):
         rd.check_new_run(run, has_checkpoint=True)
+    rd.check_new_run(run, has_checkpoint=True, overwrite=True)
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
     (run / "notes.txt").write_text("mine")
     (run / "tb").mkdir()
-    assert rd.clear_run(run) == ["config.yaml", "metrics.jsonl", "tb"]
+    (run / "tb" / "events.out.tfevents.1.host").write_text("x")
+    assert rd.clear_run(run) == ["config.yaml", "metrics.jsonl", "tb/events.out.tfevents.1.host"]
     assert sorted(os.listdir(run)) == ["notes.txt"]   # only the trainer's own files go
     rd.check_new_run(run, has_checkpoint=False)       # an unrelated file is not a run
+
+
+def test_a_directory_is_a_run_only_with_das_jax_manifest(tmp_path):
+    """A user's own config.yaml and plots/ (the current directory, say) are not a previous run:
+    a run there is refused, --overwrite or not, and nothing of it is removed."""
+    d = tmp_path / "project"
+    (d / "plots").mkdir(parents=True)
+    (d / "config.yaml").write_text("my: settings\n")
+    (d / "plots" / "my_figure.png").write_bytes(b"png")
+    assert not rd.is_run(d) and rd.run_files(d) == []
+    for overwrite in (False, True):
+        with pytest.raises(rd.RunDirError) as e:
+            rd.check_new_run(d, has_checkpoint=False, overwrite=overwrite)
+        msg = str(e.value)
+        assert "holds config.yaml, which no das-jax run wrote there (it has no das-jax-run.json)" \
+            in msg and "choose another output_dir" in msg and "--overwrite" not in msg, msg
+    assert rd.clear_run(d) == []
+    assert (d / "config.yaml").read_text() == "my: settings\n"
+    assert (d / "plots" / "my_figure.png").read_bytes() == b"png"
+    # plots/ of the user's alone is no clash (the run writes its own names next to them) ...
+    (d / "config.yaml").unlink()
+    rd.check_new_run(d, has_checkpoint=False)
+    # ... but one of das-jax's plot names is
+    (d / "plots" / "reward.png").write_bytes(b"mine too")
+    with pytest.raises(rd.RunDirError, match="holds plots/reward.png"):
+        rd.check_new_run(d, has_checkpoint=False, overwrite=True)
+
+
+def test_overwrite_removes_only_what_das_jax_wrote(tmp_path):
+    run = tmp_path / "run"
+    for sub in ("plots", "tb", "checkpoints/3", "checkpoints/4.orbax-checkpoint-tmp-9",
+                "checkpoints.unreadable/2.1"):
+        (run / sub).mkdir(parents=True)
+    rd.write_manifest(run)
+    mine = {"config.yaml.bak": "x", "plots/my_figure.png": "fig", "tb/notes.md": "n",
+            "checkpoints/README": "r"}
+    ours = ["config.yaml", "metrics.jsonl", "samples.jsonl", "plots/reward.png",
+            "plots/rollout_time.png", "tb/events.out.tfevents.7.h"]
+    for name, text in mine.items():
+        (run / name).write_text(text)
+    for name in ours:
+        (run / name).write_text("das-jax")
+    (run / "checkpoints" / "3" / "state").write_text("arrays")
+    assert rd.run_files(run) == ["checkpoints", "checkpoints.unreadable", "config.yaml",
+                                 "metrics.jsonl", "plots", "samples.jsonl", "tb"]
+    removed = rd.clear_run(run)
+    assert sorted(removed) == sorted(ours + ["checkpoints/3", "checkpoints/4.orbax-checkpoint-"
+                                             "tmp-9", "checkpoints.unreadable/2.1"])
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
+    assert left == sorted(mine)
+    assert not (run / "checkpoints.unreadable").exists() and not rd.is_run(run)
+    rd.check_new_run(run, has_checkpoint=False)
 
 
 def test_checkpoint_steps_reads_committed_step_dirs_only(tmp_path):

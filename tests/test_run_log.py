@@ -205,3 +205,132 @@ def test_bench_main_job_compares_the_runs_drafter_with_none_from_its_checkpoint(
             ([str(run_dir), "--drafter", "das,none"], "--drafter takes one speculation name")):
         rc, _, err = _run_cli(["bench", "main-job", *argv])
         assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+class _RunsCode:
+    """Unpickling this touches a marker file (what a hostile checkpoint would do instead)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_in_a_run_dir_is_never_executed(runs, monkeypatch, tmp_path):
+    """A checkpoint whose drafter state is a (crafted) pickle: `train --resume` and `bench
+    main-job` refuse it in one line, exit 2, and never unpickle it."""
+    import pickle
+    import shutil
+    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    monkeypatch.setattr(rl_cli, "load_model", lambda config: (
+        CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["das"][0], run_dir)
+    marker = tmp_path / "pwned"
+    for d in (run_dir / "checkpoints").glob("*/drafter"):
+        for f in d.glob("drafter_state.*"):
+            f.unlink()
+        (d / "drafter_state.pkl").write_bytes(pickle.dumps(_RunsCode(marker)))
+    for argv in (["train", "--resume", str(run_dir), "--set", "train.steps=3"],
+                 ["bench", "main-job", str(run_dir), "--steps", "1"]):
+        rc, _, err = _run_cli(argv)
+        lines = [x for x in err.strip().splitlines() if ": error: " in x or "Traceback" in x]
+        assert rc == 2 and "Traceback" not in err, err
+        assert len(lines) == 1 and "drafter state as a pickle (drafter_state.pkl)" in lines[0], err
+        assert not marker.exists()
+
+
+def test_plot_files_are_the_ones_overwrite_may_remove():
+    from das_jax.rl import run_dir as rd
+    assert sorted(rd.PLOT_FILES) == sorted(PLOTS)
+
+
+TORN = b'{"step": 1, "reward_mean": 0.1}\n{"step": 2, "reward_mean": 0.2}\n{"step": 3, "rew'
+
+
+def test_a_torn_metrics_line_is_reported_and_its_step_named_on_resume(tmp_path, caplog):
+    problems = []
+    (tmp_path / "metrics.jsonl").write_bytes(TORN)
+    recs = run_log.read_jsonl(tmp_path / "metrics.jsonl", problems)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert problems == [f"{tmp_path / 'metrics.jsonl'}:3: skipped a torn last line (the run was "
+                        "killed while writing it); it held step 3"]
+    # a resume from step 3's checkpoint: the torn line and the missing step are both named
+    with caplog.at_level(logging.WARNING, logger="das_jax"):
+        logger = run_log.RunLogger(tmp_path, total_steps=5, start_step=3, progress=False,
+                                   heartbeat_s=0)
+    logger._watch.close()
+    logger._file.close()
+    logger._samples_file.close()
+    text = caplog.text
+    assert "metrics.jsonl:3: skipped a torn last line" in text and "it held step 3" in text
+    assert "metrics.jsonl has no record of step 3 (lost when the run was killed" in text
+    assert [r["step"] for r in run_log.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_samples_and_compare_report_torn_lines_and_bad_utf8(runs, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(runs["das"][0], run)
+    good = (run / "samples.jsonl").read_bytes()
+    (run / "samples.jsonl").write_bytes(good + b'{"step": 3, "index": 0, "compl')
+    torn_line = good.count(b"\n") + 1
+    rc, out, err = _run_cli(["samples", str(run), "--step", "2"])
+    assert rc == 0 and out
+    assert err.strip() == (f"das-jax samples: warning: {run / 'samples.jsonl'}:"
+                           f"{torn_line}: skipped a torn last line (the run was "
+                           "killed while writing it); it held step 3")
+    (run / "samples.jsonl").write_bytes(b'{"step": 1, "q": "caf\xe9"}\n' + good)
+    rc, out, err = _run_cli(["samples", str(run)])
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"das-jax samples: error: {run / 'samples.jsonl'}:1: invalid UTF-8")
+    metrics = (run / "metrics.jsonl").read_bytes()
+    (run / "metrics.jsonl").write_bytes(metrics + b'{"step": 3, "reward_m')
+    rc, out, err = _run_cli(["compare", str(runs["none"][0]), str(run),
+                             "--out", str(tmp_path / "c.png")])
+    assert rc == 0 and "| metric" in out
+    assert f"das-jax compare: warning: {run / 'metrics.jsonl'}:" in err
+    assert "skipped a torn last line (the run was killed while writing it); it held step 3" in err
+
+
+def _train_argv(run_dir, *extra):
+    return ["train", "--config", str(TINY_YAML), "--no-progress",
+            "--set", f"output_dir={run_dir}", "--set", "data.chat=false",
+            "--set", "data.instruction=", "--set", "rollout.max_new_tokens=12",
+            "--set", "rollout.draft_widths=[1,4]", "--set", "data.num_problems=2", *extra]
+
+
+def _error_lines(err):
+    return [x for x in err.strip().splitlines() if ": error: " in x or "Traceback" in x]
+
+
+def test_train_errors_found_with_the_model_are_one_line_naming_the_key(runs, monkeypatch,
+                                                                       tmp_path):
+    import shutil
+    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    monkeypatch.setattr(rl_cli, "load_model", lambda config: (
+        CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
+    cases = [
+        (_train_argv(tmp_path / "a", "--set", "rollout.stop_token_ids=[100000]"),
+         "rollout.stop_token_ids [100000] are outside the model's vocabulary [0, 64)"),
+        (_train_argv(tmp_path / "b", "--set", "rollout.max_cache_len=40"),
+         "rollout.max_cache_len=40; raise rollout.max_cache_len to at least"),
+    ]
+    run = tmp_path / "run"
+    shutil.copytree(runs["das"][0], run)
+    cases.append((["train", "--resume", str(run), "--set", "drafter=ngram",
+                   "--set", "train.steps=3"],
+                  "drafter / DAS policy state does not fit drafter=ngram and this run's das "
+                  "settings (the run was trained with drafter=das)"))
+    for argv, fragment in cases:
+        rc, _, err = _run_cli(argv)
+        lines = _error_lines(err)
+        assert rc == 2 and "Traceback" not in err, err
+        assert len(lines) == 1 and fragment in lines[0], err
+    assert steps_of(run) == [1, 2]
+
+
+def steps_of(run_dir):
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

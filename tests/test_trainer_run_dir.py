@@ -117,8 +117,8 @@ def test_disk_full_while_checkpointing_says_so(tmp_path, monkeypatch):
     from das_jax.rl import checkpoint
 
     def full(self, directory, args):
-        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "x.pkl"))
-    monkeypatch.setattr(checkpoint.PickleCheckpointHandler, "save", full)
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "x.npz"))
+    monkeypatch.setattr(checkpoint.StateCheckpointHandler, "save", full)
     run = tmp_path / "run"
     with pytest.raises(TrainError) as e:
         trainer(config(run, steps=1)).train(progress=False)

@@ -42,8 +42,8 @@ def register(subparsers) -> None:
                     "after a rare rounding flip; see the README's caveats).",
         epilog="Config values not set by --config or --set take the defaults in "
                "das_jax/config/schema.py; the resolved config is saved as RUN_DIR/config.yaml. A run "
-               "dir gets metrics.jsonl, samples.jsonl, plots/*.png, tb/ (TensorBoard) and "
-               "checkpoints/.")
+               "dir gets das-jax-run.json (the mark of a das-jax run), metrics.jsonl, "
+               "samples.jsonl, plots/*.png, tb/ (TensorBoard) and checkpoints/.")
     p.add_argument("--config", help="YAML run config (default: the built-in defaults of "
                                     f"das_jax/config/schema.py; the main job is {DEFAULT_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -53,8 +53,9 @@ def register(subparsers) -> None:
                         "its config.yaml; --set may still override, e.g. train.steps to extend "
                         "a finished run)")
     p.add_argument("--overwrite", action="store_true",
-                   help="start a new run even if output_dir holds a previous run's files "
-                        "(config.yaml, metrics.jsonl, checkpoints/, tb/, plots/), removing them")
+                   help="start a new run even if output_dir holds a previous run's files, "
+                        "removing only what das-jax wrote there (config.yaml, metrics.jsonl, "
+                        "samples.jsonl, checkpoint steps, TensorBoard events, its plots)")
     p.add_argument("--steps", type=nonnegative_int, help="shortcut for --set train.steps=N")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar: one plain line per step (also the behaviour when "
@@ -136,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
                 print(rd.complete_message(args.resume, steps_on_disk[-1], config.train.steps),
                       file=sys.stderr)
                 return 0
-        elif not args.overwrite:
-            rd.check_new_run(config.output_dir, has_checkpoint=bool(steps_on_disk))
+        else:
+            rd.check_new_run(config.output_dir, has_checkpoint=bool(steps_on_disk),
+                             overwrite=args.overwrite)
         dist.initialize_from_config(config.distributed)
         apply_platform(config)
         problems = problems_from_config(config.data)
@@ -172,7 +174,10 @@ def run_samples(args: argparse.Namespace) -> int:
         print(f"das-jax samples: error: {path} does not exist; pass a run directory written by "
               "'das-jax train' with train.log_samples > 0", file=sys.stderr)
         return 2
-    samples = read_jsonl(path)
+    problems: list[str] = []
+    samples = read_jsonl(path, problems)
+    for msg in problems:
+        print(f"das-jax samples: warning: {msg}", file=sys.stderr)
     steps = sorted({s["step"] for s in samples})
     if not steps:
         print(f"das-jax samples: error: {path} holds no samples yet", file=sys.stderr)
@@ -202,11 +207,14 @@ def _ranges(steps: list[int]) -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    problems: list[str] = []
     try:
-        runs = [load_run(args.run_a), load_run(args.run_b)]
+        runs = [load_run(args.run_a, problems), load_run(args.run_b, problems)]
     except RunDirError as e:
         print(f"das-jax compare: error: {e}", file=sys.stderr)
         return 2
+    for msg in problems:
+        print(f"das-jax compare: warning: {msg}", file=sys.stderr)
     names = [Path(args.run_a).resolve().name, Path(args.run_b).resolve().name]
     if names[0] == names[1]:
         names = [str(args.run_a), str(args.run_b)]

@@ -227,7 +227,8 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
 
     Raises:
       ConfigError: unreadable/invalid YAML, unknown keys, wrong types, invalid choices or
-        cross-field constraint violations; the message names the file and the key.
+        cross-field constraint violations; the message names the key and where the bad value
+        came from (the file, or the `--set KEY=VALUE` that made the config invalid).
     """
     raw: Any = {}
     if path is not None:
@@ -247,9 +248,22 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     try:
         return config_from_dict(raw, overrides)
     except ConfigError as e:
-        if path is None:
-            raise
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(_blame(raw, path, overrides, str(e))) from None
+
+
+def _blame(raw: Any, path, overrides: Sequence[str], msg: str) -> str:
+    """`msg` prefixed with what holds the bad value: the config file, when it is invalid on its
+    own, else the first `--set KEY=VALUE` after which the config fails with this message."""
+    if msg.startswith("override "):
+        return msg                       # a malformed --set names itself
+    where = f"{path}: " if path is not None else ""
+    for k in range(len(overrides) + 1):
+        try:
+            config_from_dict(raw, overrides[:k])
+        except ConfigError as e:
+            if str(e) == msg:
+                return f"--set {overrides[k - 1]}: {msg}" if k else where + msg
+    return where + msg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

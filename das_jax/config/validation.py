@@ -24,6 +24,9 @@ def validate(cfg: Config) -> Config:
     """Checks cross-field constraints and resolves defaults that depend on other sections
     (`grpo.max_completion_length`). Returns the resolved config."""
     r, g, t, d, das = cfg.rollout, cfg.grpo, cfg.train, cfg.data, cfg.das
+    _check(cfg.output_dir.strip() != "",
+           f"output_dir is empty ({cfg.output_dir!r}); set it to the run's own directory, e.g. "
+           "--set output_dir=runs/my-run")
     _check(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
     _check(r.temperature > 0,
            f"rollout.temperature must be > 0 for training, got {r.temperature}: the GRPO "

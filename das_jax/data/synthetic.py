@@ -204,7 +204,8 @@ def _running_total(rng: random.Random, steps: int):
             sol.append(f"{v} / 2 = {v // 2}.")
             v //= 2
         else:  # buy n things at p each: one step "v - n*p" shown as one line
-            n = rng.randint(2, 5)
+            # at most v comics at $1 or more each: the money never goes below 0
+            n = min(rng.randint(2, 5), v)
             p = rng.randint(1, max(1, (v - 1) // n))
             q.append(f"{d}, {name} buys {n} comics at ${p} each.")
             sol.append(f"{v} - {n} * {p} = {v - n * p}.")
@@ -302,7 +303,11 @@ def synthetic_arithmetic(
         if res is None:
             raise ValueError(f"no template among {names} can make a {steps}-step problem")
         question, answer, sol = res
-        assert len(sol) == steps and isinstance(answer, int) and answer >= 0
+        if len(sol) != steps or not isinstance(answer, int) or answer < 0:
+            # a template bug, never a user error: stop rather than train on a wrong answer
+            raise RuntimeError(f"synthetic problem {i} of seed {seed} (template {t!r}) came out "
+                               f"invalid: answer {answer!r}, {len(sol)} solution steps for "
+                               f"{steps}; this is a bug in das_jax.data.synthetic")
         out.append(
             Problem(
                 problem_id=f"{id_prefix}-{seed}-{i}",

@@ -68,7 +68,8 @@ class Drafter(Protocol):
         """Epoch boundary: the current epoch becomes history; the window drops the oldest."""
 
     def state_dict(self) -> dict:
-        """Plain-python (lists/ints/str/np arrays), picklable state for checkpoints."""
+        """Plain data for checkpoints: dicts, lists, tuples, str/int/float/bool/None and numpy
+        arrays (saved as JSON + npz; see das_jax.rl.checkpoint.encode_state)."""
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned."""

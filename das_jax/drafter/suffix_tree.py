@@ -370,7 +370,7 @@ class SuffixForest:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Plain-python / numpy state (picklable)."""
+        """Plain-python / numpy state (plain data: see das_jax.rl.checkpoint.encode_state)."""
         high = int(self.meta[K.M_HIGH])
         return {
             "config": dataclasses.asdict(self.config),

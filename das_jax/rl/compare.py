@@ -19,8 +19,9 @@ class RunDirError(ValueError):
     """A path that is not a training run directory with logged steps."""
 
 
-def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The per-step metrics records of `run_dir` (held-out eval records left out).
+def load_run(run_dir: str | Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """The per-step metrics records of `run_dir` (held-out eval records left out); skipped
+    lines (a torn last line) are reported to `problems` as by `read_jsonl`.
 
     Raises:
       RunDirError: no metrics.jsonl there, or it holds no steps.
@@ -29,7 +30,7 @@ def load_run(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise RunDirError(f"{run_dir}: no {METRICS_FILE} there; pass a run directory written by "
                           "'das-jax train' (its output_dir)")
-    records = [r for r in read_metrics(path) if r.get("kind") != "eval"]  # steps only
+    records = [r for r in read_metrics(path, problems) if r.get("kind") != "eval"]  # steps only
     if not records:
         raise RunDirError(f"{path} holds no steps yet; let the run finish a step first")
     return records

@@ -2,7 +2,13 @@
 
     with lock_run_dir("runs/x"):          # RunDirError if another live process holds it
         check_new_run("runs/x")            # RunDirError if a previous run left its files there
+        write_manifest("runs/x")           # marks the directory as a das-jax run
         ...
+
+A directory is a previous run only if it holds das-jax's run manifest (`das-jax-run.json`,
+written when a run starts); `clear_run` (--overwrite) removes only the files das-jax writes
+there, and a directory without a manifest whose files a run would write over (a user's own
+config.yaml) is refused, --overwrite or not.
 
 The lock is `fcntl.flock(LOCK_EX | LOCK_NB)` on `<run_dir>/.lock`. The kernel drops a flock when
 its process dies (killed, crashed, OOM), so a lock file left by a dead run never blocks a new
@@ -18,9 +24,12 @@ This module imports no jax.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import fcntl
+import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -29,9 +38,14 @@ from typing import Iterator
 from das_jax.errors import UserError
 
 LOCK_FILE = ".lock"
-# What `das-jax train` writes into a run directory (the only names `--overwrite` removes).
-RUN_FILES = ("config.yaml", "metrics.jsonl")
+# The run manifest `das-jax train` writes when a run starts: a directory is a previous run only
+# if it holds one (a user's own config.yaml or plots/ do not make a run).
+MANIFEST_FILE = "das-jax-run.json"
+# What `das-jax train` writes into a run directory (the only entries `--overwrite` removes).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl")
 RUN_DIRS = ("checkpoints", "checkpoints.unreadable", "tb", "plots")
+PLOT_FILES = ("reward.png", "loss_kl.png", "response_length.png", "speculation.png",
+              "rollout_time.png")   # das_jax.rl.plots.plot_run's files
 
 _held: dict[str, list] = {}   # realpath -> [fd, count]
 
@@ -116,26 +130,83 @@ def _read_holder(fd: int) -> str:
     return text or "pid unknown"
 
 
+def is_run(run_dir: str | os.PathLike) -> bool:
+    """Whether `run_dir` holds a das-jax run (its manifest, `MANIFEST_FILE`)."""
+    return (Path(run_dir) / MANIFEST_FILE).is_file()
+
+
+def write_manifest(run_dir: str | os.PathLike) -> Path:
+    """Marks `run_dir` as a das-jax run (kept if present); returns the manifest's path."""
+    path = Path(run_dir) / MANIFEST_FILE
+    if not path.is_file():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({
+            "format": "das-jax run", "version": 1,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "written_by_das_jax": list(RUN_FILES) + [f"{d}/" for d in RUN_DIRS]}) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
+def _own_entries(path: Path) -> list[Path]:
+    """The entries of `path` that das-jax writes: RUN_FILES, step directories (and orbax's
+    temporary ones) under checkpoints*/, TensorBoard event files under tb/, PLOT_FILES under
+    plots/ (anything else there is the user's)."""
+    out = [path / n for n in RUN_FILES if (path / n).exists() or (path / n).is_symlink()]
+    sub = {
+        "checkpoints": lambda n: n.isdigit() or ".orbax-checkpoint-tmp" in n,
+        "checkpoints.unreadable": lambda n: re.fullmatch(r"\d+(\.\d+)?", n) is not None,
+        "tb": lambda n: n.startswith("events.out.tfevents."),
+        "plots": lambda n: n in PLOT_FILES,
+    }
+    for d, own in sub.items():
+        if (path / d).is_dir() and not (path / d).is_symlink():
+            out += [e for e in sorted((path / d).iterdir()) if own(e.name)]
+    return out
+
+
 def run_files(run_dir: str | os.PathLike) -> list[str]:
-    """The names of a previous run's files present in `run_dir` (sorted)."""
+    """The top-level names of a previous das-jax run's files in `run_dir` (sorted; [] when it
+    holds no run manifest)."""
     path = Path(run_dir)
-    return sorted(n for n in RUN_FILES + RUN_DIRS if (path / n).exists())
+    if not is_run(path):
+        return []
+    return sorted({e.relative_to(path).parts[0] for e in _own_entries(path)})
 
 
-def check_new_run(run_dir: str | os.PathLike, *, has_checkpoint: bool) -> None:
-    """Refuses to start a new run where a previous one left its files.
+def _clashes(path: Path) -> list[str]:
+    """Entries of a directory that is not a das-jax run which a new run would write over."""
+    return [str(e.relative_to(path)) for e in _own_entries(path)
+            if e.relative_to(path).parts[0] != "tb"]   # event files get new, unique names
+
+
+def check_new_run(run_dir: str | os.PathLike, *, has_checkpoint: bool,
+                  overwrite: bool = False) -> None:
+    """Refuses to start a new run where a previous one left its files, or where the run would
+    write over files das-jax did not write.
 
     Args:
       run_dir: the output directory.
       has_checkpoint: whether the directory holds a committed checkpoint (then `--resume` is the
         way to continue it).
+      overwrite: a previous das-jax run's files will be removed (`clear_run`): only files that
+        are not from a das-jax run are refused.
 
     Raises:
       RunDirError: naming the files found and the ways out (--resume, another output_dir, or
-        --overwrite).
+        --overwrite; only another output_dir for files das-jax did not write).
     """
-    found = run_files(run_dir)
-    if not found:
+    path = Path(run_dir)
+    if not is_run(path):
+        clash = _clashes(path)
+        if clash:
+            raise RunDirError(
+                f"output_dir {str(run_dir)!r} holds {', '.join(clash)}, which no das-jax run "
+                f"wrote there (it has no {MANIFEST_FILE}); a new run would write over them, so "
+                "choose another output_dir (--set output_dir=DIR)")
+        return
+    found = run_files(path)
+    if not found or overwrite:
         return
     if has_checkpoint:
         how = f"pass --resume {run_dir} to continue it, choose"
@@ -147,15 +218,23 @@ def check_new_run(run_dir: str | os.PathLike, *, has_checkpoint: bool) -> None:
 
 
 def clear_run(run_dir: str | os.PathLike) -> list[str]:
-    """Removes a previous run's files (only the names in RUN_FILES / RUN_DIRS); returns them."""
+    """Removes a previous das-jax run's files from `run_dir`: only what das-jax writes there
+    (see `_own_entries`; its directories too once empty) and only when `run_dir` holds a run
+    manifest; the user's own files stay. Returns the removed paths relative to `run_dir`."""
     path = Path(run_dir)
-    removed = run_files(path)
-    for name in removed:
-        p = path / name
+    if not is_run(path):
+        return []
+    removed = []
+    for p in _own_entries(path):
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
             p.unlink()
+        removed.append(str(p.relative_to(path)))
+    for d in RUN_DIRS:
+        with contextlib.suppress(OSError):   # kept when it holds the user's files
+            (path / d).rmdir()
+    (path / MANIFEST_FILE).unlink()          # the new run writes its own
     return removed
 
 

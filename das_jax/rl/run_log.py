@@ -20,11 +20,14 @@ import contextlib
 import json
 import logging
 import math
+import re
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+from das_jax.errors import UserError
 
 log = logging.getLogger("das_jax.train")
 
@@ -232,28 +235,75 @@ def _one_line(text: str, width: int) -> str:
 
 
 # ------------------------------------------------------------------ files
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file (a torn last line from a killed run is skipped); [] if
-    the file does not exist."""
+class RunFileError(UserError):
+    """A run's JSON-lines log that cannot be read (not UTF-8 before its last line)."""
+
+
+_STEP_RE = re.compile(rb'"step":\s*(\d+)')
+
+
+def read_jsonl(path: str | Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file; [] if the file does not exist.
+
+    A line that is not a JSON object is skipped and reported (never silently): a torn last line
+    (a run killed while writing it) or a damaged line, with the file, the line number and the
+    step it held when that can be read. Reports go to `problems` when given (one string each),
+    else to the log as warnings.
+
+    Raises:
+      RunFileError: a line before the last one is not valid UTF-8 (names the file and line).
+    """
     path = Path(path)
     if not path.exists():
         return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
     out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
+        torn = n == len(lines)           # the last line, with no newline after it
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            if not torn:
+                raise RunFileError(f"{path}:{n}: invalid UTF-8 (byte {e.start + 1} of the line); "
+                                   "the file is damaged or was not written by das-jax") from None
+            rec = None
+        except json.JSONDecodeError:
+            rec = None
+        if isinstance(rec, dict):
+            out.append(rec)
+            continue
+        m = _STEP_RE.search(raw)
+        what = ("torn last line (the run was killed while writing it)" if torn
+                else "line that is not a JSON record")
+        msg = f"{path}:{n}: skipped a {what}" + (f"; it held step {int(m.group(1))}" if m else "")
+        if problems is not None:
+            problems.append(msg)
+        else:
+            log.warning("%s", msg)
     return out
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl (a torn last line from a killed run is skipped)."""
-    return read_jsonl(path)
+def read_metrics(path: str | Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl (skipped lines reported as by `read_jsonl`)."""
+    return read_jsonl(path, problems)
 
 
-def _truncate_jsonl(path: Path, start_step: int) -> None:
+def _truncate_jsonl(path: Path, start_step: int, *, check_steps: bool = False) -> None:
+    """Keeps the records of steps <= `start_step` (a resumed run logs the later ones again);
+    reports skipped lines and, with `check_steps`, the steps up to `start_step` that have no
+    record (lost when a killed run tore its line)."""
     kept = [r for r in read_jsonl(path) if r.get("step", 0) <= start_step]
+    if check_steps and start_step > 0 and path.exists():
+        have = {r.get("step") for r in kept if r.get("kind") != "eval"}
+        lost = [s for s in range(1, start_step + 1) if s not in have]
+        if lost:
+            log.warning("%s has no record of step %s (lost when the run was killed while "
+                        "writing it); the run resumes after step %d, so those steps stay "
+                        "missing from its metrics and plots", path,
+                        ", ".join(map(str, lost)), start_step)
     with open(path, "w") as f:
         for r in kept:
             f.write(json.dumps(r) + "\n")
@@ -304,7 +354,7 @@ class RunLogger:
         self.start_step = start_step
         self.max_new_tokens = max_new_tokens
         self.steps_per_epoch = steps_per_epoch
-        _truncate_jsonl(self.path, start_step)
+        _truncate_jsonl(self.path, start_step, check_steps=True)
         _truncate_jsonl(self.samples_path, start_step)
         self._file = open(self.path, "a")
         self._samples_file = open(self.samples_path, "a")

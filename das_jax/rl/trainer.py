@@ -138,6 +138,7 @@ class GRPOTrainer:
         # compute dtype (`rollout_params`), so nothing stays alive across the update.
         self.rollouts = Rollout.from_config(c, self.model_config, None,
                                             self.tokenizer.eos_token_ids)
+        self._check_prompts_and_stop_ids()
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
         self.optimizer = make_optimizer(c.grpo, c.train.steps)
         if self.mesh is None:
@@ -339,6 +340,32 @@ class GRPOTrainer:
                                         self.prompt_text)
         return record
 
+    def _check_prompts_and_stop_ids(self) -> None:
+        """What the engine would reject at the first rollout, checked at construction and named
+        by its config key.
+
+        Raises:
+          TrainError: a rollout.stop_token_ids entry outside the vocabulary, or a prompt that
+            does not fit rollout.max_cache_len with rollout.max_new_tokens and the widest draft.
+        """
+        c, vocab = self.config, self.model_config.vocab_size
+        bad = [t for t in c.rollout.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise TrainError(f"rollout.stop_token_ids {bad} are outside the model's vocabulary "
+                             f"[0, {vocab}); use token ids of the model's tokenizer")
+        ec = getattr(self.rollouts, "engine_config", None)
+        limit = ec.max_cache_len if ec is not None else c.rollout.max_cache_len
+        width = max(ec.draft_widths if ec is not None else c.rollout.draft_widths)
+        pid, ids = max(self.prompt_ids.items(), key=lambda kv: len(kv[1]))
+        need = len(ids) + c.rollout.max_new_tokens + width
+        if need > limit:
+            raise TrainError(
+                f"the longest prompt (problem {pid!r}, {len(ids)} tokens) + rollout.max_new_tokens"
+                f"={c.rollout.max_new_tokens} + draft width {width} needs {need} cache positions "
+                f"but rollout.max_cache_len={limit}; raise rollout.max_cache_len to at least "
+                f"{need}, lower rollout.max_new_tokens, or shorten the prompts (data.instruction, "
+                "data.chat)")
+
     def release_optimizer_state(self) -> None:
         """Drops the optimizer state once the run has reached `train.steps` (after its last
         checkpoint, which holds it): no update follows, so the final evaluation and the plots
@@ -382,9 +409,11 @@ class GRPOTrainer:
         naming it.
 
         Raises:
-          TrainError: no checkpoint, none readable, or one written for another model/optimizer.
+          TrainError: no checkpoint, none readable, one written for another model/optimizer, or
+            one in a format this version does not read (an older version's pickle).
         """
-        from das_jax.rl.checkpoint import CheckpointError, CheckpointMismatchError
+        from das_jax.rl.checkpoint import (CheckpointError, CheckpointFormatError,
+                                           CheckpointMismatchError)
         steps = [s for s in manager.all_steps() if max_step is None or s <= max_step]
         where = manager.step_dir(0).parent
         if not steps:
@@ -400,6 +429,8 @@ class GRPOTrainer:
             except CheckpointMismatchError as e:
                 raise TrainError(f"{e}; resume with the run's own model.source / model and grpo "
                                  "settings, or start a new run in another output_dir") from None
+            except CheckpointFormatError as e:
+                raise TrainError(str(e)) from None
             except CheckpointError as e:
                 reason = str(e).splitlines()[0] if str(e) else type(e).__name__
                 unreadable.append((step, reason if len(reason) <= 240 else reason[:237] + "..."))
@@ -414,13 +445,24 @@ class GRPOTrainer:
             log.warning("checkpoint step %s is unreadable (%s); resuming from step %d, the newest "
                         "readable checkpoint (the unreadable one moved to %s)",
                         ", ".join(str(s) for s, _ in unreadable), unreadable[0][1], step, moved)
+        try:
+            if isinstance(drafter_state, dict) and ROLLOUT_STATE_KEY in drafter_state:
+                # this process's drafter and DAS policy state
+                self.rollouts.load_state_dict(drafter_state[ROLLOUT_STATE_KEY])
+            else:  # a checkpoint written before per-process rollout state
+                self.rollouts.load_state_dict({"drafter": drafter_state,
+                                               "policy": meta.get("policy_state")})
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            saved = (meta.get("config") or {}) if isinstance(meta.get("config"), dict) else {}
+            was = (f" (the run was trained with drafter={saved['drafter']})"
+                   if saved.get("drafter") not in (None, self.config.drafter) else "")
+            raise TrainError(
+                f"checkpoint {manager.step_dir(step)}: its drafter / DAS policy state does not "
+                f"fit drafter={self.config.drafter} and this run's das settings{was}: "
+                f"{type(e).__name__}: {e}; resume with the run's own drafter and das settings "
+                "(drop those --set overrides), or start a new run in another output_dir"
+                ) from None
         self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])
-        if isinstance(drafter_state, dict) and ROLLOUT_STATE_KEY in drafter_state:
-            # this process's drafter and DAS policy state
-            self.rollouts.load_state_dict(drafter_state[ROLLOUT_STATE_KEY])
-        else:  # a checkpoint written before per-process rollout state
-            self.rollouts.load_state_dict({"drafter": drafter_state,
-                                           "policy": meta.get("policy_state")})
         return self.step
 
     # ------------------------------------------------------------------ the loop
@@ -430,12 +472,14 @@ class GRPOTrainer:
 
         The run directory is locked for the whole call (`das_jax.rl.run_dir`). A new run
         (`resume=False`) refuses a directory holding a previous run's files unless `overwrite`
-        (which removes them first). A resumed run that already reached `train.steps` logs that it
-        is complete and returns [].
+        (which removes only the files das-jax wrote there), and a directory whose files it
+        would write over but no das-jax run wrote (`das_jax.rl.run_dir`). A resumed run that
+        already reached `train.steps` logs that it is complete and returns [].
 
         Raises:
           RunDirError: output_dir is in use by another run, holds a previous run (new run without
-            overwrite), or is not a directory.
+            overwrite) or files a new run would write over that no das-jax run wrote, or is not
+            a directory.
           TrainError: nothing to resume; a non-finite loss (nothing of that step is saved); the
             disk filled up while checkpointing.
         """
@@ -446,10 +490,12 @@ class GRPOTrainer:
         primary = dist.is_primary()  # process 0 owns the run directory's files and logs
         with rd.lock_run_dir(self.run_dir) if primary else contextlib.nullcontext():
             if not resume and primary:
+                rd.check_new_run(self.run_dir, overwrite=overwrite,
+                                 has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
                 if overwrite:
                     rd.clear_run(self.run_dir)
-                rd.check_new_run(self.run_dir,
-                                 has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
+            if primary:
+                rd.write_manifest(self.run_dir)   # a resumed older run gets one too
             dist.sync("das_jax.train.run_dir_checked")
             # one array at a time in flight while saving (bounds tensorstore's buffers)
             manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints,

@@ -201,7 +201,7 @@ class Rollout:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """{"drafter": the drafter's state or None, "policy": the policy's state or None}:
-        plain, picklable python."""
+        plain data (dicts, lists, tuples, scalars, numpy arrays; saved as JSON + npz)."""
         return {"drafter": self.drafter.state_dict() if self.drafter is not None else None,
                 "policy": (self.policy.state_dict() if hasattr(self.policy, "state_dict")
                            else None)}

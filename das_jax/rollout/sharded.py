@@ -270,7 +270,7 @@ class ShardedRollout(Rollout):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """{"drafter": the shared drafter's state or None, "policy": {"replicas": [each
-        replica policy's state]} or None}: plain, picklable python."""
+        replica policy's state]} or None}: plain data (saved as JSON + npz)."""
         policies = [r.policy for r in self.replicas]
         return {"drafter": self.drafter.state_dict() if self.drafter is not None else None,
                 "policy": ({"replicas": [p.state_dict() for p in policies]}
