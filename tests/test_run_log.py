@@ -18,7 +18,7 @@ import pytest
 
 from das_jax.cli import main
 from das_jax.models import ModelConfig, init_params
-from das_jax.cli import train as rl_cli
+from das_jax.rl import model_loading
 from das_jax.rl import run_log
 from das_jax.rl.compare import compare_table
 from das_jax.rl.plots import plot_run
@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         # a fresh copy per run: the trainer owns (and donates) the params it is given
-        mp.setattr(rl_cli, "load_model", lambda config: (
+        mp.setattr(model_loading, "load_model", lambda config: (
             CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
         try:
             for drafter, flags in (("none", ["--no-progress"]), ("das", [])):
@@ -178,7 +178,7 @@ def test_eta_leaves_out_compile_time(tmp_path, monkeypatch):
 def test_bench_main_job_compares_the_runs_drafter_with_none_from_its_checkpoint(
         runs, monkeypatch, tmp_path):
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-    monkeypatch.setattr(rl_cli, "load_model", lambda config: (
+    monkeypatch.setattr(model_loading, "load_model", lambda config: (
         CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
     run_dir = runs["das"][0]
     before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
@@ -224,7 +224,7 @@ def test_a_pickle_in_a_run_dir_is_never_executed(runs, monkeypatch, tmp_path):
     import pickle
     import shutil
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-    monkeypatch.setattr(rl_cli, "load_model", lambda config: (
+    monkeypatch.setattr(model_loading, "load_model", lambda config: (
         CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
     run_dir = tmp_path / "run"
     shutil.copytree(runs["das"][0], run_dir)
@@ -310,7 +310,7 @@ def test_train_errors_found_with_the_model_are_one_line_naming_the_key(runs, mon
                                                                        tmp_path):
     import shutil
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-    monkeypatch.setattr(rl_cli, "load_model", lambda config: (
+    monkeypatch.setattr(model_loading, "load_model", lambda config: (
         CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
     cases = [
         (_train_argv(tmp_path / "a", "--set", "rollout.stop_token_ids=[100000]"),

@@ -18,10 +18,10 @@ RUN = textwrap.dedent('''
     import sys
     import jax
     from das_jax.cli import main
-    from das_jax.cli import train as rl_cli
+    from das_jax.rl import model_loading
     from das_jax.testing import CharTokenizer, tiny_model_config, tiny_params
-    rl_cli.load_model = lambda config: (tiny_model_config(), tiny_params(scale=0.5),
-                                         CharTokenizer())
+    model_loading.load_model = lambda config: (tiny_model_config(), tiny_params(scale=0.5),
+                                                CharTokenizer())
     print("DEVICES", jax.device_count(), flush=True)
     sys.exit(main(sys.argv[1:]))
 ''')

@@ -72,14 +72,14 @@ def _compare(cfg, run: Path, step: int, steps: int | None) -> int:
     from das_jax.config import apply_platform
     from das_jax.data import problems_from_config
     from das_jax.engine import Request, request_seed
-    from das_jax.rl import load_model
+    from das_jax.rl import model_loading
     from das_jax.rl.checkpoint import CheckpointManager
     from das_jax.rl.trainer import GRPOTrainer
     from das_jax.rollout import Rollout
 
     apply_platform(cfg)
     problems = problems_from_config(cfg.data)
-    trainer = GRPOTrainer(cfg, model=load_model(cfg), problems=problems)
+    trainer = GRPOTrainer(cfg, model=model_loading.load_model(cfg), problems=problems)
     manager = CheckpointManager(run, max_to_keep=None)
     start = trainer.restore(manager, max_step=step)
     spec = trainer.rollouts

@@ -22,7 +22,7 @@ from das_jax.parallel import distributed as dist
 from das_jax.plan import check_before_training
 from das_jax.rl import run_dir as rd
 from das_jax.rl.compare import RunDirError, compare_table, load_run
-from das_jax.rl.model_loading import load_model
+from das_jax.rl import model_loading
 from das_jax.rl.rewards import reward_fns_from_config
 from das_jax.rl.plots import plot_compare
 from das_jax.rl.run_log import (SAMPLES_FILE, format_sample, phase, read_jsonl,
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         reward_fns = reward_fns_from_config(config.grpo.reward_funcs, config.rewards)
         for fn in reward_fns:  # the code sandbox's self-test, before any weights are loaded
             getattr(fn, "self_test", lambda: None)()
-        model = load_model(config)
+        model = model_loading.load_model(config)
         try:
             with phase("setting up the trainer (engine, optimizer, prompts)"):
                 trainer = GRPOTrainer(config, model=model, problems=problems, reward_fns=reward_fns)
