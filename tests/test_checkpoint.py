@@ -203,7 +203,7 @@ def test_drafter_and_policy_state_round_trip_through_a_checkpoint(tmp_path):
     """A suffix drafter with history and live requests and a DAS policy with observations come
     back equal, and the restored drafter proposes what the saved one does."""
     from das_jax.drafter import SuffixDrafter
-    from das_jax.engine.das_policy import DASPolicy
+    from das_jax.speculation import DASPolicy
     drafter = SuffixDrafter()
     rid = 0
     for epoch in range(2):
