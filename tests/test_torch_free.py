@@ -40,7 +40,8 @@ def test_gguf_tokenizer_without_torch(tmp_path):
             "from das_jax.models.tokenizer import Tokenizer\n"
             f"t = Tokenizer.from_gguf({path!r}, [2])\n"
             "assert sys.modules.get('torch') is None, 'torch imported'\n"
-            "print(t.chat_prompt_ids('abc t', system='s'), t.encode('<think>ab'), t.eos_token_ids)\n")
+            "print(t.chat_prompt_ids('abc t', system='s'), t.encode('<think>ab'),\n"
+            "      t.eos_token_ids)\n")
     outs = []
     for block in ("sys.modules['torch'] = None  # as if torch were not installed\n", ""):
         out = subprocess.run([sys.executable, "-c", code.format(block=block)], cwd=REPO,

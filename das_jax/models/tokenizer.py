@@ -4,7 +4,7 @@ Built from a local HF directory (`tokenizer.json` / `tokenizer_config.json`, ext
 `generation_config.json` and `config.json`) or from a GGUF file's metadata (the vocabulary / merges
 become a `tokenizers` tokenizer as transformers' GGUF conversion builds it, without torch; the chat
 template is the `tokenizer.chat_template` key). Importing this module does not import transformers;
-the constructors do (never torch).
+the constructors do.
 """
 from __future__ import annotations
 

@@ -131,7 +131,8 @@ def tokenizer_metadata(reader) -> dict[str, Any]:
     return out
 
 
-def generate_merges(vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, str]]:
+def generate_merges(vocab: dict[str, int],
+                    scores: dict[str, float] | None) -> list[tuple[str, str]]:
     """Merges implied by a vocabulary without a merge list (transformers' `generate_merges`):
     every split of a token into two vocabulary tokens, ordered by the token's score (highest
     first) when `scores` is given, else by the token's id."""
@@ -146,7 +147,8 @@ def generate_merges(vocab: dict[str, int], scores: dict[str, float] | None) -> l
     return [(a, b) for a, b, _ in merges]
 
 
-def _merges(meta: dict[str, Any], vocab_scores, source: str) -> list[tuple[str, str]]:
+def _merges(meta: dict[str, Any], source: str) -> list[tuple[str, str]]:
+    """The file's merges, else those its vocabulary and scores imply."""
     if "merges" in meta:
         out = []
         for merge in meta["merges"]:
@@ -156,13 +158,11 @@ def _merges(meta: dict[str, Any], vocab_scores, source: str) -> list[tuple[str, 
                                      "not two tokens separated by one space; re-convert the file")
             out.append(pair)
         return out
-    if "scores" not in meta and vocab_scores is None:
+    if "scores" not in meta:
         raise ModelLoadError(f"{source}: the GGUF tokenizer has neither tokenizer.ggml.merges nor "
                              "tokenizer.ggml.scores; re-convert the file with llama.cpp")
     tokens = meta["tokens"]
-    if vocab_scores is None:
-        vocab_scores = dict(zip(tokens, meta["scores"]))
-    return generate_merges({t: i for i, t in enumerate(tokens)}, vocab_scores)
+    return generate_merges({t: i for i, t in enumerate(tokens)}, dict(zip(tokens, meta["scores"])))
 
 
 def _add_tokens(backend, tokens: list, special: bool) -> None:
@@ -200,7 +200,7 @@ def build_backend(meta: dict[str, Any], source: str = "GGUF"):
         alphabet = set(spelling.values())
         vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
                  for i, t in enumerate(tokens)}
-        backend = Tokenizer(BPE(vocab=vocab, merges=_merges(meta, None, source), dropout=None,
+        backend = Tokenizer(BPE(vocab=vocab, merges=_merges(meta, source), dropout=None,
                                 continuing_subword_prefix="", end_of_word_suffix="",
                                 fuse_unk=False))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -209,7 +209,7 @@ def build_backend(meta: dict[str, Any], source: str = "GGUF"):
         in_alphabet = lambda t: set(t) <= alphabet  # noqa: E731
     else:  # SentencePiece BPE
         vocab = {t: i for i, t in enumerate(tokens)}
-        backend = Tokenizer(BPE(vocab=vocab, merges=_merges(meta, None, source), fuse_unk=True,
+        backend = Tokenizer(BPE(vocab=vocab, merges=_merges(meta, source), fuse_unk=True,
                                 byte_fallback=True, dropout=None))
         backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
                                                          prepend_scheme="first", split=False)
@@ -244,9 +244,11 @@ def build_backend(meta: dict[str, Any], source: str = "GGUF"):
     bos, eos = specials["bos_token"], specials["eos_token"]
     add_bos, add_eos = add_flags(meta)
     add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
-    single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
-    pair = " ".join([single] + ([f"{bos}:1"] if add_bos else []) + ["$B:1"]
-                    + ([f"{eos}:1"] if add_eos else []))
+    def template(seq: str, type_id: int) -> list[str]:
+        return (([f"{bos}:{type_id}"] if add_bos else []) + [f"{seq}:{type_id}"]
+                + ([f"{eos}:{type_id}"] if add_eos else []))
+    single = " ".join(template("$A", 0))
+    pair = " ".join(template("$A", 0) + template("$B", 1))
     backend.post_processor = processors.TemplateProcessing(
         single=single, pair=pair,
         special_tokens=([(bos, backend.token_to_id(bos))] if add_bos else [])
