@@ -244,6 +244,7 @@ def build_backend(meta: dict[str, Any], source: str = "GGUF"):
     bos, eos = specials["bos_token"], specials["eos_token"]
     add_bos, add_eos = add_flags(meta)
     add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+
     def template(seq: str, type_id: int) -> list[str]:
         return (([f"{bos}:{type_id}"] if add_bos else []) + [f"{seq}:{type_id}"]
                 + ([f"{eos}:{type_id}"] if add_eos else []))
