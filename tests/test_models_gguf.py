@@ -23,16 +23,6 @@ _HF_TO_GGUF = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _tokenizer_cache(tmp_path, monkeypatch):
-    """A private das-jax cache, and the one-off tokenizer conversion in this process (torch is
-    imported here anyway; tests/test_gguf_tokenizer.py covers the child process)."""
-    from das_jax.models.loaders import gguf_tokenizer as gt
-    monkeypatch.setenv("DAS_JAX_CACHE", str(tmp_path / "das-jax-cache"))
-    monkeypatch.setattr(gt, "_convert_in_child", lambda path, out, key: (
-        0 if gt.write_conversion(path, out, key) else gt.NOT_EXACT))
-
-
 def gguf_name(hf: str) -> str:
     if hf.startswith("model.layers."):
         _, _, i, rest = hf.split(".", 3)

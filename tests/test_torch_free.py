@@ -1,6 +1,6 @@
-"""The training process does not import torch (~0.3 GB of memory): tensorboardX, which imports
-torch whenever it is installed, is loaded with torch blocked (`run_log._summary_writer_class`);
-the GGUF tokenizer is tests/test_gguf_tokenizer.py's."""
+"""das-jax runs without torch: tensorboardX, which imports torch whenever it is installed, is
+loaded with torch blocked (`run_log._summary_writer_class`), and a GGUF file's tokenizer is built
+without torch, whether torch is installed (it is not imported) or not (simulated by blocking it)."""
 import os
 import subprocess
 import sys
@@ -29,3 +29,24 @@ def test_run_logger_writes_tensorboard_without_torch(tmp_path):
                          env=dict(os.environ, PYTHONPATH=REPO), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert list((tmp_path / "tb").iterdir())  # the event file was written
+
+
+def test_gguf_tokenizer_without_torch(tmp_path):
+    pytest.importorskip("gguf")
+    from test_gguf_tokenizer import write_tokenizer_gguf
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf")
+    code = ("import sys\n"
+            "{block}"
+            "from das_jax.models.tokenizer import Tokenizer\n"
+            f"t = Tokenizer.from_gguf({path!r}, [2])\n"
+            "assert sys.modules.get('torch') is None, 'torch imported'\n"
+            "print(t.chat_prompt_ids('abc t', system='s'), t.encode('<think>ab'),\n"
+            "      t.eos_token_ids)\n")
+    outs = []
+    for block in ("sys.modules['torch'] = None  # as if torch were not installed\n", ""):
+        out = subprocess.run([sys.executable, "-c", code.format(block=block)], cwd=REPO,
+                             capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO),
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        outs.append(out.stdout)
+    assert outs[0] == outs[1] != ""

@@ -1,10 +1,10 @@
 """A small tokenizer wrapper around a `transformers` fast tokenizer (+ chat template, eos ids).
 
 Built from a local HF directory (`tokenizer.json` / `tokenizer_config.json`, extra eos ids from
-`generation_config.json` and `config.json`) or from a GGUF file's metadata (transformers converts
-the GGUF vocabulary/merges into a fast tokenizer; the chat template is the `tokenizer.chat_template`
-key; the conversion, which imports torch, runs once in a child process and is cached, so torch stays
-out of this process). Importing this module does not import transformers; the constructors do.
+`generation_config.json` and `config.json`) or from a GGUF file's metadata (the vocabulary / merges
+become a `tokenizers` tokenizer as transformers' GGUF conversion builds it, without torch; the chat
+template is the `tokenizer.chat_template` key). Importing this module does not import transformers;
+the constructors do.
 """
 from __future__ import annotations
 
@@ -107,33 +107,23 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, metadata_eos_ids: Iterable[int] = (), *,
-                  cache: bool = True, header_size: int | None = None) -> "Tokenizer":
+                  reader: Any = None) -> "Tokenizer":
         """Builds the tokenizer described by a GGUF file's `tokenizer.*` metadata.
 
-        Uses transformers' own GGUF tokenizer conversion (`AutoTokenizer.from_pretrained(dir,
-        gguf_file=name)`), so the ids match transformers exactly; the chat template is the file's
+        The vocabulary, merges, special tokens and BOS / EOS flags become a `tokenizers`
+        tokenizer as transformers' GGUF conversion builds it, without torch
+        (`das_jax.models.loaders.gguf_tokenizer`); the chat template is the file's
         `tokenizer.chat_template`. `metadata_eos_ids` (e.g. `tokenizer.ggml.eos_token_id`,
-        `eot_token_id`) are added to the eos ids. With `cache` (default) the conversion, which
-        imports torch, runs once in a child process and is checked and cached
-        (`das_jax.models.loaders.gguf_tokenizer`); this process then reads the cached files with
-        the `tokenizers` backend only. Without `cache`, or when the cached copy would not be
-        exact, it converts in this process. `header_size`: the GGUF reader's `data_offset`,
-        when the caller has one open (saves reading the file again).
+        `eot_token_id`) are added to the eos ids. `reader`: the file's open `gguf.GGUFReader`,
+        when the caller has one (saves parsing the file again).
 
         Raises:
-          ModelLoadError: the metadata describes no tokenizer transformers can build.
+          ModelLoadError: the file is not a readable GGUF, or its metadata describes no tokenizer
+            das-jax can build (the message names the tokenizer model).
         """
         from das_jax.models.loaders import gguf_tokenizer
         path = os.path.abspath(os.fspath(path))
-        folder = gguf_tokenizer.cached_tokenizer_dir(path, header_size) if cache else None
-        if folder is not None:
-            try:
-                hf_tok = gguf_tokenizer.load_saved(folder)
-            except Exception as e:  # transformers raises many types here
-                raise ModelLoadError(f"{folder}: cannot read the cached tokenizer of {path} "
-                                     f"({type(e).__name__}: {e}); delete that folder") from e
-        else:
-            hf_tok = gguf_tokenizer.convert_with_transformers(path)
+        hf_tok = gguf_tokenizer.load(path, reader)
         return cls.from_hf(hf_tok, metadata_eos_ids, source=path)
 
     # ----- API ------------------------------------------------------------------------------------

@@ -232,6 +232,5 @@ def load_gguf(path: str, dtype):
         raise ModelConfigError(f"{path}: {e}") from None
     params = params_from_hf_tensors(config, tensor_getter(reader, config, meta["general.architecture"],
                                                          path), dtype=dtype, source=path)
-    tokenizer = Tokenizer.from_gguf(path, eos_ids_from_metadata(meta),
-                                    header_size=int(reader.data_offset))
+    tokenizer = Tokenizer.from_gguf(path, eos_ids_from_metadata(meta), reader=reader)
     return config, params, tokenizer
