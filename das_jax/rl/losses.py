@@ -48,8 +48,6 @@ import jax.numpy as jnp
 
 from das_jax.registry import LOSSES
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # the built-in registered losses
-
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
@@ -105,6 +103,13 @@ class Loss:
 
     def weights(self, completion_mask_BxT, cfg: LossConfig, num_sequences: int | None = None):
         raise NotImplementedError
+
+    def skips_zero_advantage(self, cfg: LossConfig) -> bool:
+        """Whether a row whose advantage is exactly 0 adds exactly 0 to the loss and to its
+        gradient, so the train step may leave it out (`skip_zero_advantage`): true for the
+        clipped surrogate of `per_token_terms` without the KL term (beta = 0). A subclass that
+        overrides `per_token` skips nothing unless it overrides this too."""
+        return cfg.beta == 0 and type(self).per_token is Loss.per_token
 
 
 def register_loss(name: str):
