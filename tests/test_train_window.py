@@ -168,3 +168,28 @@ def test_padded_group_and_completion_counts_match_full_reference(params):
     the loss, gradient or metrics."""
     b = _group_batch(params, seed=11, prompt_lens=(30, 41, 12, 20, 9))
     _assert_matches_full_reference(params, b, "dapo", 0.0, 15)
+
+
+def test_micro_batch_kinds_are_typed_and_dispatched_by_type():
+    """A batch's rows become a `PaddedMicroBatch` (leading axis 1, zero padding rows), whose
+    `windowed()` holds the loss inputs at the completion window; the log-probs are chosen by
+    the micro-batch's type, and anything else is refused."""
+    from das_jax.rl.batches import PaddedMicroBatch, WindowedMicroBatch
+    from das_jax.rl.logprobs import micro_batch_logprobs
+    tokens = np.arange(12).reshape(2, 6) % 5
+    valid = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+    cmask = np.array([[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]], bool)
+    f = np.arange(12, dtype=np.float32).reshape(2, 6)
+    cols = HostColumns(tokens, np.tile(np.arange(6), (2, 1)), valid, cmask, f, -f,
+                       np.array([1.0, 2.0], np.float32), f / 10)
+    assert cols.row_lengths().tolist() == [4, 6]
+    xs = cols.padded(np.array([1]), 6, 2)
+    assert isinstance(xs, PaddedMicroBatch) and xs.tokens.shape == (1, 2, 6)
+    assert xs.advantages.tolist() == [[2.0, 0.0]] and not xs.completion_mask[0, 1].any()
+    win = xs.windowed()
+    assert isinstance(win, WindowedMicroBatch) and win.window.shape == (1, 2, 5)
+    assert win.old_logprobs[0, 0].tolist() == [7, 8, 9, 10, 11]  # positions 1..5 of row 1
+    abstract = PaddedMicroBatch.abstract(1, 2, 6)
+    assert abstract.advantages.shape == (1, 2) and abstract.valid.dtype == np.bool_
+    with pytest.raises(TypeError, match="not a micro-batch: tuple"):
+        micro_batch_logprobs(tuple(xs.__dict__.values()), CFG, None, TEMP, ACT)

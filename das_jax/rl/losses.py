@@ -91,6 +91,9 @@ class Loss:
         (the train step calls it on chunks of tokens, `[B, C]` at a time, never the whole `[B, T]`).
       * `weights(mask, cfg, num_sequences) -> w_BxT`: the loss is `sum(w * loss_BxT)`, with
         weights computed once from the whole batch's completion mask (so micro-batching is exact).
+      * `skips_zero_advantage(cfg) -> bool`: whether rows with advantage 0 add exactly nothing
+        (the train step may then leave them out); the default holds for the default `per_token`
+        at beta = 0.
     """
 
     name = "?"
