@@ -154,7 +154,9 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.parallel import sharding as shard_lib
     from das_jax.rl import losses
-    from das_jax.rl.train_step import accumulate_grads, make_optimizer, zero_carry
+    from das_jax.rl.batches import PaddedMicroBatch
+    from das_jax.rl.grads import accumulate_grads, zero_carry
+    from das_jax.rl.optimizer import make_optimizer
 
     if len(jax.devices()) < devices:
         raise PlanError(f"planning for {devices} devices needs {devices} JAX devices, found "
@@ -186,9 +188,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     T = r.max_cache_len
     row_sh = shard_lib.batch_sharding(mesh, 3, leading=1)
     vec_sh = shard_lib.batch_sharding(mesh, 2, leading=1)
-    dts = (jnp.int32, jnp.int32, jnp.bool_, jnp.bool_, jnp.float32, jnp.float32, None, jnp.float32)
-    xs_abs = tuple(jax.ShapeDtypeStruct((1, mb), jnp.float32, sharding=vec_sh) if d is None else
-                   jax.ShapeDtypeStruct((1, mb, T), d, sharding=row_sh) for d in dts)
+    xs_abs = PaddedMicroBatch.abstract(1, mb, T, row_sh, vec_sh)
     loss_cfg = losses.LossConfig.from_grpo(g, r.temperature or 1.0)
     act = ActivationConfig(remat=t.remat, logits_chunk=t.logits_chunk,
                            attention_chunk=t.attention_chunk)

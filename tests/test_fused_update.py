@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from das_jax.models.transformer import ActivationConfig
-from das_jax.rl.train_step import make_optimizer, make_train_step
+from das_jax.rl import make_optimizer, make_train_step
 
 from test_grpo_train_step import CFG, TEMP, _grpo, tiny_params
 from test_train_window import _group_batch
@@ -25,7 +25,7 @@ def _run(config, grpo, batches, fused, **kw):
     opt = make_optimizer(grpo, STEPS)
     state = opt.init(params)
     step = make_train_step(config, grpo, opt, temperature=TEMP, donate=True, activation=ACT,
-                           total_steps=STEPS, fused=fused, **kw)
+                           leafwise=True, fused=fused, **kw)
     metrics = []
     for b in batches:
         params, state, m = step(params, state, b)

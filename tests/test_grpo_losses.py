@@ -169,3 +169,29 @@ def test_entropy_from_logits():
     # temperature -> infinity gives the uniform distribution
     np.testing.assert_allclose(float(losses.entropy_from_logits(logits, 1e6)[0, 0]), math.log(3),
                                rtol=1e-5)
+
+
+def test_skips_zero_advantage_only_where_such_rows_add_nothing():
+    """The train step leaves out rows with advantage 0 only for a loss whose per-token terms are
+    the clipped surrogate without the KL term: there such a row's loss and gradient are exactly
+    0; with beta > 0 (the KL term) or another per-token loss they are not."""
+    cfg = losses.LossConfig(loss_type="dapo", beta=0.0)
+    for name in losses.registered_losses():
+        loss = losses.get_loss(name)
+        if type(loss).per_token is losses.Loss.per_token:
+            assert loss.skips_zero_advantage(cfg), name
+            assert not loss.skips_zero_advantage(losses.LossConfig(beta=0.04)), name
+
+    class Reinforce(losses.Loss):
+        def per_token(self, logp, old, adv, mask, ref, cfg):
+            z = jnp.zeros_like(logp)
+            return losses.PerTokenTerms(-adv[:, None] * logp, z, z, z, jnp.ones_like(logp))
+
+    assert not Reinforce().skips_zero_advantage(cfg)
+    # the premise, for the clipped surrogate: a zero-advantage row's loss and gradient are 0
+    logp = jnp.array([[-1.0, -2.0, -0.5]])
+    terms = lambda lp: losses.per_token_terms(  # noqa: E731
+        lp, jnp.array([[-1.3, -1.0, -0.4]]), jnp.zeros(1), jnp.ones((1, 3), bool), epsilon=0.2)
+    assert float(jnp.abs(terms(logp).loss_BxT).sum()) == 0.0
+    g = jax.grad(lambda lp: terms(lp).loss_BxT.sum())(logp)
+    assert float(jnp.abs(g).sum()) == 0.0

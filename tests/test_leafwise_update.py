@@ -1,4 +1,4 @@
-"""The leaf-by-leaf optimizer update (`make_leafwise_apply`) equals optax's whole-tree update,
+"""The leaf-by-leaf optimizer update (`Optimizer.apply_leafwise`) equals optax's whole-tree update,
 and a checkpoint written with bounded write buffers restores exactly."""
 import types
 
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from das_jax.rl.checkpoint import CheckpointManager, largest_array_bytes
-from das_jax.rl.train_step import make_leafwise_apply, make_optimizer
+from das_jax.rl.optimizer import make_optimizer
 
 
 def _grpo(max_grad_norm):
@@ -33,7 +33,7 @@ def test_leafwise_apply_matches_optax(max_grad_norm):
         u, s = opt.update(grads, s, p)
         return optax.apply_updates(p, u), s, optax.tree.norm(grads), optax.tree.norm(u)
 
-    leafwise = make_leafwise_apply(g, 10)
+    leafwise = make_optimizer(g, 10).apply_leafwise
     p1 = _params()
     s1 = opt.init(p1)
     p2, s2 = jax.tree.map(jnp.copy, (p1, s1))

@@ -12,9 +12,9 @@ from das_jax.engine.generate import EngineConfig, GenerateError, size_slots
 from das_jax.models import ModelConfig
 from das_jax.models.kv_cache import DenseKVCache
 from das_jax.models.transformer import ActivationConfig
-from das_jax.rl import losses
-from das_jax.rl.train_step import (compute_logprobs, make_batch, make_loss_and_grad,
-                                   make_optimizer, make_train_step, micro_batch_plan)
+from das_jax.rl import (compute_logprobs, losses, make_batch, make_loss_and_grad, make_optimizer,
+                        make_train_step)
+from das_jax.rl.batches import micro_batch_plan
 
 from test_grpo_train_step import CFG, TEMP, _batch, _grpo, _tree_rel_err, tiny_params
 

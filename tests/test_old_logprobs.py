@@ -18,7 +18,7 @@ from das_jax.data import Problem
 from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.sampling import SamplingParams
 from das_jax.models import ModelConfig, init_params
-from das_jax.rl.train_step import compute_logprobs
+from das_jax.rl.logprobs import compute_logprobs
 from das_jax.rl.trainer import GRPOTrainer
 from das_jax.testing import CharTokenizer
 

@@ -22,9 +22,8 @@ WORKER = textwrap.dedent('''
     from das_jax.config import GRPOSection
     from das_jax.models.transformer import ActivationConfig
     from das_jax.parallel import sharding as S
-    from das_jax.rl import losses
-    from das_jax.rl.train_step import (compute_logprobs, make_batch, make_optimizer,
-                                       make_train_step)
+    from das_jax.rl import (compute_logprobs, losses, make_batch, make_optimizer,
+                            make_train_step)
     from das_jax.testing import tiny_model_config, tiny_params
 
     assert len(jax.devices()) == 8

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from das_jax.models.transformer import ActivationConfig
-from das_jax.rl.train_step import (compute_logprobs, completion_window, make_batch,
-                                   make_loss_and_grad)
+from das_jax.rl import compute_logprobs, make_batch, make_loss_and_grad
+from das_jax.rl.batches import (HostColumns, completion_window, count_bucket,
+                                pack_shared_prompts, shared_prompt_groups)
 
 from test_grpo_train_step import CFG, TEMP, _grpo, _tree_rel_err, tiny_params
 
@@ -111,14 +112,12 @@ def _group_batch(params, seed, prompt_lens=(30, 41, 12), G=3):
 
 
 def test_count_bucket_steps_by_at_most_a_third():
-    from das_jax.rl.train_step import count_bucket
     assert [count_bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12,
                                                       16]
     assert count_bucket(32) == 32 and count_bucket(33) == 48 and count_bucket(49) == 64
 
 
 def test_shared_prompt_groups_and_packing():
-    from das_jax.rl.train_step import pack_shared_prompts, shared_prompt_groups
     tokens = np.array([[5, 6, 7, 1, 0], [5, 6, 8, 2, 3], [5, 6, 7, 9, 0], [4, 6, 7, 0, 0]])
     positions = np.tile(np.arange(5), (4, 1))
     valid = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], bool)
@@ -126,9 +125,13 @@ def test_shared_prompt_groups_and_packing():
     groups = shared_prompt_groups(tokens, positions, valid, cmask, range(4))
     assert groups == [[0, 2], [1]]  # row 3 has no completion token
     f = np.arange(20, dtype=np.float32).reshape(4, 5)
-    cols = (tokens, positions, valid, cmask, f, -f, np.arange(4.0), f / 10)
-    tok, pos, val, seg, grp, src, tgt, cm, o, rf, a, ww = (x[0] for x in
-                                                           pack_shared_prompts(groups, cols))
+    cols = HostColumns(tokens, positions, valid, cmask, f, -f, np.arange(4.0), f / 10)
+    packed = pack_shared_prompts(groups, cols).first()
+    tok, pos, val, seg, src, tgt = (packed.tokens, packed.positions, packed.valid,
+                                    packed.segments, packed.source, packed.targets)
+    grp, cm, o, rf = (packed.row_group, packed.completion_mask, packed.old_logprobs,
+                      packed.ref_logprobs)
+    a, ww = packed.advantages, packed.weights
     assert tok.shape == (2, 64) and src.shape == (3, 32)
     assert tok[0, :5].tolist() == [5, 6, 7, 1, 9] and seg[0, :5].tolist() == [0, 0, 0, 1, 2]
     assert pos[0, :5].tolist() == [0, 1, 2, 3, 3] and val[0].sum() == 5
@@ -140,13 +143,15 @@ def test_shared_prompt_groups_and_packing():
     # five groups of five completions pad to six and six: the extra packed row repeats group
     # 0's, the extra completion row reads it and adds nothing (no mask, weight, advantage)
     five = [[0], [1], [2], [0], [1]]
-    tok5, val5, grp5, cm5, o5, rf5, a5, ww5 = (pack_shared_prompts(five, cols)[i][0]
-                                               for i in (0, 2, 4, 7, 8, 9, 10, 11))
+    p5 = pack_shared_prompts(five, cols).first()
+    tok5, val5, grp5, cm5, o5, rf5, a5, ww5 = (
+        p5.tokens, p5.valid, p5.row_group, p5.completion_mask, p5.old_logprobs,
+        p5.ref_logprobs, p5.advantages, p5.weights)
     assert tok5.shape == (6, 64) and (tok5[5] == tok5[0]).all() and (val5[5] == val5[0]).all()
     assert grp5.tolist() == [0, 1, 2, 3, 4, 0] and cm5.shape == (6, 32) and a5[5] == 0
     assert not (cm5[5].any() or ww5[5].any() or o5[5].any() or rf5[5].any())
     unpadded = pack_shared_prompts(five, cols, bucket_counts=False)
-    assert unpadded[0].shape == (1, 5, 64) and unpadded[5].shape == (1, 5, 32)
+    assert unpadded.tokens.shape == (1, 5, 64) and unpadded.source.shape == (1, 5, 32)
     valid[0, 4] = True  # a valid token after the completion: not prompt + completion
     assert shared_prompt_groups(tokens, positions, valid, cmask, range(4)) is None
 
@@ -163,3 +168,28 @@ def test_padded_group_and_completion_counts_match_full_reference(params):
     the loss, gradient or metrics."""
     b = _group_batch(params, seed=11, prompt_lens=(30, 41, 12, 20, 9))
     _assert_matches_full_reference(params, b, "dapo", 0.0, 15)
+
+
+def test_micro_batch_kinds_are_typed_and_dispatched_by_type():
+    """A batch's rows become a `PaddedMicroBatch` (leading axis 1, zero padding rows), whose
+    `windowed()` holds the loss inputs at the completion window; the log-probs are chosen by
+    the micro-batch's type, and anything else is refused."""
+    from das_jax.rl.batches import PaddedMicroBatch, WindowedMicroBatch
+    from das_jax.rl.logprobs import micro_batch_logprobs
+    tokens = np.arange(12).reshape(2, 6) % 5
+    valid = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+    cmask = np.array([[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]], bool)
+    f = np.arange(12, dtype=np.float32).reshape(2, 6)
+    cols = HostColumns(tokens, np.tile(np.arange(6), (2, 1)), valid, cmask, f, -f,
+                       np.array([1.0, 2.0], np.float32), f / 10)
+    assert cols.row_lengths().tolist() == [4, 6]
+    xs = cols.padded(np.array([1]), 6, 2)
+    assert isinstance(xs, PaddedMicroBatch) and xs.tokens.shape == (1, 2, 6)
+    assert xs.advantages.tolist() == [[2.0, 0.0]] and not xs.completion_mask[0, 1].any()
+    win = xs.windowed()
+    assert isinstance(win, WindowedMicroBatch) and win.window.shape == (1, 2, 5)
+    assert win.old_logprobs[0, 0].tolist() == [7, 8, 9, 10, 11]  # positions 1..5 of row 1
+    abstract = PaddedMicroBatch.abstract(1, 2, 6)
+    assert abstract.advantages.shape == (1, 2) and abstract.valid.dtype == np.bool_
+    with pytest.raises(TypeError, match="not a micro-batch: tuple"):
+        micro_batch_logprobs(tuple(xs.__dict__.values()), CFG, None, TEMP, ACT)

@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.plan import KNOWN_MODELS, plan_in_process
-    from das_jax.rl.train_step import make_batch, make_optimizer, make_train_step
+    from das_jax.rl.batches import make_batch
+    from das_jax.rl.optimizer import make_optimizer
+    from das_jax.rl.train_step import make_train_step
 
     dev = jax.devices()[0]
     res = {"device": str(dev), "jax": jax.__version__}

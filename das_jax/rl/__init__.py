@@ -3,9 +3,13 @@
 Public surface:
 
   advantages  group_advantages, group_stats, advantage_metrics, SCALE_REWARDS
-  losses      grpo_loss, per_token_terms, token_loss_weights, entropy_from_logits, LOSS_TYPES
-  train step  TrainBatch, make_batch, accumulate_grads, make_train_step, make_loss_and_grad,
-              make_optimizer, make_lr_schedule, compute_logprobs
+  losses      grpo_loss, per_token_terms, token_loss_weights, entropy_from_logits,
+              registered_losses
+  batches     TrainBatch, make_batch
+  log-probs   compute_logprobs
+  gradients   accumulate_grads, LossAndGrad, make_loss_and_grad
+  optimizer   Optimizer, make_optimizer, make_lr_schedule
+  train step  TrainStep, make_train_step
   checkpoint  CheckpointManager, CheckpointError
   trainer     GRPOTrainer, TrainError (the loop behind `das-jax train`)
   load_model  a run config's model, loaded with phase lines on the console
@@ -22,12 +26,12 @@ _EXPORTS = {
     "SCALE_REWARDS": "advantages", "advantage_metrics": "advantages",
     "group_advantages": "advantages", "group_stats": "advantages",
     "CheckpointError": "checkpoint", "CheckpointManager": "checkpoint",
-    "LOSS_TYPES": "losses", "entropy_from_logits": "losses", "grpo_loss": "losses",
+    "registered_losses": "losses", "entropy_from_logits": "losses", "grpo_loss": "losses",
     "per_token_terms": "losses", "token_loss_weights": "losses",
-    "TrainBatch": "train_step", "accumulate_grads": "train_step",
-    "compute_logprobs": "train_step", "make_batch": "train_step",
-    "make_loss_and_grad": "train_step", "make_lr_schedule": "train_step",
-    "make_optimizer": "train_step", "make_train_step": "train_step",
+    "TrainBatch": "batches", "make_batch": "batches", "compute_logprobs": "logprobs",
+    "accumulate_grads": "grads", "LossAndGrad": "grads", "make_loss_and_grad": "grads",
+    "Optimizer": "optimizer", "make_lr_schedule": "optimizer", "make_optimizer": "optimizer",
+    "TrainStep": "train_step", "make_train_step": "train_step",
     "GRPOTrainer": "trainer", "TrainError": "trainer", "load_model": "model_loading",
 }
 

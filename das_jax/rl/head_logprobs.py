@@ -1,6 +1,6 @@
 """Target log-probs of the lm_head, computed and differentiated in chunks over the vocabulary.
 
-`train_step.chunked_head_logprobs` cuts the *tokens* into chunks and lets `jax.vjp` differentiate
+`logprobs.chunked_head_logprobs` cuts the *tokens* into chunks and lets `jax.vjp` differentiate
 the loop: the head's gradient `[V, D]` is then accumulated over the chunks, and each chunk's
 contribution is a whole `[V, D]` product added to the running sum -- two `[V, D]` float32
 buffers at once (226 MB for SmolLM2's tied 49152 x 576 embedding, the largest temporaries of

@@ -48,8 +48,6 @@ import jax.numpy as jnp
 
 from das_jax.registry import LOSSES
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # the built-in registered losses
-
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
@@ -93,6 +91,9 @@ class Loss:
         (the train step calls it on chunks of tokens, `[B, C]` at a time, never the whole `[B, T]`).
       * `weights(mask, cfg, num_sequences) -> w_BxT`: the loss is `sum(w * loss_BxT)`, with
         weights computed once from the whole batch's completion mask (so micro-batching is exact).
+      * `skips_zero_advantage(cfg) -> bool`: whether rows with advantage 0 add exactly nothing
+        (the train step may then leave them out); the default holds for the default `per_token`
+        at beta = 0.
     """
 
     name = "?"
@@ -105,6 +106,13 @@ class Loss:
 
     def weights(self, completion_mask_BxT, cfg: LossConfig, num_sequences: int | None = None):
         raise NotImplementedError
+
+    def skips_zero_advantage(self, cfg: LossConfig) -> bool:
+        """Whether a row whose advantage is exactly 0 adds exactly 0 to the loss and to its
+        gradient, so the train step may leave it out (`skip_zero_advantage`): true for the
+        clipped surrogate of `per_token_terms` without the KL term (beta = 0). A subclass that
+        overrides `per_token` skips nothing unless it overrides this too."""
+        return cfg.beta == 0 and type(self).per_token is Loss.per_token
 
 
 def register_loss(name: str):

@@ -45,11 +45,13 @@ from das_jax.malloc import release_free_memory, release_trace_caches
 from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.rl.advantages import advantage_metrics, get_advantage
+from das_jax.rl.batches import make_batch
 from das_jax.rl.checkpoint import CheckpointManager, largest_array_bytes
 from das_jax.rl.rewards import combine_rewards, reward_fns_from_config
 from das_jax.rl.run_log import sample_rows
-from das_jax.rl.train_step import (cast_params, compute_logprobs, make_batch, make_optimizer,
-                                   make_train_step)
+from das_jax.rl.logprobs import cast_params, compute_logprobs
+from das_jax.rl.optimizer import Optimizer
+from das_jax.rl.train_step import TrainStep
 from das_jax.rollout import Rollout
 
 log = logging.getLogger("das_jax.train")
@@ -140,7 +142,7 @@ class GRPOTrainer:
                                             self.tokenizer.eos_token_ids)
         self._check_prompts_and_stop_ids()
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
-        self.optimizer = make_optimizer(c.grpo, c.train.steps)
+        self.optimizer = Optimizer(c.grpo, c.train.steps)
         if self.mesh is None:
             self.opt_state = self.optimizer.init(self.params)
         else:
@@ -148,13 +150,12 @@ class GRPOTrainer:
             self.opt_state = jax.jit(self.optimizer.init, out_shardings=opt_sh)(self.params)
         self.activation = ActivationConfig(remat=c.train.remat, logits_chunk=c.train.logits_chunk,
                                            attention_chunk=c.train.attention_chunk)
-        self.train_step = make_train_step(self.model_config, c.grpo, self.optimizer,
-                                          temperature=c.rollout.temperature, donate=True,
-                                          activation=self.activation,
-                                          compute_dtype=self.compute_dtype, mesh=self.mesh,
-                                          skip_zero_advantage=c.train.skip_zero_advantage,
-                                          total_steps=c.train.steps,
-                                          fused=c.train.fused_update)
+        self.train_step = TrainStep(self.model_config, c.grpo, self.optimizer,
+                                    temperature=c.rollout.temperature, donate=True,
+                                    activation=self.activation, compute_dtype=self.compute_dtype,
+                                    mesh=self.mesh,
+                                    skip_zero_advantage=c.train.skip_zero_advantage,
+                                    leafwise=True, fused=c.train.fused_update)
         # The reference policy: a copy in the compute dtype (the master params are donated),
         # sharded like the master params on a mesh.
         self.ref_params = None
