@@ -70,7 +70,8 @@ def model_config_for(source: str):
     if kind == "hf_dir":
         from das_jax.models.loaders.hf_dir import read_hf_config
         return read_hf_config(path)
-    from das_jax.models.loaders.gguf_file import config_from_gguf_metadata, open_gguf, read_metadata
+    from das_jax.models.loaders.gguf_file import config_from_gguf_metadata
+    from das_jax.models.loaders.gguf_reader import open_gguf, read_metadata
     reader = open_gguf(path)
     return config_from_gguf_metadata(read_metadata(reader), {t.name for t in reader.tensors}, path)
 

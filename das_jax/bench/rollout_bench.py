@@ -637,7 +637,7 @@ def main(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     from das_jax.data import load_dataset_from_config, render_prompt
     from das_jax.models import load
-    from das_jax.rollout import Rollout
+    from das_jax.rollout import rollout_from_config
     from das_jax.models.tokenizer import encode_prompt
 
     t0 = time.perf_counter()
@@ -653,7 +653,7 @@ def main(args: argparse.Namespace) -> int:
     r = cfg.rollout
     if args.exact and not cfg.rollout.exact:
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, exact=True))
-    rollout = Rollout.from_config(cfg, model_config, params, tokenizer.eos_token_ids,
+    rollout = rollout_from_config(cfg, model_config, params, tokenizer.eos_token_ids,
                                   speculation="none")
     print(f"loaded {cfg.model.source} and {len(problems)} problems in "
           f"{time.perf_counter() - t0:.1f}s; prompts {min(len(p) for _, p in prompts)}-"

@@ -50,7 +50,7 @@ from das_jax.rl.rewards import combine_rewards, get_reward_fn
 from das_jax.rl.run_log import sample_rows
 from das_jax.rl.train_step import (cast_params, compute_logprobs, make_batch, make_optimizer,
                                    make_train_step)
-from das_jax.rollout import Rollout
+from das_jax.rollout import rollout_from_config
 
 log = logging.getLogger("das_jax.train")
 
@@ -128,7 +128,7 @@ class GRPOTrainer:
         # The rollout boundary: engine, drafter, policy and cost model, all from the config. The
         # engine keeps no params of its own: every rollout passes the current ones, cast to the
         # compute dtype (`rollout_params`), so nothing stays alive across the update.
-        self.rollouts = Rollout.from_config(c, self.model_config, None,
+        self.rollouts = rollout_from_config(c, self.model_config, None,
                                             self.tokenizer.eos_token_ids)
         if reward_fns is None:
             reward_fns = [get_reward_fn(n) for n in c.grpo.reward_funcs]

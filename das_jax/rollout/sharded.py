@@ -17,8 +17,8 @@ cache sharded over the T devices on the heads axis, `das_jax.engine.placement`).
   runs, so replicas overlap); outputs come back in request order, token-identical to one device
   (position-keyed sampling; tensor parallelism changes logits only by float rounding).
 
-    rollout = Rollout.from_config(config, model_config, None, eos_ids)   # a ShardedRollout when
-    outputs, stats = rollout.generate(requests, params)                  # > 1 local device
+    rollout = rollout_from_config(config, model_config, None, eos_ids)  # a ShardedRollout when
+    outputs, stats = rollout.generate(requests, params)                 # > 1 local device
     stats.assignment, stats.makespan_s, stats.device_forward_passes
 
 Multi-host: each process builds replicas over its own local devices (`jax.local_devices()`) and

@@ -35,7 +35,8 @@ import tempfile
 from typing import Any
 
 from das_jax.models.errors import ModelLoadError
-from das_jax.models.sources import sha256_file
+from das_jax.models.loaders.gguf_reader import open_gguf
+from das_jax.models.sources import cache_dir, sha256_file
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -126,7 +127,6 @@ def cache_key(gguf_path: str, header_size: int | None = None) -> str:
 
     end = header_size
     if end is None:
-        from das_jax.models.loaders.gguf_file import open_gguf
         reader = open_gguf(gguf_path)
         end = int(reader.data_offset)
         del reader
@@ -144,7 +144,6 @@ def cache_key(gguf_path: str, header_size: int | None = None) -> str:
 
 def cache_folder(key: str) -> str:
     """`<das-jax cache>/gguf-tokenizers/<key>` (not created)."""
-    from das_jax.models.sources import cache_dir
     return os.path.join(cache_dir(), "gguf-tokenizers", key)
 
 
