@@ -9,6 +9,9 @@ memory-bandwidth floor, measured side by side in one process.
    (what it yields depends on acceptance), so its cost is reported as the W8 / W1 ratio.
 3. End to end: `Engine.generate` at B = 1 and B = 16 (greedy, no drafter, max_new_tokens
    tokens), tok/s = generated tokens / wall time (compile excluded; one warm-up run first).
+   Prompts: the first 16 questions of `--prompts PATH` (a GSM8K-format jsonl, e.g. GSM8K's
+   test.jsonl, which the tables in docs/results were measured with), else 16 built-in seeded
+   arithmetic problems.
 4. HF transformers `generate` on the same model (loaded from the same GGUF, float32,
    `torch.set_num_threads(--threads)`), the same prompts (left-padded at B = 16), greedy, the same
    max_new_tokens; tok/s counts tokens up to and including the first eos per row.
@@ -29,6 +32,8 @@ import time
 
 import numpy as np
 
+from das_jax.data import DatasetError, load_gsm8k, synthetic_arithmetic
+
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     """Bytes per second moved by a large numpy copy (read + write), best of `repeats`."""
@@ -44,22 +49,25 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     return 2 * nbytes / best
 
 
-def _prompts(tokenizer, n: int, target_len: int) -> list[list[int]]:
-    """n chat prompts of about target_len tokens (GSM8K test questions when available)."""
-    texts = []
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k",
-                        "test.jsonl")
-    for cand in (path, "../shared/data/gsm8k/test.jsonl", "/work/shared/data/gsm8k/test.jsonl"):
-        if os.path.isfile(cand):
-            with open(cand) as f:
-                for line in f:
-                    texts.append(json.loads(line)["question"])
-                    if len(texts) >= 4 * n:
-                        break
-            break
-    if not texts:
-        texts = [f"Problem {i}: a farmer has {i + 3} cows and buys {2 * i + 1} more each week. "
-                 "How many cows does the farmer have after a month?" for i in range(4 * n)]
+def prompt_texts(path: str | None, n: int) -> list[str]:
+    """The questions of the end-to-end runs: the first `n` of the GSM8K-format jsonl(.gz) file
+    `path` (`--prompts`), or `n` of the built-in seeded arithmetic problems
+    (`das_jax.data.synthetic_arithmetic`) when `path` is None.
+
+    Raises:
+      DatasetError: `path` is missing, unreadable or has too few problems.
+    """
+    if path is None:
+        return [p.prompt for p in synthetic_arithmetic(n, seed=0)]
+    problems = load_gsm8k(path, limit=n)
+    if len(problems) < n:
+        raise DatasetError(f"--prompts {path}: {len(problems)} problems, the benchmark needs {n}; "
+                           f"pass a GSM8K-format jsonl with at least {n} lines")
+    return [p.prompt for p in problems]
+
+
+def _prompts(tokenizer, texts: list[str], n: int, target_len: int) -> list[list[int]]:
+    """n chat prompts of about target_len tokens, from the question `texts`."""
     out = []
     for t in texts:
         ids = tokenizer.chat_prompt_ids("Solve the problem step by step. " + t)
@@ -155,6 +163,7 @@ def main(args: argparse.Namespace) -> int:
     from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
     from das_jax.models import load, params_size
 
+    texts = prompt_texts(args.prompts, 16)      # a bad --prompts fails before the model loads
     quick = args.quick
     max_new = args.max_new_tokens or (16 if quick else 64)
     repeats = 3 if quick else 10
@@ -186,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
     res["step_s"] = steps
     res.update(packed_and_kv_terms(engine, config, params, bw, args.prompt_len, repeats))
 
-    prompts = _prompts(tokenizer, 16, args.prompt_len)
+    prompts = _prompts(tokenizer, texts, 16, args.prompt_len)
     res["prompt_lens"] = [len(p) for p in prompts]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
 
