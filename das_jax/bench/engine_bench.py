@@ -26,6 +26,7 @@ W = 1 step within 1.5x of the floor; the W = 8 step at B = 1 <= 1.5x the W = 1 s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -33,6 +34,7 @@ import time
 import numpy as np
 
 from das_jax.data import DatasetError, load_gsm8k, synthetic_arithmetic
+from das_jax.engine import pow2_at_least
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
@@ -81,7 +83,6 @@ def _prompts(tokenizer, texts: list[str], n: int, target_len: int) -> list[list[
 
 def time_verify(engine, B: int, W: int, prompt_len: int, repeats: int) -> float:
     """Median seconds of one greedy verify step at (B, W) attending to ~prompt_len positions."""
-    from das_jax.engine import pow2_at_least
 
     kv_len = pow2_at_least(prompt_len + W, 128)
     return engine.time_verify_step(B, W, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
@@ -97,8 +98,8 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
       positions per row); the slope per position-row against `bytes per position / bandwidth`
       (K and V of every layer read once), the floor of an attention that reads the cache once.
     """
-    import dataclasses
 
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.engine import Engine
     from das_jax.models.kv_cache import DenseKVCache
 
@@ -129,11 +130,11 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
 
 
 def engine_kv_len(prompt_len: int, width: int) -> int:
-    from das_jax.engine import pow2_at_least
     return pow2_at_least(prompt_len + width, 128)
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_ids) -> tuple:
+    # deferred import: torch (not loaded by importing this module)
     import torch
     L = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
@@ -157,6 +158,7 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_
 
 
 def main(args: argparse.Namespace) -> int:
+    # deferred import: jax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
 
@@ -207,11 +209,13 @@ def main(args: argparse.Namespace) -> int:
     model = None
     if not args.no_hf:
         try:
+            # deferred import: torch, transformers (not loaded by importing this module)
             import torch
             from transformers import AutoModelForCausalLM
         except ImportError as e:
             print(f"HF comparison skipped: {e}", flush=True)
         else:
+            # deferred import: jax (not loaded by importing this module)
             from das_jax.models.load import resolve_source
             kind, path = resolve_source(args.model)
             torch.set_num_threads(args.threads)

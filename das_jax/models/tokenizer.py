@@ -14,6 +14,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from das_jax.models.errors import ModelLoadError
+from das_jax.models.loaders import gguf_tokenizer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -83,6 +84,7 @@ class Tokenizer:
             raise ModelLoadError(
                 f"{path}: no tokenizer files (expected tokenizer.json and tokenizer_config.json); "
                 "copy them from the model's original repository into this directory")
+        # deferred import: transformers (not loaded by importing this module)
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
         tok_cfg = _read_json_if_exists(os.path.join(path, "tokenizer_config.json"))
         # A generic class means "tokenizer.json as written": AutoTokenizer would otherwise pick the
@@ -123,7 +125,6 @@ class Tokenizer:
         Raises:
           ModelLoadError: the metadata describes no tokenizer transformers can build.
         """
-        from das_jax.models.loaders import gguf_tokenizer
         path = os.path.abspath(os.fspath(path))
         folder = gguf_tokenizer.cached_tokenizer_dir(path, header_size) if cache else None
         if folder is not None:

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Sequence
 
+import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from das_jax.engine import SamplingParams
+from das_jax.engine import Engine, SamplingParams
+from das_jax.rollout.multi_device import LockedDrafter
 from das_jax.speculation import CostModel, DASSection, calibrate, get_speculation
 
 
@@ -104,7 +107,6 @@ class Rollout:
             self.calibrate(requests, sampling, params=params)
         drafter = self.drafter
         if request_ids is not None and drafter is not None:
-            from das_jax.rollout.multi_device import LockedDrafter
             drafter = LockedDrafter(drafter).view(request_ids)
         return self.engine.generate(requests, sampling, drafter=drafter, policy=self.policy,
                                     params=params, progress=progress)
@@ -182,12 +184,9 @@ class Rollout:
         this rollout's drafter, shared behind one lock (`LockedDrafter`), so siblings of a problem
         generated on other devices feed the same history. The first fork wraps this rollout's
         own drafter in the lock, so keep using this rollout (or its forks) afterwards."""
-        from das_jax.engine import Engine
-        from das_jax.rollout.multi_device import LockedDrafter
 
         if self.drafter is not None and not isinstance(self.drafter, LockedDrafter):
             self.drafter = LockedDrafter(self.drafter)
-        from jax.sharding import Mesh
 
         e = self.engine
         mesh = device if isinstance(device, Mesh) else None
@@ -202,7 +201,6 @@ class Rollout:
     def forks(self, devices=None) -> list["Rollout"]:
         """One `fork` per device (default: `jax.devices()`). Keep the list across calls, so each
         fork's policy state persists (compiled executables are shared per shape and device)."""
-        import jax
         return [self.fork(d) for d in (list(devices) if devices is not None else jax.devices())]
 
     def with_speculation(self, speculation: str, das=None, cost_model=None) -> "Rollout":

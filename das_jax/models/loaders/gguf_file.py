@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from das_jax.models.config import ModelConfig, RopeScaling
+from das_jax.models.config import ModelConfig, ModelConfigError, RopeScaling
 from das_jax.models.errors import ModelLoadError
 from das_jax.models.loaders.gguf_reader import REDOWNLOAD as _REDOWNLOAD
 from das_jax.models.loaders.gguf_reader import open_gguf, read_metadata
+from das_jax.models.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
@@ -142,6 +143,7 @@ def tensor_getter(reader, config: ModelConfig, arch: str, source: str) -> Callab
       KeyError: no such tensor.
       ModelLoadError: the tensor's data cannot be dequantized (truncated file, unknown quant type).
     """
+    # deferred import: gguf (not loaded by importing this module)
     from gguf import quants
 
     by_hf = {}
@@ -182,9 +184,8 @@ def load_gguf(path: str, dtype):
     Raises:
       ModelLoadError / WeightsError / ModelConfigError naming the file.
     """
-    from das_jax.models.config import ModelConfigError
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.models.convert import params_from_hf_tensors
-    from das_jax.models.tokenizer import Tokenizer
 
     reader = open_gguf(path)
     meta = read_metadata(reader)

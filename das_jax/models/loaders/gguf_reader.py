@@ -16,6 +16,7 @@ def open_gguf(path: str):
     Raises:
       ModelLoadError: the file is not a GGUF or is truncated/corrupt.
     """
+    # deferred import: gguf (not loaded by importing this module)
     import gguf
     try:
         with open(path, "rb") as f:

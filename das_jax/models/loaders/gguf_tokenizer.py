@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from importlib.metadata import version
 from typing import Any
 
 from das_jax.models.errors import ModelLoadError
@@ -67,6 +68,7 @@ def load_saved(path: str):
     Raises:
       Exception: whatever transformers raises for unreadable files.
     """
+    # deferred import: transformers (not loaded by importing this module)
     from transformers import PreTrainedTokenizerFast
     return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
 
@@ -77,6 +79,7 @@ def convert_with_transformers(gguf_path: str):
     Raises:
       ModelLoadError: the metadata describes no tokenizer transformers can build.
     """
+    # deferred import: transformers (not loaded by importing this module)
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
@@ -123,7 +126,6 @@ def cache_key(gguf_path: str, header_size: int | None = None) -> str:
     Raises:
       ModelLoadError: the file is not a readable GGUF.
     """
-    from importlib.metadata import version
 
     end = header_size
     if end is None:
