@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from das_jax.bench import main_job_bench
 from das_jax.cli import main
 from das_jax.models import ModelConfig, init_params
 from das_jax.cli import train as rl_cli
@@ -178,7 +179,7 @@ def test_eta_leaves_out_compile_time(tmp_path, monkeypatch):
 def test_bench_main_job_compares_the_runs_drafter_with_none_from_its_checkpoint(
         runs, monkeypatch, tmp_path):
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-    monkeypatch.setattr(rl_cli, "load_model", lambda config: (
+    monkeypatch.setattr(main_job_bench, "load_model", lambda config: (
         CFG, jax.tree_util.tree_map(jnp.copy, params), CharTokenizer()))
     run_dir = runs["das"][0]
     before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
