@@ -72,8 +72,7 @@ def model_config_for(source: str):
     if source in KNOWN_MODELS:
         return ModelConfig(**KNOWN_MODELS[source])
     # deferred import: jax (not loaded by importing this module)
-    from das_jax.models import load as _load  # noqa: F401  caches the function on the package
-    from das_jax.models.load import resolve_source  # (so this import cannot shadow it)
+    from das_jax.models.loading import resolve_source
     kind, path = resolve_source(source)
     if kind == "hf_dir":
         return read_hf_config(path)

@@ -237,3 +237,13 @@ def test_the_check_catches_a_module_circle_inside_a_room(tmp_path):
     assert module_circles(edges) == [
         "das_jax.models.gguf <-> das_jax.models.load <-> das_jax.models.tok"]
     assert layer_violations(edges) == []                  # one room: the room check cannot see it
+
+
+def test_no_lazy_export_is_named_like_a_submodule():
+    # Importing submodule `pkg.x` sets the attribute `pkg.x` to the module, so a lazy export
+    # named `x` would then import as the module instead of the function or class.
+    files = sorted(PKG.rglob("*.py"))
+    modules = {_module_name(f) for f in files}
+    clashes = [f"{_module_name(f)}.{name}" for f in files if f.name == "__init__.py"
+               for name in _lazy_exports(f, PKG) if f"{_module_name(f)}.{name}" in modules]
+    assert clashes == []

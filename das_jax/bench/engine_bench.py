@@ -216,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"HF comparison skipped: {e}", flush=True)
         else:
             # deferred import: jax (not loaded by importing this module)
-            from das_jax.models.load import resolve_source
+            from das_jax.models.loading import resolve_source
             kind, path = resolve_source(args.model)
             torch.set_num_threads(args.threads)
             t0 = time.perf_counter()

@@ -36,7 +36,7 @@ def load_hf_model(source: str, threads: int = 2):
     # deferred import: jax, transformers (not loaded by importing this module)
     from transformers.utils import logging as hf_logging
 
-    from das_jax.models.load import resolve_source
+    from das_jax.models.loading import resolve_source
 
     hf_logging.disable_progress_bar()      # no tqdm bars in the benchmark's log
 

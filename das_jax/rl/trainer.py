@@ -43,7 +43,7 @@ from das_jax.data import Problem, problems_from_config, render_prompt, reward_kw
 from das_jax.engine import Request, RequestOutput, request_seed
 from das_jax.errors import is_disk_full
 from das_jax.malloc import release_free_memory, release_trace_caches
-from das_jax.models.load import load
+from das_jax.models.loading import load
 from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.parallel import distributed as dist
