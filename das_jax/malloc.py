@@ -101,6 +101,7 @@ def _on_compile(event: str, duration: float, **_: object) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _watch_compiles() -> None:
+    # deferred import: jax (not loaded by importing this module)
     import jax
     jax.monitoring.register_event_duration_secs_listener(_on_compile)
 
@@ -123,6 +124,7 @@ def release_trace_caches(force: bool = False) -> bool:
             return False
         _new_programs[0] = 0
     try:
+        # deferred import: jax (not loaded by importing this module)
         from jax._src import util
         caches = list(util._caches)
     except (ImportError, AttributeError):  # pragma: no cover - another jax

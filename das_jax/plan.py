@@ -35,7 +35,15 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
+
+from das_jax.config import config_from_dict, config_to_dict
+from das_jax.engine import pow2_at_least as _pow2_at_least
 from das_jax.errors import UserError
+from das_jax.models.config import ModelConfig
+from das_jax.models.loaders.gguf_file import config_from_gguf_metadata
+from das_jax.models.loaders.gguf_reader import open_gguf, read_metadata
+from das_jax.models.loaders.hf_dir import read_hf_config
 
 GB = 1e9
 
@@ -61,16 +69,13 @@ class PlanError(UserError):
 def model_config_for(source: str):
     """The `ModelConfig` of a model source without loading weights: a known hub id, an HF
     directory's config.json, a GGUF file's metadata, or a named source (fetched if needed)."""
-    from das_jax.models.config import ModelConfig
     if source in KNOWN_MODELS:
         return ModelConfig(**KNOWN_MODELS[source])
-    from das_jax.models import load as _load  # noqa: F401  caches the function on the package
-    from das_jax.models.load import resolve_source  # (so this import cannot shadow it)
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.models.loading import resolve_source
     kind, path = resolve_source(source)
     if kind == "hf_dir":
-        from das_jax.models.loaders.hf_dir import read_hf_config
         return read_hf_config(path)
-    from das_jax.models.loaders.gguf_file import config_from_gguf_metadata, open_gguf, read_metadata
     reader = open_gguf(path)
     return config_from_gguf_metadata(read_metadata(reader), {t.name for t in reader.tensors}, path)
 
@@ -135,21 +140,20 @@ def _mem(compiled) -> dict[str, int]:
 
 
 def _tree_bytes(tree) -> int:
+    # deferred import: jax (not loaded by importing this module)
     import jax
-    import numpy as np
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                for x in jax.tree_util.tree_leaves(tree))
 
 
 def plan_in_process(config, devices: int, device_bytes: int, model_config=None) -> MemoryPlan:
     """The plan, compiled in this process (needs `devices` local JAX devices)."""
+    # deferred import: jax, optax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
     from das_jax.engine import step as step_lib
-    from das_jax.engine import pow2_at_least as _pow2_at_least
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.parallel import sharding as shard_lib
@@ -201,6 +205,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
 
         def apply(p, s, grads):
             updates, s = optimizer.update(grads, s, p)
+            # deferred import: optax (not loaded by importing this module)
             import optax
             return optax.apply_updates(p, updates), s
         grads_abs = abstract(jax.tree_util.tree_map(
@@ -277,6 +282,7 @@ def device_memory_bytes(config, device_memory_gb: float | None) -> int:
     gb = device_memory_gb if device_memory_gb is not None else config.train.device_memory_gb
     if gb is not None:
         return int(gb * GB)
+    # deferred import: jax (not loaded by importing this module)
     import jax
     stats = None
     try:
@@ -292,10 +298,10 @@ def plan(config, devices: int = 1, device_memory_gb: float | None = None) -> Mem
     """`plan_in_process`, in a subprocess with `devices` forced host devices when this process
     has fewer devices (or JAX is already initialised on a different platform)."""
     device_bytes = device_memory_bytes(config, device_memory_gb)
+    # deferred import: jax (not loaded by importing this module)
     import jax
     if len(jax.devices()) >= devices:
         return plan_in_process(config, devices, device_bytes)
-    from das_jax.config import config_to_dict
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           f" --xla_force_host_platform_device_count={devices}").strip())
@@ -312,7 +318,6 @@ def estimate_bytes(config, model_config) -> int:
     """A quick upper estimate of one device's peak (no compile): master + 2 moments + grads in
     f32-ish bytes, a compute copy, the KV cache, the layer inputs kept by remat, the attention and
     logits chunks. Used by `das-jax train` to skip compiling when far below the capacity."""
-    import numpy as np
     mc, r, g, t = model_config, config.rollout, config.grpo, config.train
     n = mc.num_params()
     mi = np.dtype(t.master_dtype).itemsize
@@ -348,7 +353,6 @@ def check_before_training(config) -> MemoryPlan | None:
 
 
 def _subprocess_main() -> None:
-    from das_jax.config import config_from_dict
     req = json.loads(sys.stdin.read())
     config = config_from_dict(req["config"])
     p = plan_in_process(config, req["devices"], req["device_bytes"])

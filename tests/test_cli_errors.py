@@ -86,6 +86,9 @@ def _cases(tmp_path, f):
         # bench engine / drafter / rollout / replay
         (["bench", "engine", "--model", "nosuch", "--no-hf"], "nosuch: no such file", E),
         (["bench", "engine", "--prompt-len", "0"], "argument --prompt-len", E),
+        (["bench", "engine", "--prompts", f["missing"], "--no-hf"], "file not found", E),
+        (["bench", "engine", "--prompts", f["bad_jsonl"], "--no-hf"],
+         f"{f['bad_jsonl']}:3: invalid UTF-8", E),
         (["bench", "drafter", "--drafters", "suffix,bogus"], "argument --drafters: 'bogus'", D),
         (["bench", "drafter", "--traffic", "short"], "argument --traffic: 'short'", D),
         (["bench", "drafter", "--k", "0"], "argument --k", D),

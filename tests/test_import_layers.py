@@ -30,8 +30,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+def _module_name(path: pathlib.Path, root: pathlib.Path = PKG) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -42,15 +42,41 @@ def _room(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+def _lazy_exports(init: pathlib.Path, root: pathlib.Path) -> dict[str, str]:
+    """{name: module} of a package whose `__init__` declares its lazy surface as a literal
+    `_EXPORTS = {name: submodule or "das_jax.module"}` (see `das_jax._lazy`; a value may be a
+    module-level string constant); else {}."""
+    package = _module_name(init, root)
+    constants: dict[str, str] = {}
+    for node in ast.parse(init.read_text()).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)):
+            continue
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            constants[node.targets[0].id] = node.value.value
+        elif node.targets[0].id == "_EXPORTS":
+            out = {}
+            for key, value in zip(node.value.keys, node.value.values):
+                where = (constants[value.id] if isinstance(value, ast.Name)
+                         else ast.literal_eval(value))
+                out[ast.literal_eval(key)] = (where if where.startswith("das_jax.")
+                                              else f"{package}.{where}")
+            return out
+    return {}
+
+
 def import_edges(root: pathlib.Path = PKG) -> dict[str, set[tuple[str, int]]]:
     """{module: {(imported das_jax module, line)}} for every module under `root`, top-level and
-    in-function imports alike (relative imports resolved; `from pkg import mod` counts as
-    importing `pkg.mod` when that is a module)."""
+    in-function imports alike (relative imports resolved). `from pkg import name` imports the
+    module `pkg.name` when that is a module, the module that defines `name` when it is one of
+    `pkg`'s lazy exports, else `pkg` itself."""
     files = sorted(root.rglob("*.py"))
-    modules = {_module_name(f) for f in files}
+    modules = {_module_name(f, root) for f in files}
+    lazy = {_module_name(f, root): _lazy_exports(f, root) for f in files
+            if f.name == "__init__.py"}
     edges: dict[str, set[tuple[str, int]]] = collections.defaultdict(set)
     for f in files:
-        me = _module_name(f)
+        me = _module_name(f, root)
         package = me if f.name == "__init__.py" else me.rpartition(".")[0]
         for node in ast.walk(ast.parse(f.read_text(), str(f))):
             targets = []
@@ -61,8 +87,11 @@ def import_edges(root: pathlib.Path = PKG) -> dict[str, set[tuple[str, int]]]:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names
-                                    if f"{base}.{a.name}" in modules]
+                for a in node.names:
+                    if f"{base}.{a.name}" in modules:
+                        targets.append(f"{base}.{a.name}")
+                    else:
+                        targets.append(lazy.get(base, {}).get(a.name, base))
             for t in targets:
                 if t.split(".")[0] == "das_jax" and t != "das_jax":
                     edges[me].add((t, node.lineno))
@@ -127,6 +156,18 @@ def layer_violations(edges) -> list[str]:
     return bad
 
 
+def module_circles(edges) -> list[str]:
+    """Every circle between modules (A imports B and B imports A, directly or through others;
+    top-level and in-function imports alike), as "a <-> b <-> ...", modules sorted."""
+    graph = {module: {target for target, _ in targets} for module, targets in edges.items()}
+    return [" <-> ".join(c) for c in circles(graph)]
+
+
+# Circles being opened elsewhere right now; each entry names its modules. Remove an entry once its
+# circle is gone (the test below fails on a stale entry).
+KNOWN_MODULE_CIRCLES: set[str] = set()
+
+
 def test_rooms_import_only_their_floor_and_below_and_form_no_circle():
     edges = import_edges()
     assert len(edges) > 50
@@ -134,6 +175,12 @@ def test_rooms_import_only_their_floor_and_below_and_form_no_circle():
     rooms = {_room(_module_name(f)) for f in PKG.rglob("*.py")} - {"das_jax"}
     assert rooms <= set(FLOOR), sorted(rooms - set(FLOOR))
     assert layer_violations(edges) == []
+
+
+def test_modules_form_no_circle():
+    found = set(module_circles(import_edges()))
+    assert sorted(found - KNOWN_MODULE_CIRCLES) == []
+    assert sorted(KNOWN_MODULE_CIRCLES - found) == [], "a known circle is gone: drop its entry"
 
 
 def test_named_boundaries():
@@ -161,12 +208,38 @@ def test_the_check_catches_an_arrow_up_and_a_circle(tmp_path):
                       "data/x.py": "import das_jax.models\n"}.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
-    global PKG
-    saved, PKG = PKG, pkg
-    try:
-        found = layer_violations(import_edges(pkg))
-    finally:
-        PKG = saved
+    found = layer_violations(import_edges(pkg))
     assert any("arrow back up (engine" in f and "das_jax.engine.step:2" in f for f in found)
     assert "import circle between rooms engine <-> rl" in found
     assert "import circle between rooms data <-> models" in found
+
+
+def test_the_check_catches_a_module_circle_inside_a_room(tmp_path):
+    pkg = tmp_path / "das_jax"
+    for rel, text in {"__init__.py": "",
+                      "models/__init__.py": "from das_jax._lazy import lazy_exports\n"
+                                            "_EXPORTS = {'Tok': 'tok'}\n",
+                      "models/tok.py": "def f():\n    from .load import read\n",
+                      "models/load.py": "import numpy\nfrom . import gguf as g\n",
+                      "models/gguf.py": "from das_jax.models import Tok\n",
+                      # Not a circle: `from . import sibling` does not import the package itself.
+                      "drafter/__init__.py": "from .ngram import Ngram\n",
+                      "drafter/ngram.py": "from . import kernels\n",
+                      "drafter/kernels.py": ""}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    edges = import_edges(pkg)
+    assert ("das_jax.models.tok", 1) in edges["das_jax.models.gguf"]      # through the lazy surface
+    assert module_circles(edges) == [
+        "das_jax.models.gguf <-> das_jax.models.load <-> das_jax.models.tok"]
+    assert layer_violations(edges) == []                  # one room: the room check cannot see it
+
+
+def test_no_lazy_export_is_named_like_a_submodule():
+    # Importing submodule `pkg.x` sets the attribute `pkg.x` to the module, so a lazy export
+    # named `x` would then import as the module instead of the function or class.
+    files = sorted(PKG.rglob("*.py"))
+    modules = {_module_name(f) for f in files}
+    clashes = [f"{_module_name(f)}.{name}" for f in files if f.name == "__init__.py"
+               for name in _lazy_exports(f, PKG) if f"{_module_name(f)}.{name}" in modules]
+    assert clashes == []

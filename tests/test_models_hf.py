@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 / Qwen3 saved by transformers, loaded by das_jax.models.load:
+"""Tiny random Llama / Qwen2 / Qwen3 saved by transformers, loaded by das_jax.models.loading:
 logits equal transformers' (float32, 1e-4) with left/right padding and through the KV cache."""
 from __future__ import annotations
 

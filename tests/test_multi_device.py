@@ -20,7 +20,7 @@ from das_jax.drafter import Draft, Drafter, make_drafter
 from das_jax.engine import Engine, EngineConfig, GenerateError, Request, SamplingParams
 from das_jax.rollout import (DataParallelStats, LockedDrafter, Rollout, ShardedRollout,
                              assign_contiguous, assign_groups, assign_lpt, assignment_loads,
-                             group_indices, replica_meshes)
+                             group_indices, replica_meshes, rollout_from_config)
 from das_jax.speculation import CostModelConfig, DASConfig, DASPolicy
 from das_jax.testing import tiny_model_config, tiny_params
 
@@ -412,14 +412,14 @@ def test_two_replicas_on_one_device_in_threads_are_token_identical():
     rollout.load_state_dict(single.state_dict())
 
 
-def test_from_config_builds_replicas_over_several_devices():
+def test_rollout_from_config_builds_replicas_over_several_devices():
     dev = jax.devices()[0]
     cfg = config_from_dict({"rollout": {"max_slots": 1, "max_cache_len": 128, "max_new_tokens": 64,
                                       "replicas": 2}})
-    r = Rollout.from_config(cfg, CFG, None, [1], devices=[dev] * 4)
+    r = rollout_from_config(cfg, CFG, None, [1], devices=[dev] * 4)
     assert isinstance(r, ShardedRollout) and r.num_replicas == 2 and r.tensor_parallel == 2
     assert r.replicas[1].engine.placement.devices == [dev, dev]
-    one = Rollout.from_config(config_from_dict({}), CFG, None, [1], devices=[dev])
+    one = rollout_from_config(config_from_dict({}), CFG, None, [1], devices=[dev])
     assert type(one) is Rollout
     with pytest.raises(Exception, match="rollout.replicas must be >= 1"):
         config_from_dict({"rollout": {"replicas": 0}})

@@ -14,7 +14,8 @@ from das_jax.config import DASSection, config_from_dict
 from das_jax.drafter import Draft
 from das_jax.engine import Engine, EngineConfig, FixedPolicy, Request, SamplingParams
 from das_jax.rollout import (Rollout, SpeculationError, build_speculation, get_speculation,
-                             register_speculation, speculation_names, unregister_speculation)
+                             register_speculation, rollout_from_config, speculation_names,
+                             unregister_speculation)
 from das_jax.speculation import CostModelConfig, DASConfig
 from das_jax.testing import tiny_model_config, tiny_params
 
@@ -69,7 +70,7 @@ def test_toy_drafter_is_one_registration(toy_registered):
                             "rollout": {"max_new_tokens": 12, "max_slots": 4,
                                         "max_cache_len": 128, "draft_widths": [1, 4]}})
     params = tiny_params(CFG)
-    rollout = Rollout.from_config(cfg, CFG, params, eos_token_ids=[1])
+    rollout = rollout_from_config(cfg, CFG, params, eos_token_ids=[1])
     assert isinstance(rollout.drafter, RepeatLastDrafter) and rollout.drafter.confidence == 0.5
     reqs = [Request((5, 6, 7), problem_id="a", sample_index=g) for g in range(3)]
     out, stats = rollout.generate(reqs, params)

@@ -16,6 +16,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=100,
                    help="approximate prompt length (the verify step attends to this many cached "
                         "positions)")
+    p.add_argument("--prompts", default=None, metavar="PATH",
+                   help="GSM8K-format jsonl(.gz) whose first 16 questions are the end-to-end "
+                        "prompts (default: 16 built-in seeded arithmetic problems)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     p.add_argument("--exact", action="store_true",
                    help="exact mode: shape-invariant contractions (README 'Exact mode')")

@@ -142,6 +142,7 @@ def _warmup(make):
 
 
 def main(args: argparse.Namespace) -> int:
+    # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import make_drafter
 
     rng = np.random.default_rng(args.seed)

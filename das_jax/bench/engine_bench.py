@@ -9,6 +9,9 @@ memory-bandwidth floor, measured side by side in one process.
    (what it yields depends on acceptance), so its cost is reported as the W8 / W1 ratio.
 3. End to end: `Engine.generate` at B = 1 and B = 16 (greedy, no drafter, max_new_tokens
    tokens), tok/s = generated tokens / wall time (compile excluded; one warm-up run first).
+   Prompts: the first 16 questions of `--prompts PATH` (a GSM8K-format jsonl, e.g. GSM8K's
+   test.jsonl, which the tables in docs/results were measured with), else 16 built-in seeded
+   arithmetic problems.
 4. HF transformers `generate` on the same model (loaded from the same GGUF, float32,
    `torch.set_num_threads(--threads)`), the same prompts (left-padded at B = 16), greedy, the same
    max_new_tokens; tok/s counts tokens up to and including the first eos per row.
@@ -23,11 +26,15 @@ W = 1 step within 1.5x of the floor; the W = 8 step at B = 1 <= 1.5x the W = 1 s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
 
 import numpy as np
+
+from das_jax.data import DatasetError, load_gsm8k, synthetic_arithmetic
+from das_jax.engine import pow2_at_least
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
@@ -44,22 +51,25 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     return 2 * nbytes / best
 
 
-def _prompts(tokenizer, n: int, target_len: int) -> list[list[int]]:
-    """n chat prompts of about target_len tokens (GSM8K test questions when available)."""
-    texts = []
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k",
-                        "test.jsonl")
-    for cand in (path, "../shared/data/gsm8k/test.jsonl", "/work/shared/data/gsm8k/test.jsonl"):
-        if os.path.isfile(cand):
-            with open(cand) as f:
-                for line in f:
-                    texts.append(json.loads(line)["question"])
-                    if len(texts) >= 4 * n:
-                        break
-            break
-    if not texts:
-        texts = [f"Problem {i}: a farmer has {i + 3} cows and buys {2 * i + 1} more each week. "
-                 "How many cows does the farmer have after a month?" for i in range(4 * n)]
+def prompt_texts(path: str | None, n: int) -> list[str]:
+    """The questions of the end-to-end runs: the first `n` of the GSM8K-format jsonl(.gz) file
+    `path` (`--prompts`), or `n` of the built-in seeded arithmetic problems
+    (`das_jax.data.synthetic_arithmetic`) when `path` is None.
+
+    Raises:
+      DatasetError: `path` is missing, unreadable or has too few problems.
+    """
+    if path is None:
+        return [p.prompt for p in synthetic_arithmetic(n, seed=0)]
+    problems = load_gsm8k(path, limit=n)
+    if len(problems) < n:
+        raise DatasetError(f"--prompts {path}: {len(problems)} problems, the benchmark needs {n}; "
+                           f"pass a GSM8K-format jsonl with at least {n} lines")
+    return [p.prompt for p in problems]
+
+
+def _prompts(tokenizer, texts: list[str], n: int, target_len: int) -> list[list[int]]:
+    """n chat prompts of about target_len tokens, from the question `texts`."""
     out = []
     for t in texts:
         ids = tokenizer.chat_prompt_ids("Solve the problem step by step. " + t)
@@ -73,7 +83,6 @@ def _prompts(tokenizer, n: int, target_len: int) -> list[list[int]]:
 
 def time_verify(engine, B: int, W: int, prompt_len: int, repeats: int) -> float:
     """Median seconds of one greedy verify step at (B, W) attending to ~prompt_len positions."""
-    from das_jax.engine import pow2_at_least
 
     kv_len = pow2_at_least(prompt_len + W, 128)
     return engine.time_verify_step(B, W, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
@@ -89,8 +98,8 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
       positions per row); the slope per position-row against `bytes per position / bandwidth`
       (K and V of every layer read once), the floor of an attention that reads the cache once.
     """
-    import dataclasses
 
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.engine import Engine
     from das_jax.models.kv_cache import DenseKVCache
 
@@ -121,11 +130,11 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
 
 
 def engine_kv_len(prompt_len: int, width: int) -> int:
-    from das_jax.engine import pow2_at_least
     return pow2_at_least(prompt_len + width, 128)
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_ids) -> tuple:
+    # deferred import: torch (not loaded by importing this module)
     import torch
     L = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
@@ -149,12 +158,14 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_
 
 
 def main(args: argparse.Namespace) -> int:
+    # deferred import: jax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
 
     from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
     from das_jax.models import load, params_size
 
+    texts = prompt_texts(args.prompts, 16)      # a bad --prompts fails before the model loads
     quick = args.quick
     max_new = args.max_new_tokens or (16 if quick else 64)
     repeats = 3 if quick else 10
@@ -186,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
     res["step_s"] = steps
     res.update(packed_and_kv_terms(engine, config, params, bw, args.prompt_len, repeats))
 
-    prompts = _prompts(tokenizer, 16, args.prompt_len)
+    prompts = _prompts(tokenizer, texts, 16, args.prompt_len)
     res["prompt_lens"] = [len(p) for p in prompts]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
 
@@ -198,12 +209,14 @@ def main(args: argparse.Namespace) -> int:
     model = None
     if not args.no_hf:
         try:
+            # deferred import: torch, transformers (not loaded by importing this module)
             import torch
             from transformers import AutoModelForCausalLM
         except ImportError as e:
             print(f"HF comparison skipped: {e}", flush=True)
         else:
-            from das_jax.models.load import resolve_source
+            # deferred import: jax (not loaded by importing this module)
+            from das_jax.models.loading import resolve_source
             kind, path = resolve_source(args.model)
             torch.set_num_threads(args.threads)
             t0 = time.perf_counter()

@@ -33,6 +33,12 @@ import pathlib
 import sys
 import time
 
+from das_jax.bench import paper_replay as pr
+from das_jax.bench.rollout_bench import PaperSpec, run_paper
+from das_jax.models.config import ModelConfig
+from das_jax.speculation import CostModel, save_cost_model
+from das_jax.testing import tiny_model_config
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = _ROOT / "docs" / "traces" / "gsm8k-smollm2-135m.jsonl.gz"
 
@@ -89,10 +95,10 @@ def measure_model(name: str, config, tokens, kv_lens, dtype, kv_budget_bytes: fl
     """Times every (N, kv) shape of one model and fits its cost model; returns
     {"model", "shapes": [{tokens, kv_len, rows, width, attended_kv, seconds, wall_s}],
      "coef": {c_base, c_tok, c_kv}, "fit_error": max relative error of the fit}."""
+    # deferred import: jax (not loaded by importing this module)
     import jax
 
     from das_jax.engine import Engine, EngineConfig
-    from das_jax.speculation import CostModel
     from das_jax.models.kv_cache import KVCache
     from das_jax.models.transformer import init_params
 
@@ -169,14 +175,11 @@ def main(argv=None) -> int:
         return fail(f"--trace {trace_path}: no such file; pass a trace written by `das-jax bench "
                     "rollout` (DIR/trace.jsonl)")
 
+    # deferred import: jax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
 
-    from das_jax.bench import paper_replay as pr
     from das_jax.bench import replay as rp
-    from das_jax.bench.rollout_bench import PaperSpec, run_paper
-    from das_jax.speculation import save_cost_model
-    from das_jax.models.config import ModelConfig
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,7 +191,6 @@ def main(argv=None) -> int:
     print(f"device: {device} ({jax.default_backend()}), jax {jax.__version__}")
     dtype = jnp.dtype(args.dtype)
     if args.smoke:
-        from das_jax.testing import tiny_model_config
         configs = {"tiny": tiny_model_config()}
         dtype = jnp.dtype("float32")
     else:

@@ -17,6 +17,12 @@ import argparse
 import json
 import time
 
+import numpy as np
+
+from das_jax.config import config_from_dict
+from das_jax.models.config import ModelConfig
+from das_jax.plan import KNOWN_MODELS, plan_in_process
+
 
 def _peak(dev) -> int:
     return int((dev.memory_stats() or {}).get("peak_bytes_in_use", 0))
@@ -30,16 +36,13 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-context", type=int, default=16384)
     args = ap.parse_args(argv)
 
+    # deferred import: jax, optax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    from das_jax.config import config_from_dict
     from das_jax.engine import Engine, EngineConfig
-    from das_jax.models.config import ModelConfig
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
-    from das_jax.plan import KNOWN_MODELS, plan_in_process
     from das_jax.rl.batches import make_batch
     from das_jax.rl.optimizer import make_optimizer
     from das_jax.rl.train_step import make_train_step

@@ -28,13 +28,15 @@ def load_hf_model(source: str, threads: int = 2):
     """
     os.environ.setdefault("TQDM_DISABLE", "1")   # transformers' GGUF loader uses tqdm directly
     try:
+        # deferred import: torch, transformers (not loaded by importing this module)
         import torch
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise HFUnavailable(f"HF reference skipped: {e} (pip install torch transformers)") from None
+    # deferred import: jax, transformers (not loaded by importing this module)
     from transformers.utils import logging as hf_logging
 
-    from das_jax.models.load import resolve_source
+    from das_jax.models.loading import resolve_source
 
     hf_logging.disable_progress_bar()      # no tqdm bars in the benchmark's log
 
@@ -70,6 +72,7 @@ def hf_rollout_tok_s(model, prompts: Sequence[Sequence[int]], batch: int, max_ne
     tokens count each row up to and including its first stop token; wall_s is the sum of the
     `generate` calls (tokenisation-free: the prompts are ids). Greedy when temperature == 0.
     """
+    # deferred import: torch (not loaded by importing this module)
     import torch
 
     torch.manual_seed(seed)

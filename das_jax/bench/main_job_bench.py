@@ -26,6 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from das_jax.config import ConfigError, apply_platform, load_config
+from das_jax.data import problems_from_config
+from das_jax.rl import run_dir as rd
+from das_jax.rl import model_loading
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a `das-jax train` run directory "
@@ -39,8 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from das_jax.config import ConfigError, load_config
-    from das_jax.rl import run_dir as rd
 
     if args.drafter and "," in args.drafter:
         raise ConfigError(f"--drafter takes one speculation name, got {args.drafter!r}")
@@ -69,10 +72,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _compare(cfg, run: Path, step: int, steps: int | None) -> int:
-    from das_jax.config import apply_platform
-    from das_jax.data import problems_from_config
+    # deferred import: jax, optax, orbax (not loaded by importing this module)
     from das_jax.engine import Request, request_seed
-    from das_jax.rl import model_loading
     from das_jax.rl.checkpoint import CheckpointManager
     from das_jax.rl.trainer import GRPOTrainer
     from das_jax.rollout import Rollout

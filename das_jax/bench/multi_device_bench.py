@@ -18,11 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from das_jax.testing import tiny_model_config, tiny_params
+
 
 def _skewed_requests(rollout, num_devices: int, long_per_device: int, short_per_device: int,
                      max_new_tokens: int, short_max: int, seed: int):
     """A skewed request set picked from pools by single-device output length (longest first),
     their lengths, and the sampling used."""
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.engine import Request, SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -65,11 +68,11 @@ def makespan_report(num_devices: int | None = None, long_per_device: int = 2,
     are hardware-independent; wall seconds of forced host devices sharing a few CPU cores are
     only indicative.
     """
+    # deferred import: jax (not loaded by importing this module)
     import jax
 
     from das_jax.engine import Engine, EngineConfig
     from das_jax.rollout import Rollout, ShardedRollout
-    from das_jax.testing import tiny_model_config, tiny_params
 
     devices = jax.devices()[:num_devices] if num_devices else jax.devices()
     D = len(devices) if replicas is None else int(replicas)

@@ -25,6 +25,7 @@ import time
 from typing import Callable, Sequence
 
 from das_jax.bench import rollout_report as rr
+from das_jax.rollout import build_speculation, get_speculation
 
 
 def _summary(st, steps_nk, coef) -> dict:
@@ -54,8 +55,8 @@ def replay_models(epochs: dict, names: Sequence[str], engine_config, max_new_tok
     {model: {"cost_model": coef, "drafters": {name: [per-epoch summary]},
              "shares": {name: step_term_shares over all epochs}}}.
     """
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.bench import replay as rp
-    from das_jax.rollout import build_speculation, get_speculation
 
     out = {m: {"cost_model": dict(c), "drafters": {}, "shares": {}} for m, c in models.items()}
     first = next(iter(models))

@@ -61,8 +61,10 @@ import numpy as np
 
 # The engine's own host scheduler and result types: the simulation runs the engine's loop.
 # Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
+from das_jax.config import config_from_dict
 from das_jax.engine import (EngineConfig, GenerateStats, Limits, Prefilled, PromptRows, StepInput,
                             StepOutput, prefill_layout, run_schedule)
+from das_jax.rollout import build_speculation
 from das_jax.speculation import CostModel
 
 
@@ -282,7 +284,6 @@ def das_from_header(header: dict):
     """The `das:` settings (`DASSection`) a trace was recorded with (its header's "das"; older
     traces hold "drafter_kwargs": window, max_depth, min_token_prob). Raises ConfigError for
     invalid settings."""
-    from das_jax.config import config_from_dict
     return config_from_dict({"das": header.get("das", header.get("drafter_kwargs", {}))}).das
 
 
@@ -296,7 +297,6 @@ def replay_epochs(epochs: dict[int, list[TraceRollout]], names: Sequence[str],
 
     Returns name -> [per-epoch summary dicts].
     """
-    from das_jax.rollout import build_speculation
     out: dict[str, list[dict]] = {}
     for name in names:
         cm = FrozenCostModel.of(coef)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -47,6 +48,15 @@ import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from das_jax.bench import rollout_report as rr
+from das_jax.bench import paper_replay as pr
+from das_jax.bench import hf_reference as hr
+from das_jax.config import ConfigError, DASSection, apply_platform, load_config
+from das_jax.data import load_dataset_from_config, render_prompt
+from das_jax.models.tokenizer import encode_prompt
+from das_jax.rollout import speculation_names
+from das_jax.speculation import resolve_cost_model
 
 DEFAULT_DRAFTERS = "none,ngram,suffix-global,das,das-unlimited"
 
@@ -157,9 +167,8 @@ def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
 
 def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = print) -> dict:
     """Runs the benchmark; returns the result dict (also written to out_dir, with trace + PNGs)."""
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.bench import replay as rp
-    from das_jax.bench import rollout_report as rr
-    from das_jax.config import DASSection
     from das_jax.engine import Request, SamplingParams
 
     base = setup.rollout.with_speculation("none")
@@ -315,6 +324,7 @@ def _checkpoint(out_dir: str, result: dict, measured: dict, none_epochs: dict,
     """After every epoch: `progress.json` (the measured rows so far, the HF reference) and
     `trace.partial.jsonl` (the `none` rollouts so far, replayable with `bench replay`), so that a
     run stopped early still leaves its numbers."""
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.bench import replay as rp
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "progress.json"), "w") as f:
@@ -358,7 +368,6 @@ def markdown_table(result: dict) -> str:
 def epoch_line(temp, epoch: int, walls: dict[str, list[float]]) -> str:
     """One log line after an epoch: every drafter's speed-up over none in it, and das over the
     best baseline (ngram / suffix-global / das-unlimited) in it."""
-    from das_jax.bench import rollout_report as rr
     s = rr.speedup_summary({n: [w[epoch]] for n, w in walls.items()}, later_epochs=(0, 0))
     parts = [f"{n} {s['per_epoch'][n][0]:.2f}x" for n in walls if n != "none"]
     line = f"T={temp} epoch {epoch} vs none: " + ", ".join(parts)
@@ -370,7 +379,6 @@ def epoch_line(temp, epoch: int, walls: dict[str, list[float]]) -> str:
 def summarize_measured(result: dict) -> dict:
     """Adds result["summary"][T] = {"speedups": `speedup_summary` of wall times, "identity":
     drafter -> merged `divergence_stats` over epochs} and result["targets"] (first temperature)."""
-    from das_jax.bench import rollout_report as rr
     result["summary"] = {}
     for t in result["temperatures"]:
         times, ident = {}, {}
@@ -387,10 +395,9 @@ def summarize_measured(result: dict) -> dict:
 def run_paper(trace, names, max_new_tokens: int, das, spec: "PaperSpec", log=print) -> dict:
     """The paper-scale replay of `trace` (`replay.paper_workload`) under every model of
     `spec.cost_models` (`paper_replay.replay_models`); returns {"settings", "models"}."""
-    from das_jax.bench import paper_replay as pr
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.bench import replay as rp
     from das_jax.engine import EngineConfig, cache_len_for
-    from das_jax.speculation import resolve_cost_model
 
     t0 = time.perf_counter()
     epochs = rp.paper_workload(trace, problems=spec.problems, samples=spec.samples,
@@ -425,8 +432,6 @@ def run_paper(trace, names, max_new_tokens: int, das, spec: "PaperSpec", log=pri
 def report_markdown(result: dict) -> str:
     """The benchmark's report: the targets table (first temperature), identity per drafter, the
     HF reference and the paper-scale replay per cost model."""
-    from das_jax.bench import paper_replay as pr
-    from das_jax.bench import rollout_report as rr
     t = str(result["temperatures"][0])
     summ = result["summary"][t]
     hf = result.get("hf_reference")
@@ -447,6 +452,7 @@ def report_markdown(result: dict) -> str:
 
 def _save_figure(fig, out_dir: str, name: str) -> str:
     """Saves `fig` as out_dir/name (110 dpi), closes it and returns the path."""
+    # deferred import: matplotlib (not loaded by importing this module)
     import matplotlib.pyplot as plt
     path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=110)
@@ -455,8 +461,10 @@ def _save_figure(fig, out_dir: str, name: str) -> str:
 
 
 def plot_rollout(result: dict, out_dir: str) -> list[str]:
+    # deferred import: matplotlib (not loaded by importing this module)
     import matplotlib
     matplotlib.use("Agg")
+    # deferred import: matplotlib (not loaded by importing this module)
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -531,6 +539,7 @@ def default_config_path() -> str:
 
 
 def _make_update_fn(cfg, model, problems_by_id):
+    # deferred import: jax, optax, orbax (not loaded by importing this module)
     from das_jax.rl.trainer import GRPOTrainer
 
     problems = list(problems_by_id.values())
@@ -569,7 +578,6 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
 def _make_reference_fn(model_source: str, tokenizer, batches: int | None, threads: int, log):
     """The HF reference as a `BenchSetup.reference_fn`; None (with a one-line message) when
     torch / transformers are missing or cannot load the model."""
-    from das_jax.bench import hf_reference as hr
 
     def run(requests, sampling, batch):
         try:
@@ -583,7 +591,6 @@ def _make_reference_fn(model_source: str, tokenizer, batches: int | None, thread
                                   sampling.top_k, tokenizer.eos_token_ids,
                                   tokenizer.pad_token_id, seed=0, max_batches=batches, log=log)
         del model
-        import gc
         gc.collect()
         return res
 
@@ -591,12 +598,10 @@ def _make_reference_fn(model_source: str, tokenizer, batches: int | None, thread
 
 
 def main(args: argparse.Namespace) -> int:
-    from das_jax.config import ConfigError, apply_platform, load_config
 
     args = apply_preset(args)
     paper = None
     if args.paper_replay:
-        from das_jax.speculation import resolve_cost_model
         models = tuple(m.strip() for m in args.paper_replay.split(",") if m.strip())
         try:
             for m in models:
@@ -627,18 +632,16 @@ def main(args: argparse.Namespace) -> int:
     temps = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
              else [cfg.rollout.temperature])
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    from das_jax.rollout import speculation_names
     bad = [d for d in drafters if d not in speculation_names()]
     if bad:
         print(f"das-jax bench rollout: unknown drafter(s) {bad}; valid: "
               f"{', '.join(speculation_names())}", file=sys.stderr)
         return 2
 
+    # deferred import: jax (not loaded by importing this module)
     import jax.numpy as jnp
-    from das_jax.data import load_dataset_from_config, render_prompt
     from das_jax.models import load
-    from das_jax.rollout import Rollout
-    from das_jax.models.tokenizer import encode_prompt
+    from das_jax.rollout import rollout_from_config
 
     t0 = time.perf_counter()
     model_config, params, tokenizer = load(cfg.model.source, dtype=getattr(jnp, cfg.model.dtype))
@@ -653,7 +656,7 @@ def main(args: argparse.Namespace) -> int:
     r = cfg.rollout
     if args.exact and not cfg.rollout.exact:
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, exact=True))
-    rollout = Rollout.from_config(cfg, model_config, params, tokenizer.eos_token_ids,
+    rollout = rollout_from_config(cfg, model_config, params, tokenizer.eos_token_ids,
                                   speculation="none")
     print(f"loaded {cfg.model.source} and {len(problems)} problems in "
           f"{time.perf_counter() - t0:.1f}s; prompts {min(len(p) for _, p in prompts)}-"

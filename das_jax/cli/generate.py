@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     import jax.numpy as jnp  # jax: imported when the command runs, not for --help
-    from tqdm import tqdm
+    from tqdm import tqdm  # deferred import: tqdm (slow to import; not for --help)
 
     from das_jax.engine import Engine, EngineConfig, Request
     from das_jax.models import load

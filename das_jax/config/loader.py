@@ -296,11 +296,13 @@ def apply_platform(cfg: Config) -> None:
     want = _PLATFORM_ENV[cfg.platform]
     if "jax" in sys.modules:
         try:
+            # deferred import: jax (not loaded by importing this module)
             from jax._src import xla_bridge
             initialised = bool(getattr(xla_bridge, "_backends", {}))
         except Exception:  # pragma: no cover - private API moved
             initialised = False
         if initialised:
+            # deferred import: jax (not loaded by importing this module)
             import jax
             current = jax.default_backend()
             if current != want and not (want == "gpu" and current in ("cuda", "rocm")):
@@ -309,6 +311,7 @@ def apply_platform(cfg: Config) -> None:
                     "set the platform before anything touches JAX (or export JAX_PLATFORMS)")
             return
     os.environ["JAX_PLATFORMS"] = want
+    # deferred import: jax (not loaded by importing this module)
     import jax
     try:
         jax.devices()

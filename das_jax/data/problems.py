@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -355,7 +356,6 @@ def load_hf_dataset(
             f"load_hf_dataset({name!r}, config={config!r}, split={split!r}) failed "
             f"({type(e).__name__}: {e}); are you offline? {hint}"
         ) from e
-    import tempfile  # noqa: PLC0415
 
     n = len(ds) if limit is None else min(limit, len(ds))
     with tempfile.TemporaryDirectory(prefix="das_jax_hf_") as d:

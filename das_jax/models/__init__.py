@@ -17,7 +17,7 @@ _EXPORTS = {
     "ModelConfig": "config", "ModelConfigError": "config", "RopeScaling": "config",
     "WeightsError": "convert", "params_from_hf_tensors": "convert",
     "ModelLoadError": "errors",
-    "load": "load", "params_size": "load",
+    "load": "loading", "params_size": "loading",
     "SOURCES": "sources", "NamedSource": "sources",
     "Tokenizer": "tokenizer",
     "KVCache": "transformer", "forward": "transformer", "forward_hidden": "transformer",

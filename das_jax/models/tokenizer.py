@@ -14,6 +14,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 from das_jax.models.errors import ModelLoadError
+from das_jax.models.loaders import gguf_tokenizer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -83,6 +84,7 @@ class Tokenizer:
             raise ModelLoadError(
                 f"{path}: no tokenizer files (expected tokenizer.json and tokenizer_config.json); "
                 "copy them from the model's original repository into this directory")
+        # deferred import: transformers (not loaded by importing this module)
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
         tok_cfg = _read_json_if_exists(os.path.join(path, "tokenizer_config.json"))
         # A generic class means "tokenizer.json as written": AutoTokenizer would otherwise pick the
@@ -121,7 +123,6 @@ class Tokenizer:
           ModelLoadError: the file is not a readable GGUF, or its metadata describes no tokenizer
             das-jax can build (the message names the tokenizer model).
         """
-        from das_jax.models.loaders import gguf_tokenizer
         path = os.path.abspath(os.fspath(path))
         hf_tok = gguf_tokenizer.load(path, reader)
         return cls.from_hf(hf_tok, metadata_eos_ids, source=path)

@@ -20,7 +20,10 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from typing import Any, Mapping
+
+import numpy as np
 
 from das_jax.errors import UserError
 
@@ -100,6 +103,7 @@ def initialize_from_config(section) -> DistributedSpec | None:
     spec = resolve(section)
     if spec is None:
         return None
+    # deferred import: jax (not loaded by importing this module)
     import jax
     if jax.distributed.is_initialized():
         return spec
@@ -121,15 +125,16 @@ def initialize_from_config(section) -> DistributedSpec | None:
 
 
 def process_count() -> int:
+    # deferred import: jax (not loaded by importing this module)
     import jax
     return jax.process_count()
 
 
 def is_primary() -> bool:
     """True on process 0 (the one that writes logs); True without jax.distributed."""
-    import sys
     if "jax" not in sys.modules:
         return True
+    # deferred import: jax (not loaded by importing this module)
     import jax
     return jax.process_index() == 0
 
@@ -150,7 +155,7 @@ def check_same_config(config) -> None:
     """
     if process_count() <= 1:
         return
-    import numpy as np
+    # deferred import: jax (not loaded by importing this module)
     from jax.experimental import multihost_utils
     digest = np.frombuffer(bytes.fromhex(config_fingerprint(config)), np.uint32)
     every = np.asarray(multihost_utils.process_allgather(digest))  # [P, 8]
@@ -165,6 +170,7 @@ def check_same_config(config) -> None:
 def sync(name: str) -> None:
     """A barrier across processes (no-op for one process)."""
     if process_count() > 1:
+        # deferred import: jax (not loaded by importing this module)
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
@@ -174,8 +180,8 @@ def broadcast_from_primary(tree: Any) -> Any:
     the tree itself for one process."""
     if process_count() <= 1:
         return tree
+    # deferred import: jax (not loaded by importing this module)
     import jax
-    import numpy as np
     from jax.experimental import multihost_utils
     out = multihost_utils.broadcast_one_to_all(tree)
     return jax.tree_util.tree_map(np.asarray, out)
@@ -185,6 +191,6 @@ def max_over_processes(value: int) -> int:
     """The largest `value` over all processes (a collective)."""
     if process_count() <= 1:
         return int(value)
-    import numpy as np
+    # deferred import: jax (not loaded by importing this module)
     from jax.experimental import multihost_utils
     return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))

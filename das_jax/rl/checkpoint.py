@@ -36,7 +36,9 @@ import contextlib
 import dataclasses
 import json
 import io
+import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -308,8 +310,6 @@ def _filter_aborted_save_noise() -> None:
     which tensorstore's callbacks print through, and `sys.unraisablehook`, which reports the
     writers' coroutines when they are collected); every other error goes to the previous hook.
     Installed once, by the first `CheckpointManager`."""
-    import logging
-    import sys
     if sys.excepthook in _NOISE_FILTERS:
         return
     log = logging.getLogger(__name__)
@@ -489,7 +489,6 @@ class CheckpointManager:
 @contextlib.contextmanager
 def _quiet_absl_errors():
     """Raises the `absl` logger (orbax's) to CRITICAL for the block."""
-    import logging
     logger = logging.getLogger("absl")
     level = logger.level
     logger.setLevel(logging.CRITICAL)

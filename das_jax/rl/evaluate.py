@@ -21,6 +21,9 @@ import numpy as np
 
 from das_jax.config import Config
 from das_jax.data import Problem, load_dataset_from_config, render_prompt, reward_kwargs
+from das_jax.malloc import release_free_memory
+from das_jax.models.tokenizer import encode_prompt
+from das_jax.rl.run_log import phase
 
 __all__ = ["EvalError", "held_out_problems", "evaluate", "Evaluator", "eval_due"]
 
@@ -90,8 +93,8 @@ def evaluate(engine, tokenizer, problems: Sequence[Problem], reward_fn: Callable
       token rather than the budget), `eval_num_problems`, `eval_s` (wall seconds), and
       `eval_samples` (the first two completions, for the console).
     """
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.engine import Request, SamplingParams
-    from das_jax.models.tokenizer import encode_prompt
 
     t0 = time.perf_counter()
     texts = [render_prompt(p, tokenizer if chat else None, instruction=instruction, chat=chat)
@@ -147,7 +150,6 @@ class Evaluator:
     def run(self, trainer, step: int) -> dict[str, Any]:
         """Evaluates `trainer.params`; returns the metrics record for `step` (with a phase line
         on the console)."""
-        from das_jax.rl.run_log import phase
 
         c = self.config
         with phase(f"evaluating at step {step}: {len(self.problems)} held-out problems, "
@@ -162,6 +164,5 @@ class Evaluator:
                          + f"reward {m['eval_reward']:.3f}, {m['eval_stopped']:.0%} stopped, "
                          f"mean length {m['eval_response_length_mean']:.1f} tokens")
         m.pop("eval_samples")
-        from das_jax.malloc import release_free_memory
         release_free_memory()
         return {"kind": "eval", "step": step, **m}

@@ -12,7 +12,7 @@ def load_model(config):
     """Fetches and loads `config.model.source` (in `config.model.dtype`) with phase lines on the
     console; returns (ModelConfig, params, tokenizer), what `GRPOTrainer(model=...)` takes.
     Used by `das-jax train` and `das-jax bench main-job`."""
-    from das_jax.models.load import load, params_size, resolve_source  # jax
+    from das_jax.models.loading import load, params_size, resolve_source  # jax
     src = config.model.source
     what = f"fetching the model {src}"
     if src in sources.SOURCES and not os.path.isfile(sources.cached_path(src)):

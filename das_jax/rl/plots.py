@@ -27,8 +27,10 @@ _TIME_SPLIT = (("prefill_s", "prefill"), ("decode_s", "decode (verify steps)"),
 
 
 def _plt():
+    # deferred import: matplotlib (not loaded by importing this module)
     import matplotlib
     matplotlib.use("Agg")
+    # deferred import: matplotlib (not loaded by importing this module)
     import matplotlib.pyplot as plt
     return plt
 

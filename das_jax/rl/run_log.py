@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import re
+import resource
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from das_jax.errors import UserError
+from das_jax.rl.plots import plot_run
 
 log = logging.getLogger("das_jax.train")
 
@@ -48,7 +50,7 @@ class _ConsoleHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            from tqdm import tqdm
+            from tqdm import tqdm  # deferred import: tqdm (slow to import)
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # pragma: no cover - logging must never raise
             self.handleError(record)
@@ -117,6 +119,7 @@ class CompileWatch:
                "/jax/core/compile/backend_compile_duration")
 
     def __init__(self):
+        # deferred import: jax (not loaded by importing this module)
         import jax
         self._jax = jax
         self._lock = threading.Lock()
@@ -316,10 +319,12 @@ def _summary_writer_class():
     costs the training process ~0.2-0.3 GB of memory. When torch is not loaded yet, its import
     is blocked while tensorboardX loads (tensorboardX then takes numpy arrays only)."""
     if "torch" in sys.modules:
+        # deferred import: tensorboardX (not loaded by importing this module)
         from tensorboardX import SummaryWriter
         return SummaryWriter
     sys.modules["torch"] = None  # `import torch` raises ImportError
     try:
+        # deferred import: tensorboardX (not loaded by importing this module)
         from tensorboardX import SummaryWriter
     finally:
         if sys.modules.get("torch", 0) is None:
@@ -370,7 +375,7 @@ class RunLogger:
         self.records: list[dict[str, Any]] = []
         self._bar = None
         if progress and sys.stderr.isatty():
-            from tqdm import tqdm
+            from tqdm import tqdm  # deferred import: tqdm (slow to import)
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              file=sys.stderr,
                              bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}")
@@ -503,7 +508,6 @@ class RunLogger:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
-        from das_jax.rl.plots import plot_run
         written = plot_run(read_metrics(self.path), self.run_dir / "plots",
                            max_new_tokens=self.max_new_tokens)
         if self.records:
@@ -527,7 +531,6 @@ def summary_table(records: Sequence[dict[str, Any]], wall_s: float | None = None
     """A markdown table summarising a run's records (time split, reward and accuracy at the
     start and end, held-out eval accuracy at the first and last eval, forward passes, tokens
     per forward, peak memory)."""
-    import resource
     first, last = records[:4], records[-4:]
     tot = lambda k: sum(r.get(k) or 0 for r in records)  # noqa: E731
     fp, gen = tot("forward_passes"), tot("generated_tokens")

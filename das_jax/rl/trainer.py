@@ -41,18 +41,27 @@ import numpy as np
 from das_jax.config import Config, config_to_dict, save_config
 from das_jax.data import Problem, problems_from_config, render_prompt, reward_kwargs
 from das_jax.engine import Request, RequestOutput, request_seed
+from das_jax.errors import is_disk_full
 from das_jax.malloc import release_free_memory, release_trace_caches
+from das_jax.models.loading import load
 from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
+from das_jax.parallel import distributed as dist
+from das_jax.parallel.sharding import (MESH_AXES, MeshError, TrainShardings, mesh_from_config,
+                                       place, replicated, resolve_mesh_shape)
+from das_jax.rl import run_dir as rd
 from das_jax.rl.advantages import advantage_metrics, get_advantage
 from das_jax.rl.batches import make_batch
-from das_jax.rl.checkpoint import CheckpointManager, largest_array_bytes
-from das_jax.rl.rewards import combine_rewards, reward_fns_from_config
-from das_jax.rl.run_log import sample_rows
+from das_jax.rl.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointManager,
+                                   CheckpointMismatchError, largest_array_bytes)
+from das_jax.rl.evaluate import Evaluator, eval_due
 from das_jax.rl.logprobs import cast_params, compute_logprobs
 from das_jax.rl.optimizer import Optimizer
+from das_jax.rl.rewards import combine_rewards, reward_fns_from_config
+from das_jax.rl.run_dir import set_aside_checkpoints
+from das_jax.rl.run_log import RunLogger, sample_rows
 from das_jax.rl.train_step import TrainStep
-from das_jax.rollout import Rollout
+from das_jax.rollout import rollout_from_config
 
 log = logging.getLogger("das_jax.train")
 
@@ -104,7 +113,6 @@ class GRPOTrainer:
                 fn.self_test()
         self._reward_events = [fn.events for fn in reward_fns if hasattr(getattr(fn, "events", None), "take")]
         if model is None:
-            from das_jax.models import load
             model = load(c.model.source, dtype=getattr(jnp, c.train.master_dtype))
         self.model_config, params, self.tokenizer = model
         # Mixed precision: the trainer holds master params (and Adam moments) in
@@ -112,7 +120,6 @@ class GRPOTrainer:
         self.compute_dtype = c.model.dtype
         # Several devices or processes: the train state lives on the `mesh:` (FSDP by the rules
         # of das_jax.parallel.sharding); one device keeps the plain single-device path.
-        from das_jax.parallel import distributed as dist
         dist.check_same_config(c)
         self.mesh = _train_mesh(c)
         self.params = cast_params(params, c.train.master_dtype)
@@ -120,7 +127,6 @@ class GRPOTrainer:
         release_free_memory()  # the loader's freed host buffers (dequantised tensors)
         self.shardings = None
         if self.mesh is not None:
-            from das_jax.parallel.sharding import TrainShardings, place
             self.shardings = TrainShardings(self.params, self.mesh)
             self.params = place(self.params, self.shardings.params)
         if problems is None:
@@ -138,7 +144,7 @@ class GRPOTrainer:
         # The rollout boundary: engine, drafter, policy and cost model, all from the config. The
         # engine keeps no params of its own: every rollout passes the current ones, cast to the
         # compute dtype (`rollout_params`), so nothing stays alive across the update.
-        self.rollouts = Rollout.from_config(c, self.model_config, None,
+        self.rollouts = rollout_from_config(c, self.model_config, None,
                                             self.tokenizer.eos_token_ids)
         self._check_prompts_and_stop_ids()
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
@@ -221,7 +227,6 @@ class GRPOTrainer:
         if self.mesh is None:
             return cast_params(self.params, self.compute_dtype)
         if getattr(self, "_gather_rollout_params", None) is None:
-            from das_jax.parallel.sharding import replicated
             dtype = self.compute_dtype
             self._gather_rollout_params = jax.jit(lambda p: cast_params(p, dtype),
                                                   out_shardings=replicated(self.mesh))
@@ -236,7 +241,6 @@ class GRPOTrainer:
             jnp.asarray(rb.rewards), c.grpo))
         lens_p = np.array([len(p) for p in rb.prompt_ids], np.int32)
         lens_c = np.array([max(len(o.token_ids), 0) for o in rb.outputs], np.int32)
-        from das_jax.parallel import distributed as dist
         T = _token_bucket(dist.max_over_processes(int((lens_p + lens_c).max())))
         tokens = np.zeros((len(rb.outputs), T), np.int32)
         old = np.zeros((len(rb.outputs), T), np.float32)
@@ -388,7 +392,6 @@ class GRPOTrainer:
         Raises:
           TrainError: the disk is full (names the checkpoint directory and how to go on).
         """
-        from das_jax.errors import is_disk_full
         try:
             manager.save(self.step, self.params, self.opt_state, self._meta(),
                          {ROLLOUT_STATE_KEY: self.rollouts.state_dict()})
@@ -413,8 +416,6 @@ class GRPOTrainer:
           TrainError: no checkpoint, none readable, one written for another model/optimizer, or
             one in a format this version does not read (an older version's pickle).
         """
-        from das_jax.rl.checkpoint import (CheckpointError, CheckpointFormatError,
-                                           CheckpointMismatchError)
         steps = [s for s in manager.all_steps() if max_step is None or s <= max_step]
         where = manager.step_dir(0).parent
         if not steps:
@@ -441,7 +442,6 @@ class GRPOTrainer:
                              f"{unreadable[0][1]}); start a new run (--overwrite or another "
                              "output_dir)")
         if unreadable:
-            from das_jax.rl.run_dir import set_aside_checkpoints
             moved = set_aside_checkpoints(self.run_dir, [s for s, _ in unreadable])
             log.warning("checkpoint step %s is unreadable (%s); resuming from step %d, the newest "
                         "readable checkpoint (the unreadable one moved to %s)",
@@ -484,9 +484,6 @@ class GRPOTrainer:
           TrainError: nothing to resume; a non-finite loss (nothing of that step is saved); the
             disk filled up while checkpointing.
         """
-        from das_jax.parallel import distributed as dist
-        from das_jax.rl import run_dir as rd
-        from das_jax.rl.run_log import RunLogger
         c = self.config
         primary = dist.is_primary()  # process 0 owns the run directory's files and logs
         with rd.lock_run_dir(self.run_dir) if primary else contextlib.nullcontext():
@@ -519,7 +516,6 @@ class GRPOTrainer:
                 else:
                     logger = _SilentLogger()
                 records = []
-                from das_jax.rl.evaluate import Evaluator, eval_due
                 evaluator = Evaluator.for_trainer(self)
                 with _closing(logger):
                     if evaluator is not None and self.step == 0 < c.train.steps:
@@ -557,8 +553,6 @@ def _train_mesh(c: Config):
     Raises:
       TrainError: the mesh sizes do not fit the devices (one line).
     """
-    from das_jax.parallel.sharding import MESH_AXES, MeshError, mesh_from_config, \
-        resolve_mesh_shape
     try:
         if jax.device_count() == 1:
             resolve_mesh_shape({a: getattr(c.mesh, a) for a in MESH_AXES}, 1)  # checks only

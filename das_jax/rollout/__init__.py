@@ -1,8 +1,9 @@
 """das_jax.rollout: the one interface to speculative rollouts.
 
 Public surface:
-  Rollout                                     an engine + its speculation, built from a config
-                                              (rollout.py)
+  Rollout                                     an engine + its speculation (rollout.py)
+  rollout_from_config                         the `Rollout` a config asks for; a
+                                              `ShardedRollout` over several devices (factory.py)
   register_speculation, unregister_speculation, speculation_names, get_speculation,
   build_speculation,
   SpeculationSpec, SpeculationError           the registry of speculation names
@@ -23,7 +24,7 @@ from das_jax._lazy import lazy_exports
 
 _NAMES = "das_jax.speculation.names"
 _EXPORTS = {
-    "Rollout": "rollout",
+    "Rollout": "rollout", "rollout_from_config": "factory",
     "register_speculation": _NAMES, "unregister_speculation": _NAMES,
     "speculation_names": _NAMES, "get_speculation": _NAMES, "build_speculation": _NAMES,
     "SpeculationSpec": _NAMES, "SpeculationError": _NAMES,

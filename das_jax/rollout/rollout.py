@@ -5,14 +5,15 @@ a policy, and the cost model the policy plans with; `das_jax.speculation`), and 
 default sampling settings. The trainer, the benchmarks and multi-device placement talk to it
 only (in the spirit of Tunix's `BaseRollout`):
 
-    rollout = Rollout.from_config(config, model_config, params, tokenizer.eos_token_ids)
+    rollout = rollout_from_config(config, model_config, params, tokenizer.eos_token_ids)
     outputs, stats = rollout.generate(requests, params)   # calibrates the cost model once
     rollout.advance_epoch()                               # end of a pass over the data
     state = rollout.state_dict(); rollout.load_state_dict(state)   # checkpoints
     forks = rollout.forks(jax.devices())                  # per-device copies, shared drafter
 
-With more than one local device, `from_config` returns a `ShardedRollout`
-(`das_jax.rollout.sharded`): the same interface over data-parallel replicas on device meshes
+`rollout_from_config` (`das_jax.rollout.factory`) builds the engine from the config; with more
+than one local device it returns a `ShardedRollout` (`das_jax.rollout.sharded`, a subclass this
+module does not know): the same interface over data-parallel replicas on device meshes
 (`rollout.replicas`), each tensor-parallel over KV heads when it has several devices.
 
 Every setting comes from the config: `rollout:` (engine shapes and sampling), `drafter:` (the
@@ -22,9 +23,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Sequence
 
+import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from das_jax.engine import SamplingParams
+from das_jax.engine import Engine, SamplingParams
+from das_jax.rollout.multi_device import LockedDrafter
 from das_jax.speculation import CostModel, DASSection, calibrate, get_speculation
 
 
@@ -55,49 +59,6 @@ class Rollout:
             self.das.cost_model)
         self.drafter, self.policy = self.spec.build(self.das, self.cost_model)
         self.calibrated = False
-
-    @classmethod
-    def from_config(cls, config, model_config, params, eos_token_ids: Sequence[int] = (), *,
-                    device=None, speculation: str | None = None,
-                    devices=None) -> "Rollout":
-        """A rollout for a run `config` (`das_jax.config.Config`): an `Engine` over
-        (model_config, params) with the `rollout:` shapes, the `drafter:` speculation (or
-        `speculation`), the `das:` settings, and sampling from `rollout:` seeded by
-        `train.seed`.
-
-        Placement: on `device` when given; else over `devices` (default `jax.local_devices()`):
-        with more than one, a `ShardedRollout` of `rollout.replicas` data-parallel replicas
-        (default: one per device), each tensor-parallel over its devices / replicas devices.
-
-        Raises:
-          GenerateError: `rollout.replicas` does not divide the device count.
-        """
-        import jax
-
-        from das_jax.engine import Engine, EngineConfig
-
-        r = config.rollout
-        engine = Engine(model_config, params, eos_token_ids=eos_token_ids, device=device,
-                        dtype=config.model.dtype,
-                        engine_config=EngineConfig(max_slots=r.max_slots,
-                                                   max_cache_len=r.max_cache_len,
-                                                   draft_widths=tuple(r.draft_widths),
-                                                   kv_memory_gb=r.kv_memory_gb,
-                                                   kv_memory_fraction=r.kv_memory_fraction,
-                                                   exact=r.exact, verify=r.verify,
-                                                   prefill=r.prefill,
-                                                   precompile=r.precompile))
-        sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                  max_new_tokens=r.max_new_tokens,
-                                  stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
-        rollout = cls(engine, speculation or config.drafter, config.das, sampling)
-        if device is not None:
-            return rollout
-        devices = list(devices) if devices is not None else jax.local_devices()
-        if len(devices) == 1 and getattr(r, "replicas", None) in (None, 1):
-            return rollout
-        from das_jax.rollout.sharded import ShardedRollout
-        return ShardedRollout.from_rollout(rollout, devices, getattr(r, "replicas", None))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -146,7 +107,6 @@ class Rollout:
             self.calibrate(requests, sampling, params=params)
         drafter = self.drafter
         if request_ids is not None and drafter is not None:
-            from das_jax.rollout.multi_device import LockedDrafter
             drafter = LockedDrafter(drafter).view(request_ids)
         return self.engine.generate(requests, sampling, drafter=drafter, policy=self.policy,
                                     params=params, progress=progress)
@@ -224,12 +184,9 @@ class Rollout:
         this rollout's drafter, shared behind one lock (`LockedDrafter`), so siblings of a problem
         generated on other devices feed the same history. The first fork wraps this rollout's
         own drafter in the lock, so keep using this rollout (or its forks) afterwards."""
-        from das_jax.engine import Engine
-        from das_jax.rollout.multi_device import LockedDrafter
 
         if self.drafter is not None and not isinstance(self.drafter, LockedDrafter):
             self.drafter = LockedDrafter(self.drafter)
-        from jax.sharding import Mesh
 
         e = self.engine
         mesh = device if isinstance(device, Mesh) else None
@@ -244,7 +201,6 @@ class Rollout:
     def forks(self, devices=None) -> list["Rollout"]:
         """One `fork` per device (default: `jax.devices()`). Keep the list across calls, so each
         fork's policy state persists (compiled executables are shared per shape and device)."""
-        import jax
         return [self.fork(d) for d in (list(devices) if devices is not None else jax.devices())]
 
     def with_speculation(self, speculation: str, das=None, cost_model=None) -> "Rollout":

@@ -17,8 +17,8 @@ cache sharded over the T devices on the heads axis, `das_jax.engine.placement`).
   runs, so replicas overlap); outputs come back in request order, token-identical to one device
   (position-keyed sampling; tensor parallelism changes logits only by float rounding).
 
-    rollout = Rollout.from_config(config, model_config, None, eos_ids)   # a ShardedRollout when
-    outputs, stats = rollout.generate(requests, params)                  # > 1 local device
+    rollout = rollout_from_config(config, model_config, None, eos_ids)  # a ShardedRollout when
+    outputs, stats = rollout.generate(requests, params)                 # > 1 local device
     stats.assignment, stats.makespan_s, stats.device_forward_passes
 
 Multi-host: each process builds replicas over its own local devices (`jax.local_devices()`) and
@@ -35,9 +35,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from das_jax.engine import GenerateError
+from das_jax.engine.placement import MeshPlacement
+from das_jax.parallel.sharding import make_mesh
 from das_jax.rollout.multi_device import (DataParallelStats, assign_groups, assignment_loads,
                                           check_partition)
 from das_jax.rollout.rollout import Rollout
@@ -55,7 +57,6 @@ def replica_meshes(devices: Sequence[jax.Device] | None = None,
       GenerateError: replicas < 1, or it does not divide the device count (names
         `rollout.replicas`).
     """
-    from das_jax.parallel.sharding import make_mesh
 
     devices = list(devices if devices is not None else jax.local_devices())
     R = len(devices) if replicas is None else int(replicas)
@@ -82,7 +83,6 @@ def reshard_for_rollout(params, target):
       device for arrays already on devices (a leaf already placed is not copied), so the
       weights never go through the host; host (numpy) leaves are uploaded once.
     """
-    from das_jax.engine.placement import MeshPlacement
 
     if isinstance(target, Mesh):
         target = MeshPlacement(target)
@@ -102,7 +102,6 @@ def gather_to_local(params, force: bool = False):
     A collective: under `jax.distributed`, every process must call it with the same tree.
     `force`: gather even when every leaf is addressable (tests exercise the gather this way in
     one process)."""
-    from jax.sharding import NamedSharding, PartitionSpec
 
     leaves = jax.tree_util.tree_leaves(params)
     if not force and all(getattr(x, "is_fully_addressable", True) for x in leaves):

@@ -157,6 +157,7 @@ def build_speculation(name: str, das: Any = None, cost_model: Any = None) -> tup
 # The builders import the drafters (numba) when a rollout builds them.
 
 def _suffix_config(das):
+    # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixTreeConfig
     return SuffixTreeConfig(max_depth=das.max_depth, min_token_prob=das.min_token_prob)
 
@@ -168,12 +169,14 @@ def _none(das, cost_model):
 
 @register_speculation("ngram", description="prompt lookup (vLLM ngram), fixed widest width")
 def _ngram(das, cost_model):
+    # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import NgramDrafter
     return NgramDrafter(), FixedPolicy()
 
 
 @register_speculation("suffix", description="per-problem suffix trees, fixed widest width")
 def _suffix(das, cost_model):
+    # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixDrafter
     return SuffixDrafter(_suffix_config(das), window=das.window), FixedPolicy()
 
@@ -181,11 +184,13 @@ def _suffix(das, cost_model):
 @register_speculation("suffix-global",
                       description="global + per-request suffix tree (SuffixDecoding), fixed width")
 def _suffix_global(das, cost_model):
+    # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import GlobalSuffixDrafter
     return GlobalSuffixDrafter(_suffix_config(das), window=das.window), FixedPolicy()
 
 
 def _das(das, cost_model, unlimited: bool):
+    # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixDrafter
     drafter = SuffixDrafter(_suffix_config(das), window=das.window)
     config = dataclasses.replace(das.policy, unlimited=True) if unlimited else das.policy

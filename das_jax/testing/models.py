@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from das_jax.models.config import ModelConfig
 
 # vocab 64 (id 1 is the tests' eos), D=32, F=64, 2 layers, 4 query / 2 key-value heads of 8.
@@ -23,6 +25,7 @@ def tiny_params(config: ModelConfig | None = None, seed: int = 0, scale: float =
     """float32 params of `config` (default: `tiny_model_config()`), normal(0, scale) weights
     from `jax.random.PRNGKey(seed)` (norm weights 1). The large scale gives peaked, varied
     next-token distributions, so sampling tests see both likely and unlikely tokens."""
+    # deferred import: jax (not loaded by importing this module)
     import jax
 
     from das_jax.models.transformer import init_params
@@ -34,8 +37,8 @@ def random_kv_cache(config: ModelConfig, batch: int, cache_len: int, seed: int):
     K and V from `numpy.random.default_rng(seed)` (drawn position-major, `[L, batch, KVH,
     cache_len, K]`, then stored in the cache's layout): a cache that already holds (random)
     history, for tests that attend over it."""
+    # deferred import: jax (not loaded by importing this module)
     import jax.numpy as jnp
-    import numpy as np
 
     from das_jax.models.transformer import KVCache
     rng = np.random.default_rng(seed)
@@ -48,15 +51,14 @@ def random_kv_cache(config: ModelConfig, batch: int, cache_len: int, seed: int):
 def kv_by_position(cache):
     """(k, v) of a `KVCache` as numpy arrays `[L, B, KVH, S, K]` each (keys are stored
     `[L, B, KVH, K, S]`), so tests index positions the same way in both."""
-    import numpy as np
     return np.swapaxes(np.asarray(cache.k), -1, -2), np.asarray(cache.v)
 
 
 def random_requests(problems: int = 3, samples: int = 3, seed: int = 0):
     """`problems` random prompts of 4-19 token ids in [2, 64), each sampled `samples` times
     (`Request`s with problem ids "p0", "p1", ... and sample indices 0..samples-1)."""
-    import numpy as np
 
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.engine.generate import Request
     rng = np.random.default_rng(seed)
     prompts = [tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(4, 20))))

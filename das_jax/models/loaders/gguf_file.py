@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from das_jax.models.config import ModelConfig, RopeScaling
+from das_jax.models.config import ModelConfig, ModelConfigError, RopeScaling
 from das_jax.models.errors import ModelLoadError
-
-_REDOWNLOAD = "re-download or re-convert the file"
+from das_jax.models.loaders.gguf_reader import REDOWNLOAD as _REDOWNLOAD
+from das_jax.models.loaders.gguf_reader import open_gguf, read_metadata
+from das_jax.models.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
@@ -67,43 +68,6 @@ def unpermute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
     dim = weights.shape[0] // n_head // 2
     return (weights.reshape(n_head, dim, 2, *weights.shape[1:]).swapaxes(1, 2)
             .reshape(weights.shape))
-
-
-def open_gguf(path: str):
-    """A `gguf.GGUFReader` over `path`.
-
-    Raises:
-      ModelLoadError: the file is not a GGUF or is truncated/corrupt.
-    """
-    import gguf
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot open ({e.strerror})") from None
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {magic!r}); {_REDOWNLOAD}")
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # IndexError / ValueError from a short memmap
-        raise ModelLoadError(f"{path}: cannot read GGUF file ({type(e).__name__}: {e}); the file is "
-                             f"truncated or corrupt: {_REDOWNLOAD}") from None
-
-
-def read_metadata(reader) -> dict[str, Any]:
-    """All scalar / string / short-array metadata fields as Python values (skips the token list,
-    merges and scores, which are large)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.split(".")[-1] in (
-                "tokens", "merges", "scores", "token_type"):
-            out[key + ".count"] = len(field.data)
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # an odd type: metadata we do not need
-            continue
-    return out
 
 
 def config_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str], source: str) -> ModelConfig:
@@ -179,6 +143,7 @@ def tensor_getter(reader, config: ModelConfig, arch: str, source: str) -> Callab
       KeyError: no such tensor.
       ModelLoadError: the tensor's data cannot be dequantized (truncated file, unknown quant type).
     """
+    # deferred import: gguf (not loaded by importing this module)
     from gguf import quants
 
     by_hf = {}
@@ -219,9 +184,8 @@ def load_gguf(path: str, dtype):
     Raises:
       ModelLoadError / WeightsError / ModelConfigError naming the file.
     """
-    from das_jax.models.config import ModelConfigError
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.models.convert import params_from_hf_tensors
-    from das_jax.models.tokenizer import Tokenizer
 
     reader = open_gguf(path)
     meta = read_metadata(reader)

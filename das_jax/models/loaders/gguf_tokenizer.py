@@ -42,6 +42,7 @@ import json
 from typing import Any
 
 from das_jax.models.errors import ModelLoadError
+from das_jax.models.loaders.gguf_reader import open_gguf
 
 # llama.cpp token types (gguf.TokenType).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -178,6 +179,7 @@ def build_backend(meta: dict[str, Any], source: str = "GGUF"):
       ModelLoadError: no token list, a tokenizer model other than `SUPPORTED_MODELS`, or merges
         that cannot be read.
     """
+    # deferred import: tokenizers (not loaded by importing this module)
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
@@ -286,6 +288,8 @@ def build_tokenizer(meta: dict[str, Any], source: str = "GGUF"):
     Raises:
       ModelLoadError: as `build_backend`.
     """
+    # deferred import: transformers (not loaded by importing this module)
+    # deferred import: transformers (not loaded by importing this module)
     from transformers import PreTrainedTokenizerFast
 
     backend = build_backend(meta, source)
@@ -305,7 +309,6 @@ def load(path: str, reader=None):
       ModelLoadError: the file is not a readable GGUF, or its tokenizer cannot be built.
     """
     if reader is None:
-        from das_jax.models.loaders.gguf_file import open_gguf
         reader = open_gguf(path)
     return build_tokenizer(tokenizer_metadata(reader), path)
 

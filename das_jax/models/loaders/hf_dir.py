@@ -16,6 +16,7 @@ import numpy as np
 
 from das_jax.models.config import ModelConfig
 from das_jax.models.errors import ModelLoadError
+from das_jax.models.tokenizer import Tokenizer
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -79,6 +80,7 @@ def safetensors_files(path: str) -> dict[str, str]:
 
 
 def _open(file: str):
+    # deferred import: safetensors (not loaded by importing this module)
     from safetensors import safe_open
     try:
         return safe_open(file, framework="np")
@@ -138,8 +140,8 @@ def load_hf_dir(path: str, dtype):
     Raises:
       ModelLoadError / WeightsError / ModelConfigError, each naming the offending file.
     """
+    # deferred import: jax (not loaded by importing this module)
     from das_jax.models.convert import params_from_hf_tensors
-    from das_jax.models.tokenizer import Tokenizer
 
     config = read_hf_config(path)
     files = safetensors_files(path)

@@ -39,6 +39,7 @@ def snapshot(repo_id: str) -> str:
                   f"'*.json' '*.safetensors'`) and pass that local directory instead of "
                   f"{repo_id!r}")
     try:
+        # deferred import: huggingface_hub (not loaded by importing this module)
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
                                             RepositoryNotFoundError, RevisionNotFoundError)

@@ -36,6 +36,8 @@ import unicodedata
 from fractions import Fraction
 from typing import Any, Sequence
 
+from das_jax.data.problems import extract_last_boxed
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -376,7 +378,6 @@ def extract_final_number(completion: str) -> str | None:
 
 
 def _gold_text(answer: Any) -> str:
-    from das_jax.data.problems import extract_last_boxed  # noqa: PLC0415
 
     g = str(answer).strip()
     if "####" in g:

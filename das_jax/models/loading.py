@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 
+from das_jax.models import sources
 from das_jax.models.config import ModelConfig
 from das_jax.models.errors import ModelLoadError
+from das_jax.models.loaders import hub
+from das_jax.models.loaders.gguf_file import load_gguf
+from das_jax.models.loaders.hf_dir import load_hf_dir
 from das_jax.models.tokenizer import Tokenizer
 from das_jax.models.transformer import Params
 
@@ -45,8 +50,6 @@ def resolve_source(source: str) -> tuple[str, str]:
     Raises:
       ModelLoadError: a missing path, an unknown name, or a failed download.
     """
-    from das_jax.models import sources
-    from das_jax.models.loaders import hub
 
     source = os.fspath(source)
     if source in sources.SOURCES:
@@ -85,14 +88,11 @@ def load(source: str, dtype=jnp.float32) -> tuple[ModelConfig, Params, Tokenizer
     d = resolve_dtype(dtype)
     kind, path = resolve_source(source)
     if kind == "hf_dir":
-        from das_jax.models.loaders.hf_dir import load_hf_dir
         return load_hf_dir(path, d)
-    from das_jax.models.loaders.gguf_file import load_gguf
     return load_gguf(path, d)
 
 
 def params_size(params: Params) -> tuple[int, int]:
     """(number of parameters, bytes) over all leaves of `params`."""
-    import jax
     leaves = jax.tree_util.tree_leaves(params)
     return sum(int(x.size) for x in leaves), sum(int(x.size) * x.dtype.itemsize for x in leaves)

@@ -1,0 +1,62 @@
+"""`rollout_from_config`: the `Rollout` a run config asks for, on one device or, with several
+local devices, a `ShardedRollout` of data-parallel replicas. It lives apart from both classes so
+that neither imports the other's module for it: `sharded` builds on `rollout`, this builds on
+both."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+
+from das_jax.engine import Engine, EngineConfig, SamplingParams
+from das_jax.rollout.rollout import Rollout
+from das_jax.rollout.sharded import ShardedRollout
+
+__all__ = ["rollout_from_config"]
+
+
+def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[int] = (), *,
+                        device=None, speculation: str | None = None,
+                        devices=None) -> Rollout:
+    """A rollout for a run `config` (`das_jax.config.Config`): an `Engine` over
+    (model_config, params) with the `rollout:` shapes, the `drafter:` speculation (or
+    `speculation`), the `das:` settings, and sampling from `rollout:` seeded by `train.seed`.
+
+    Args:
+      config: the run config.
+      model_config: the `ModelConfig` of the model.
+      params: the params pytree, or None (an engine without params: `generate` needs them).
+      eos_token_ids: the ids that end a sequence.
+      device: place everything on this one device (a plain `Rollout`).
+      speculation: a registered speculation name overriding `config.drafter`.
+      devices: the devices to spread over (default `jax.local_devices()`).
+
+    Placement: on `device` when given; else over `devices`: with more than one (or
+    `rollout.replicas` > 1), a `ShardedRollout` of `rollout.replicas` data-parallel replicas
+    (default: one per device), each tensor-parallel over devices / replicas devices.
+
+    Raises:
+      GenerateError: `rollout.replicas` does not divide the device count.
+      SpeculationError: an unknown speculation name.
+    """
+    r = config.rollout
+    engine = Engine(model_config, params, eos_token_ids=eos_token_ids, device=device,
+                    dtype=config.model.dtype,
+                    engine_config=EngineConfig(max_slots=r.max_slots,
+                                               max_cache_len=r.max_cache_len,
+                                               draft_widths=tuple(r.draft_widths),
+                                               kv_memory_gb=r.kv_memory_gb,
+                                               kv_memory_fraction=r.kv_memory_fraction,
+                                               exact=r.exact, verify=r.verify,
+                                               prefill=r.prefill,
+                                               precompile=r.precompile))
+    sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                              max_new_tokens=r.max_new_tokens,
+                              stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
+    rollout = Rollout(engine, speculation or config.drafter, config.das, sampling)
+    if device is not None:
+        return rollout
+    devices = list(devices) if devices is not None else jax.local_devices()
+    if len(devices) == 1 and getattr(r, "replicas", None) in (None, 1):
+        return rollout
+    return ShardedRollout.from_rollout(rollout, devices, getattr(r, "replicas", None))

@@ -1,0 +1,27 @@
+"""`das-jax bench engine`'s prompts: a GSM8K-format file given with `--prompts`, else the built-in
+seeded arithmetic problems (no machine path is searched)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from das_jax.bench.engine_bench import prompt_texts
+from das_jax.data import DatasetError, synthetic_arithmetic
+
+
+def test_default_prompts_are_the_seeded_arithmetic_problems():
+    texts = prompt_texts(None, 16)
+    assert texts == [p.prompt for p in synthetic_arithmetic(16, seed=0)]
+    assert len(set(texts)) == 16
+
+
+def test_prompts_file_gives_its_first_questions(tmp_path):
+    path = tmp_path / "test.jsonl"
+    path.write_text("".join(json.dumps({"question": f"Q{i}: 2 + {i}?", "answer": f"#### {2 + i}"})
+                            + "\n" for i in range(20)))
+    assert prompt_texts(str(path), 16) == [f"Q{i}: 2 + {i}?" for i in range(16)]
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(path.read_text().splitlines(keepends=True)[:2]))
+    with pytest.raises(DatasetError, match="2 problems, the benchmark needs 3"):
+        prompt_texts(str(short), 3)
