@@ -212,7 +212,7 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
         drafter and policy) are their indices.
       executor: the `StepExecutor`.
       engine_config: an `EngineConfig` (max_slots / batch buckets, max_cache_len,
-        draft_widths, verify).
+        draft_widths).
       limits: `Limits` (max_new_tokens, stop token ids).
       drafter: None (plain decoding) or a Drafter (`das_jax.drafter`).
       policy: speculation policy (default `FixedPolicy()`).
@@ -322,7 +322,7 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
         req_ids = [int(row_req[r]) for r in live]
         views = [RowView(ri, requests[ri].problem_id, generated[ri], max_new - generated[ri])
                  for ri in req_ids]
-        step_shape = step_shape_fn(ec.verify, B, kv_len, widths)
+        step_shape = step_shape_fn(B, kv_len, widths)
         plan = plan_step(drafter, policy, views, B, widths, kv_len, step_shape)
         stats.draft_s += plan.draft_s
         stats.policy_s += plan.policy_s
