@@ -89,7 +89,7 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
       positions per row); the slope per position-row against `bytes per position / bandwidth`
       (K and V of every layer read once), the floor of an attention that reads the cache once.
     """
-    from das_jax.engine.reference import time_verify_padded
+    from das_jax.engine import time_verify_padded
     from das_jax.models.kv_cache import DenseKVCache
 
     out = {}

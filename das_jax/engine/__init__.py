@@ -7,6 +7,7 @@ Public surface:
   Programs (the owner of every compiled program), register_program             (programs.py)
   VerifySpec, VerifyBatch, PrefillSpec, PrefillBatch, ShareSpec, ShareBatch,
     GatherSpec, GatherBatch, CacheSpec: the programs' typed inputs             (specs.py)
+  time_verify_padded (the padded verify, timed as the benchmark's baseline)    (reference.py)
   run_schedule, StepExecutor, StepInput, StepOutput, Prefilled, Limits,
     prefill_layout: the host scheduler shared with the trace replay             (scheduler.py)
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
@@ -41,6 +42,7 @@ _EXPORTS = {
     "VerifySpec": "specs", "VerifyBatch": "specs", "PrefillSpec": "specs",
     "PrefillBatch": "specs", "ShareSpec": "specs", "ShareBatch": "specs", "GatherSpec": "specs",
     "GatherBatch": "specs", "CacheSpec": "specs", "StepShape": "schedule",
+    "time_verify_padded": "reference",
     "StepExecutor": "scheduler", "StepInput": "scheduler",
     "StepOutput": "scheduler", "Prefilled": "scheduler", "Limits": "scheduler",
     "prefill_layout": "scheduler", "run_schedule": "scheduler",

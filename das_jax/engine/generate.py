@@ -33,7 +33,7 @@ import numpy as np
 
 from das_jax.engine import scheduler
 from das_jax.engine.engine_config import (EngineConfig, GenerateError, Request,  # noqa: F401
-                                          device_free_bytes, size_slots)
+                                          size_slots)
 from das_jax.engine.executor import DeviceExecutor
 from das_jax.engine.policy import SpeculationPolicy
 from das_jax.engine.programs import Programs
