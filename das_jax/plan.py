@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from das_jax.config import config_from_dict, config_to_dict
-from das_jax.engine import pow2_at_least as _pow2_at_least
+from das_jax.engine.schedule import bucket as size_bucket
+from das_jax.engine.schedule import pow2_at_least, token_buckets
 from das_jax.errors import UserError
 from das_jax.models.config import ModelConfig
 from das_jax.models.loaders.gguf_file import config_from_gguf_metadata
@@ -153,7 +154,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from das_jax.engine import step as step_lib
+    from das_jax.engine import PrefillSpec, Programs, VerifySpec
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.parallel import sharding as shard_lib
@@ -231,18 +232,17 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
         slots = max(0, min(slots, int(r.kv_memory_gb * GB) //
                            DenseKVCache.nbytes_for(mc, 1, S, compute)))
     slots = max(slots, 1)
-    cache_abs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                      sharding=single),
-                                       DenseKVCache.abstract(mc, slots, S, rdtype))
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=single)  # noqa: E731
+    # The engine's programs at their largest shapes: the verify step with every row drafting
+    # the widest width, and the prefill of a step's prompts at the longest prompt bucket.
+    programs = Programs(mc, device=one)
     skey = (float(r.temperature), int(r.top_k), float(r.top_p))
-    verify_mem = _mem(step_lib.verify.lower(mc, skey, S, cparams_abs, cache_abs, i32(slots),
-                                            i32(slots, W), i32(slots), i32(slots)).compile())
+    verify_mem = programs.memory(VerifySpec(mc, skey, slots, slots * W, W, S, S, rdtype.name),
+                                 cparams_abs)
     U = min(slots, g.prompts_per_step)
-    Tp = min(S, _pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
-    prefill_mem = _mem(step_lib.prefill_insert.lower(
-        mc, skey, cparams_abs, cache_abs, i32(U, Tp), i32(U), i32(slots), i32(slots),
-        i32(slots)).compile())
+    Tp = min(S, pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
+    Np = size_bucket(U * Tp, token_buckets(slots * Tp))
+    prefill_mem = programs.memory(PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name),
+                                  cparams_abs)
 
     n = devices
     master_b = _tree_bytes(params_shape) // n

@@ -167,9 +167,9 @@ def _release_compiled_programs():
     yield
     import gc
     import sys
-    gen = sys.modules.get("das_jax.engine.generate")
-    if gen is not None:
-        gen._COMPILED_EXECUTABLES.clear()
+    programs = sys.modules.get("das_jax.engine.programs")
+    if programs is not None:
+        programs.COMPILED.clear()
     jax = sys.modules.get("jax")
     if jax is not None:
         jax.clear_caches()

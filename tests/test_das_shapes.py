@@ -7,20 +7,20 @@ import pytest
 
 from das_jax.speculation.cost_model import CostModel
 from das_jax.speculation.das_policy import DASConfig, DASPolicy
-from das_jax.engine.policy import RowView, StepRecord
+from das_jax.engine.policy import RowView, StepRecord, padded_step_shape
 from das_jax.engine.schedule import StepShape, packed_width, step_shape_fn
 
 
 def test_step_shape_carries_the_width_and_compares_as_a_pair():
-    shape = step_shape_fn("packed", 16, 128, (1, 4, 8))
+    shape = step_shape_fn(16, 128, (1, 4, 8))
     s = shape(np.array([3] + [0] * 15))
     assert s == (24, 2048) and s.width == 4 and isinstance(s, StepShape)
     assert shape(np.zeros(16, np.int32)).width == 1
     assert shape(np.array([7, 1])).width == 8 == packed_width([7, 1], (1, 4, 8))
     n, k = shape(np.array([5, 0]))
     assert (n, k) == (16, 2048)
-    padded = step_shape_fn("padded", 4, 64, (1, 4, 8))(np.array([2, 0, 0, 0]))
-    assert padded == (16, 256) and padded.width == 4
+    padded = padded_step_shape(4, (1, 4, 8), 64)(np.array([2, 0, 0, 0]))
+    assert padded == (16, 256) and padded.width == 4 and isinstance(padded, StepShape)
 
 
 def test_cost_model_prices_measured_shapes_by_their_times():
@@ -53,7 +53,7 @@ def _policy(cm, explore_every=0):
 def test_budget_follows_measured_cost_not_the_fit():
     # The fit says a draft slot is nearly free; the step with drafts was measured 40% dearer.
     rows = [RowView(i, "p", 5, 50) for i in range(4)]
-    shape = step_shape_fn("packed", 4, 128, (1, 4, 8))
+    shape = step_shape_fn(4, 128, (1, 4, 8))
     probs = [np.array([0.5])] * 4        # +2 expected tokens for 4 rows: pays only if < 50%
     cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0)
     assert _policy(cm).choose(rows, probs, shape)[0].tolist() == [1] * 4
@@ -83,7 +83,7 @@ def _steps_until_bought(compile_s, steps=60, explore_every=0, measured=()):
     7-token drafts the fit says pay, where only the plain step (and `measured`: (N, W, seconds)
     shapes) was measured."""
     rows = [RowView(i, "p", 5, 50) for i in range(4)]
-    shape = step_shape_fn("packed", 4, 128, (1, 4, 8))
+    shape = step_shape_fn(4, 128, (1, 4, 8))
     probs = [np.full(7, 0.95)] * 4
     cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0, compile_s=compile_s)
     for _ in range(2):
@@ -139,7 +139,7 @@ def test_exploration_runs_an_unmeasured_shape_only_while_no_drafting_shape_is_me
 
 def test_a_shape_that_would_pay_once_is_not_compiled_and_measured_shapes_need_no_account():
     rows = [RowView(i, "p", 5, 50) for i in range(4)]
-    shape = step_shape_fn("packed", 4, 128, (1, 4, 8))
+    shape = step_shape_fn(4, 128, (1, 4, 8))
     cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0, compile_s=0.1)
     for _ in range(2):
         cm.observe_step(4, 512, 0.050, width=1)
@@ -164,7 +164,7 @@ def test_a_shape_that_would_pay_once_is_not_compiled_and_measured_shapes_need_no
 def test_the_compile_time_is_learned_from_the_steps_that_compiled():
     cm = CostModel(c_base=0.05, c_tok=1e-4, c_kv=0.0, compile_s=1.0)
     pol = _policy(cm)
-    shape = step_shape_fn("packed", 4, 128, (1, 4, 8))
+    shape = step_shape_fn(4, 128, (1, 4, 8))
     pol.observe(_record(shape, np.zeros(4, np.int32), 0.05))      # compiled nothing
     assert cm.compile_s == 1.0 and cm.compile_count == 0
     pol.observe(_record(shape, np.full(4, 3), 0.06, compile_s=2.0))

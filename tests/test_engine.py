@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from das_jax.engine import sampling as sampling_lib
-from das_jax.engine import step as step_lib
+from das_jax.engine import reference
 from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
 from das_jax.engine.sampling import SamplingError, SamplingParams
 from das_jax.models import KVCache, ModelConfig, forward, init_params
@@ -130,7 +130,7 @@ def test_sampling_distribution_is_exact_plain_and_speculative():
     seeds = np.arange(N, dtype=np.int32)
     # Plain path: the first token, sampled after prefill.
     cache = KVCache.zeros(cfg, N, 16)
-    cache, first, _ = step_lib.prefill_insert(
+    cache, first, _ = reference.prefill_insert(
         cfg, (1.0, 0, 1.0), params, cache, jnp.asarray(prompt), jnp.array([4], jnp.int32),
         jnp.arange(N, dtype=jnp.int32), jnp.zeros(N, jnp.int32), jnp.asarray(seeds))
     counts = np.bincount(np.asarray(first), minlength=16)
@@ -142,7 +142,7 @@ def test_sampling_distribution_is_exact_plain_and_speculative():
     logits2, _ = forward(cfg, params, jnp.asarray(ctx), jnp.arange(5)[None])
     probs_next = np.asarray(jax.nn.softmax(logits2[0, -1]))
     toks = np.tile(np.array([[pending, 4, 4, 4]], np.int32), (N, 1))
-    cache, y, _, n_emit = step_lib.verify(
+    cache, y, _, n_emit = reference.verify(
         cfg, (1.0, 0, 1.0), 16, params, cache, jnp.full((N,), 4, jnp.int32), jnp.asarray(toks),
         jnp.full((N,), 3, jnp.int32), jnp.asarray(seeds))
     y0 = np.asarray(y)[:, 0]
@@ -197,4 +197,4 @@ def test_bad_requests_fail_before_compiling(params):
         eng.generate([Request((2, 999))], sp)
     with pytest.raises(SamplingError, match="stop token"):
         eng.generate([Request((2, 3))], SamplingParams(stop_token_ids=(5000,)))
-    assert eng._compiled.compile_s == 0.0
+    assert eng.programs.compile_s == 0.0

@@ -32,7 +32,8 @@ MESH_CHECK = textwrap.dedent('''
     import json, sys
     import jax, numpy as np
     from das_jax.config import DASSection
-    from das_jax.engine import generate as gen
+    from das_jax.engine import programs as programs_lib
+    from das_jax.engine import VerifySpec
     from das_jax.engine import Engine, EngineConfig, Request
     from das_jax.speculation import CostModelConfig, DASConfig
     from das_jax.engine import SamplingParams
@@ -95,7 +96,7 @@ MESH_CHECK = textwrap.dedent('''
         assert st.devices == [[str(d)] for d in devices[:4]]
         for k, r in enumerate(rollout.replicas):
             assert r.engine.place_params(train_params)["embed"].devices() == {devices[k]}
-        keyed = {k[-1] for k in gen._COMPILED_EXECUTABLES}
+        keyed = {k[-1] for k in programs_lib.COMPILED}
         assert {(("cpu", d.id), ("tensor", 1)) for d in devices[:4]} <= keyed, keyed
 
         # The shared suffix drafter, one DAS policy per replica (unlimited: the width choice does
@@ -127,7 +128,7 @@ MESH_CHECK = textwrap.dedent('''
         rollout = ShardedRollout(template(), meshes)
         assert rollout.tensor_parallel == 4
         eng = rollout.replicas[1].engine
-        cache = eng._zeros_cache(1, 128, "float32")
+        cache = eng.zeros_cache(1, 128, "float32")
         assert cache.k.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None,
                                                                    None), cache.k.sharding
         assert cache.k.addressable_shards[0].data.shape[2] == 1   # one KV head per device
@@ -155,8 +156,8 @@ MESH_CHECK = textwrap.dedent('''
         groups_whole(st.assignment)
         assert all(st.assignment)
         # The verify executables were compiled with the KV-head sharding at the jit boundary.
-        verify = [c for k, c in gen._COMPILED_EXECUTABLES.items()
-                  if k[0] in ("verify", "verify_packed") and k[-1] == eng.placement.key]
+        verify = [c for k, c in programs_lib.COMPILED.items()
+                  if isinstance(k[0], VerifySpec) and k[-1] == eng.placement.key]
         assert verify
         for c in verify:
             out_cache = c.output_shardings[0]
@@ -441,7 +442,7 @@ def test_bad_input_fails_before_threads():
         r.generate([Request((2,))], predicted_lengths=[1, 2])
     with pytest.raises(GenerateError, match="device or a mesh"):
         Engine(CFG, params, device=dev, mesh=replica_meshes([dev])[0])
-    assert all(x.engine._compiled.compile_s == 0.0 for x in r.replicas)
+    assert all(x.engine.programs.compile_s == 0.0 for x in r.replicas)
 
 
 # ------------------------------------------------------------------------------ 8 devices

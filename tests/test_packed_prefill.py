@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from das_jax.engine import reference
 from das_jax.engine import step as step_lib
-from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
+from das_jax.engine.generate import Engine, EngineConfig, Request
+from das_jax.engine.specs import PrefillBatch
 from das_jax.engine.sampling import SamplingParams
 from das_jax.engine.schedule import bucket, pack_prompts, prompt_bucket, token_buckets
 from das_jax.models import contraction as cx
@@ -60,17 +62,19 @@ def run_padded(config, params, cache, prompts, src, rows, seeds, T):
     pad = lambda a, fill: np.concatenate(  # noqa: E731
         [np.asarray(a, np.int32), np.full(R - len(a), fill, np.int32)])
     c = jax.tree_util.tree_map(jnp.copy, cache)
-    c, y, lp = step_lib.prefill_insert(config, SKEY, params, c, toks, lens, pad(rows, B),
+    c, y, lp = reference.prefill_insert(config, SKEY, params, c, toks, lens, pad(rows, B),
                                        pad(src, 0), pad(seeds, 0))
     k = len(rows)
     return c, np.asarray(y)[:k], np.asarray(lp)[:k]
 
 
 def run_packed(config, params, cache, prompts, src, rows, seeds, T):
-    N, arrays = pack_prompts(prompts, src, rows, seeds, cache.batch, T)
+    batch = PrefillBatch.pack(config, SKEY, cache.max_len, str(cache.dtype), 4, T, prompts, src,
+                              rows, seeds, cache.batch)
+    N = batch.spec.num_tokens
     assert N == bucket(sum(len(p) for p in prompts), token_buckets(cache.batch * T))
     c = jax.tree_util.tree_map(jnp.copy, cache)
-    c, y, lp = step_lib.prefill_packed(config, SKEY, 4, T, params, c, *arrays)
+    c, y, lp = step_lib.prefill_packed(params, c, batch)
     k = len(rows)
     return c, np.asarray(y)[:k], np.asarray(lp)[:k]
 
@@ -166,11 +170,16 @@ def test_generate_packed_prefill_equals_padded_prefill(params, verify):
     sampling = SamplingParams(temperature=0.8, max_new_tokens=12)
     reqs = _same_prompts(make_requests(7, seed=4))
     results = {}
+    eng = Engine(CFG, params, eos_token_ids=[EOS], engine_config=EngineConfig(
+        max_slots=4, max_cache_len=256, draft_widths=(1, 4)))
     for prefill in ("packed", "padded"):
-        eng = Engine(CFG, params, eos_token_ids=[EOS], engine_config=EngineConfig(
-            max_slots=4, max_cache_len=256, draft_widths=(1, 4), verify=verify,
-            prefill=prefill))
-        results[prefill] = eng.generate(reqs, sampling, drafter=AdversaryDrafter(64, seed=1))
+        drafter = AdversaryDrafter(64, seed=1)
+        if prefill == verify == "packed":
+            results[prefill] = eng.generate(reqs, sampling, drafter=drafter)
+        else:   # a padded step: the oracle's executor (`das_jax.engine.reference`)
+            results[prefill] = reference.generate(eng, reqs, sampling, drafter=drafter,
+                                                  padded_prefill=prefill == "padded",
+                                                  padded_verify=verify == "padded")
     (po, ps), (do, ds) = results["packed"], results["padded"]
     assert ps.forward_passes == ds.forward_passes
     assert ps.accepted_draft_tokens == ds.accepted_draft_tokens
@@ -182,14 +191,10 @@ def test_generate_packed_prefill_equals_padded_prefill(params, verify):
     assert all(len(o.token_ids) >= 1 for o in po) and ps.forward_passes > 12
 
 
-def test_bad_prefill_mode():
-    with pytest.raises(GenerateError, match="prefill must be"):
-        EngineConfig(prefill="ragged")
-
-
-def test_rollout_prefill_config_key():
+def test_padded_prefill_is_not_an_engine_mode():
+    """The padded prefill is the tests' oracle (`engine.reference`), not a setting."""
     from das_jax.config import ConfigError, config_from_dict
-    assert config_from_dict({}).rollout.prefill == "packed"
-    assert config_from_dict({}, ["rollout.prefill=padded"]).rollout.prefill == "padded"
-    with pytest.raises(ConfigError, match="rollout.prefill"):
-        config_from_dict({}, ["rollout.prefill=ragged"])
+    with pytest.raises(ConfigError, match="unknown key 'rollout.prefill'"):
+        config_from_dict({}, ["rollout.prefill=padded"])
+    with pytest.raises(TypeError):
+        EngineConfig(prefill="padded")

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from das_jax.engine import reference
 from das_jax.engine import step as step_lib
+from das_jax.engine.specs import VerifyBatch, VerifySpec
 from das_jax.speculation.cost_model import CostModel, calibrate, calibration_shapes
-from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
+from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.sampling import SamplingParams
-from das_jax.engine.schedule import (kv_len_bucket, packed_step_shape, packed_width,
-                                     token_buckets)
+from das_jax.engine.schedule import kv_len_bucket, packed_width, step_shape_fn, token_buckets
 from das_jax.models import contraction as cx
 from das_jax.testing import (AdversaryDrafter, OracleDrafter, kv_by_position, random_kv_cache,
                              tiny_model_config, tiny_params)
@@ -52,7 +53,7 @@ def pack(tokens_BxW, n_draft_B, rows, N, B):
 
 def run_padded(config, params, cache, cache_len, tokens_BxW, n_draft_B, seeds, kv_len):
     c = jax.tree_util.tree_map(jnp.copy, cache)
-    c, y, lp, ne = step_lib.verify(config, SKEY, kv_len, params, c, cache_len, tokens_BxW,
+    c, y, lp, ne = reference.verify(config, SKEY, kv_len, params, c, cache_len, tokens_BxW,
                                    n_draft_B, seeds)
     return c, np.asarray(y), np.asarray(lp), np.asarray(ne)
 
@@ -62,8 +63,9 @@ def run_packed(config, params, cache, cache_len, tokens_BxW, n_draft_B, seeds, k
     B = cache_len.shape[0]
     t, r, o = pack(tokens_BxW, n_draft_B, rows, N, B)
     c = jax.tree_util.tree_map(jnp.copy, cache)
-    c, y, lp, ne = step_lib.verify_packed(config, SKEY, kv_len, width, params, c, cache_len, t, r,
-                                          o, n_draft_B, seeds)
+    spec = VerifySpec(config, SKEY, B, N, width, cache.max_len, kv_len, str(cache.dtype))
+    c, y, lp, ne = step_lib.verify_packed(params, c, VerifyBatch(spec, cache_len, t, r, o,
+                                                                 n_draft_B, seeds))
     return c, np.asarray(y), np.asarray(lp), np.asarray(ne)
 
 
@@ -164,11 +166,15 @@ def test_generate_packed_equals_padded_and_plain(params):
     base, _ = engine(params).generate(reqs, sampling)
     futures = {i: o.token_ids for i, o in enumerate(base)}
     results = {}
+    eng = engine(params)
     for mode in ("packed", "padded"):
-        eng = engine(params, verify=mode)
         for name, drafter in (("oracle", RaggedOracle(futures, seed=3)),
                               ("adversary", AdversaryDrafter(64, seed=1))):
-            outs, stats = eng.generate(reqs, sampling, drafter=drafter)
+            if mode == "packed":
+                outs, stats = eng.generate(reqs, sampling, drafter=drafter)
+            else:   # the padded verify, the oracle (`das_jax.engine.reference`)
+                outs, stats = reference.generate(eng, reqs, sampling, drafter=drafter,
+                                                 padded_prefill=False)
             results[mode, name] = (outs, stats)
             for o, b in zip(outs, base):
                 assert o.token_ids == b.token_ids and o.finish_reason == b.finish_reason
@@ -190,10 +196,8 @@ def test_generate_packed_equals_padded_and_plain(params):
     for s in packed_steps:
         assert s.active + s.drafted <= s.num_tokens <= s.batch * s.width
         assert s.attended_kv == s.batch * s.kv_len
-    for s in padded_steps:
-        assert s.num_tokens == s.batch * s.width
     assert (sum(s.num_tokens for s in packed_steps)
-            < sum(s.num_tokens for s in padded_steps))
+            < sum(s.batch * s.width for s in padded_steps))
 
 
 def test_schedule_helpers():
@@ -202,7 +206,7 @@ def test_schedule_helpers():
     assert packed_width([0, 0], (1, 4, 8)) == 1
     assert packed_width([3, 0], (1, 4, 8)) == 4 and packed_width([4], (1, 4, 8)) == 8
     # One row drafting 7 among 16: 23 slots -> bucket 24, not 16 x 8 = 128.
-    assert packed_step_shape([7] + [0] * 15, 16, 256, 128) == (24, 16 * 256)
+    assert step_shape_fn(16, 256, (1, 4, 8))([7] + [0] * 15) == (24, 16 * 256)
     for n in range(1, 5000, 37):
         b = kv_len_bucket(np.array([n, 1]), 1 << 14)
         assert b >= n and b % 128 == 0
@@ -254,6 +258,10 @@ def test_calibrate_times_packed_shapes(params):
     assert again.compile_count == 0 and again.compile_s == 99.0
 
 
-def test_bad_verify_mode():
-    with pytest.raises(GenerateError, match="verify must be"):
-        EngineConfig(verify="ragged")
+def test_padded_verify_is_not_an_engine_mode():
+    """The padded verify is the tests' oracle (`engine.reference`), not a setting."""
+    from das_jax.config import ConfigError, config_from_dict
+    with pytest.raises(ConfigError, match="unknown key 'rollout.verify'"):
+        config_from_dict({}, ["rollout.verify=padded"])
+    with pytest.raises(TypeError):
+        EngineConfig(verify="padded")

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das_jax.engine import generate as gen
+from das_jax.engine import programs as programs_lib
 from das_jax.engine import step as step_lib
+from das_jax.engine.specs import PrefillSpec, ShareBatch, ShareSpec, VerifySpec
 from das_jax.speculation.cost_model import calibration_shapes
 from das_jax.engine.generate import Engine, EngineConfig
 from das_jax.engine.policy import FixedPolicy
@@ -35,7 +36,7 @@ def engine(params, **kw):
 
 
 def verify_keys():
-    return {k for k in gen._COMPILED_EXECUTABLES if k[0] == "verify_packed"}
+    return {k for k in programs_lib.COMPILED if isinstance(k[0], VerifySpec)}
 
 
 def test_verify_buckets():
@@ -44,7 +45,7 @@ def test_verify_buckets():
     assert precompile_token_buckets(16, 8) == (16, 24, 32, 48)
     assert precompile_token_buckets(4, 8) == (4, 8)
     assert precompile_token_buckets(1, 8) == (1, 2, 4, 8)
-    shape = step_shape_fn("packed", 16, 128, (1, 4, 8))
+    shape = step_shape_fn(16, 128, (1, 4, 8))
     assert shape(np.zeros(9, np.int32)) == (16, 16 * 128)      # 9 live rows, no drafts: N = B
     assert shape(np.array([7] + [0] * 15)) == (24, 16 * 128)
     assert shape(np.full(16, 7)) == (128, 16 * 128)            # every draft fits
@@ -78,7 +79,8 @@ def test_precompile_covers_generate(params, drafting):
     assert eng.precompile(reqs, sampling, drafting=drafting) == 0      # all compiled now
     refills = eng.refill_prefill_shapes(reqs, sampling)     # 9 requests through 4 slots
     assert refills and all(B == 4 for B, _, _ in refills)
-    prefills = {k[1:6] for k in gen._COMPILED_EXECUTABLES if k[0] == "prefill_packed"}
+    prefills = {(s.batch, s.cache_len, s.num_tokens, s.rows, s.width)
+                for s, *_ in programs_lib.COMPILED if isinstance(s, PrefillSpec)}
     S = eng.cache_len_for(reqs, sampling)
     assert all((B, S, N, 1, T) in prefills for B, N, T in refills)
     before = verify_keys()
@@ -128,8 +130,9 @@ def test_share_prompt_rows_copies_and_samples():
     dst = np.array([0, 1, B, B], np.int32)     # swap rows 0 and 1; two padding entries
     src = np.array([1, 0, 2, 3], np.int32)
     skey = (0.8, 0, 1.0)
-    new, tok, logp = step_lib.share_prompt_rows(CFG, skey, cache, dst, src, logits, seeds,
-                                                lengths)
+    spec = ShareSpec(CFG, skey, B, S, str(cache.dtype))
+    new, tok, logp = step_lib.share_prompt_rows(
+        None, cache, ShareBatch(spec, dst, src, logits, seeds, lengths))
     k = np.asarray(new.k)
     np.testing.assert_array_equal(k[:, 0], k0[:, 1])
     np.testing.assert_array_equal(k[:, 1], k0[:, 0])

@@ -68,10 +68,9 @@ def _counters(st):
             st.prefill_tokens, st.prefill_calls)
 
 
-@pytest.mark.parametrize("verify,name,temperature", [("packed", "das", 1.0),
-                                                     ("padded", "suffix", 1.0)])
-def test_replay_takes_the_engine_decisions_by_construction(params, verify, name, temperature):
-    ec = EngineConfig(max_slots=4, max_cache_len=256, draft_widths=(1, 4, 8), verify=verify)
+@pytest.mark.parametrize("name,temperature", [("das", 1.0), ("suffix", 1.0)])
+def test_replay_takes_the_engine_decisions_by_construction(params, name, temperature):
+    ec = EngineConfig(max_slots=4, max_cache_len=256, draft_widths=(1, 4, 8))
     eng = Engine(CFG, params, eos_token_ids=[EOS], engine_config=ec)
     reqs = random_requests()
     das = DASSection(policy=DASConfig(short_threshold=5, long_threshold=20))

@@ -3,7 +3,7 @@ memory-bandwidth floor, measured side by side in one process.
 
 1. Memory bandwidth: best of 3 copies of a 1 GB numpy array (bytes read + written per second).
    The floor of a decode step is (bytes of the params) / bandwidth: every step reads every weight.
-2. The verify step (`step.verify`, the engine's jitted decode step) timed directly at B in {1, 16},
+2. The verify step (`step.verify_packed`, the engine's jitted decode step) timed directly at B in {1, 16},
    W in {1, 8}, with `--prompt-len` (~100) cached positions per row: median of repeats, compile
    excluded. Decode tok/s = B / step time at W = 1; at W = 8 the step verifies 8 tokens per row
    (what it yields depends on acceptance), so its cost is reported as the W8 / W1 ratio.
@@ -26,7 +26,6 @@ W = 1 step within 1.5x of the floor; the W = 8 step at B = 1 <= 1.5x the W = 1 s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -100,16 +99,14 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
     """
 
     # deferred import: jax (not loaded by importing this module)
-    from das_jax.engine import Engine
+    from das_jax.engine import time_verify_padded
     from das_jax.models.kv_cache import DenseKVCache
 
     out = {}
     kv_len = engine_kv_len(prompt_len, 8)
-    padded = Engine(config, params, eos_token_ids=(),
-                    engine_config=dataclasses.replace(engine.engine_config, verify="padded"))
     t_packed = engine.time_verify_step(16, 8, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0),
                                        num_tokens=24)
-    t_padded = padded.time_verify_step(16, 8, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
+    t_padded = time_verify_padded(engine, 16, 8, kv_len, kv_len + 16, repeats, (0.0, 0, 1.0))
     out["ragged_step_s"] = {"packed_N24": t_packed, "padded_16x8": t_padded}
     print(f"ragged step B=16 (one row drafts 7): packed N=24 {t_packed * 1e3:.1f} ms, padded "
           f"16x8 {t_padded * 1e3:.1f} ms ({t_padded / t_packed:.2f}x)", flush=True)

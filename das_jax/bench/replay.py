@@ -24,8 +24,7 @@ a model, through a `TraceExecutor` in place of the engine's device executor:
   position is the recorded one, and a draft is accepted up to its first disagreement with the
   recorded continuation;
 * a step's time is the cost model t(N, K) = c_base + c_tok*N + c_kv*K (`CostModel.predict_step`)
-  at the step shape the engine computes (`schedule.step_shape_fn`: packed or padded by
-  `EngineConfig.verify`).
+  at the step shape the engine computes (`schedule.step_shape_fn`).
 
 Modelling assumptions (what the prediction leaves out or approximates):
 
@@ -230,16 +229,15 @@ class TraceExecutor:
 
     def prefill(self, request_ids, rows, batch) -> Prefilled:
         prompts = [self.rollouts[i].prompt_ids for i in request_ids]
-        packed = self.ec.prefill == "packed"
         computed = list(range(len(prompts)))
-        if packed and getattr(self.ec, "share_prompts", False):
+        if getattr(self.ec, "share_prompts", False):
             computed = self.prompt_rows.split(prompts)[2]
             self.prompt_rows.admit(rows, prompts)
         tokens = 0
         if computed:
             tokens = prefill_layout([prompts[k] for k in computed], self.ec.batch_buckets,
                                     self.min_prompt_bucket, self.S,
-                                    packed_batch=batch if packed else None).tokens
+                                    packed_batch=batch).tokens
         return Prefilled([self.rollouts[i].token_ids[0] for i in request_ids],
                          [0.0] * len(request_ids), 0.0, tokens,
                          [self._end(i, 1) for i in request_ids])

@@ -183,7 +183,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
         "max_new_tokens": setup.max_new_tokens, "temperatures": setup.temperatures,
         "engine": {"max_slots": ec.max_slots, "max_cache_len": ec.max_cache_len,
                    "draft_widths": list(ec.draft_widths), "exact": ec.exact,
-                   "verify": getattr(ec, "verify", "padded")},
+                   "verify": "packed"},
         "das": dataclasses.asdict(das), "update_policy": setup.update_fn is not None,
         "runs": [],
     }
@@ -411,7 +411,7 @@ def run_paper(trace, names, max_new_tokens: int, das, spec: "PaperSpec", log=pri
     models = {m: resolve_cost_model(m) for m in spec.cost_models}
     log(f"paper-scale replay: {len(epochs)} epochs x {spec.problems} problems x {spec.samples} "
         f"samples, length mean {np.mean(lens):.0f} / p90 {np.percentile(lens, 90):.0f} / max "
-        f"{max(lens)} tokens, {spec.slots} slots, widths {list(spec.widths)}, {ec.verify} step; "
+        f"{max(lens)} tokens, {spec.slots} slots, widths {list(spec.widths)}, packed step; "
         f"cost models {', '.join(models)}")
     replayed = pr.summarize(pr.replay_models(epochs, names, ec, spec.max_tokens, models, das,
                                              log=log))

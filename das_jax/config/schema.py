@@ -78,11 +78,7 @@ class RolloutSection:
     GRPO importance ratio needs the sampling distribution; `das-jax generate --temperature 0`
     decodes greedily); draft_widths: compiled draft widths of the verify step;
     exact: shape-invariant contractions, so rollouts are token-identical with and without
-    speculation (README, "Exact mode"; costs some rollout time); verify: packed (each row's
-    own draft tokens as flat slots, the default) or padded (every row padded to the step's
-    widest draft); same tokens either way. prefill: packed (the admitted prompts concatenated
-    into flat token slots, dense work on their total length, the default) or padded (prompts
-    padded to a power-of-two length); same first tokens and KV cache either way."""
+    speculation (README, "Exact mode"; costs some rollout time)."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -102,8 +98,6 @@ class RolloutSection:
     # Each replica gets devices / replicas devices and runs tensor-parallel over KV heads on
     # them; whole GRPO groups stay on one replica (das_jax.rollout.sharded).
     replicas: Optional[int] = None
-    verify: str = _choices("packed", "padded", default="packed")
-    prefill: str = _choices("packed", "padded", default="packed")
     # Compile every packed verify program a rollout can reach before its first step
     # (das_jax.engine.Engine.precompile): the compile is one-off, never inside a later step.
     precompile: bool = False

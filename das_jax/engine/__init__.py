@@ -1,19 +1,24 @@
 """das_jax.engine: the rollout engine.
 
 Public surface:
-  Engine, EngineConfig, Request, RequestOutput, GenerateStats, GenerateError   (generate.py)
-  DeviceExecutor (the engine's step executor)                                  (generate.py)
+  Engine, RequestOutput, GenerateStats                                         (generate.py)
+  EngineConfig, Request, GenerateError                                         (engine_config.py)
+  DeviceExecutor (the engine's step executor)                                  (executor.py)
+  Programs (the owner of every compiled program), register_program             (programs.py)
+  VerifySpec, VerifyBatch, PrefillSpec, PrefillBatch, ShareSpec, ShareBatch,
+    GatherSpec, GatherBatch, CacheSpec: the programs' typed inputs             (specs.py)
+  time_verify_padded (the padded verify, timed as the benchmark's baseline)    (reference.py)
   run_schedule, StepExecutor, StepInput, StepOutput, Prefilled, Limits,
     prefill_layout: the host scheduler shared with the trace replay             (scheduler.py)
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
   SpeculationPolicy, FixedPolicy, RowView, StepRecord, DraftPlan, plan_step,
     acceptance_length, padded_step_shape, packed_step_shape, width_for         (policy.py)
   bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
-  token_buckets, packed_width, step_shape_fn, verify_token_buckets,
+  token_buckets, packed_width, step_shape_fn, StepShape, verify_token_buckets,
     precompile_token_buckets, PromptRows (prompt sharing's row bookkeeping)    (schedule.py)
 
-The jitted device functions (`prefill_insert`, `prefill_packed`, `share_prompt_rows`, `verify`,
-`verify_packed`) are in `step.py`. Names are imported
+The jitted programs (`prefill_packed`, `share_prompt_rows`, `verify_packed`, `gather_rows`) are in
+`step.py`; the padded steps, the tests' oracle, in `reference.py`. Names are imported
 lazily (PEP 562) so `das_jax.cli.generate` registers without importing jax.
 """
 from __future__ import annotations
@@ -21,8 +26,8 @@ from __future__ import annotations
 from das_jax._lazy import lazy_exports
 
 _EXPORTS = {
-    "Engine": "generate", "EngineConfig": "generate", "Request": "generate",
-    "RequestOutput": "generate", "GenerateStats": "generate", "GenerateError": "generate",
+    "Engine": "generate", "EngineConfig": "engine_config", "Request": "engine_config",
+    "RequestOutput": "generate", "GenerateStats": "generate", "GenerateError": "engine_config",
     "SamplingParams": "sampling", "SamplingError": "sampling", "request_seed": "sampling",
     "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy",
     "StepRecord": "policy", "DraftPlan": "policy", "plan_step": "policy",
@@ -33,7 +38,12 @@ _EXPORTS = {
     "token_buckets": "schedule", "packed_width": "schedule",
     "step_shape_fn": "schedule", "verify_token_buckets": "schedule",
     "precompile_token_buckets": "schedule", "PromptRows": "schedule",
-    "DeviceExecutor": "generate", "StepExecutor": "scheduler", "StepInput": "scheduler",
+    "DeviceExecutor": "executor", "Programs": "programs", "register_program": "programs",
+    "VerifySpec": "specs", "VerifyBatch": "specs", "PrefillSpec": "specs",
+    "PrefillBatch": "specs", "ShareSpec": "specs", "ShareBatch": "specs", "GatherSpec": "specs",
+    "GatherBatch": "specs", "CacheSpec": "specs", "StepShape": "schedule",
+    "time_verify_padded": "reference",
+    "StepExecutor": "scheduler", "StepInput": "scheduler",
     "StepOutput": "scheduler", "Prefilled": "scheduler", "Limits": "scheduler",
     "prefill_layout": "scheduler", "run_schedule": "scheduler",
 }

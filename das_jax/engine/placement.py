@@ -11,9 +11,10 @@ An engine given a `jax.sharding.Mesh` (`Engine(mesh=...)`) runs tensor-parallel 
 * KV cache (keys `[L, B, KVH, K, S]`, values `[L, B, KVH, S, K]`): split on KV heads
   (`KVCache.logical_axes`), so each device holds and
   attends to its own heads' keys and values; replicated when `tensor` does not divide KVH;
-* the jitted steps (`das_jax.engine.step`, unchanged): compiled with these shardings at the jit
-  boundary (`MeshPlacement.compile`: every cache in or out on the cache sharding, params on the
-  param shardings, every other in/out replicated), the cache donated as the step donates it.
+* the jitted programs (`das_jax.engine.step`, unchanged; compiled by `programs.Programs`): compiled
+  with these shardings at the jit boundary (`MeshPlacement.compile`: every cache in or out on the
+  cache sharding, params on the param shardings, every other in/out, the typed batch included,
+  replicated), the cache donated as the program donates it.
   The model functions partition unchanged (XLA's SPMD partitioner inserts the collectives).
 
 Exactness: the sampled token is a pure function of the logits and the position-keyed draw, so

@@ -4,8 +4,9 @@ A policy decides *how much* to speculate: how many draft tokens to ask the draft
 then, seeing the drafts and their path probabilities, each row's `n_draft` (0..its draft's
 length). The engine says what a choice costs through a step-shape function
 `step_shape(n_draft_B) -> (num_tokens, attended_kv)` (the token slots the verify step computes
-and the cached positions it attends, summed over rows; `padded_step_shape` for the padded engine,
-where every row pays for the widest draft, `packed_step_shape` for a packed one), which the
+and the cached positions it attends, summed over rows: the engine's `schedule.step_shape_fn`;
+`padded_step_shape`, where every row pays for the widest draft, and `packed_step_shape` model
+other engines), which the
 policy prices with its cost model (`CostModel.predict_step`). It also sees every step's measured
 time and shape (to fit the cost model) and may reorder admission. The DAS length-aware policy (`das_jax.speculation.DASPolicy`) implements
 the same protocol.
@@ -75,16 +76,21 @@ class StepRecord:
         return int(n), int(k)
 
 
-StepShape = Callable[[np.ndarray], "tuple[int, int]"]
+# What a choice of per-row draft lengths computes: `schedule.StepShape` (num_tokens, attended_kv).
+ShapeFn = Callable[[np.ndarray], "tuple[int, int]"]
 
 
-def padded_step_shape(batch: int, widths: Sequence[int], kv_len: int) -> StepShape:
-    """The step shape of the padded engine: every row of the batch bucket computes W token slots,
-    W the smallest compiled width holding 1 + the longest draft (the widest width when none
-    does), and attends the attended-length bucket `kv_len`:
+def padded_step_shape(batch: int, widths: Sequence[int], kv_len: int) -> ShapeFn:
+    """The step shape of a padded verify (`das_jax.engine.reference`): every row of the batch
+    bucket computes W token slots, W the smallest compiled width holding 1 + the longest draft
+    (the widest width when none does), and attends the attended-length bucket `kv_len`:
     (batch * W, batch * kv_len)."""
     ws = sorted(int(w) for w in widths)
-    return lambda n_draft_B: schedule.padded_step_shape(n_draft_B, batch, kv_len, ws)
+
+    def shape(n_draft_B: np.ndarray) -> schedule.StepShape:
+        W = schedule.packed_width(n_draft_B, ws)
+        return schedule.StepShape(batch * W, batch * kv_len, W)
+    return shape
 
 
 def width_for(n_draft_B: np.ndarray, widths: Sequence[int]) -> int:
@@ -93,7 +99,7 @@ def width_for(n_draft_B: np.ndarray, widths: Sequence[int]) -> int:
 
 
 def packed_step_shape(kv_lens_B: np.ndarray, token_buckets: Sequence[int] | None = None,
-                      ) -> StepShape:
+                      ) -> ShapeFn:
     """A reference step shape of a packed engine: each live row computes 1 + n_b token slots
     (its pending token and its own draft) and attends its own cache length;
     num_tokens = sum_b (1 + n_b), rounded up to the smallest of `token_buckets` (ascending)
@@ -128,7 +134,7 @@ class SpeculationPolicy(Protocol):
         """int `[len(rows)]`: draft tokens to request per row (0 = do not draft for it)."""
 
     def choose(self, rows: Sequence[RowView], draft_probs: Sequence[np.ndarray],
-               step_shape: StepShape, draft_support: Sequence[np.ndarray | None] | None = None
+               step_shape: ShapeFn, draft_support: Sequence[np.ndarray | None] | None = None
                ) -> tuple[np.ndarray, float | None]:
         """(int32 n_draft per row, each in 0..len(draft_probs[b]), predicted seconds or None).
 
@@ -204,7 +210,7 @@ class DraftPlan:
 
 def plan_step(drafter, policy: "SpeculationPolicy", rows: Sequence[RowView], batch: int,
               widths: Sequence[int], kv_len: int,
-              step_shape: StepShape | None = None) -> DraftPlan:
+              step_shape: ShapeFn | None = None) -> DraftPlan:
     """Asks the policy for budgets, the drafter for drafts, the policy for n_draft per row; W is
     the smallest compiled width holding the longest chosen draft.
 

@@ -169,25 +169,9 @@ def packed_width(n_draft: Sequence[int], widths: Sequence[int]) -> int:
     return next((w for w in sorted(widths) if w >= need), max(widths))
 
 
-def packed_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int, max_tokens: int
-                      ) -> tuple[int, int]:
-    """(num_tokens, attended_kv) a packed verify step computes for these per-row draft lengths
-    (live rows only): the slot bucket of sum_b (1 + n_b) (`verify_token_buckets`, max_tokens =
-    batch x the widest width), and `batch * kv_len` cached positions (every cache row of the
-    batch bucket attends the step's `kv_len`)."""
-    return (_slot_bucket(n_draft_B, verify_token_buckets(batch, max(max_tokens // batch, 1))),
-            batch * kv_len)
-
-
 def _slot_bucket(n_draft_B: Sequence[int], buckets: Sequence[int]) -> int:
     """The slot bucket of sum_b (1 + n_b)."""
     return bucket(max(len(n_draft_B) + int(np.sum(n_draft_B)), 1), buckets)
-
-
-def padded_step_shape(n_draft_B: Sequence[int], batch: int, kv_len: int,
-                      widths: Sequence[int]) -> tuple[int, int]:
-    """(num_tokens, attended_kv) of the padded verify step: every row pays the widest draft."""
-    return batch * packed_width(n_draft_B, widths), batch * kv_len
 
 
 class StepShape(tuple):
@@ -202,20 +186,18 @@ class StepShape(tuple):
         return out
 
 
-def step_shape_fn(verify: str, batch: int, kv_len: int, widths: Sequence[int]):
-    """`step_shape(n_draft_B) -> StepShape (num_tokens, attended_kv; .width W)` of the verify
-    step at batch bucket `batch` and attended length `kv_len`: `packed_step_shape`
-    (`verify_token_buckets`: B, then slot buckets up to batch x the widest width) or
-    `padded_step_shape`, by `verify` ("packed" | "padded"); W is `packed_width` (the smallest
-    compiled width holding the longest row). Shared by the engine and the trace replay, so both
-    price a choice of drafts the same way."""
+def step_shape_fn(batch: int, kv_len: int, widths: Sequence[int]):
+    """`step_shape(n_draft_B) -> StepShape (num_tokens, attended_kv; .width W)` of the packed
+    verify step at batch bucket `batch` and attended length `kv_len`, for per-row draft lengths
+    of the live rows: num_tokens is the slot bucket of sum_b (1 + n_b) (`verify_token_buckets`:
+    B, then slot buckets up to batch x the widest width), attended_kv = `batch * kv_len` (every
+    cache row of the batch bucket attends the step's `kv_len`), W is `packed_width` (the
+    smallest compiled width holding the longest row). Shared by the engine and the trace
+    replay, so both price a choice of drafts the same way."""
     widths = tuple(sorted(int(w) for w in widths))
-    if verify == "packed":
-        buckets = verify_token_buckets(batch, widths[-1])   # once: the policy prices many choices
-        attended = batch * kv_len
-        return lambda n_draft_B: StepShape(_slot_bucket(n_draft_B, buckets), attended,
-                                           packed_width(n_draft_B, widths))
-    return lambda n_draft_B: StepShape(*padded_step_shape(n_draft_B, batch, kv_len, widths),
+    buckets = verify_token_buckets(batch, widths[-1])   # once: the policy prices many choices
+    attended = batch * kv_len
+    return lambda n_draft_B: StepShape(_slot_bucket(n_draft_B, buckets), attended,
                                        packed_width(n_draft_B, widths))
 
 

@@ -212,7 +212,7 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
         drafter and policy) are their indices.
       executor: the `StepExecutor`.
       engine_config: an `EngineConfig` (max_slots / batch buckets, max_cache_len,
-        draft_widths, verify).
+        draft_widths).
       limits: `Limits` (max_new_tokens, stop token ids).
       drafter: None (plain decoding) or a Drafter (`das_jax.drafter`).
       policy: speculation policy (default `FixedPolicy()`).
@@ -223,118 +223,135 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
     Returns:
       (outputs in request order, stats); wall_s / compile_s are the caller's to set.
     """
-    ec = engine_config
-    policy = policy or FixedPolicy()
-    widths = ec.draft_widths if drafter is not None else (1,)
-    stop_ids = limits.stop_ids
-    max_new = limits.max_new_tokens
-    stats = stats if stats is not None else GenerateStats()
-    n = len(requests)
-    outputs = [RequestOutput(r, [], [], "") for r in requests]
-    generated = [0] * n                    # tokens committed per request
-    queue = collections.deque(policy.admission_order([r.problem_id for r in requests]))
-    S = cache_len_for(ec.max_cache_len, ec.draft_widths,
-                      max(len(r.prompt_ids) for r in requests), max_new)
-    B = bucket(min(n, ec.max_slots), ec.batch_buckets)
-    executor.start(B, S)
-    row_req = np.full(B, -1, np.int64)      # request index in each row, -1 = free
-    cache_len = np.zeros(B, np.int32)       # tokens in the cache per row
-    finished = 0
+    run = _Run(requests, executor, engine_config, limits, drafter, policy or FixedPolicy(),
+               progress, keep_tokens, stats if stats is not None else GenerateStats())
+    while run.queue or (run.row_req >= 0).any():
+        free = np.flatnonzero(run.row_req < 0)
+        if run.queue and len(free):
+            run.admit(free)
+            continue  # rows may have finished at once: refill before decoding
+        live = np.flatnonzero(run.row_req >= 0)
+        if len(live):
+            run.step(run.compact(live))
+    return run.outputs, run.stats
 
-    def finish(row: int, reason: str):
-        nonlocal finished
-        ri = int(row_req[row])
-        outputs[ri].finish_reason = reason
-        if drafter is not None:
-            drafter.end(ri)
-        policy.end(ri, generated[ri])
-        row_req[row] = -1
-        finished += 1
-        if progress:
-            progress(finished, n)
 
-    def emit(row: int, toks: Sequence[int], logps: Sequence[float], end: str = "") -> int:
+class _Run:
+    """The state of one `run_schedule` call: the queue, each cache row's request and cache
+    length, each request's committed tokens, the outputs and stats."""
+
+    def __init__(self, requests, executor: StepExecutor, ec, limits: Limits, drafter,
+                 policy: SpeculationPolicy, progress, keep_tokens: bool, stats: GenerateStats):
+        self.requests, self.executor, self.ec = requests, executor, ec
+        self.drafter, self.policy, self.progress = drafter, policy, progress
+        self.keep_tokens, self.stats = keep_tokens, stats
+        self.widths = ec.draft_widths if drafter is not None else (1,)
+        self.stop_ids = limits.stop_ids
+        self.max_new = limits.max_new_tokens
+        n = len(requests)
+        self.outputs = [RequestOutput(r, [], [], "") for r in requests]
+        self.generated = [0] * n                    # tokens committed per request
+        self.queue = collections.deque(policy.admission_order([r.problem_id for r in requests]))
+        self.S = cache_len_for(ec.max_cache_len, ec.draft_widths,
+                               max(len(r.prompt_ids) for r in requests), self.max_new)
+        self.B = bucket(min(n, ec.max_slots), ec.batch_buckets)
+        executor.start(self.B, self.S)
+        self.row_req = np.full(self.B, -1, np.int64)      # request index in each row, -1 = free
+        self.cache_len = np.zeros(self.B, np.int32)       # tokens in the cache per row
+        self.finished = 0
+
+    def finish(self, row: int, reason: str) -> None:
+        ri = int(self.row_req[row])
+        self.outputs[ri].finish_reason = reason
+        if self.drafter is not None:
+            self.drafter.end(ri)
+        self.policy.end(ri, self.generated[ri])
+        self.row_req[row] = -1
+        self.finished += 1
+        if self.progress:
+            self.progress(self.finished, len(self.requests))
+
+    def emit(self, row: int, toks: Sequence[int], logps: Sequence[float], end: str = "") -> int:
         """Commits the row's tokens up to a stop token / max_new_tokens (finishing the row there,
         or with `end`, the executor's finish reason); returns the tokens committed."""
-        ri = int(row_req[row])
-        room = max_new - generated[ri]
+        ri, stats = int(self.row_req[row]), self.stats
+        room = self.max_new - self.generated[ri]
         toks, logps = list(toks[:room]), list(logps[:room])
         reason = ""
         for j, t in enumerate(toks):
-            if t in stop_ids:
+            if t in self.stop_ids:
                 toks, logps, reason = toks[:j + 1], logps[:j + 1], "stop"
                 break
-        if not reason and generated[ri] + len(toks) >= max_new:
+        if not reason and self.generated[ri] + len(toks) >= self.max_new:
             reason = "length"
-        if keep_tokens:
-            outputs[ri].token_ids.extend(int(t) for t in toks)
-            outputs[ri].logprobs.extend(float(x) for x in logps)
-        generated[ri] += len(toks)
+        if self.keep_tokens:
+            self.outputs[ri].token_ids.extend(int(t) for t in toks)
+            self.outputs[ri].logprobs.extend(float(x) for x in logps)
+        self.generated[ri] += len(toks)
         stats.generated_tokens += len(toks)
-        if drafter is not None and toks:
+        if self.drafter is not None and toks:
             t0 = time.perf_counter()
-            drafter.append(ri, toks)
+            self.drafter.append(ri, toks)
             stats.draft_s += time.perf_counter() - t0
         reason = reason or end
         if reason:
-            finish(row, reason)
+            self.finish(row, reason)
         return len(toks)
 
-    while queue or (row_req >= 0).any():
-        # ---- admit queued requests into free rows (prefill) ----
-        free = np.flatnonzero(row_req < 0)
-        if queue and len(free):
-            take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-            rows = free[:len(take)]
-            pre = executor.prefill(take, rows, B)
-            stats.prefill_s += pre.seconds
-            stats.prefill_tokens += pre.tokens
-            stats.prefill_calls += 1
-            for ri, row in zip(take, rows):
-                req = requests[ri]
-                row_req[row] = ri
-                cache_len[row] = len(req.prompt_ids)
-                t0 = time.perf_counter()
-                policy.begin(int(ri), req.problem_id, len(req.prompt_ids))
-                t1 = time.perf_counter()
-                if drafter is not None:
-                    drafter.begin(int(ri), req.problem_id, list(req.prompt_ids))
-                stats.policy_s += t1 - t0
-                stats.draft_s += time.perf_counter() - t1
-            for k, row in enumerate(rows):
-                emit(int(row), [int(pre.first_tokens[k])], [float(pre.first_logprobs[k])],
-                     pre.ends[k] if pre.ends is not None else "")
-            continue  # rows may have finished at once: refill before decoding
+    def admit(self, free: np.ndarray) -> None:
+        """Admits queued requests into the free rows (prefill) and commits their first tokens."""
+        stats, drafter, queue = self.stats, self.drafter, self.queue
+        take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+        rows = free[:len(take)]
+        pre = self.executor.prefill(take, rows, self.B)
+        stats.prefill_s += pre.seconds
+        stats.prefill_tokens += pre.tokens
+        stats.prefill_calls += 1
+        for ri, row in zip(take, rows):
+            req = self.requests[ri]
+            self.row_req[row] = ri
+            self.cache_len[row] = len(req.prompt_ids)
+            t0 = time.perf_counter()
+            self.policy.begin(int(ri), req.problem_id, len(req.prompt_ids))
+            t1 = time.perf_counter()
+            if drafter is not None:
+                drafter.begin(int(ri), req.problem_id, list(req.prompt_ids))
+            stats.policy_s += t1 - t0
+            stats.draft_s += time.perf_counter() - t1
+        for k, row in enumerate(rows):
+            self.emit(int(row), [int(pre.first_tokens[k])], [float(pre.first_logprobs[k])],
+                      pre.ends[k] if pre.ends is not None else "")
 
-        live = np.flatnonzero(row_req >= 0)
-        if not len(live):
-            continue
-        # ---- compaction into a smaller bucket for the tail ----
-        nb = tail_bucket(len(live), B, ec.batch_buckets, queue_empty=not queue)
-        if nb is not None:
-            executor.compact(live, nb)
-            row_req, cache_len = compact_rows(live, nb, row_req, -1, cache_len, 0)
-            B = nb
-            live = np.arange(len(live))
+    def compact(self, live: np.ndarray) -> np.ndarray:
+        """Compacts the live rows into a smaller bucket for the tail (once the queue is empty
+        and they fit one); returns the live rows after it."""
+        nb = tail_bucket(len(live), self.B, self.ec.batch_buckets, queue_empty=not self.queue)
+        if nb is None:
+            return live
+        self.executor.compact(live, nb)
+        self.row_req, self.cache_len = compact_rows(live, nb, self.row_req, -1, self.cache_len, 0)
+        self.B = nb
+        return np.arange(len(live))
 
-        kv_len = kv_len_bucket(cache_len[live], S)
-        # ---- draft ----
-        req_ids = [int(row_req[r]) for r in live]
-        views = [RowView(ri, requests[ri].problem_id, generated[ri], max_new - generated[ri])
-                 for ri in req_ids]
-        step_shape = step_shape_fn(ec.verify, B, kv_len, widths)
-        plan = plan_step(drafter, policy, views, B, widths, kv_len, step_shape)
+    def step(self, live: np.ndarray) -> None:
+        """One verify step of the live rows: draft, verify, commit, record."""
+        stats, policy, B, generated = self.stats, self.policy, self.B, self.generated
+        kv_len = kv_len_bucket(self.cache_len[live], self.S)
+        req_ids = [int(self.row_req[r]) for r in live]
+        views = [RowView(ri, self.requests[ri].problem_id, generated[ri],
+                         self.max_new - generated[ri]) for ri in req_ids]
+        step_shape = step_shape_fn(B, kv_len, self.widths)
+        plan = plan_step(self.drafter, policy, views, B, self.widths, kv_len, step_shape)
         stats.draft_s += plan.draft_s
         stats.policy_s += plan.policy_s
 
-        # ---- verify ----
         n_draft_B = np.zeros(B, np.int32)
         for j, r in enumerate(live):
             n_draft_B[r] = len(plan.tokens[j])
         num_tokens, attended_kv = step_shape(n_draft_B[live])
-        out = executor.verify(StepInput(
+        out = self.executor.verify(StepInput(
             batch=B, live=live, request_ids=req_ids, generated=[generated[ri] for ri in req_ids],
-            cache_len_B=cache_len, kv_len=kv_len,
+            cache_len_B=self.cache_len, kv_len=kv_len,
             width=plan.width, drafts=plan.tokens, n_draft_B=n_draft_B, num_tokens=num_tokens,
             attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds))
         stats.decode_s += out.seconds
@@ -345,13 +362,13 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
         accepted_rows = []
         emitted = 0
         for j, r in enumerate(live):
-            o = outputs[req_ids[j]]
+            o = self.outputs[req_ids[j]]
             o.forward_passes += 1
             o.drafted_tokens += int(n_draft_B[r])
-            cache_len[r] += len(out.tokens[j])
+            self.cache_len[r] += len(out.tokens[j])
             # Count what was committed: tokens past a stop token or max_new_tokens are not.
-            committed = emit(int(r), out.tokens[j], out.logprobs[j],
-                             out.ends[j] if out.ends is not None else "")
+            committed = self.emit(int(r), out.tokens[j], out.logprobs[j],
+                                  out.ends[j] if out.ends is not None else "")
             emitted += committed
             accepted_rows.append(max(committed - 1, 0))
             o.accepted_draft_tokens += accepted_rows[-1]
@@ -367,4 +384,3 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
         t0 = time.perf_counter()
         policy.observe(record)
         stats.policy_s += time.perf_counter() - t0
-    return outputs, stats

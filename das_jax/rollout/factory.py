@@ -47,8 +47,7 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
                                                draft_widths=tuple(r.draft_widths),
                                                kv_memory_gb=r.kv_memory_gb,
                                                kv_memory_fraction=r.kv_memory_fraction,
-                                               exact=r.exact, verify=r.verify,
-                                               prefill=r.prefill,
+                                               exact=r.exact,
                                                precompile=r.precompile))
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens,

@@ -245,7 +245,7 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     shapes generation runs (and `Engine.precompile` compiles), so their executables are reused
     there. Other drafting shapes are not timed: each costs a compile (~2 s for SmolLM2-135M on
     the 2-core CPU) that a rollout may never reuse; the online fit and the per-shape table
-    learn them when they run. Padded engine: N = B * W for every width.
+    learn them when they run.
     """
     widths = tuple(widths)
     wmax = max(widths)
@@ -253,12 +253,9 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     batches = tuple(batches)
     for B in batches:
         for S in kv_lens:
-            if engine.engine_config.verify == "packed":
-                out.append((B, 1, B, S))
-                out.extend((B, W, n, S) for W in widths if W > 1 and B == max(batches)
-                           for n in precompile_token_buckets(B, wmax)[1:2] if n <= B * W)
-            else:
-                out.extend((B, W, B * W, S) for W in widths)
+            out.append((B, 1, B, S))
+            out.extend((B, W, n, S) for W in widths if W > 1 and B == max(batches)
+                       for n in precompile_token_buckets(B, wmax)[1:2] if n <= B * W)
     return list(dict.fromkeys(out))
 
 
@@ -267,7 +264,7 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
               kv_lens: Iterable[int] = (128, 512), repeats: int = 3,
               sampling_key: tuple = (1.0, 0, 1.0)) -> CostModel:
     """Times the engine's verify step at several shapes and fits `cost_model` on what each step
-    computes: num_tokens (token slots: the packed slot bucket N, or B * W padded) and
+    computes: num_tokens (token slots: the packed slot bucket N) and
     attended_kv (B * kv_len), the terms of `predict_step` (see `calibration_shapes`).
 
     Runs on dummy tokens, compiling each shape once (not timed; with `cache_len` equal to what
@@ -283,11 +280,11 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     # length), so the executables compiled here are the ones generation reuses.
     kv = sorted({kv_len_bucket(np.array([s]), cache_len) for s in kv_lens})
     shapes = calibration_shapes(engine, batches, widths, kv)
-    log.info("calibrating the cost model: timing the %s verify step at %d shapes (B %s, W %s, "
-             "S %s; each compiled once) ...", ec.verify, len(shapes), list(batches),
+    log.info("calibrating the cost model: timing the verify step at %d shapes (B %s, W %s, "
+             "S %s; each compiled once) ...", len(shapes), list(batches),
              list(widths), kv)
     t0 = time.perf_counter()
-    compiled = getattr(engine, "_compiled", None)
+    compiled = getattr(engine, "programs", None)     # the engine's compile counter
     for B, W, N, S in shapes:
         c0 = compiled.compile_s if compiled is not None else 0.0
         seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key,

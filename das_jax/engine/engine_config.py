@@ -1,0 +1,138 @@
+"""The engine's static settings and requests: `EngineConfig`, `Request`, `GenerateError`, and
+the KV-memory sizing of the slot count (`size_slots`)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Hashable
+
+import jax
+
+from das_jax.models.config import ModelConfig
+from das_jax.models.transformer import KVCache
+
+
+class GenerateError(ValueError):
+    """Bad generation input, raised before anything is compiled (names the request and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One rollout to generate.
+
+    prompt_ids: token ids of the rendered prompt (non-empty).
+    problem_id: the problem it samples (drafters share history per problem; seeds derive from it).
+    sample_index: index within the problem's group (GRPO `num_generations`).
+    seed: explicit request seed; default `request_seed(run seed, problem_id, sample_index)`.
+    """
+
+    prompt_ids: tuple[int, ...]
+    problem_id: Hashable = 0
+    sample_index: int = 0
+    seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static engine settings.
+
+    max_slots: most concurrent rows (largest batch bucket).
+    max_cache_len: most positions per row (prompt + completion + draft width); the cache of one
+      `generate` call is sized to what its requests need, up to this.
+    draft_widths: compiled W values (1 + draft tokens); must contain 1.
+    min_prompt_bucket: smallest prompt-length bucket.
+    kv_memory_gb / kv_memory_fraction: KV-cache budget per device, in GB or as a fraction of the
+      device's free memory when the engine is built (both None: no budget). The engine then runs
+      `min(max_slots, rows of max_cache_len that fit)` slots (`Engine.slots`), and refuses to
+      start (`GenerateError` naming `rollout.kv_memory_gb`) when not one row fits.
+    exact: exact mode: every contraction and reduction feeding the logits is shape-invariant
+      (`das_jax.models.contraction`), so rollouts are token-identical with and without
+      speculation, whatever the batch bucket, width or attended length (README, "Exact mode").
+    precompile: `generate` first compiles every packed verify program the call can reach
+      (`Engine.precompile`), so a later call whose steps reach a shape for the first time does
+      not compile inside its steps; off by default (tests with tiny models compile only what
+      they run).
+    share_prompts: with the packed prefill, a request whose prompt a cache row already holds
+      (its K/V in positions `[0, len)`: a sibling still running, or a finished row not yet
+      overwritten) is admitted by copying that row and sampling its first token from the
+      prompt's stored last-position logits (`step.share_prompt_rows`), not by a prefill: GRPO's
+      `num_generations` samples of a prompt admitted at different steps compute it once.
+      Same first tokens (the same logits, seed and position).
+    """
+
+    max_slots: int = 16
+    max_cache_len: int = 2048
+    draft_widths: tuple[int, ...] = (1, 4, 8)
+    min_prompt_bucket: int = 16
+    kv_memory_gb: float | None = None
+    kv_memory_fraction: float | None = None
+    exact: bool = False
+    precompile: bool = False
+    share_prompts: bool = True
+
+    def __post_init__(self):
+        if self.max_slots < 1:
+            raise GenerateError(f"max_slots must be >= 1, got {self.max_slots}")
+        widths = tuple(sorted(set(int(w) for w in self.draft_widths)))
+        if not widths or widths[0] != 1:
+            raise GenerateError(f"draft_widths must include 1 (plain decoding), got "
+                                f"{self.draft_widths}")
+        object.__setattr__(self, "draft_widths", widths)
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        out, b = [], 1
+        while b < self.max_slots:
+            out.append(b)
+            b *= 2
+        return tuple(out) + (self.max_slots,)
+
+
+def device_free_bytes(device: jax.Device | None = None) -> int | None:
+    """Free memory of `device` (default: the first device) in bytes: `bytes_limit - bytes_in_use`
+    of its allocator, or the host's available memory for a CPU device; None when unknown."""
+    device = device or jax.devices()[0]
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without allocator stats
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def size_slots(config: ModelConfig, ec: "EngineConfig", dtype, device=None,
+               kv_shards: int = 1) -> "EngineConfig":
+    """`ec` with `max_slots` lowered to the rows of `max_cache_len` positions that fit the KV
+    budget (`EngineConfig.kv_memory_gb`, else `kv_memory_fraction` of the free device memory).
+    `kv_shards`: devices one row's KV is split over (tensor parallelism over KV heads), so a
+    row takes 1/kv_shards of its bytes on each device.
+
+    Raises:
+      GenerateError: not one row fits; names `rollout.kv_memory_gb` / `rollout.max_cache_len`.
+    """
+    if ec.kv_memory_gb is not None:
+        budget, source = int(ec.kv_memory_gb * 1e9), f"rollout.kv_memory_gb={ec.kv_memory_gb}"
+    elif ec.kv_memory_fraction is not None:
+        free = device_free_bytes(device)
+        if free is None:
+            return ec
+        budget = int(ec.kv_memory_fraction * free)
+        source = (f"rollout.kv_memory_fraction={ec.kv_memory_fraction} of {free / 1e9:.2f} GB "
+                  "free device memory")
+    else:
+        return ec
+    per_row = -(-KVCache.nbytes_for(config, 1, ec.max_cache_len, dtype) // kv_shards)
+    rows = budget // per_row
+    if rows < 1:
+        raise GenerateError(
+            f"the KV cache needs {per_row / 1e9:.3f} GB per row (max_cache_len={ec.max_cache_len}"
+            f" positions) but the budget is {budget / 1e9:.3f} GB ({source}); raise "
+            "rollout.kv_memory_gb or lower rollout.max_cache_len")
+    if rows >= ec.max_slots:
+        return ec
+    return dataclasses.replace(ec, max_slots=int(rows))

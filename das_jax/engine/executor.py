@@ -1,0 +1,159 @@
+"""`DeviceExecutor`: the engine's `scheduler.StepExecutor`, jitted programs on a donated KV cache.
+
+It keeps the device side of every cache row: the KV cache `[B, S]`, the pending token (sampled,
+not yet fed) and the request seed per row, and turns each of the scheduler's calls into one
+typed batch (`das_jax.engine.specs`) run by the engine's `Programs`:
+
+* admission (`prefill`): `PrefillBatch` (the admitted unique prompts concatenated in N slots,
+  `step.prefill_packed`), and with `EngineConfig.share_prompts`, `ShareBatch` for requests whose
+  prompt a cache row already holds (`step.share_prompt_rows`, no forward pass);
+* `verify`: `VerifyBatch` (each live row's pending token and drafts, `step.verify_packed`);
+* `compact`: `GatherBatch` (`step.gather_rows`).
+
+Steps are timed with the real clock; compilation is excluded (`Programs.compile_s` counts it).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from das_jax.engine import scheduler
+from das_jax.engine.sampling import SamplingParams, request_seed
+from das_jax.engine.schedule import PromptRows, bucket, compact_rows
+from das_jax.engine.specs import (GatherBatch, GatherSpec, PrefillBatch, ShareBatch, ShareSpec,
+                                  VerifyBatch, VerifySpec)
+from das_jax.models.transformer import Params
+
+if TYPE_CHECKING:   # the engine imports this module
+    from das_jax.engine.generate import Engine, Request
+
+
+class DeviceExecutor:
+    """The engine's `scheduler.StepExecutor` (module docstring).
+
+    Args:
+      engine: the `Engine` (its model config, `engine_config` and `programs`).
+      requests: the call's requests (request ids index them).
+      sampling: the call's `SamplingParams`.
+      params: params placed where the engine computes.
+    """
+
+    share_prompts_supported = True
+
+    def __init__(self, engine: "Engine", requests: Sequence["Request"],
+                 sampling: SamplingParams, params: Params):
+        self.config = engine.config
+        self.engine_config = engine.engine_config
+        self.programs = engine.programs
+        self.requests = requests
+        self.params = params
+        self.skey = sampling.static_key()
+        self.dtype = jnp.dtype(params["embed"].dtype).name
+        self.seeds = np.array([r.seed if r.seed is not None else
+                               request_seed(sampling.seed, r.problem_id, r.sample_index)
+                               for r in requests], np.int64).astype(np.int32)
+
+    def start(self, batch: int, cache_len: int) -> None:
+        self.S = cache_len
+        self.cache = self.programs.zeros_cache(batch, cache_len, self.dtype)
+        self.pending = np.zeros(batch, np.int32)       # sampled, not yet fed token per row
+        self.row_seed = np.zeros(batch, np.int32)
+        # Prompt sharing (EngineConfig.share_prompts): the prompt whose K/V each row holds in
+        # positions [0, len), and each such prompt's last-position logits.
+        self.prompt_rows = PromptRows(batch)
+        self.prompt_logits: dict[tuple, np.ndarray] = {}
+
+    def prefill(self, request_ids: Sequence[int], rows: np.ndarray,
+                batch: int) -> scheduler.Prefilled:
+        t0 = time.perf_counter()
+        take, rows = list(request_ids), np.asarray(rows)
+        prompts = [tuple(int(t) for t in self.requests[i].prompt_ids) for i in take]
+        first = np.zeros(len(take), np.int32)
+        first_logp = np.zeros(len(take), np.float32)
+        share = self.engine_config.share_prompts and self.share_prompts_supported
+        shared, sources, computed = (self.prompt_rows.split(prompts) if share
+                                     else ([], [], list(range(len(take)))))
+        if shared:   # before the prefill: it may overwrite a source row
+            self._share(batch, [take[k] for k in shared], rows[shared], sources,
+                        [prompts[k] for k in shared], first, first_logp, shared)
+        tokens = 0
+        if computed:
+            tokens = self._compute(batch, [take[k] for k in computed], rows[computed], first,
+                                   first_logp, computed, share)
+        for k, (ri, row) in enumerate(zip(take, rows)):
+            self.pending[row] = first[k]
+            self.row_seed[row] = self.seeds[ri]
+        if share:
+            self.prompt_rows.admit(rows, prompts)
+            held = self.prompt_rows.held()
+            self.prompt_logits = {p: v for p, v in self.prompt_logits.items() if p in held}
+        return scheduler.Prefilled(first, first_logp, time.perf_counter() - t0, tokens)
+
+    def _layout(self, take, batch: int, packed: bool) -> scheduler.PrefillLayout:
+        ec = self.engine_config
+        return scheduler.prefill_layout([self.requests[i].prompt_ids for i in take],
+                                        ec.batch_buckets, ec.min_prompt_bucket, self.S,
+                                        packed_batch=batch if packed else None)
+
+    def _compute(self, batch, take, rows, first, first_logp, where, with_logits) -> int:
+        """Prefills requests `take` into `rows` (`step.prefill_packed`); writes their first
+        tokens / log-probs at `where`; returns the token slots computed."""
+        lay = self._layout(take, batch, packed=True)
+        U = bucket(len(lay.prompts), self.engine_config.batch_buckets)
+        pb = PrefillBatch.pack(self.config, self.skey, self.S, self.dtype, U, lay.T, lay.prompts,
+                               lay.src, rows, self.seeds[take], batch, with_logits)
+        out = self.programs.run(self.params, self.cache, pb)
+        self.cache, first_R, first_logp_R = out[:3]
+        first[where] = np.asarray(first_R)[:len(take)]
+        first_logp[where] = np.asarray(first_logp_R)[:len(take)]
+        if with_logits:
+            logits = np.asarray(out[3])
+            for k, u in enumerate(lay.src):
+                self.prompt_logits.setdefault(lay.prompts[u], logits[k])
+        return lay.tokens
+
+    def _share(self, batch, take, rows, src_rows, prompts, first, first_logp, where) -> None:
+        """Admits requests `take` into `rows` by copying cache rows `src_rows` (which hold their
+        prompts) and sampling from the stored logits (`step.share_prompt_rows`)."""
+        spec = ShareSpec(self.config, self.skey, batch, self.S, self.dtype)
+        sb = ShareBatch.pack(spec, rows, src_rows, [self.prompt_logits[p] for p in prompts],
+                             self.seeds[take], [len(p) for p in prompts])
+        self.cache, tok_B, logp_B = self.programs.run(self.params, self.cache, sb)
+        first[where] = np.asarray(tok_B)[:len(take)]
+        first_logp[where] = np.asarray(logp_B)[:len(take)]
+
+    def compact(self, live: np.ndarray, new_batch: int) -> None:
+        nb = new_batch
+        rows_nb = np.zeros(nb, np.int32)
+        rows_nb[:len(live)] = live
+        spec = GatherSpec(self.config, len(self.pending), nb, self.S, self.dtype)
+        self.cache = self.programs.run(self.params, self.cache, GatherBatch(spec, rows_nb))
+        self.pending, self.row_seed = compact_rows(live, nb, self.pending, 0, self.row_seed, 0)
+        self.prompt_rows.compact(live, nb)
+
+    def _verify_batch(self, st: scheduler.StepInput):
+        """The typed batch of the step `st` plans (`VerifyBatch`)."""
+        spec = VerifySpec(self.config, self.skey, st.batch, st.num_tokens, st.width, self.S,
+                          st.kv_len, self.dtype)
+        return VerifyBatch.pack(spec, st.cache_len_B, self.pending, self.row_seed, st.live,
+                                st.drafts, st.n_draft_B)
+
+    def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
+        compiled_before = self.programs.compile_s
+        batch = self._verify_batch(st)
+        exe = self.programs.executable(batch.spec, self.params, self.cache, batch)
+        t0 = time.perf_counter()
+        self.cache, y_BxW, logp_BxW, n_emit_B = exe(self.params, self.cache, batch)
+        y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)
+        seconds = time.perf_counter() - t0
+        tokens, logps = [], []
+        for r in st.live:
+            ne = int(n_emit_B[r])
+            self.pending[r] = y_BxW[r, ne - 1]
+            tokens.append(y_BxW[r, :ne])
+            logps.append(logp_BxW[r, :ne])
+        return scheduler.StepOutput(tokens, logps, seconds,
+                                    compile_s=self.programs.compile_s - compiled_before)

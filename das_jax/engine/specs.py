@@ -1,0 +1,276 @@
+"""The typed inputs of the engine's jitted programs: a frozen, hashable spec and its batch.
+
+Every program (`das_jax.engine.step`) is `fn(params, cache, batch) -> outputs`. The batch is a
+registered dataclass pytree whose only static field is its spec: the spec holds everything that
+shapes the compiled code (model config, sampling key, cache rows and length, dtype, slot
+counts), the batch holds the small int32 arrays. So one spec is one compiled program: the spec
+is the compile key (`das_jax.engine.programs.Programs`), and `spec.abstract()` gives the batch
+as `jax.ShapeDtypeStruct`s for ahead-of-time lowering (`jax.jit(fn).lower(...)`).
+
+* `VerifySpec` / `VerifyBatch`: the packed speculative decode step (`step.verify_packed`).
+* `PrefillSpec` / `PrefillBatch`: the packed prefill and insert (`step.prefill_packed`).
+* `ShareSpec` / `ShareBatch`: admission by a cache-row copy (`step.share_prompt_rows`).
+* `GatherSpec` / `GatherBatch`: compaction into a smaller batch bucket (`step.gather_rows`).
+
+The host constructors (`VerifyBatch.pack`, `PrefillBatch.pack`, `ShareBatch.pack`,
+`VerifySpec.dummy`) build the arrays from the scheduler's plan; numpy only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from das_jax.engine.schedule import pack_prompts
+from das_jax.models.config import ModelConfig
+from das_jax.models.transformer import KVCache
+
+
+def batch_pytree(cls):
+    """Registers a batch dataclass as a pytree: `spec` static (part of the tree structure, so
+    of jit's cache key), every other field a leaf."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(
+        cls, data_fields=[f for f in fields if f != "spec"], meta_fields=["spec"])
+
+
+def int32_abstract(shape, sharding=None) -> jax.ShapeDtypeStruct:
+    """An int32 `jax.ShapeDtypeStruct` of `shape` (on `sharding`)."""
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.int32, sharding=sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """The KV cache a program reads and writes: `batch` rows of `cache_len` positions of
+    `dtype` (a dtype name), for `config`."""
+
+    config: ModelConfig
+    batch: int
+    cache_len: int
+    dtype: str
+
+    def abstract(self, sharding=None) -> KVCache:
+        """The cache as `jax.ShapeDtypeStruct` leaves (on `sharding` when given)."""
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            KVCache.abstract(self.config, self.batch, self.cache_len, jnp.dtype(self.dtype)))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifySpec:
+    """Static shape of one packed verify step: `batch` cache rows (B) of `cache_len` positions,
+    `num_tokens` flat token slots (N), query-block `width` (W: 1 + the longest row's drafts,
+    a compiled draft width), attended length `kv_len`; sampling key
+    (`SamplingParams.static_key()`), model config and param/cache dtype name."""
+
+    config: ModelConfig
+    sampling_key: tuple
+    batch: int
+    num_tokens: int
+    width: int
+    cache_len: int
+    kv_len: int
+    dtype: str
+
+    @property
+    def cache(self) -> CacheSpec:
+        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
+
+    def abstract(self, sharding=None) -> "VerifyBatch":
+        B, N = self.batch, self.num_tokens
+        return VerifyBatch(self, *(int32_abstract((n,), sharding) for n in (B, N, N, N, B, B)))
+
+    def dummy(self) -> "VerifyBatch":
+        """A timing batch: `num_tokens` slots, full-width rows first, then one slot per
+        remaining row, then padding; every row attends `kv_len` positions; token 7."""
+        B, W, N = self.batch, self.width, self.num_tokens
+        rows, offs = [], []
+        full = max(0, min(B, (N - B) // max(W - 1, 1))) if W > 1 else 0
+        for b in range(B):
+            for o in range(W if b < full else 1):
+                if len(rows) < N:
+                    rows.append(b)
+                    offs.append(o)
+        rows += [B] * (N - len(rows))
+        offs += [0] * (N - len(offs))
+        row_N, offset_N = np.asarray(rows, np.int32), np.asarray(offs, np.int32)
+        n_draft_B = np.bincount(row_N[row_N < B], minlength=B).astype(np.int32) - 1
+        return VerifyBatch(self, np.full((B,), self.kv_len, np.int32), np.full((N,), 7, np.int32),
+                           row_N, offset_N, np.maximum(n_draft_B, 0).astype(np.int32),
+                           np.arange(B, dtype=np.int32))
+
+
+@batch_pytree
+@dataclasses.dataclass(frozen=True)
+class VerifyBatch:
+    """The arrays of a packed verify step (int32): cache_len_B `[B]` tokens in each row's
+    cache; tokens_N / row_N / offset_N `[N]` slot token, cache row (>= B: padding) and offset
+    in the row; n_draft_B `[B]` drafts per row; seeds_B `[B]` request seeds."""
+
+    spec: VerifySpec
+    cache_len_B: Any
+    tokens_N: Any
+    row_N: Any
+    offset_N: Any
+    n_draft_B: Any
+    seeds_B: Any
+
+    @classmethod
+    def pack(cls, spec: VerifySpec, cache_len_B, pending_B, seeds_B, live: Sequence[int],
+             drafts: Sequence[Sequence[int]], n_draft_B) -> "VerifyBatch":
+        """Each live row's pending token then its drafts, as consecutive slots; the rest of
+        the N slots are padding (row index B)."""
+        N, B = spec.num_tokens, spec.batch
+        tokens_N = np.zeros(N, np.int32)
+        row_N = np.full(N, B, np.int32)
+        offset_N = np.zeros(N, np.int32)
+        i = 0
+        for j, r in enumerate(live):
+            k = len(drafts[j])
+            tokens_N[i] = pending_B[r]
+            tokens_N[i + 1:i + 1 + k] = drafts[j]
+            row_N[i:i + 1 + k] = r
+            offset_N[i:i + 1 + k] = np.arange(1 + k)
+            i += 1 + k
+        return cls(spec, cache_len_B, tokens_N, row_N, offset_N, n_draft_B, seeds_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSpec:
+    """Static shape of one packed prefill: `batch` cache rows (B) of `cache_len` positions,
+    `num_tokens` flat prompt slots (N), an attention block of `rows` prompts (U, a batch
+    bucket) x `width` tokens (T, a prompt-length bucket); `with_logits`: also return each
+    entry's last-position logits (for prompt sharing)."""
+
+    config: ModelConfig
+    sampling_key: tuple
+    batch: int
+    num_tokens: int
+    rows: int
+    width: int
+    cache_len: int
+    dtype: str
+    with_logits: bool = False
+
+    @property
+    def cache(self) -> CacheSpec:
+        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
+
+    def abstract(self, sharding=None) -> "PrefillBatch":
+        B, N = self.batch, self.num_tokens
+        return PrefillBatch(self, *(int32_abstract((N,), sharding) for _ in range(3)),
+                            *(int32_abstract((B,), sharding) for _ in range(5)))
+
+
+@batch_pytree
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    """The arrays of a packed prefill (int32, `schedule.pack_prompts`): tokens_N / row_N /
+    offset_N `[N]` slot token, prompt index (>= U: padding) and position in the prompt;
+    slots_B / src_B / last_B / lengths_B / seeds_B `[B]` per admitted entry its cache row
+    (>= B: padding), prompt, the prompt's last slot, length and seed."""
+
+    spec: PrefillSpec
+    tokens_N: Any
+    row_N: Any
+    offset_N: Any
+    slots_B: Any
+    src_B: Any
+    last_B: Any
+    lengths_B: Any
+    seeds_B: Any
+
+    @classmethod
+    def pack(cls, config: ModelConfig, sampling_key: tuple, cache_len: int, dtype: str,
+             rows: int, width: int, prompts, src, cache_rows, seeds, batch: int,
+             with_logits: bool = False) -> "PrefillBatch":
+        """The batch (and its spec) admitting `prompts[src[k]]` into cache row `cache_rows[k]`
+        with seed `seeds[k]`; N is the slot bucket of the prompts' total length."""
+        N, arrays = pack_prompts(prompts, src, cache_rows, seeds, batch, width)
+        spec = PrefillSpec(config, sampling_key, batch, N, rows, width, cache_len, dtype,
+                           with_logits)
+        return cls(spec, *arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareSpec:
+    """Static shape of admission by row copy: `batch` cache rows of `cache_len` positions."""
+
+    config: ModelConfig
+    sampling_key: tuple
+    batch: int
+    cache_len: int
+    dtype: str
+
+    @property
+    def cache(self) -> CacheSpec:
+        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
+
+    def abstract(self, sharding=None) -> "ShareBatch":
+        B, V = self.batch, self.config.vocab_size
+        return ShareBatch(self, int32_abstract((B,), sharding), int32_abstract((B,), sharding),
+                          jax.ShapeDtypeStruct((B, V), jnp.float32, sharding=sharding),
+                          int32_abstract((B,), sharding), int32_abstract((B,), sharding))
+
+
+@batch_pytree
+@dataclasses.dataclass(frozen=True)
+class ShareBatch:
+    """dst_B / src_B `[B]` int32 destination row (>= B: padding) and source row; logits_BxV
+    float32 each entry's prompt's last-position logits; seeds_B / lengths_B `[B]` int32."""
+
+    spec: ShareSpec
+    dst_B: Any
+    src_B: Any
+    logits_BxV: Any
+    seeds_B: Any
+    lengths_B: Any
+
+    @classmethod
+    def pack(cls, spec: ShareSpec, dst_rows, src_rows, logits: Sequence[np.ndarray], seeds,
+             lengths) -> "ShareBatch":
+        """Entries j < len(dst_rows) copy row src_rows[j] into dst_rows[j] and sample from
+        logits[j] at absolute index lengths[j]; the rest are padding (destination B)."""
+        B, k = spec.batch, len(dst_rows)
+        dst_B = np.full(B, B, np.int32)
+        src_B = np.zeros(B, np.int32)
+        logits_BxV = np.zeros((B, spec.config.vocab_size), np.float32)
+        seeds_B = np.zeros(B, np.int32)
+        lengths_B = np.ones(B, np.int32)
+        dst_B[:k], src_B[:k], seeds_B[:k], lengths_B[:k] = dst_rows, src_rows, seeds, lengths
+        for j, v in enumerate(logits):
+            logits_BxV[j] = v
+        return cls(spec, dst_B, src_B, logits_BxV, seeds_B, lengths_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSpec:
+    """Static shape of compaction: `batch` cache rows gathered into `new_batch` rows."""
+
+    config: ModelConfig
+    batch: int
+    new_batch: int
+    cache_len: int
+    dtype: str
+
+    @property
+    def cache(self) -> CacheSpec:
+        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
+
+    def abstract(self, sharding=None) -> "GatherBatch":
+        return GatherBatch(self, int32_abstract((self.new_batch,), sharding))
+
+
+@batch_pytree
+@dataclasses.dataclass(frozen=True)
+class GatherBatch:
+    """rows `[new_batch]` int32: the source row of each new row (may repeat: padding)."""
+
+    spec: GatherSpec
+    rows: Any
+
+
+Spec = VerifySpec | PrefillSpec | ShareSpec | GatherSpec
