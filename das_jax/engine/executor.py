@@ -15,20 +15,18 @@ Steps are timed with the real clock; compilation is excluded (`Programs.compile_
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from das_jax.engine import scheduler
+from das_jax.engine.engine_config import Request
 from das_jax.engine.sampling import SamplingParams, request_seed
 from das_jax.engine.schedule import PromptRows, bucket, compact_rows
 from das_jax.engine.specs import (GatherBatch, GatherSpec, PrefillBatch, ShareBatch, ShareSpec,
                                   VerifyBatch, VerifySpec)
 from das_jax.models.transformer import Params
-
-if TYPE_CHECKING:   # the engine imports this module
-    from das_jax.engine.generate import Engine, Request
 
 
 class DeviceExecutor:
@@ -43,7 +41,7 @@ class DeviceExecutor:
 
     share_prompts_supported = True
 
-    def __init__(self, engine: "Engine", requests: Sequence["Request"],
+    def __init__(self, engine: Any, requests: Sequence[Request],
                  sampling: SamplingParams, params: Params):
         self.config = engine.config
         self.engine_config = engine.engine_config
