@@ -60,6 +60,29 @@ def _check_out(out: Path, run: Path, overwrite: bool) -> None:
                           "another directory")
 
 
+def _run_model_section(cfg_path: Path):
+    """A `Config` with the run's `model` section (source, dtype) and defaults elsewhere: the
+    export needs nothing else, so a run whose other settings this process cannot validate (a
+    reward function registered by the user's own code) still exports.
+
+    Raises:
+      ConfigError: config.yaml unreadable, or its model section invalid (names the file).
+    """
+    import yaml
+
+    from das_jax.config import ConfigError, config_from_dict
+    try:
+        raw = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{cfg_path}: cannot read the run's config ({e}); restore it from the "
+                          "run's checkpoints/<step>/meta (its \"config\")") from None
+    model = raw.get("model") if isinstance(raw, dict) else None
+    try:
+        return config_from_dict({"model": model or {}})
+    except ConfigError as e:
+        raise ConfigError(f"{cfg_path}: {e}") from None
+
+
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
                dtype: str | None = None, overwrite: bool = False,
                max_shard_bytes: int | None = None) -> ExportResult:
@@ -86,7 +109,6 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
       ModelLoadError / ModelConfigError: the run's model source cannot be read.
       OSError: OUT cannot be written (e.g. a full disk).
     """
-    from das_jax.config import load_config
     from das_jax.models import export as hf_export
     from das_jax.rl import model_loading
     from das_jax.rl import run_dir as rd
@@ -110,13 +132,19 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
     if step is not None and step not in steps:
         raise ExportError(f"{run}: no checkpoint for step {step}; it has steps "
                           f"{', '.join(map(str, steps))}")
-    cfg = load_config(cfg_path)
+    cfg = _run_model_section(cfg_path)
     dtype = dtype or cfg.model.dtype
 
-    from das_jax.rl.checkpoint import CheckpointManager  # jax, orbax
+    from das_jax.rl.checkpoint import CheckpointError, CheckpointManager  # jax, orbax
     with phase(f"reading checkpoint step {step if step is not None else steps[-1]}") as ph:
-        with CheckpointManager(run, read_only=True) as manager:
-            params, meta = manager.restore_params(step)
+        try:
+            with CheckpointManager(run, read_only=True) as manager:
+                params, meta = manager.restore_params(step)
+        except CheckpointError as e:
+            if len(steps) < 2:
+                raise
+            raise CheckpointError(f"{e}; export another one with --step (steps there: "
+                                  f"{', '.join(map(str, steps))})") from None
         step = int(meta.get("step", step if step is not None else steps[-1]))
         ph.detail = str(run / "checkpoints" / str(step))
     model_config, tokenizer = model_loading.load_model_spec(cfg)
