@@ -68,6 +68,7 @@ FLAVOURS = {
     "qwen2-qkv-bias": dataclasses.replace(
         LLAMA, architecture="Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=False,
         rope_theta=1e6, rms_norm_eps=1e-6),
+    "llama-attention-bias": dataclasses.replace(LLAMA, attention_bias=True),
     "qwen3-qk-norm": dataclasses.replace(
         LLAMA, architecture="Qwen3ForCausalLM", qk_norm=True, head_dim=12,
         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6),
@@ -141,7 +142,8 @@ def test_bfloat16_and_sharded_round_trip(tmp_path):
 def test_params_that_do_not_fit_the_config_are_refused(tmp_path):
     params = random_params(LLAMA)
     other = dataclasses.replace(LLAMA, num_layers=3)
-    with pytest.raises(hf_export.ExportError, match=r"param layers/attn_norm has shape \(2, 32\), the model config needs \(3, 32\)"):
+    with pytest.raises(hf_export.ExportError, match=r"param layers/attn_norm has shape "
+                       r"\(2, 32\), the model config needs \(3, 32\)"):
         hf_export.save_hf_model(tmp_path, other, params, TOK)
     with pytest.raises(hf_export.ExportError, match="missing lm_head"):
         hf_export.save_hf_model(tmp_path, dataclasses.replace(LLAMA, tie_word_embeddings=False),

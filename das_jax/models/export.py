@@ -199,18 +199,6 @@ def hf_tensor_getter(config: ModelConfig, params: Mapping[str, Any]
     return get
 
 
-def hf_state_dict(config: ModelConfig, params: Mapping[str, Any], dtype: str = "float32"
-                  ) -> dict[str, np.ndarray]:
-    """Every HF tensor of `params` at once, as numpy arrays of `dtype` (float32 / bfloat16).
-
-    Raises:
-      ExportError: params that do not fit `config`, or an unsupported dtype.
-    """
-    np_dtype = _numpy_dtype(dtype)
-    get = hf_tensor_getter(config, params)
-    return {name: get(name).astype(np_dtype) for name in hf_tensor_shapes(config)}
-
-
 def save_safetensors(out: str | os.PathLike, config: ModelConfig, params: Mapping[str, Any],
                      dtype: str = "float32", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
                      ) -> list[str]:
