@@ -26,6 +26,7 @@ _COMMAND_MODULES = (
     "das_jax.cli.train",      # train, samples, compare
     "das_jax.cli.bench",      # bench engine|drafter|rollout|replay|main-job
     "das_jax.cli.plan",       # plan
+    "das_jax.cli.export",     # export
 )
 
 

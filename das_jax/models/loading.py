@@ -92,6 +92,29 @@ def load(source: str, dtype=jnp.float32) -> tuple[ModelConfig, Params, Tokenizer
     return load_gguf(path, d)
 
 
+def load_spec(source: str) -> tuple[ModelConfig, Tokenizer]:
+    """The config and tokenizer of a model source, without reading its weights (what an export
+    of trained params needs from the source). May download, as `load` does.
+
+    Raises:
+      ModelLoadError / ModelConfigError: as `load`, for the source, its config or its tokenizer.
+    """
+    kind, path = resolve_source(source)
+    if kind == "hf_dir":
+        from das_jax.models.loaders.hf_dir import read_hf_config
+        return read_hf_config(path), Tokenizer.from_hf_dir(path)
+    from das_jax.models.config import ModelConfigError
+    from das_jax.models.loaders import gguf_file
+    reader = gguf_file.open_gguf(path)
+    meta = gguf_file.read_metadata(reader)
+    try:
+        config = gguf_file.config_from_gguf_metadata(meta, {t.name for t in reader.tensors}, path)
+    except ModelConfigError as e:
+        raise ModelConfigError(f"{path}: {e}") from None
+    return config, Tokenizer.from_gguf(path, gguf_file.eos_ids_from_metadata(meta),
+                                       header_size=int(reader.data_offset))
+
+
 def params_size(params: Params) -> tuple[int, int]:
     """(number of parameters, bytes) over all leaves of `params`."""
     leaves = jax.tree_util.tree_leaves(params)

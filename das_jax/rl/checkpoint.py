@@ -341,16 +341,19 @@ class CheckpointManager:
       subdir: checkpoint folder inside run_dir.
       save_concurrent_bytes: at most this many bytes of arrays are being written at once (at
         least the largest array's size; `largest_array_bytes`); None: orbax's default (96 GB).
+      read_only: only read (export, inspection): creates no directory, deletes nothing, and
+        leaves the temporary directory of a save in progress (a run still training) alone.
     """
 
     def __init__(self, run_dir: str | Path, *, max_to_keep: int = 3, subdir: str = "checkpoints",
-                 save_concurrent_bytes: int | None = None):
+                 save_concurrent_bytes: int | None = None, read_only: bool = False):
         self.directory = Path(run_dir).absolute() / subdir
         self.max_to_keep = max_to_keep
         _filter_aborted_save_noise()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True,
-            cleanup_tmp_directories=True)
+            max_to_keep=None if read_only else max_to_keep, enable_async_checkpointing=False,
+            create=not read_only, cleanup_tmp_directories=not read_only, read_only=read_only,
+            **({"save_interval_steps": 0} if read_only else {}))
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         # By default tensorstore holds every array's encoded bytes at once while writing (+1.5 GB
         # of RSS for the main job's 1.6 GB of params and moments); `save_concurrent_bytes` bounds
@@ -364,8 +367,10 @@ class CheckpointManager:
         registry.add("meta", ocp.args.JsonRestore)
         registry.add("drafter", StateSave, StateCheckpointHandler)
         registry.add("drafter", StateRestore, StateCheckpointHandler)
-        self._mngr = ocp.CheckpointManager(self.directory, options=options,
-                                           handler_registry=registry)
+        # read_only: orbax warns that the directory is read only, as asked: keep that quiet
+        with _quiet_absl_errors() if read_only else contextlib.nullcontext():
+            self._mngr = ocp.CheckpointManager(self.directory, options=options,
+                                               handler_registry=registry)
 
     # -- queries
     def all_steps(self) -> list[int]:
@@ -475,6 +480,53 @@ class CheckpointManager:
             meta["rng_key"] = _rng_from_json(meta.pop(_RNG_META_KEY))
         state = jax.tree_util.tree_map(jnp.asarray, state)
         return state["params"], state["opt_state"], meta, restored["drafter"]
+
+    def restore_params(self, step: int | None = None) -> tuple[Any, dict]:
+        """Restores only the params and meta of `step` (default: the latest), as numpy arrays in
+        their saved dtypes and tree (the optimizer state and rollout state are not read, so this
+        needs the params' memory only, on the host; any device count).
+
+        Raises:
+          CheckpointError: no checkpoint / unknown step (naming the steps there) / unreadable or
+            corrupt step directory.
+        """
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint found in {self.directory}")
+            step = steps[-1]
+        step = int(step)
+        ckpt_dir = self.step_dir(step)
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                  f"(available steps: {', '.join(map(str, steps)) or 'none'})")
+        try:
+            state_meta = self._mngr.item_metadata(step)["state"]
+            saved_tree = state_meta.tree if hasattr(state_meta, "tree") else state_meta
+            params_meta = saved_tree["params"]
+        except Exception as e:  # noqa: BLE001 - orbax raises many types on a damaged directory
+            raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt or unreadable: "
+                                  f"{type(e).__name__}: {e}") from e
+        target = jax.tree_util.tree_map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), params_meta,
+            is_leaf=_is_array_metadata)
+        restore_args = jax.tree_util.tree_map(
+            lambda m: ocp.RestoreArgs(restore_type=np.ndarray, dtype=m.dtype), target)
+        try:
+            # the state item is a PyTree checkpoint: read its params subtree only
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+                restored = reader.restore(ckpt_dir / "state", args=ocp.args.PyTreeRestore(
+                    item={"params": target}, restore_args={"params": restore_args},
+                    partial_restore=True))
+            restored = {"params": restored["params"], "meta": self._mngr.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]}
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"failed to restore checkpoint {ckpt_dir}: "
+                                  f"{type(e).__name__}: {e}") from e
+        meta = dict(restored["meta"])
+        if _RNG_META_KEY in meta:
+            meta["rng_key"] = _rng_from_json(meta.pop(_RNG_META_KEY))
+        return jax.tree_util.tree_map(np.asarray, restored["params"]), meta
 
     def close(self) -> None:
         self._mngr.close()

@@ -1,5 +1,6 @@
 """`load_model(config)`: a run config's model, fetched and loaded with phase lines on the
-console (what `das-jax train` and `das-jax bench main-job` load)."""
+console (what `das-jax train` and `das-jax bench main-job` load); `load_model_spec(config)`:
+its config and tokenizer only (what `das-jax export` needs besides a checkpoint)."""
 from __future__ import annotations
 
 import os
@@ -8,11 +9,10 @@ from das_jax.models import sources
 from das_jax.rl.run_log import phase
 
 
-def load_model(config):
-    """Fetches and loads `config.model.source` (in `config.model.dtype`) with phase lines on the
-    console; returns (ModelConfig, params, tokenizer), what `GRPOTrainer(model=...)` takes.
-    Used by `das-jax train` and `das-jax bench main-job`."""
-    from das_jax.models.loading import load, params_size, resolve_source  # jax
+def _fetch(config) -> str:
+    """The local path of `config.model.source`, fetched with a phase line when it is a named
+    source (a bad local path or hub id fails at once, in one line)."""
+    from das_jax.models.loading import resolve_source  # deferred import: jax (not loaded by importing this module)
     src = config.model.source
     what = f"fetching the model {src}"
     if src in sources.SOURCES and not os.path.isfile(sources.cached_path(src)):
@@ -22,10 +22,28 @@ def load_model(config):
         with phase(what) as ph:
             _, path = resolve_source(src)
             ph.detail = path
-    else:  # a local path (or a hub id): a bad one fails at once, in one line
+    else:
         _, path = resolve_source(src)
+    return path
+
+
+def load_model(config):
+    """Fetches and loads `config.model.source` (in `config.model.dtype`) with phase lines on the
+    console; returns (ModelConfig, params, tokenizer), what `GRPOTrainer(model=...)` takes.
+    Used by `das-jax train` and `das-jax bench main-job`."""
+    from das_jax.models.loading import load, params_size  # deferred import: jax
+    path = _fetch(config)
     with phase(f"loading the model ({config.model.dtype})") as ph:
         model = load(path, dtype=config.model.dtype)
         n, nbytes = params_size(model[1])
         ph.detail = f"{n / 1e6:.0f}M parameters, {nbytes / 1e6:.0f} MB"
     return model
+
+
+def load_model_spec(config):
+    """Fetches `config.model.source` and reads its config and tokenizer, not its weights;
+    returns (ModelConfig, tokenizer). Used by `das-jax export`."""
+    from das_jax.models.loading import load_spec  # deferred import: jax
+    path = _fetch(config)
+    with phase("reading the model's config and tokenizer"):
+        return load_spec(path)
