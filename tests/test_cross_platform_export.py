@@ -11,10 +11,11 @@ Covered, each for "cuda" and "tpu", in float32 and bfloat16, on a tiny model wit
 feature of the shipped models (attention biases: Qwen2; q/k norms: Qwen3; untied head):
 
 * Engine: every program of the engine's table (`das_jax.engine.programs.PROGRAMS`), fast and
-  exact contraction modes (exact in float32 only). `ENGINE_EXAMPLES` gives each spec type its example specs, and
-  `test_every_engine_program_has_an_example` fails for a program registered without one, so a
-  new program is covered once it is in the table. Donation is kept for export: the exported
-  module must keep every in-place cache update (`tf.aliasing_output`) of the CPU lowering.
+  exact contraction modes (exact in float32 only). `ENGINE_EXAMPLES` gives each spec type its
+  example specs, and `test_every_engine_program_has_an_example` fails for a program registered
+  without one.
+* Donation is kept for export: every exported program must keep each in-place update (a
+  donated input aliased to an output, `tf.aliasing_output`) of its CPU lowering.
 * Train step (`das_jax.rl.train_step.TrainStep`): the gradient kernel `accumulate_grads` on each
   micro-batch kind it is fed (packed shared-prompt and windowed rows on one device, padded rows
   with an accumulator on a mesh, and the reference path without an `ActivationConfig`), the
@@ -23,9 +24,10 @@ feature of the shipped models (attention biases: Qwen2; q/k norms: Qwen3; untied
   its driver traced whole under one jit, so its programs are lowered as nested calls).
 
 Where the lowering itself needs the device: cuDNN flash attention
-(`jax.nn.dot_product_attention(implementation="cudnn")`, the train step's attention with
-`attention: cudnn`, or `auto` on a GPU with a 16-bit dtype) reads the installed cuDNN's version
-while tracing, so without the jax CUDA plugin that test skips, saying so. Exact mode probes its
+(`jax.nn.dot_product_attention(implementation="cudnn")`: the train step's attention with
+`ActivationConfig.attention` "cudnn", or "auto" on a GPU with a 16-bit dtype) reads the
+installed cuDNN's version while tracing, so without the jax CUDA plugin that test skips, saying
+so. Exact mode probes its
 row classes on the running backend while tracing, so an exact program exported here carries
 this CPU's classes (it lowers; its shape invariance holds only where it was probed).
 """
