@@ -3,7 +3,8 @@
 All are pure functions of (params, KV cache, a typed batch, `das_jax.engine.specs`); the batch's
 static spec fixes every shape, so one spec is one compiled program
 (`das_jax.engine.programs.Programs` compiles and runs them). The cache is donated, so its update is
-in place (the compaction's output is smaller: its donated input is freed as it ends).
+in place (except by the compaction: its output is smaller, so XLA cannot write it over the
+input and a donation would go unused; the memory plan counts both caches).
 
 * prefill_packed: the unique admitted prompts concatenated into N flat token slots (N a bucket
   of their total length), dense work on the N slots, attention within a prompt
@@ -134,7 +135,7 @@ def verify_packed(params: Params, cache: KVCache, batch: VerifyBatch):
     return cache, y_BxW, logp_BxW, emitted(tokens_BxW, y_BxW, batch.n_draft_B)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
+@jax.jit
 def gather_rows(params: Params, cache: KVCache, batch: GatherBatch) -> KVCache:
     """A cache of `spec.new_batch` rows taken from `cache` (compaction into a smaller bucket);
     `batch.rows` may repeat (padding rows). `params` is not read."""
