@@ -90,6 +90,8 @@ class MemoryPlan:
     rows: dict[str, int]
     phases: dict[str, int]
     shapes: dict[str, Any]
+    mem_fraction: float = 1.0
+    programs: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -104,10 +106,15 @@ class MemoryPlan:
         return 1.0 - self.peak / self.device_bytes
 
     def table(self) -> str:
-        lines = [f"memory plan: {self.devices} device(s) x {self.device_bytes / GB:.1f} GB  "
+        usable = (f" usable ({self.mem_fraction:g} of {self.device_bytes / self.mem_fraction / GB:.1f}"
+                  " GB: XLA_PYTHON_CLIENT_MEM_FRACTION)" if self.mem_fraction != 1.0 else "")
+        lines = [f"memory plan: {self.devices} device(s) x {self.device_bytes / GB:.1f} GB{usable}  "
                  + "  ".join(f"{k}={v}" for k, v in self.shapes.items()),
                  f"  {'per device':<18}{'GB':>10}"]
         lines += [f"  {k:<18}{v / GB:>10.2f}" for k, v in self.rows.items()]
+        lines += [f"  program {k:<26} temp {m['temp'] / GB:8.2f} GB  args {m['argument'] / GB:8.2f}"
+                  f" GB  out {m['output'] / GB:8.2f} GB  aliased {m['alias'] / GB:8.2f} GB"
+                  for k, m in self.programs.items()]
         lines += [f"  peak {k:<13}{v / GB:>10.2f}" for k, v in self.phases.items()]
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  {verdict}: peak {self.peak / GB:.2f} GB of {self.device_bytes / GB:.1f} GB "
@@ -126,8 +133,8 @@ class MemoryPlan:
             return (f"{need} in the train step (activations "
                     f"{self.rows['activations'] / GB:.1f} GB at grpo.micro_batch_size="
                     f"{config.grpo.micro_batch_size}); lower grpo.micro_batch_size, set "
-                    "train.remat=full, or use more devices (--devices)")
-        return (f"{need} in the optimizer update; use more devices (--devices) or "
+                    "train.remat=full, or use more devices (das-jax plan --devices N)")
+        return (f"{need} in the optimizer update; use more devices (das-jax plan --devices N) or "
                 "train.master_dtype=bfloat16 (lossy)")
 
     def to_json(self) -> dict:
@@ -147,14 +154,33 @@ def _tree_bytes(tree) -> int:
                for x in jax.tree_util.tree_leaves(tree))
 
 
-def plan_in_process(config, devices: int, device_bytes: int, model_config=None) -> MemoryPlan:
-    """The plan, compiled in this process (needs `devices` local JAX devices)."""
+def _shard_bytes(tree) -> int:
+    """Bytes one device holds of `tree`'s `jax.ShapeDtypeStruct` leaves (by their shardings)."""
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
+def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
+                    mem_fraction: float = 1.0) -> MemoryPlan:
+    """The plan, compiled in this process (needs `devices` local JAX devices): the train state
+    on the run's mesh (`config.mesh` over `devices`), every program the run executes at its
+    largest shapes (gradient kernel, optimizer update, packed verify and prefill, prompt
+    sharing, compaction), against `device_bytes` usable bytes per device (`mem_fraction` of
+    the device's memory, stated in the table).
+
+    Raises:
+      PlanError: fewer local devices than `devices`; `sharding.MeshError`: the mesh section
+        does not fit `devices`.
+    """
     # deferred import: jax, optax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from das_jax.engine import PrefillSpec, Programs, VerifySpec
+    from das_jax.engine import GatherSpec, PrefillSpec, Programs, ShareSpec, VerifySpec
+    from das_jax.engine.engine_config import EngineConfig
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.parallel import sharding as shard_lib
@@ -170,7 +196,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     r, g, t = config.rollout, config.grpo, config.train
     compute = jnp.dtype(config.model.dtype)
     master = jnp.dtype(t.master_dtype)
-    mesh = shard_lib.make_mesh(fsdp=devices)
+    mesh = shard_lib.mesh_from_config(config.mesh, jax.devices()[:devices])
 
     def abstract(tree, shardings):
         return jax.tree_util.tree_map(
@@ -241,22 +267,35 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     U = min(slots, g.prompts_per_step)
     Tp = min(S, pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
     Np = size_bucket(U * Tp, token_buckets(slots * Tp))
-    prefill_mem = programs.memory(PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name),
-                                  cparams_abs)
+    prefill_mem = programs.memory(PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name,
+                                              True), cparams_abs)
+    # Prompt sharing copies the prompt positions of every slot; compaction gathers the live rows
+    # into the next smaller batch bucket (a second, smaller cache while it runs).
+    # (The trainer's engine always shares prompts: EngineConfig.share_prompts.)
+    engine_programs = {"verify_packed": verify_mem, "prefill_packed": prefill_mem,
+                       "share_prompt_rows": programs.memory(
+                           ShareSpec(mc, skey, slots, Tp, S, rdtype.name), cparams_abs)}
+    smaller = [b for b in EngineConfig(max_slots=slots).batch_buckets if b < slots]
+    if smaller:
+        engine_programs["gather_rows"] = programs.memory(
+            GatherSpec(mc, slots, max(smaller), S, rdtype.name), cparams_abs)
 
     n = devices
-    master_b = _tree_bytes(params_shape) // n
-    opt_b = _tree_bytes(opt_shape) // n
-    grads_b = _tree_bytes(carry_shape[1]) // n
+    master_b = _shard_bytes(params_abs)
+    opt_b = _shard_bytes(opt_abs)
+    grads_b = _shard_bytes(carry_abs[1])
     cparams_b = _tree_bytes(params_shape) * compute.itemsize // master.itemsize
     kv_b = DenseKVCache.nbytes_for(mc, slots, S, compute)
-    ref_b = cparams_b // n if g.beta > 0 else 0
+    ref_b = master_b * compute.itemsize // master.itemsize if g.beta > 0 else 0
     rows = {
         "params": cparams_b, "master": master_b, "optimizer": opt_b, "gradients": grads_b,
         "ref_params": ref_b, "activations": train_mem["temp"], "kv_cache": kv_b,
         "logits": slots * W * mc.vocab_size * 4 + min(T, max(1, t.logits_chunk // max(1, mb // n)))
         * max(1, mb // n) * mc.vocab_size * 4,
-        "rollout_scratch": max(verify_mem["temp"], prefill_mem["temp"]),
+        # the compaction's output (the smaller cache) is alive beside the full one
+        "rollout_scratch": max(m["temp"] + (m["output"] * compute.itemsize // rdtype.itemsize
+                                            if k == "gather_rows" else 0)
+                               for k, m in engine_programs.items()),
         "update_scratch": update_mem["temp"],
     }
     # With one device and compute dtype == master dtype the engine reads the master arrays.
@@ -271,17 +310,46 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     }
     shapes = {"slots": slots, "cache_len": S, "width": W, "micro_batch": mb, "train_len": T,
               "remat": t.remat, "dtype": f"{compute.name}/{master.name}",
-              "rollout_analysis": rdtype.name}
+              "rollout_analysis": rdtype.name,
+              "mesh": "x".join(f"{a}{k}" for a, k in mesh.shape.items() if k > 1) or "1"}
+    all_programs = {"accumulate_grads": train_mem, "optimizer_update": update_mem,
+                    **engine_programs}
     return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
-                      {k: int(v) for k, v in phases.items()}, shapes)
+                      {k: int(v) for k, v in phases.items()}, shapes, float(mem_fraction),
+                      all_programs)
+
+
+def mem_fraction(config) -> float:
+    """The fraction of a device's memory the run may use: XLA's preallocation fraction
+    (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75 on a GPU run: `platform: gpu`, or JAX's
+    backend when the config names no platform), 1.0 on CPU and TPU.
+
+    Raises:
+      PlanError: the variable is not a number in (0, 1].
+    """
+    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if raw is not None:
+        try:
+            f = float(raw)
+        except ValueError:
+            f = -1.0
+        if not 0 < f <= 1:
+            raise PlanError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a fraction in (0, 1]; "
+                            "set it to e.g. 0.9 or unset it")
+        return f
+    platform = config.platform
+    if platform is None and "jax" in sys.modules:
+        platform = sys.modules["jax"].default_backend()
+    return 0.75 if platform in ("gpu", "cuda", "rocm") else 1.0
 
 
 def device_memory_bytes(config, device_memory_gb: float | None) -> int:
-    """The per-device capacity: the argument, train.device_memory_gb, or the local device's
-    allocator limit (the host's total memory for a CPU device)."""
+    """The per-device usable bytes: the argument or train.device_memory_gb (the device's
+    memory, in GB) times `mem_fraction(config)`, else the local device's allocator limit
+    (which already applies XLA's fraction; the host's total memory for a CPU device)."""
     gb = device_memory_gb if device_memory_gb is not None else config.train.device_memory_gb
     if gb is not None:
-        return int(gb * GB)
+        return int(gb * GB * mem_fraction(config))
     # deferred import: jax (not loaded by importing this module)
     import jax
     stats = None
@@ -298,15 +366,17 @@ def plan(config, devices: int = 1, device_memory_gb: float | None = None) -> Mem
     """`plan_in_process`, in a subprocess with `devices` forced host devices when this process
     has fewer devices (or JAX is already initialised on a different platform)."""
     device_bytes = device_memory_bytes(config, device_memory_gb)
+    fraction = (mem_fraction(config) if (device_memory_gb if device_memory_gb is not None
+                                         else config.train.device_memory_gb) is not None else 1.0)
     # deferred import: jax (not loaded by importing this module)
     import jax
     if len(jax.devices()) >= devices:
-        return plan_in_process(config, devices, device_bytes)
+        return plan_in_process(config, devices, device_bytes, mem_fraction=fraction)
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           f" --xla_force_host_platform_device_count={devices}").strip())
     payload = json.dumps({"config": config_to_dict(config), "devices": devices,
-                          "device_bytes": device_bytes})
+                          "device_bytes": device_bytes, "mem_fraction": fraction})
     proc = subprocess.run([sys.executable, "-m", "das_jax.plan", "--subprocess"], input=payload,
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -335,18 +405,23 @@ def estimate_bytes(config, model_config) -> int:
 
 
 def check_before_training(config) -> MemoryPlan | None:
-    """Refuses (PlanError, one line naming the setting) a run whose plan does not fit the local
-    device. Skips compiling (returns None) when `estimate_bytes` is under half the capacity."""
+    """Refuses (PlanError, one line naming the setting) a run whose plan does not fit its
+    devices: the run's mesh (`config.mesh`) over every device of the run (`jax.device_count()`),
+    each with its usable memory (`device_memory_bytes`). Skips compiling (returns None) when
+    `estimate_bytes` is under half the capacity."""
     if not config.train.memory_check:
         return None
     capacity = device_memory_bytes(config, None)
+    fraction = mem_fraction(config) if config.train.device_memory_gb is not None else 1.0
     try:
         mc = model_config_for(config.model.source)
     except Exception:  # noqa: BLE001 - an unloadable model is reported by the loader itself
         return None
     if estimate_bytes(config, mc) <= capacity // 2:
         return None
-    p = plan_in_process(config, 1, capacity, mc)
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+    p = plan_in_process(config, jax.device_count(), capacity, mc, mem_fraction=fraction)
     if not p.fits:
         raise PlanError(p.advice(config) + " (or set train.memory_check=false)")
     return p
@@ -355,7 +430,8 @@ def check_before_training(config) -> MemoryPlan | None:
 def _subprocess_main() -> None:
     req = json.loads(sys.stdin.read())
     config = config_from_dict(req["config"])
-    p = plan_in_process(config, req["devices"], req["device_bytes"])
+    p = plan_in_process(config, req["devices"], req["device_bytes"],
+                        mem_fraction=req["mem_fraction"])
     print(json.dumps(p.to_json()))
 
 

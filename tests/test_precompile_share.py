@@ -6,11 +6,13 @@ prompt a cache row holds is admitted by a row copy (`step.share_prompt_rows`) wi
 rollouts. Tiny random models, float32, fixed seeds."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from das_jax.engine import programs as programs_lib
 from das_jax.engine import step as step_lib
+from das_jax.engine.schedule import share_order
 from das_jax.engine.specs import PrefillSpec, ShareBatch, ShareSpec, VerifySpec
 from das_jax.speculation.cost_model import calibration_shapes
 from das_jax.engine.generate import Engine, EngineConfig
@@ -118,25 +120,61 @@ def test_share_prompts_same_rollouts(params, exact):
 
 
 def test_share_prompt_rows_copies_and_samples():
-    """Rows are read before any is written (a swap works), padding entries are dropped, and
-    the first tokens are `sample` of the given logits at the given positions."""
-    B, S, V = 4, 16, CFG.vocab_size
+    """A swap of rows works (one row through the stash), padding entries are dropped, only
+    the prompt positions [0, width) are copied, and the first tokens are `sample` of the given
+    logits at the given positions."""
+    B, S, V, width = 4, 16, CFG.vocab_size, 8
     cache = random_kv_cache(CFG, B, S, seed=0)
-    k0 = np.asarray(cache.k)
+    k0, v0 = np.asarray(cache.k), np.asarray(cache.v)
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((B, V)).astype(np.float32)
-    seeds = np.array([5, 6, 7, 8], np.int32)
-    lengths = np.array([3, 9, 1, 1], np.int32)
-    dst = np.array([0, 1, B, B], np.int32)     # swap rows 0 and 1; two padding entries
-    src = np.array([1, 0, 2, 3], np.int32)
+    seeds = np.array([5, 6], np.int32)
+    lengths = np.array([3, 8], np.int32)
+    dst, src = [0, 1], [1, 0]                   # swap rows 0 and 1; two padding entries
+    order, save, from_stash, dropped = share_order(dst, src)
+    assert (order, save, from_stash, dropped) == ([0, 1], [True, False], [False, True], [])
     skey = (0.8, 0, 1.0)
-    spec = ShareSpec(CFG, skey, B, S, str(cache.dtype))
+    spec = ShareSpec(CFG, skey, B, width, S, str(cache.dtype))
     new, tok, logp = step_lib.share_prompt_rows(
-        None, cache, ShareBatch(spec, dst, src, logits, seeds, lengths))
-    k = np.asarray(new.k)
-    np.testing.assert_array_equal(k[:, 0], k0[:, 1])
-    np.testing.assert_array_equal(k[:, 1], k0[:, 0])
+        None, cache, ShareBatch.pack(spec, dst, src, list(logits[:2]), seeds, lengths, save,
+                                     from_stash))
+    k, v = np.asarray(new.k), np.asarray(new.v)
+    np.testing.assert_array_equal(k[:, 0, ..., :width], k0[:, 1, ..., :width])
+    np.testing.assert_array_equal(k[:, 1, ..., :width], k0[:, 0, ..., :width])
+    np.testing.assert_array_equal(v[:, 0, :, :width], v0[:, 1, :, :width])
+    np.testing.assert_array_equal(v[:, 1, :, :width], v0[:, 0, :, :width])
+    np.testing.assert_array_equal(k[..., width:], k0[..., width:])   # past the prompt: kept
+    np.testing.assert_array_equal(v[:, :, :, width:], v0[:, :, :, width:])
     np.testing.assert_array_equal(k[:, 2:], k0[:, 2:])
-    ref_tok, ref_logp = sample(logits, seeds, lengths, skey, CFG.contraction)
+    ref_tok, ref_logp = sample(np.concatenate([logits[:2], np.zeros((2, V), np.float32)]),
+                               np.array([5, 6, 0, 0], np.int32), np.array([3, 8, 1, 1], np.int32),
+                               skey, CFG.contraction)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
     np.testing.assert_array_equal(np.asarray(logp), np.asarray(ref_logp))
+
+
+@pytest.mark.parametrize("dst,src", [
+    ([0, 1, 2], [1, 2, 0]),                   # a 3-cycle
+    ([0, 1, 2, 3], [1, 0, 3, 2]),             # two swaps: the stash is used twice
+    ([0, 1, 2], [3, 3, 0]),                   # a chain: readers of row 0 run before its writer
+    ([2, 3], [0, 0]),                         # siblings copying one holder
+])
+def test_share_order_copies_equal_a_read_before_write_copy(dst, src):
+    """Running the copies in `share_order`'s order with its stash flags gives the cache a
+    copy reading every row before any write gives; left-out copies are the only difference."""
+    B, S, width = 4, 8, 8
+    cache = random_kv_cache(CFG, B, S, seed=1)
+    k0 = np.asarray(cache.k)
+    order, save, from_stash, dropped = share_order(dst, src)
+    assert sorted(order + dropped) == list(range(len(dst)))
+    assert dropped == []   # cycles unroll once their stashed row is written
+    d = [dst[j] for j in order]
+    new = cache.copy_prefix(jnp.asarray(d + [B] * (B - len(d)), jnp.int32),
+                            jnp.asarray([src[j] for j in order] + [0] * (B - len(d)), jnp.int32),
+                            jnp.asarray([save[j] for j in order] + [False] * (B - len(d))),
+                            jnp.asarray([from_stash[j] for j in order] + [False] * (B - len(d))),
+                            width)
+    want = k0.copy()
+    for j in order:
+        want[:, dst[j]] = k0[:, src[j]]
+    np.testing.assert_array_equal(np.asarray(new.k), want)

@@ -231,7 +231,7 @@ class TraceExecutor:
         prompts = [self.rollouts[i].prompt_ids for i in request_ids]
         computed = list(range(len(prompts)))
         if getattr(self.ec, "share_prompts", False):
-            computed = self.prompt_rows.split(prompts)[2]
+            computed = self.prompt_rows.split(prompts, rows)[2]
             self.prompt_rows.admit(rows, prompts)
         tokens = 0
         if computed:

@@ -145,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
         problems = problems_from_config(config.data)
 
         setup_console_logging()
-        check_before_training(config)  # the memory plan, before any weights are loaded
+        memory_plan = check_before_training(config)  # before any weights are loaded
+        if memory_plan is not None:
+            print(memory_plan.table(), file=sys.stderr)
         from das_jax.rl.trainer import GRPOTrainer  # jax (after configure_allocator)
         reward_fns = reward_fns_from_config(config.grpo.reward_funcs, config.rewards)
         for fn in reward_fns:  # the code sandbox's self-test, before any weights are loaded

@@ -23,7 +23,7 @@ import numpy as np
 from das_jax.engine import scheduler
 from das_jax.engine.engine_config import Request
 from das_jax.engine.sampling import SamplingParams, request_seed
-from das_jax.engine.schedule import PromptRows, bucket, compact_rows
+from das_jax.engine.schedule import PromptRows, bucket, compact_rows, prompt_bucket
 from das_jax.engine.specs import (GatherBatch, GatherSpec, PrefillBatch, ShareBatch, ShareSpec,
                                   VerifyBatch, VerifySpec)
 from das_jax.models.transformer import Params
@@ -72,11 +72,11 @@ class DeviceExecutor:
         first = np.zeros(len(take), np.int32)
         first_logp = np.zeros(len(take), np.float32)
         share = self.engine_config.share_prompts and self.share_prompts_supported
-        shared, sources, computed = (self.prompt_rows.split(prompts) if share
-                                     else ([], [], list(range(len(take)))))
+        shared, sources, computed, flags = (self.prompt_rows.split(prompts, rows) if share
+                                            else ([], [], list(range(len(take))), None))
         if shared:   # before the prefill: it may overwrite a source row
             self._share(batch, [take[k] for k in shared], rows[shared], sources,
-                        [prompts[k] for k in shared], first, first_logp, shared)
+                        [prompts[k] for k in shared], first, first_logp, shared, flags)
         tokens = 0
         if computed:
             tokens = self._compute(batch, [take[k] for k in computed], rows[computed], first,
@@ -113,12 +113,16 @@ class DeviceExecutor:
                 self.prompt_logits.setdefault(lay.prompts[u], logits[k])
         return lay.tokens
 
-    def _share(self, batch, take, rows, src_rows, prompts, first, first_logp, where) -> None:
-        """Admits requests `take` into `rows` by copying cache rows `src_rows` (which hold their
-        prompts) and sampling from the stored logits (`step.share_prompt_rows`)."""
-        spec = ShareSpec(self.config, self.skey, batch, self.S, self.dtype)
+    def _share(self, batch, take, rows, src_rows, prompts, first, first_logp, where,
+               flags) -> None:
+        """Admits requests `take` into `rows` by copying the prompt positions of cache rows
+        `src_rows` (which hold their prompts; in this order, with the stash `flags` of
+        `PromptRows.split`) and sampling from the stored logits (`step.share_prompt_rows`)."""
+        width = prompt_bucket(max(len(p) for p in prompts),
+                              self.engine_config.min_prompt_bucket, self.S)
+        spec = ShareSpec(self.config, self.skey, batch, width, self.S, self.dtype)
         sb = ShareBatch.pack(spec, rows, src_rows, [self.prompt_logits[p] for p in prompts],
-                             self.seeds[take], [len(p) for p in prompts])
+                             self.seeds[take], [len(p) for p in prompts], *flags)
         self.cache, tok_B, logp_B = self.programs.run(self.params, self.cache, sb)
         first[where] = np.asarray(tok_B)[:len(take)]
         first_logp[where] = np.asarray(logp_B)[:len(take)]

@@ -81,6 +81,56 @@ def precompile_token_buckets(batch: int, max_width: int) -> tuple[int, ...]:
     return tuple(n for n in verify_token_buckets(batch, max_width) if n <= top)
 
 
+def share_order(dst: Sequence[int], src: Sequence[int]
+                ) -> tuple[list[int], list[bool], list[bool], list[int]]:
+    """The order in which row copies `src[j] -> dst[j]` (distinct destinations) run in place, so
+    that every row is read before it is overwritten, with a one-row stash for cycles.
+
+    Entries whose destination no other pending entry reads run first (in index order); when
+    every pending entry is blocked (a cycle, e.g. a swap), the lowest pending entry saves its
+    destination row to the stash before writing it (`save`) and the pending entries reading
+    that row read the stash instead (`from_stash`). While a stash is still to be read, a
+    second cycle cannot use it: one of its entries is left out (`dropped`, to be prefilled).
+
+    Returns:
+      (order, save, from_stash, dropped): entry indices in run order; per entry (by original
+      index) its two stash flags; the entries left out.
+    """
+    n = len(dst)
+    save, from_stash = [False] * n, [False] * n
+    readers: dict[int, int] = {}          # row -> pending entries reading it from the cache
+
+    def reads(j):
+        return not from_stash[j] and src[j] != dst[j]
+    for j in range(n):
+        if reads(j):
+            readers[src[j]] = readers.get(src[j], 0) + 1
+    pending, order, dropped = list(range(n)), [], []
+
+    def remove(j):
+        pending.remove(j)
+        if reads(j):
+            readers[src[j]] -= 1
+    while pending:
+        ready = [j for j in pending if readers.get(dst[j], 0) == 0]
+        if ready:
+            for j in ready:
+                remove(j)
+                order.append(j)
+            continue
+        j = pending[0]
+        if any(from_stash[k] for k in pending):
+            remove(j)
+            dropped.append(j)
+            continue
+        save[j] = True
+        for k in pending:
+            if k != j and reads(k) and src[k] == dst[j]:
+                readers[src[k]] -= 1
+                from_stash[k] = True
+    return order, save, from_stash, dropped
+
+
 class PromptRows:
     """Host bookkeeping of prompt sharing (`EngineConfig.share_prompts`): which prompt's K/V each
     cache row holds in positions `[0, len)` (written by an admission; a verify step writes only
@@ -91,17 +141,29 @@ class PromptRows:
     def __init__(self, batch: int):
         self.rows: list[tuple | None] = [None] * batch
 
-    def split(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[int]]:
-        """(shared, sources, computed) for the admitted `prompts`: indices of those a row
-        already holds, that row for each, and indices of the others (to prefill)."""
+    def split(self, prompts: Sequence[Sequence[int]], rows: Sequence[int]
+              ) -> tuple[list[int], list[int], list[int], tuple[list[bool], list[bool]]]:
+        """(shared, sources, computed, (save, from_stash)) for the admitted `prompts` going to
+        cache rows `rows`: indices of those a row already holds, in the order the row copies
+        run (`share_order`), that row for each, the indices of the others (to prefill: prompts
+        no row holds, and the rare copy a cycle of rows leaves out), and each shared entry's
+        stash flags. A holder that is not among `rows` (not overwritten by this admission) is
+        preferred."""
+        targets = {int(r) for r in rows}
         holder: dict[tuple, int] = {}
         for r, p in enumerate(self.rows):
-            if p is not None:
-                holder.setdefault(p, r)
+            if p is not None and (p not in holder or (holder[p] in targets
+                                                      and r not in targets)):
+                holder[p] = r
         keys = [tuple(int(t) for t in p) for p in prompts]
         shared = [k for k, p in enumerate(keys) if p in holder]
-        return (shared, [holder[keys[k]] for k in shared],
-                [k for k, p in enumerate(keys) if p not in holder])
+        computed = [k for k, p in enumerate(keys) if p not in holder]
+        order, save, from_stash, dropped = share_order([int(rows[k]) for k in shared],
+                                                       [holder[keys[k]] for k in shared])
+        computed = sorted(computed + [shared[j] for j in dropped])
+        shared = [shared[j] for j in order]
+        return (shared, [holder[keys[k]] for k in shared], computed,
+                ([save[j] for j in order], [from_stash[j] for j in order]))
 
     def admit(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         for r, p in zip(rows, prompts):

@@ -197,11 +197,13 @@ class PrefillBatch:
 
 @dataclasses.dataclass(frozen=True)
 class ShareSpec:
-    """Static shape of admission by row copy: `batch` cache rows of `cache_len` positions."""
+    """Static shape of admission by row copy: `batch` cache rows of `cache_len` positions, of
+    which the first `width` (a prompt-length bucket >= every copied prompt) are copied."""
 
     config: ModelConfig
     sampling_key: tuple
     batch: int
+    width: int
     cache_len: int
     dtype: str
 
@@ -212,6 +214,8 @@ class ShareSpec:
     def abstract(self, sharding=None) -> "ShareBatch":
         B, V = self.batch, self.config.vocab_size
         return ShareBatch(self, int32_abstract((B,), sharding), int32_abstract((B,), sharding),
+                          jax.ShapeDtypeStruct((B,), jnp.bool_, sharding=sharding),
+                          jax.ShapeDtypeStruct((B,), jnp.bool_, sharding=sharding),
                           jax.ShapeDtypeStruct((B, V), jnp.float32, sharding=sharding),
                           int32_abstract((B,), sharding), int32_abstract((B,), sharding))
 
@@ -219,31 +223,42 @@ class ShareSpec:
 @batch_pytree
 @dataclasses.dataclass(frozen=True)
 class ShareBatch:
-    """dst_B / src_B `[B]` int32 destination row (>= B: padding) and source row; logits_BxV
-    float32 each entry's prompt's last-position logits; seeds_B / lengths_B `[B]` int32."""
+    """dst_B / src_B `[B]` int32 destination row (>= B: padding) and source row, in the order
+    the copies run; save_B / from_stash_B `[B]` bool the stash flags of each copy
+    (`schedule.share_order`); logits_BxV float32 each entry's prompt's last-position logits;
+    seeds_B / lengths_B `[B]` int32."""
 
     spec: ShareSpec
     dst_B: Any
     src_B: Any
+    save_B: Any
+    from_stash_B: Any
     logits_BxV: Any
     seeds_B: Any
     lengths_B: Any
 
     @classmethod
     def pack(cls, spec: ShareSpec, dst_rows, src_rows, logits: Sequence[np.ndarray], seeds,
-             lengths) -> "ShareBatch":
-        """Entries j < len(dst_rows) copy row src_rows[j] into dst_rows[j] and sample from
-        logits[j] at absolute index lengths[j]; the rest are padding (destination B)."""
+             lengths, save=None, from_stash=None) -> "ShareBatch":
+        """Entries j < len(dst_rows) copy row src_rows[j] into dst_rows[j] (in this order,
+        with the stash flags `save` / `from_stash`, default none) and sample from logits[j] at
+        absolute index lengths[j]; the rest are padding (destination B)."""
         B, k = spec.batch, len(dst_rows)
         dst_B = np.full(B, B, np.int32)
         src_B = np.zeros(B, np.int32)
+        save_B = np.zeros(B, bool)
+        from_stash_B = np.zeros(B, bool)
         logits_BxV = np.zeros((B, spec.config.vocab_size), np.float32)
         seeds_B = np.zeros(B, np.int32)
         lengths_B = np.ones(B, np.int32)
         dst_B[:k], src_B[:k], seeds_B[:k], lengths_B[:k] = dst_rows, src_rows, seeds, lengths
+        if save is not None:
+            save_B[:k] = save
+        if from_stash is not None:
+            from_stash_B[:k] = from_stash
         for j, v in enumerate(logits):
             logits_BxV[j] = v
-        return cls(spec, dst_B, src_B, logits_BxV, seeds_B, lengths_B)
+        return cls(spec, dst_B, src_B, save_B, from_stash_B, logits_BxV, seeds_B, lengths_B)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 All are pure functions of (params, KV cache, a typed batch, `das_jax.engine.specs`); the batch's
 static spec fixes every shape, so one spec is one compiled program
-(`das_jax.engine.programs.Programs` compiles and runs them). The cache is donated (except by
-the compaction, whose output is smaller), so its update is in place.
+(`das_jax.engine.programs.Programs` compiles and runs them). The cache is donated, so its update is
+in place (except by the compaction: its output is smaller, so XLA cannot write it over the
+input and a donation would go unused; the memory plan counts both caches).
 
 * prefill_packed: the unique admitted prompts concatenated into N flat token slots (N a bucket
   of their total length), dense work on the N slots, attention within a prompt
@@ -64,20 +65,23 @@ def prefill_packed(params: Params, cache: KVCache, batch: PrefillBatch):
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def share_prompt_rows(params: Params, cache: KVCache, batch: ShareBatch):
     """Admits requests whose prompt some cache row already holds, without a forward pass: copies
-    row `src_B[j]` of the cache into row `dst_B[j]` (a value >= B: a padding entry, dropped;
-    every row is read before any is written, so a row may be both a source and a destination)
-    and samples each entry's first token from that prompt's last-position logits
-    `logits_BxV[j]` (returned by the `prefill_packed` that computed the prompt) at absolute
-    index lengths_B[j] with seed seeds_B[j]: the rule and the `[B, V]` shape of
-    `prefill_packed`'s sampling, so the token is the one a prefill would sample from those
-    logits. `params` is not read (every program takes the same three arguments).
+    positions `[0, spec.width)` of row `src_B[j]` into row `dst_B[j]` in place, entry by entry
+    in order, with a one-row stash for cycles of rows (`save_B` / `from_stash_B`,
+    `schedule.share_order`; a value >= B in `dst_B`: a padding entry, dropped), so the scratch is
+    one row's prompt positions, never a second cache; and samples each entry's first token from
+    that prompt's last-position logits `logits_BxV[j]` (returned by the `prefill_packed` that
+    computed the prompt) at absolute index lengths_B[j] with seed seeds_B[j]: the rule and the
+    `[B, V]` shape of `prefill_packed`'s sampling, so the token is the one a prefill would
+    sample from those logits. `params` is not read (every program takes the same three
+    arguments).
 
     Returns:
       (cache, first_tokens_B int32, first_logprobs_B float32).
     """
     del params
     spec = batch.spec
-    new_cache = cache.insert_rows(batch.dst_B, cache, batch.src_B)
+    new_cache = cache.copy_prefix(batch.dst_B, batch.src_B, batch.save_B, batch.from_stash_B,
+                                  spec.width)
     tokens_B, logprobs_B = sampling_lib.sample(batch.logits_BxV, batch.seeds_B, batch.lengths_B,
                                                spec.sampling_key, spec.config.contraction)
     return new_cache, tokens_B, logprobs_B

@@ -10,6 +10,8 @@ Every user of the cache goes through these operations (and never indexes `k` / `
     write(k_new, v_new, cache_len_B)         store new tokens' K/V at positions cache_len[b] + t
     write_slots(k_new, v_new, rows, pos)     store packed token slots' K/V at (row, position)
     insert_rows(slots_R, src, src_R)         copy rows of a (prefill scratch) cache into slots
+    copy_prefix(dst_R, src_R, save_R, from_stash_R, width)
+                                             copy positions [0, width) between rows, in place
     gather_rows(rows_B)                      a cache of the given rows (tail compaction)
 
 `DenseKVCache` (alias `KVCache`) stores post-RoPE keys `k: [L, B, KVH, K, S]` and values
@@ -165,6 +167,37 @@ class DenseKVCache:
         T = src.max_len
         return DenseKVCache(k=self.k.at[:, slots_R, :, :, :T].set(src.k[:, src_R], mode="drop"),
                             v=self.v.at[:, slots_R, :, :T].set(src.v[:, src_R], mode="drop"))
+
+    def copy_prefix(self, dst_R, src_R, save_R, from_stash_R, width: int) -> "DenseKVCache":
+        """Copies positions `[0, width)` of row `src_R[j]` into row `dst_R[j]`, entry by entry in
+        order (entry j reads the cache as entries < j left it), in place: the scratch is one
+        row's `width` positions and a one-row stash, never a second cache. `save_R[j]`: first
+        save row `dst_R[j]` to the stash; `from_stash_R[j]`: copy from the stash instead of
+        `src_R[j]` (cycles of rows, `schedule.share_order`). A destination >= B is a padding
+        entry (no write). All int32 / bool `[R]`; `width` static, <= max_len."""
+        L, B, KVH, K, _ = self.k.shape
+        ks, vs = (L, 1, KVH, K, width), (L, 1, KVH, width, K)
+
+        def row(a, r, size):
+            return jax.lax.dynamic_slice(a, (0, r, 0, 0, 0), size)
+
+        def body(j, carry):
+            k, v, stash_k, stash_v = carry
+            d = jnp.where(dst_R[j] < B, dst_R[j], src_R[j])   # padding: a row onto itself
+            keep = (dst_R[j] < B) & save_R[j]
+            stash_k = jnp.where(keep, row(k, d, ks), stash_k)
+            stash_v = jnp.where(keep, row(v, d, vs), stash_v)
+            from_stash = (dst_R[j] < B) & from_stash_R[j]
+            k = jax.lax.dynamic_update_slice(
+                k, jnp.where(from_stash, stash_k, row(k, src_R[j], ks)), (0, d, 0, 0, 0))
+            v = jax.lax.dynamic_update_slice(
+                v, jnp.where(from_stash, stash_v, row(v, src_R[j], vs)), (0, d, 0, 0, 0))
+            return k, v, stash_k, stash_v
+
+        k, v, _, _ = jax.lax.fori_loop(
+            0, dst_R.shape[0], body,
+            (self.k, self.v, jnp.zeros(ks, self.k.dtype), jnp.zeros(vs, self.v.dtype)))
+        return DenseKVCache(k=k, v=v)
 
     def gather_rows(self, rows_B) -> "DenseKVCache":
         """A cache of `len(rows_B)` rows taken from this one (rows may repeat: padding)."""

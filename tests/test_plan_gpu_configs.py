@@ -1,0 +1,56 @@
+"""The memory check of `das-jax train` is the run's plan: the shipped GPU configs fit 8 devices
+(H200: 141 GB, 0.75 usable) with every program the run executes, and are refused in one line on
+one device. Abstract shapes on forced host devices; no weights (the run stops at loading them).
+Slow: about 70 s per 8-device run on a 2-core CPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
+PROGRAMS = ("accumulate_grads", "optimizer_update", "verify_packed", "prefill_packed",
+            "share_prompt_rows", "gather_rows")
+
+
+def _train(tmp_path, config, devices):
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i}+1?", "solution":
+                                        f"\\boxed{{{i + 1}}}", "prompt": f"def f{i}():",
+                                        "task_id": f"t{i}", "test": "", "entry_point": f"f{i}",
+                                        "canonical_solution": "  pass\n"}) + "\n"
+                            for i in range(2)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_MEM_FRACTION="0.75",
+               JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run(
+        [sys.executable, "-m", "das_jax.cli", "train", "--config", str(config),
+         "--set", "platform=cpu", "--set", "train.device_memory_gb=141",
+         "--set", f"output_dir={tmp_path / 'run'}", "--set", f"data.path={data}"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_gpu_config_passes_memory_check_on_8_devices(tmp_path, config):
+    proc = _train(tmp_path, config, 8)
+    err = proc.stderr
+    assert "memory plan: 8 device(s) x 105.8 GB usable (0.75 of 141.0 GB" in err, err[-3000:]
+    assert "  fits: peak" in err, err[-3000:]
+    for name in PROGRAMS:
+        assert f"program {name} " in err, name
+    # past the check, the run stops only at loading the (absent) weights
+    assert "hub cannot be reached" in err or "HF cache" in err, err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_gpu_config_refused_on_one_device(tmp_path, config):
+    proc = _train(tmp_path, config, 1)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "per device" in lines[0] and "memory_check=false" in lines[0], \
+        proc.stderr[-3000:]
