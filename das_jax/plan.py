@@ -321,21 +321,24 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
 
 def mem_fraction(config) -> float:
     """The fraction of a device's memory the run may use: XLA's preallocation fraction
-    (`XLA_PYTHON_CLIENT_MEM_FRACTION`, default 0.75 on a GPU run: `platform: gpu`, or JAX's
-    backend when the config names no platform), 1.0 on CPU and TPU.
+    (`XLA_CLIENT_MEM_FRACTION`, or its older name `XLA_PYTHON_CLIENT_MEM_FRACTION`; default 0.75
+    on a GPU run: `platform: gpu`, or JAX's backend when the config names no platform), 1.0 on
+    CPU and TPU.
 
     Raises:
       PlanError: the variable is not a number in (0, 1].
     """
-    raw = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    if raw is not None:
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
         try:
             f = float(raw)
         except ValueError:
             f = -1.0
         if not 0 < f <= 1:
-            raise PlanError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={raw!r} is not a fraction in (0, 1]; "
-                            "set it to e.g. 0.9 or unset it")
+            raise PlanError(f"{name}={raw!r} is not a fraction in (0, 1]; set it to e.g. 0.9 or "
+                            "unset it")
         return f
     platform = config.platform
     if platform is None and "jax" in sys.modules:
