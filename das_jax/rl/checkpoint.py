@@ -423,6 +423,22 @@ class CheckpointManager:
             self._mngr.wait_until_finished()
         return self.step_dir(step)
 
+    def _resolve_step(self, step: int | None, steps: list[int]) -> int:
+        """`step`, or the newest of `steps` when None.
+
+        Raises:
+          CheckpointError: no checkpoint, or `step` is not one of `steps` (naming them).
+        """
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint found in {self.directory}")
+            return steps[-1]
+        step = int(step)
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                  f"(available steps: {steps or 'none'})")
+        return step
+
     def restore(self, step: int | None = None, params_like=None, opt_state_like=None
                 ) -> tuple[Any, Any, dict, dict | None]:
         """Restores (params, opt_state, meta, drafter_state) of `step` (default: the latest).
@@ -437,15 +453,8 @@ class CheckpointManager:
             mismatching trees.
         """
         steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise CheckpointError(f"no checkpoint found in {self.directory}")
-            step = steps[-1]
-        step = int(step)
+        step = self._resolve_step(step, steps)
         ckpt_dir = self.step_dir(step)
-        if step not in steps:
-            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
-                                  f"(available steps: {steps or 'none'})")
         try:
             item_meta = self._mngr.item_metadata(step)
             state_meta = item_meta["state"]
@@ -491,15 +500,8 @@ class CheckpointManager:
             corrupt step directory.
         """
         steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise CheckpointError(f"no checkpoint found in {self.directory}")
-            step = steps[-1]
-        step = int(step)
+        step = self._resolve_step(step, steps)
         ckpt_dir = self.step_dir(step)
-        if step not in steps:
-            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
-                                  f"(available steps: {', '.join(map(str, steps)) or 'none'})")
         try:
             state_meta = self._mngr.item_metadata(step)["state"]
             saved_tree = state_meta.tree if hasattr(state_meta, "tree") else state_meta
