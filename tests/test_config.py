@@ -1,6 +1,7 @@
 """Config dataclasses, YAML loading, overrides and validation errors."""
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -194,3 +195,47 @@ def test_registered_speculation_name_becomes_a_valid_drafter():
         assert load_config(None, ["drafter=toy-config"]).drafter == "toy-config"
     finally:
         unregister_speculation("toy-config")
+
+
+def test_compilation_cache_default_path_null_and_environment(tmp_path, monkeypatch):
+    from das_jax.config import compilation_cache_dir
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("DAS_JAX_CACHE", str(tmp_path / "c"))
+    assert compilation_cache_dir(config_from_dict({})) == str(tmp_path / "c" / "jax-compilation-cache")
+    assert compilation_cache_dir(config_from_dict({"compilation_cache": None})) is None
+    assert compilation_cache_dir(config_from_dict({"compilation_cache": str(tmp_path / "x")})) \
+        == str(tmp_path / "x")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    assert compilation_cache_dir(config_from_dict({"compilation_cache": None})) == str(tmp_path / "env")
+
+
+def test_compilation_cache_stores_programs_and_a_second_process_reads_them(tmp_path):
+    """A process with the default config writes its compiled program into the das-jax cache; a
+    second process finds it there (a persistent-cache hit), and `compilation_cache: null` writes
+    nothing."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, jax, jax.numpy as jnp\n"
+        "from das_jax.config import config_from_dict, apply_compilation_cache\n"
+        "cfg = config_from_dict({} if sys.argv[1] == 'on' else {'compilation_cache': None})\n"
+        "print(apply_compilation_cache(cfg))\n"
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+        "from jax._src import monitoring\n"
+        "hits = []\n"
+        "monitoring.register_event_listener(lambda e, **k: hits.append(e) if 'cache_hits' in e else None)\n"
+        "jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.ones(7)).block_until_ready()\n"
+        "print('HITS', len(hits))\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(DAS_JAX_CACHE=str(tmp_path / "c"), JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    run = lambda mode: subprocess.run([sys.executable, "-c", code, mode], env=env,  # noqa: E731
+                                      capture_output=True, text=True, timeout=300)
+    off = run("off")
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert not (tmp_path / "c" / "jax-compilation-cache").exists()
+    first, second = run("on"), run("on")
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr + second.stderr)[-2000:]
+    cache = tmp_path / "c" / "jax-compilation-cache"
+    assert any(cache.iterdir())
+    assert "HITS 0" in first.stdout and "HITS 0" not in second.stdout

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from das_jax.config import ConfigError, apply_platform, load_config
+from das_jax.config import ConfigError, apply_compilation_cache, apply_platform, load_config
 from das_jax.data import problems_from_config
 from das_jax.rl import run_dir as rd
 from das_jax.rl import model_loading
@@ -79,6 +79,7 @@ def _compare(cfg, run: Path, step: int, steps: int | None) -> int:
     from das_jax.rollout import Rollout
 
     apply_platform(cfg)
+    apply_compilation_cache(cfg)
     problems = problems_from_config(cfg.data)
     trainer = GRPOTrainer(cfg, model=model_loading.load_model(cfg), problems=problems)
     manager = CheckpointManager(run, max_to_keep=None)

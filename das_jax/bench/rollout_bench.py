@@ -52,7 +52,8 @@ import numpy as np
 from das_jax.bench import rollout_report as rr
 from das_jax.bench import paper_replay as pr
 from das_jax.bench import hf_reference as hr
-from das_jax.config import ConfigError, DASSection, apply_platform, load_config
+from das_jax.config import (ConfigError, DASSection, apply_compilation_cache, apply_platform,
+                            load_config)
 from das_jax.data import load_dataset_from_config, render_prompt
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.rollout import speculation_names
@@ -629,6 +630,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"das-jax bench rollout: {e}", file=sys.stderr)
         return 2
     apply_platform(cfg)
+    apply_compilation_cache(cfg)
     temps = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
              else [cfg.rollout.temperature])
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from das_jax.arg_types import nonnegative_int
-from das_jax.config import ConfigError, apply_platform, load_config
+from das_jax.config import ConfigError, apply_compilation_cache, apply_platform, load_config
 from das_jax.data import problems_from_config
 from das_jax.errors import one_line
 from das_jax.malloc import configure_allocator
@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
                              overwrite=args.overwrite)
         dist.initialize_from_config(config.distributed)
         apply_platform(config)
+        apply_compilation_cache(config)
         problems = problems_from_config(config.data)
 
         setup_console_logging()

@@ -22,9 +22,11 @@ import yaml
 
 from das_jax.config.schema import Config, ConfigError
 from das_jax.config.validation import validate
+from das_jax.models import sources
 
 __all__ = ["parse_override", "apply_overrides", "config_from_dict", "load_config",
-           "config_to_dict", "save_config", "apply_platform"]
+           "config_to_dict", "save_config", "apply_platform", "apply_compilation_cache",
+           "compilation_cache_dir"]
 
 
 # ----- removed keys ----------------------------------------------------------------------------------
@@ -280,6 +282,44 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 
 _PLATFORM_ENV = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}
+
+
+def compilation_cache_dir(cfg: Config) -> str | None:
+    """The persistent compilation cache directory `cfg.compilation_cache` names: None when it is
+    off (null), `<das-jax cache>/jax-compilation-cache` for "default", else the path (with `~`
+    expanded); `JAX_COMPILATION_CACHE_DIR` in the environment wins over all three."""
+    env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if env:
+        return env
+    if cfg.compilation_cache is None or cfg.compilation_cache == "":
+        return None
+    if cfg.compilation_cache == "default":
+        return os.path.join(sources.cache_dir(), "jax-compilation-cache")
+    return os.path.abspath(os.path.expanduser(cfg.compilation_cache))
+
+
+def apply_compilation_cache(cfg: Config) -> str | None:
+    """Turns JAX's persistent compilation cache on in `compilation_cache_dir(cfg)` (or off when it
+    is None) and returns the directory. Programs compiling in under
+    `jax_persistent_cache_min_compile_time_secs` (JAX's default 1 s) are not stored. Call it before
+    the first compile: JAX decides once per process whether the cache is used.
+
+    Raises:
+      ConfigError: the directory cannot be created.
+    """
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+
+    path = compilation_cache_dir(cfg)
+    if path is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"compilation_cache: cannot create {path} ({e.strerror}); set "
+                              "compilation_cache to a writable directory, or null to turn it "
+                              "off") from None
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
 
 
 def apply_platform(cfg: Config) -> None:

@@ -248,11 +248,15 @@ class Config:
     """A whole run. drafter: a speculation name (`das_jax.speculation.speculation_names()`: none,
     ngram, suffix, suffix-global, das, das-unlimited, and any registered by the user);
     platform: cpu | gpu | tpu (sets JAX_PLATFORMS before JAX initialises; None leaves JAX's own
-    choice)."""
+    choice); compilation_cache: JAX's persistent compilation cache, so a second run or a
+    `--resume` loads compiled programs instead of compiling them again: "default" (the folder
+    `jax-compilation-cache` in the das-jax cache, `$DAS_JAX_CACHE`, default `~/.cache/das-jax`), a
+    directory, or null to turn it off; `JAX_COMPILATION_CACHE_DIR` in the environment wins."""
 
     output_dir: str = "runs/default"
     drafter: str = _registry_choices(SPECULATION.names, default="das")
     platform: Optional[str] = _choices("cpu", "gpu", "tpu", default=None)
+    compilation_cache: Optional[str] = "default"
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
