@@ -152,9 +152,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
     # deferred import: jax, optax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from das_jax.engine import PrefillSpec, Programs, VerifySpec
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.parallel import sharding as shard_lib
@@ -215,34 +213,8 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
         update_mem = _mem(apply_fn.lower(params_abs, opt_abs, grads_abs).compile())
 
     # ---- rollout: one engine per device, full compute-dtype params ----
-    one = jax.devices()[0]
-    single = NamedSharding(shard_lib.make_mesh(devices=[one]), PartitionSpec())
-    # XLA:CPU upcasts bf16 matmuls and scatters to f32 (copies of the weights and of the whole
-    # cache, ~2-4x their size), which a GPU does not: on CPU, 16-bit rollout executables are
-    # analysed as their float32 stand-ins, whose scratch (f32 scores / logits as in bf16, f32
-    # activations) bounds the bf16 program's from above.
-    rdtype = (jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" and compute.itemsize < 4
-              else compute)
-    cparams_abs = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, rdtype, sharding=single), params_shape)
-    W = max(r.draft_widths)
-    S = r.max_cache_len
-    slots = r.max_slots
-    if r.kv_memory_gb is not None:
-        slots = max(0, min(slots, int(r.kv_memory_gb * GB) //
-                           DenseKVCache.nbytes_for(mc, 1, S, compute)))
-    slots = max(slots, 1)
-    # The engine's programs at their largest shapes: the verify step with every row drafting
-    # the widest width, and the prefill of a step's prompts at the longest prompt bucket.
-    programs = Programs(mc, device=one)
-    skey = (float(r.temperature), int(r.top_k), float(r.top_p))
-    verify_mem = programs.memory(VerifySpec(mc, skey, slots, slots * W, W, S, S, rdtype.name),
-                                 cparams_abs)
-    U = min(slots, g.prompts_per_step)
-    Tp = min(S, pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
-    Np = size_bucket(U * Tp, token_buckets(slots * Tp))
-    prefill_mem = programs.memory(PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name),
-                                  cparams_abs)
+    slots, S, W, rdtype, verify_mem, prefill_mem = _rollout_memory(mc, r, g, params_shape,
+                                                                   compute)
 
     n = devices
     master_b = _tree_bytes(params_shape) // n
@@ -274,6 +246,50 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None) 
               "rollout_analysis": rdtype.name}
     return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
                       {k: int(v) for k, v in phases.items()}, shapes)
+
+
+def _rollout_memory(mc, r, g, params_shape, compute):
+    """The engine's side of `plan_in_process`: (slots, cache_len, widest draft, the dtype the
+    rollout programs are analysed in, the verify step's and the prefill's memory analyses),
+    for one engine on the first local device holding the full compute-dtype params."""
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from das_jax.engine import PrefillSpec, Programs, VerifySpec
+    from das_jax.models.kv_cache import DenseKVCache
+    from das_jax.parallel import sharding as shard_lib
+
+    one = jax.devices()[0]
+    single = NamedSharding(shard_lib.make_mesh(devices=[one]), PartitionSpec())
+    # XLA:CPU upcasts bf16 matmuls and scatters to f32 (copies of the weights and of the whole
+    # cache, ~2-4x their size), which a GPU does not: on CPU, 16-bit rollout executables are
+    # analysed as their float32 stand-ins, whose scratch (f32 scores / logits as in bf16, f32
+    # activations) bounds the bf16 program's from above.
+    rdtype = (jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" and compute.itemsize < 4
+              else compute)
+    cparams_abs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, rdtype, sharding=single), params_shape)
+    W = max(r.draft_widths)
+    S = r.max_cache_len
+    slots = r.max_slots
+    if r.kv_memory_gb is not None:
+        slots = max(0, min(slots, int(r.kv_memory_gb * GB) //
+                           DenseKVCache.nbytes_for(mc, 1, S, compute)))
+    slots = max(slots, 1)
+    # The engine's programs at their largest shapes: the verify step with every row drafting
+    # the widest width, and the prefill of a step's prompts at the longest prompt bucket.
+    programs = Programs(mc, device=one)
+    skey = (float(r.temperature), int(r.top_k), float(r.top_p))
+    verify_mem = programs.memory(VerifySpec(mc, skey, slots, slots * W, W, S, S, rdtype.name),
+                                 cparams_abs)
+    U = min(slots, g.prompts_per_step)
+    Tp = min(S, pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
+    Np = size_bucket(U * Tp, token_buckets(slots * Tp))
+    prefill_mem = programs.memory(PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name),
+                                  cparams_abs)
+    return slots, S, W, rdtype, verify_mem, prefill_mem
 
 
 def device_memory_bytes(config, device_memory_gb: float | None) -> int:
