@@ -16,7 +16,7 @@ memory-bandwidth floor, measured side by side in one process.
    `torch.set_num_threads(--threads)`), the same prompts (left-padded at B = 16), greedy, the same
    max_new_tokens; tok/s counts tokens up to and including the first eos per row.
 
-5. Issue 12: a ragged B = 16 step (one row drafting 7 tokens) packed vs padded, and the KV term
+5. A ragged B = 16 step (one row drafting 7 tokens) packed vs padded, and the KV term
    (step time slope per cached position-row between 128 and 1024 attended positions) against
    bytes per position / bandwidth (`packed_and_kv_terms`).
 
@@ -89,7 +89,7 @@ def time_verify(engine, B: int, W: int, prompt_len: int, repeats: int) -> float:
 
 def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: int,
                         repeats: int) -> dict:
-    """Two measurements of issue 12, printed and returned.
+    """Two measurements of the packed verify step and its KV term, printed and returned.
 
     * Ragged step, packed vs padded: B = 16 with one row drafting 7 tokens and 15 rows none.
       Packed computes a bucket of 16 + 7 = 23 slots (24); padded computes 16 x 8 = 128 rows.

@@ -17,7 +17,7 @@ Outputs (under --out): `rollout.json`, `rollout.md`, `trace.jsonl` (the `none` r
 replayable with `das-jax bench replay`), `rollout_time.png`, `batch_width.png`, `speedup.png`;
 after every epoch `progress.json` and `trace.partial.jsonl`; a markdown table on stdout.
 
-The README benchmark (issue 12 item 8) is `--preset readme` (configs/bench-readme.yaml: 16
+The README benchmark is `--preset readme` (configs/bench-readme.yaml: 16
 GSM8K train problems x 8 samples x 384 tokens, T=0.6, 4 epochs, all five drafters on the packed
 step). It adds, in the same run and output:
 
@@ -88,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action="store_true",
                    help="exact mode (rollout.exact=true): rollouts must be 100%% identical")
     p.add_argument("--preset", choices=("readme",), default=None,
-                   help="readme: the README benchmark (issue 12 item 8) -- config "
+                   help="readme: the README benchmark -- config "
                         "configs/bench-readme.yaml (16 GSM8K problems x 8 samples x 384 tokens, "
                         "T=0.6), 4 epochs, all five drafters, the HF transformers reference and "
                         "the paper-scale replay under cpu, h100-7b and h200-7b; explicit flags "

@@ -4,7 +4,7 @@
 new tokens per row, attention over the row's first `cache_len[b]` cached positions plus its own
 new tokens up to and including itself (causal), the new tokens' K/V not yet in the cache.
 
-Design (issue 12, "attention that reads each cached position once"):
+Design (attention that reads each cached position once):
 
 * Two key blocks, one softmax. The scores of the queries against the cached prefix
   (`[B, KVH, G*T, A]`, A = the attended-length bucket) and against the row's own new keys

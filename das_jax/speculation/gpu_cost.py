@@ -60,9 +60,9 @@ slots); at long contexts the KV term dominates both (256 rows x 4K positions = 1
 assumes no overlap between streaming the weights and the math: exact in both limits, at most 2x
 pessimistic at the ridge point.
 
-`cpu` is the model measured on the project's 2-core CPU with SmolLM2-135M in float32 (quiet
-machine; DESIGN notes, "Engine shape contract": c_base ~25 ms, c_tok ~1.5 ms, c_kv ~6 us), the
-compute-bound regime of issue 12.
+`cpu` holds the coefficients fitted on the project's 2-core CPU with SmolLM2-135M in float32
+(`PRESETS["cpu"]`): a compute-bound regime, where each verified token slot costs a sizeable
+fraction of a step.
 """
 from __future__ import annotations
 
