@@ -368,8 +368,8 @@ class GRPOTrainer:
     def release_optimizer_state(self) -> None:
         """Drops the optimizer state once the run has reached `train.steps` (after its last
         checkpoint, which holds it): no update follows, so the final evaluation and the plots
-        run without the Adam moments (2x the params: 1.08 GB of the CPU main job). `update` and
-        `save` need it, so neither may be called afterwards."""
+        run without the Adam moments (2x the params). `update` and `save` need it, so neither
+        may be called afterwards."""
         self.opt_state = None
         gc.collect()
         release_free_memory()

@@ -31,8 +31,8 @@ nvidia.com/en-us/data-center/h200; dense = the datasheet's sparse figure / 2):
 Stated utilisations (assumptions, each with its basis):
 
 * HBM efficiency 0.90 of the datasheet bandwidth for long streaming reads (weights, KV): a
-  device-to-device copy measured ~4.3 TB/s on the H200 lent to this project (DESIGN notes,
-  0.9 x 4.8), and a CUDA-graph decode step of Llama-3.1-8B (16 GB of bf16 weights) is
+  device-to-device copy measured ~4.3 TB/s on the H200 lent to this project
+  (0.9 x 4.8), and a CUDA-graph decode step of Llama-3.1-8B (16 GB of bf16 weights) is
   reported at 5.1 ms on an H100 SXM, i.e. ~0.94 of 3.35 TB/s.
 * Tensor Core utilisation 0.60 of dense peak for the verify GEMMs (M = N tokens from tens to a
   few thousand, K/N = 3584..18944): a large bf16 matmul measured ~790 TFLOP/s (0.80) on the
