@@ -20,21 +20,8 @@ log = logging.getLogger("das_jax.train")
 
 def run_training(trainer, resume: bool = False, progress: bool = True,
                  stop_after: int | None = None, overwrite: bool = False) -> list[dict]:
-    """Runs `trainer` (a `GRPOTrainer`) until `train.steps` (or `stop_after` more steps); returns this call's records.
-
-    The run directory is locked for the whole call (`das_jax.rl.run_dir`). A new run
-    (`resume=False`) refuses a directory holding a previous run's files unless `overwrite`
-    (which removes only the files das-jax wrote there), and a directory whose files it
-    would write over but no das-jax run wrote (`das_jax.rl.run_dir`). A resumed run that
-    already reached `train.steps` logs that it is complete and returns [].
-
-    Raises:
-      RunDirError: output_dir is in use by another run, holds a previous run (new run without
-        overwrite) or files a new run would write over that no das-jax run wrote, or is not
-        a directory.
-      TrainError: nothing to resume; a non-finite loss (nothing of that step is saved); the
-        disk filled up while checkpointing.
-    """
+    """`GRPOTrainer.train` for `trainer`: runs until `train.steps` (or `stop_after` more steps)
+    and returns this call's records; that method's docstring says what it checks and raises."""
     c = trainer.config
     primary = dist.is_primary()  # process 0 owns the run directory's files and logs
     with rd.lock_run_dir(trainer.run_dir) if primary else contextlib.nullcontext():
