@@ -35,8 +35,8 @@ _USER_ERROR_TYPES = (
     ("das_jax.models.errors", "ModelLoadError"),
     ("das_jax.models.config", "ModelConfigError"),
     ("das_jax.data.problems", "DatasetError"),
-    ("das_jax.rl.trainer", "TrainError"),
-    ("das_jax.rl.checkpoint", "CheckpointError"),
+    ("das_jax.rl.train_error", "TrainError"),
+    ("das_jax.rl.checkpoint_errors", "CheckpointError"),
 )
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)

@@ -1,23 +1,23 @@
 """Hands memory that the C allocator holds on free lists back to the operating system.
 
-XLA:CPU, tensorstore (orbax checkpoints) and the GGUF dequantisation allocate and free large
-host buffers from several threads; glibc keeps freed memory in per-thread arenas and returns it
-to the system only from the top of each heap, so a process's RSS stays at its high-water mark
-long after the buffers are gone (measured on the main job: 0.3 GB after loading the model,
-0.15-0.2 GB after each rollout, eval or checkpoint). `release_free_memory()` calls glibc's
-`malloc_trim(0)` (man 3 malloc_trim), which releases the free pages of every arena; the
-trainer calls it between phases, so the next phase (e.g. the update after a rollout) starts
-from live memory only. Elsewhere (another libc, or no libc found) it does nothing.
+XLA:CPU, tensorstore (orbax checkpoints) and the GGUF dequantisation allocate and free large host
+buffers from several threads; glibc keeps freed memory in per-thread arenas and returns it to the
+system only from the top of each heap, so a process's RSS stays at its high-water mark long after
+the buffers are gone (the main job's figures are in docs/results/memory.md).
+`release_free_memory()` calls glibc's `malloc_trim(0)` (man 3 malloc_trim), which releases the free
+pages of every arena; the trainer calls it between phases, so the next phase (e.g. the update after
+a rollout) starts from live memory only. Elsewhere (another libc, or no libc found) it does
+nothing.
 
 Trimming between phases does not help within one: during the update XLA allocates and frees its
 buffers from a dozen threads, and glibc's *dynamic* mmap threshold (it rises to the size of any
-mmapped block freed, up to 32 MB; mallopt(3), "M_MMAP_THRESHOLD") sends every buffer under
-32 MB to a per-thread arena, where the freed ones stay resident until the next trim (measured:
-0.16-0.36 GB of free arena memory resident at the update's peak). `configure_allocator()` fixes
-the threshold at 256 KiB (larger blocks are mmapped and go back to the OS when freed), the trim
-threshold at 1 MiB and the number of arenas at 2 -- what the environment variables
+mmapped block freed, up to 32 MB; mallopt(3), "M_MMAP_THRESHOLD") sends every buffer under 32 MB to
+a per-thread arena, where the freed ones stay resident until the next trim. `configure_allocator()`
+fixes the threshold at 256 KiB (larger blocks are mmapped and go back to the OS when freed), the
+trim threshold at 1 MiB and the number of arenas at 2 -- what the environment variables
 MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_ARENA_MAX do (a variable the user set
-wins). `das-jax train` calls it at start-up; the main job's peak RSS drops by ~0.1 GB.
+wins). `das-jax train` calls it at start-up (its effect on the main job's peak RSS:
+docs/results/memory.md).
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def release_trace_caches(force: bool = False) -> bool:
     since the last call (or with `force`), then collects garbage and trims the heap; returns
     whether it did. Compiled executables stay: the next call of a jitted function with a shape
     it has seen takes jax's C++ fast path, no retrace and no recompile (an eager op on a new
-    array re-lowers in ~20-40 ms). The first call only starts watching compiles (and clears
+    array re-lowers). The first call only starts watching compiles (and clears
     when `force`).
 
     This is `jax._src.util.clear_all_caches` (the first half of `jax.clear_caches()`, whose

@@ -177,10 +177,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     # deferred import: jax, optax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from das_jax.engine import GatherSpec, PrefillSpec, Programs, ShareSpec, VerifySpec
-    from das_jax.engine.engine_config import EngineConfig
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.parallel import sharding as shard_lib
@@ -241,44 +238,8 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
         update_mem = _mem(apply_fn.lower(params_abs, opt_abs, grads_abs).compile())
 
     # ---- rollout: one engine per device, full compute-dtype params ----
-    one = jax.devices()[0]
-    single = NamedSharding(shard_lib.make_mesh(devices=[one]), PartitionSpec())
-    # XLA:CPU upcasts bf16 matmuls and scatters to f32 (copies of the weights and of the whole
-    # cache, ~2-4x their size), which a GPU does not: on CPU, 16-bit rollout executables are
-    # analysed as their float32 stand-ins, whose scratch (f32 scores / logits as in bf16, f32
-    # activations) bounds the bf16 program's from above.
-    rdtype = (jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" and compute.itemsize < 4
-              else compute)
-    cparams_abs = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, rdtype, sharding=single), params_shape)
-    W = max(r.draft_widths)
-    S = r.max_cache_len
-    slots = r.max_slots
-    if r.kv_memory_gb is not None:
-        slots = max(0, min(slots, int(r.kv_memory_gb * GB) //
-                           DenseKVCache.nbytes_for(mc, 1, S, compute)))
-    slots = max(slots, 1)
-    # The engine's programs at their largest shapes: the verify step with every row drafting
-    # the widest width, and the prefill of a step's prompts at the longest prompt bucket.
-    programs = Programs(mc, device=one)
-    skey = (float(r.temperature), int(r.top_k), float(r.top_p))
-    verify_mem = programs.memory(VerifySpec(mc, skey, slots, slots * W, W, S, S, rdtype.name),
-                                 cparams_abs)
-    U = min(slots, g.prompts_per_step)
-    Tp = min(S, pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
-    Np = size_bucket(U * Tp, token_buckets(slots * Tp))
-    prefill_mem = programs.memory(PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name,
-                                              True), cparams_abs)
-    # Prompt sharing copies the prompt positions of every slot; compaction gathers the live rows
-    # into the next smaller batch bucket (a second, smaller cache while it runs).
-    # (The trainer's engine always shares prompts: EngineConfig.share_prompts.)
-    engine_programs = {"verify_packed": verify_mem, "prefill_packed": prefill_mem,
-                       "share_prompt_rows": programs.memory(
-                           ShareSpec(mc, skey, slots, Tp, S, rdtype.name), cparams_abs)}
-    smaller = [b for b in EngineConfig(max_slots=slots).batch_buckets if b < slots]
-    if smaller:
-        engine_programs["gather_rows"] = programs.memory(
-            GatherSpec(mc, slots, max(smaller), S, rdtype.name), cparams_abs)
+    slots, S, W, rdtype, engine_programs = _rollout_memory(mc, r, g, params_shape, compute)
+    verify_mem, prefill_mem = engine_programs["verify_packed"], engine_programs["prefill_packed"]
 
     n = devices
     master_b = _shard_bytes(params_abs)
@@ -344,6 +305,63 @@ def mem_fraction(config) -> float:
     if platform is None and "jax" in sys.modules:
         platform = sys.modules["jax"].default_backend()
     return 0.75 if platform in ("gpu", "cuda", "rocm") else 1.0
+
+
+def _rollout_memory(mc, r, g, params_shape, compute):
+    """The engine's side of `plan_in_process`: (slots, cache_len, widest draft, the dtype the
+    rollout programs are analysed in, {program name: memory analysis} of every engine program the
+    run executes at its largest shapes), for one engine on the first local device holding the
+    full compute-dtype params."""
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from das_jax.engine import GatherSpec, PrefillSpec, Programs, ShareSpec, VerifySpec
+    from das_jax.engine.engine_config import EngineConfig
+    from das_jax.models.kv_cache import DenseKVCache
+    from das_jax.parallel import sharding as shard_lib
+
+    one = jax.devices()[0]
+    single = NamedSharding(shard_lib.make_mesh(devices=[one]), PartitionSpec())
+    # XLA:CPU upcasts bf16 matmuls and scatters to f32 (copies of the weights and of the whole
+    # cache, ~2-4x their size), which a GPU does not: on CPU, 16-bit rollout executables are
+    # analysed as their float32 stand-ins, whose scratch (f32 scores / logits as in bf16, f32
+    # activations) bounds the bf16 program's from above.
+    rdtype = (jnp.dtype(jnp.float32) if jax.default_backend() == "cpu" and compute.itemsize < 4
+              else compute)
+    cparams_abs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, rdtype, sharding=single), params_shape)
+    W = max(r.draft_widths)
+    S = r.max_cache_len
+    slots = r.max_slots
+    if r.kv_memory_gb is not None:
+        slots = max(0, min(slots, int(r.kv_memory_gb * GB) //
+                           DenseKVCache.nbytes_for(mc, 1, S, compute)))
+    slots = max(slots, 1)
+    # The engine's programs at their largest shapes: the verify step with every row drafting
+    # the widest width, and the prefill of a step's prompts at the longest prompt bucket.
+    programs = Programs(mc, device=one)
+    skey = (float(r.temperature), int(r.top_k), float(r.top_p))
+    U = min(slots, g.prompts_per_step)
+    Tp = min(S, pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
+    Np = size_bucket(U * Tp, token_buckets(slots * Tp))
+    # Prompt sharing copies the prompt positions of every slot; compaction gathers the live rows
+    # into the next smaller batch bucket (a second, smaller cache while it runs).
+    # (The trainer's engine always shares prompts: EngineConfig.share_prompts.)
+    out = {
+        "verify_packed": programs.memory(
+            VerifySpec(mc, skey, slots, slots * W, W, S, S, rdtype.name), cparams_abs),
+        "prefill_packed": programs.memory(
+            PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name, True), cparams_abs),
+        "share_prompt_rows": programs.memory(
+            ShareSpec(mc, skey, slots, Tp, S, rdtype.name), cparams_abs),
+    }
+    smaller = [b for b in EngineConfig(max_slots=slots).batch_buckets if b < slots]
+    if smaller:
+        out["gather_rows"] = programs.memory(GatherSpec(mc, slots, max(smaller), S, rdtype.name),
+                                             cparams_abs)
+    return slots, S, W, rdtype, out
 
 
 def device_memory_bytes(config, device_memory_gb: float | None) -> int:

@@ -1,4 +1,4 @@
-"""Equal-reward groups get exactly zero advantage (issue 13, section 4).
+"""Equal-reward groups get exactly zero advantage.
 
 The kind of fault: a float32 group mean's rounding residue (8 x 0.7 -> +5.96e-4 advantage each)
 passing the std guard. For any G and any value, every scale_rewards mode, jitted or not, a group
@@ -30,7 +30,7 @@ def _both(rewards, G, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_issue13_g8_all_0p7_is_exactly_zero(mode):
+def test_group_of_8_all_0p7_is_exactly_zero(mode):
     rewards = [0.7] * 8
     for a in _both(rewards, 8, mode):
         assert np.all(a == 0.0), a

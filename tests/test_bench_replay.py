@@ -188,7 +188,7 @@ def test_replay_cli_cost_model_flag(params, tmp_path, capsys):
 
 
 def test_das_budget_beats_unlimited_drafts_at_paper_scale_on_a_gpu_model():
-    # Issue 12: under a GPU cost model where verifying every draft is compute-bound (a 7B bf16
+    # Under a GPU cost model where verifying every draft is compute-bound (a 7B bf16
     # model on an H100, 128 long-tailed rollouts in one batch), the DAS budget lost to
     # das-unlimited (0.94-0.98x per epoch) because it discounted the tokens of rows not
     # predicted long. With the per-step cost shared among rows and each row's tokens valued at

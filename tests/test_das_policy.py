@@ -363,7 +363,7 @@ def test_support_buckets_and_step_ratios():
 
 
 def test_calibration_by_support_learns_that_once_seen_tokens_are_coin_flips():
-    # Issue 12: a suffix-trie token continuing a path seen once has count ratio 1, and the old
+    # A suffix-trie token continuing a path seen once has count ratio 1, and the old
     # per-depth calibration could not tell it from a token seen 40 times. Rows 0-1 draft tokens
     # seen once, rows 2-3 tokens seen 40 times, all with drafter ratio 1; verification accepts
     # 1 of rows 0-1's 4 tokens and all of rows 2-3's.

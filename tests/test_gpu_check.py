@@ -1,4 +1,4 @@
-"""The GPU check script (issue 12) in its CPU smoke mode, its step layout, and gzip traces."""
+"""The GPU cost-model check script in its CPU smoke mode, its step layout, and gzip traces."""
 import gzip
 import json
 

@@ -1,4 +1,4 @@
-"""Memory features (issue 10): chunked head + remat + chunked attention exact against the
+"""Memory features: chunked head + remat + chunked attention exact against the
 reference path, loss / advantage registries, mixed precision, KV budget, sharding rules, plan."""
 import dataclasses
 

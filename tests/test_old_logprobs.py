@@ -1,4 +1,4 @@
-"""Old log-probs under the trainer's distribution (issue 13, section 6).
+"""Old log-probs under the trainer's distribution.
 
 The engine reports each sampled token's log-prob under the policy -- the temperature-scaled full
 softmax the trainer scores (TRL / verl) -- also when top-k / top-p shape the draw. So with
@@ -50,7 +50,7 @@ def _trainer(tmp_path, mode, top_p=0.7, top_k=0, temperature=0.9):
 
 
 @pytest.mark.parametrize("mode", ["rollout", "recompute"])
-def test_issue13_on_policy_step_top_p_no_clipping_and_gap_reported(tmp_path, mode):
+def test_on_policy_step_top_p_no_clipping_and_gap_reported(tmp_path, mode):
     trainer = _trainer(tmp_path, mode)
     record = trainer.train_one_step()
     assert record["clip_fraction"] is not None and record["clip_fraction"] <= 1e-3, record

@@ -1,4 +1,4 @@
-"""Packed prefill (issue 12, item 1): prompts concatenated into N flat slots give the padded
+"""Packed prefill: prompts concatenated into N flat slots give the padded
 prefill's first tokens, log-probs and cache contents, with ragged prompt lengths, shared prompts
 (GRPO groups) and padding entries; `Engine.generate` gives the same rollouts either way. Tiny
 random models, float32, fixed seeds."""

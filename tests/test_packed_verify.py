@@ -1,4 +1,4 @@
-"""Packed verification (issue 12): the packed step gives the padded step's tokens and log-probs
+"""Packed verification: the packed step gives the padded step's tokens and log-probs
 with ragged drafts, a row's output does not depend on the other rows' draft lengths, the engine's
 packed and padded paths produce the same rollouts, and the step records / calibration use the
 packed shapes. Tiny random models, float32, fixed seeds."""

@@ -1,5 +1,5 @@
-"""Fewer engine programs, compiled before the first step (issue 12: the main job's rollout time
-with das vs none), and prompt sharing at admission: `Engine.precompile` compiles every packed
+"""Fewer engine programs, compiled before the first step (what the main job's rollout time
+with das vs none turns on), and prompt sharing at admission: `Engine.precompile` compiles every packed
 verify program a `generate` call reaches (so none compiles inside its steps), the packed verify
 runs on N = B without drafts (slot buckets above B with drafts), and a request whose
 prompt a cache row holds is admitted by a row copy (`step.share_prompt_rows`) with the same

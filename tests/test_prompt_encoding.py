@@ -1,4 +1,4 @@
-"""Prompts are tokenised as the model's tokenizer does (issue 13, section 5).
+"""Prompts are tokenised as the model's tokenizer does.
 
 Raw (non-chat) prompts get the special tokens the tokenizer's post-processor is configured to add
 (a Llama-style tokenizer prepends BOS: ``"w7 w8 w9"`` -> ``[1, 11, 12, 13]``, as transformers
@@ -50,7 +50,7 @@ def llama_dir(tmp_path_factory):
     return _save(tmp_path_factory.mktemp("llama"), bos_post_processor=True, template=TEMPLATE_WITH_BOS)
 
 
-def test_issue13_raw_prompt_gets_bos_like_transformers(llama_dir):
+def test_raw_prompt_gets_bos_like_transformers(llama_dir):
     from transformers import AutoTokenizer
 
     tok = Tokenizer.from_hf_dir(llama_dir)

@@ -60,9 +60,9 @@ def test_math_unmarked_completion_goes_to_math_verify_only():
     assert extract_final_number("nothing") is None
 
 
-# -------------------------------------------------- issue 13 section 2: no wrong answer accepted
+# -------------------------------------------------- no wrong answer accepted
 
-ISSUE13_WRONG = [
+WRONG_ANSWERS = [
     ("\\boxed{4\\sqrt{2}}", "2"),          # a number pulled out of an expression
     ("#### 3 \\cdot 7", "3"),                # ... out of a product
     ("#### 3 or 4", "3"),                     # ... out of a hedge
@@ -79,13 +79,13 @@ ISSUE13_WRONG = [
 ]
 
 
-@pytest.mark.parametrize("completion,gold", ISSUE13_WRONG)
-def test_issue13_wrong_answers_score_zero(completion, gold):
+@pytest.mark.parametrize("completion,gold", WRONG_ANSWERS)
+def test_wrong_answers_score_zero(completion, gold):
     assert _acc([completion], [gold]) == [0.0]
     assert _acc([completion], [gold], use_math_verify=False) == [0.0]
 
 
-ISSUE13_RIGHT = [
+RIGHT_ANSWERS = [
     ("#### 3 ... \\boxed{5}", "5"),          # the last final answer wins
     ("\\boxed{3} oh wait #### 5", "5"),
     ("#### \\boxed{5}", "5"),
@@ -101,14 +101,14 @@ ISSUE13_RIGHT = [
 ]
 
 
-@pytest.mark.parametrize("completion,gold", ISSUE13_RIGHT)
-def test_issue13_right_answers_score_one_without_math_verify(completion, gold):
+@pytest.mark.parametrize("completion,gold", RIGHT_ANSWERS)
+def test_right_answers_score_one_without_math_verify(completion, gold):
     # the exact fallback alone (what runs off the main thread) accepts them, and so does the full path
     assert _acc([completion], [gold], use_math_verify=False) == [1.0]
     assert _acc([completion], [gold]) == [1.0]
 
 
-def test_issue13_units_and_text_go_to_math_verify():
+def test_units_and_text_go_to_math_verify():
     # a unit is not a number: the fallback refuses, math-verify decides (it strips \text{} units)
     assert _acc(["\\boxed{18 \\text{ dollars}}"], ["18"], use_math_verify=False) == [0.0]
     assert _acc(["\\boxed{18 \\text{ dollars}}"], ["18"]) == [1.0]
@@ -255,7 +255,7 @@ def test_norm_expr_reads_line_break_before_thin_space():
     assert _norm_expr("\\dfracx") == "\\dfracx"
 
 
-def test_issue13_huge_number_scores_only_its_own_sample():
+def test_huge_number_scores_only_its_own_sample():
     big = "9" * 400
     comps = ["#### 18", "The answer is " + big, "#### " + big, "\\boxed{" + big + "}", "#### 7"]
     golds = ["18", "5", big, "5", "7"]

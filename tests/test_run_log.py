@@ -19,7 +19,7 @@ import pytest
 from das_jax.cli import main
 from das_jax.models import ModelConfig, init_params
 from das_jax.rl import model_loading
-from das_jax.rl import run_log
+from das_jax.rl import console_log, run_log
 from das_jax.rl.compare import compare_table
 from das_jax.rl.plots import plot_run
 from das_jax.testing import CharTokenizer
@@ -63,7 +63,7 @@ def runs(tmp_path_factory):
                 out[drafter] = (run_dir, err)
         finally:
             root = logging.getLogger("das_jax")
-            root.removeHandler(run_log._console_handler)
+            root.removeHandler(console_log._console_handler)
             root.setLevel(logging.NOTSET)
             root.propagate = True
     return out

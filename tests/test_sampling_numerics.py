@@ -1,4 +1,4 @@
-"""Sampling numerics for every T > 0 (issue 13, section 3).
+"""Sampling numerics for every T > 0.
 
 The kind of fault: ``logits / T`` overflows as T -> 0+ (the jitted sampler emitted token 0 with
 infinite log-probs at T = 1e-10). For every T > 0: once T is below float range the token equals

@@ -16,7 +16,7 @@ memory-bandwidth floor, measured side by side in one process.
    `torch.set_num_threads(--threads)`), the same prompts (left-padded at B = 16), greedy, the same
    max_new_tokens; tok/s counts tokens up to and including the first eos per row.
 
-5. Issue 12: a ragged B = 16 step (one row drafting 7 tokens) packed vs padded, and the KV term
+5. A ragged B = 16 step (one row drafting 7 tokens) packed vs padded, and the KV term
    (step time slope per cached position-row between 128 and 1024 attended positions) against
    bytes per position / bandwidth (`packed_and_kv_terms`).
 
@@ -89,7 +89,7 @@ def time_verify(engine, B: int, W: int, prompt_len: int, repeats: int) -> float:
 
 def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: int,
                         repeats: int) -> dict:
-    """Two measurements of issue 12, printed and returned.
+    """Two measurements of the packed verify step and its KV term, printed and returned.
 
     * Ragged step, packed vs padded: B = 16 with one row drafting 7 tokens and 15 rows none.
       Packed computes a bucket of 16 + 7 = 23 slots (24); padded computes 16 x 8 = 128 rows.
@@ -154,6 +154,69 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, pad_id: int, eos_
     return n, dt, toks
 
 
+def _hf_model(args: argparse.Namespace):
+    """The transformers model of `args.model` (float32, `args.threads` torch threads) for the HF
+    comparison; None (printed) when torch / transformers are not installed."""
+    model = None
+    try:
+        # deferred import: torch, transformers (not loaded by importing this module)
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        print(f"HF comparison skipped: {e}", flush=True)
+    else:
+        # deferred import: jax (not loaded by importing this module)
+        from das_jax.models.loading import resolve_source
+        kind, path = resolve_source(args.model)
+        torch.set_num_threads(args.threads)
+        t0 = time.perf_counter()
+        if kind == "gguf":
+            model = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.eval()
+        print(f"HF model loaded in {time.perf_counter() - t0:.1f}s "
+              f"(torch threads {torch.get_num_threads()})", flush=True)
+    return model
+
+
+def summary_table(res: dict) -> str:
+    """The markdown table of a `main` result (its verify steps, end-to-end rates, HF ratios,
+    ragged step, KV term and floor); adds the ratios it computes to `res`."""
+    steps, e2e, hf = res["step_s"], res["engine_generate"], res.get("hf_generate")
+    bw = res["bandwidth_Bps"]
+    f1 = steps["B1_W1"] / res["floor_s"]
+    w_ratio = steps["B1_W8"] / steps["B1_W1"]
+    rows = ["| metric | value | target | met |", "|---|---|---|---|"]
+    for B in (1, 16):
+        rows.append(f"| verify step B={B} W=1 | {steps[f'B{B}_W1'] * 1e3:.1f} ms "
+                    f"({B / steps[f'B{B}_W1']:.1f} tok/s) | | |")
+        rows.append(f"| verify step B={B} W=8 | {steps[f'B{B}_W8'] * 1e3:.1f} ms | | |")
+    for B in (1, 16):
+        rows.append(f"| Engine.generate B={B} | {e2e[B]['tok_s']:.1f} tok/s | | |")
+        if hf:
+            r = e2e[B]["tok_s"] / hf[B]["tok_s"]
+            res[f"ratio_vs_hf_B{B}"] = r
+            rows.append(f"| HF generate B={B} | {hf[B]['tok_s']:.1f} tok/s | | |")
+            rows.append(f"| das-jax / HF at B={B} | {r:.2f}x | >= 2x | {'yes' if r >= 2 else 'no'} |")
+    rs = res["ragged_step_s"]
+    rows.append(f"| ragged step B=16 (1 row drafts 7): packed N=24 / padded 16x8 | "
+                f"{rs['packed_N24'] * 1e3:.1f} / {rs['padded_16x8'] * 1e3:.1f} ms | | |")
+    kt = res["kv_term"]
+    rows.append(f"| KV term per cached position-row | {kt['s_per_position_row'] * 1e6:.2f} us "
+                f"({kt['ratio_to_floor']:.2f}x bytes/bandwidth) | <= 1.5x | "
+                f"{'yes' if kt['ratio_to_floor'] <= 1.5 else 'no'} |")
+    rows.append(f"| memory bandwidth | {bw / 1e9:.1f} GB/s | | |")
+    rows.append(f"| floor = param bytes / bandwidth | {res['floor_s'] * 1e3:.1f} ms | | |")
+    rows.append(f"| B=1 W=1 step / floor | {f1:.2f}x | <= 1.5x | {'yes' if f1 <= 1.5 else 'no'} |")
+    rows.append(f"| W=8 / W=1 step at B=1 | {w_ratio:.2f}x | <= 1.5x | "
+                f"{'yes' if w_ratio <= 1.5 else 'no'} |")
+    res["floor_ratio"] = f1
+    res["w8_w1_ratio_B1"] = w_ratio
+    return "\n".join(rows)
+
+
 def main(args: argparse.Namespace) -> int:
     # deferred import: jax (not loaded by importing this module)
     import jax
@@ -203,28 +266,7 @@ def main(args: argparse.Namespace) -> int:
         outs, st = engine.generate(reqs, sampling)
         return st.generated_tokens, st.wall_s, [o.token_ids for o in outs]
 
-    model = None
-    if not args.no_hf:
-        try:
-            # deferred import: torch, transformers (not loaded by importing this module)
-            import torch
-            from transformers import AutoModelForCausalLM
-        except ImportError as e:
-            print(f"HF comparison skipped: {e}", flush=True)
-        else:
-            # deferred import: jax (not loaded by importing this module)
-            from das_jax.models.loading import resolve_source
-            kind, path = resolve_source(args.model)
-            torch.set_num_threads(args.threads)
-            t0 = time.perf_counter()
-            if kind == "gguf":
-                model = AutoModelForCausalLM.from_pretrained(
-                    os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            model.eval()
-            print(f"HF model loaded in {time.perf_counter() - t0:.1f}s "
-                  f"(torch threads {torch.get_num_threads()})", flush=True)
+    model = None if args.no_hf else _hf_model(args)
     eos = set(tokenizer.eos_token_ids)
 
     def hf_run(B):
@@ -260,36 +302,7 @@ def main(args: argparse.Namespace) -> int:
     if hf is not None:
         res["hf_generate"] = hf
 
-    # ---- table ----
-    f1 = steps["B1_W1"] / res["floor_s"]
-    w_ratio = steps["B1_W8"] / steps["B1_W1"]
-    rows = ["| metric | value | target | met |", "|---|---|---|---|"]
-    for B in (1, 16):
-        rows.append(f"| verify step B={B} W=1 | {steps[f'B{B}_W1'] * 1e3:.1f} ms "
-                    f"({B / steps[f'B{B}_W1']:.1f} tok/s) | | |")
-        rows.append(f"| verify step B={B} W=8 | {steps[f'B{B}_W8'] * 1e3:.1f} ms | | |")
-    for B in (1, 16):
-        rows.append(f"| Engine.generate B={B} | {e2e[B]['tok_s']:.1f} tok/s | | |")
-        if hf:
-            r = e2e[B]["tok_s"] / hf[B]["tok_s"]
-            res[f"ratio_vs_hf_B{B}"] = r
-            rows.append(f"| HF generate B={B} | {hf[B]['tok_s']:.1f} tok/s | | |")
-            rows.append(f"| das-jax / HF at B={B} | {r:.2f}x | >= 2x | {'yes' if r >= 2 else 'no'} |")
-    rs = res["ragged_step_s"]
-    rows.append(f"| ragged step B=16 (1 row drafts 7): packed N=24 / padded 16x8 | "
-                f"{rs['packed_N24'] * 1e3:.1f} / {rs['padded_16x8'] * 1e3:.1f} ms | | |")
-    kt = res["kv_term"]
-    rows.append(f"| KV term per cached position-row | {kt['s_per_position_row'] * 1e6:.2f} us "
-                f"({kt['ratio_to_floor']:.2f}x bytes/bandwidth) | <= 1.5x | "
-                f"{'yes' if kt['ratio_to_floor'] <= 1.5 else 'no'} |")
-    rows.append(f"| memory bandwidth | {bw / 1e9:.1f} GB/s | | |")
-    rows.append(f"| floor = param bytes / bandwidth | {res['floor_s'] * 1e3:.1f} ms | | |")
-    rows.append(f"| B=1 W=1 step / floor | {f1:.2f}x | <= 1.5x | {'yes' if f1 <= 1.5 else 'no'} |")
-    rows.append(f"| W=8 / W=1 step at B=1 | {w_ratio:.2f}x | <= 1.5x | "
-                f"{'yes' if w_ratio <= 1.5 else 'no'} |")
-    res["floor_ratio"] = f1
-    res["w8_w1_ratio_B1"] = w_ratio
-    table = "\n".join(rows)
+    table = summary_table(res)
     res["table"] = table
     print()
     print(table)

@@ -1,4 +1,5 @@
-"""GPU check of issue 12 (a measured GPU cost model), one go, no downloads, under ~8 minutes:
+"""GPU check of the GPU cost model (measured step times against its coefficients), one go, no
+downloads, under ~8 minutes:
 
     PYTHONPATH=. python -m das_jax.bench.gpu_check [--out DIR] [--trace TRACE.jsonl[.gz]]
 

@@ -1,4 +1,4 @@
-"""GPU check of the memory plan (issue 10), one go, no downloads, under ~8 minutes on one H200:
+"""GPU check of the memory plan, one go, no downloads, under ~8 minutes on one H200:
 
     PYTHONPATH=. python -m das_jax.bench.gpu_check_memory [--out results.json]
 

@@ -8,7 +8,7 @@ drafter and once with `none`, on the same engine, alternating which goes first; 
 Per step it prints wall time (compiles included, and apart), forward passes, accepted / drafted
 tokens and how many rollouts the two produced identically; at the end, drafter / none over all
 steps but the first (which warms both up: the programs they share compile there), with and
-without compiles. This is the main job's issue-12 target (rollout time with das <= 0.8x plain)
+without compiles. This is the main job's rollout target (rollout time with das <= 0.8x plain)
 measured without the noise of two runs one after the other on a shared machine, and without
 the two runs' training diverging. Nothing is written into the run directory but its lock file
 (held while reading, so no training run writes checkpoints meanwhile). It holds the trainer

@@ -17,7 +17,7 @@ with the drafter's and policy's measured host time (on this machine), the speed-
 (`rollout_report.speedup_summary` on decode time), and the regime: the share of c_base, c_tok*N
 and c_kv*K in the decode time of `none` (plain decoding) and of `das-unlimited` (every row
 verifies its whole draft) -- "compute-bound" for das-unlimited means verification of long drafts
-at this batch is compute-bound, where the issue asks das >= 1.1x the best baseline.
+at this batch is compute-bound, where the target is das >= 1.1x the best baseline.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ Outputs (under --out): `rollout.json`, `rollout.md`, `trace.jsonl` (the `none` r
 replayable with `das-jax bench replay`), `rollout_time.png`, `batch_width.png`, `speedup.png`;
 after every epoch `progress.json` and `trace.partial.jsonl`; a markdown table on stdout.
 
-The README benchmark (issue 12 item 8) is `--preset readme` (configs/bench-readme.yaml: 16
+The README benchmark is `--preset readme` (configs/bench-readme.yaml: 16
 GSM8K train problems x 8 samples x 384 tokens, T=0.6, 4 epochs, all five drafters on the packed
 step). It adds, in the same run and output:
 
@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action="store_true",
                    help="exact mode (rollout.exact=true): rollouts must be 100%% identical")
     p.add_argument("--preset", choices=("readme",), default=None,
-                   help="readme: the README benchmark (issue 12 item 8) -- config "
+                   help="readme: the README benchmark -- config "
                         "configs/bench-readme.yaml (16 GSM8K problems x 8 samples x 384 tokens, "
                         "T=0.6), 4 epochs, all five drafters, the HF transformers reference and "
                         "the paper-scale replay under cpu, h100-7b and h200-7b; explicit flags "
@@ -269,29 +269,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                 t0 = time.perf_counter()
                 params = setup.update_fn(ref, params)
                 log(f"T={temp} epoch {epoch}: GRPO update in {time.perf_counter() - t0:.1f}s")
-        # ---- overheads (from the measured none run of epoch 0) and replay predictions ----
-        sim0 = rp.simulate(none_epochs[0], ec, setup.max_new_tokens, rp.FrozenCostModel.of(coef))
-        m0 = measured["none"][0]
-        overheads = {
-            "prefill_s_per_token": m0["prefill_s"] / max(sim0.prefill_tokens, 1),
-            "host_s_per_step": max(0.0, (m0["wall_s"] - m0["decode_s"] - m0["prefill_s"]
-                                         - m0["draft_s"] - m0["policy_s"])
-                                   / max(m0["forward_passes"], 1)),
-        }
-        predicted = rp.replay_epochs(none_epochs, names, ec, setup.max_new_tokens, coef,
-                                     das, overheads)
-        for name in names:
-            for row, pred in zip(measured[name], predicted[name]):
-                row["replay"] = pred
-                row["replay_ratio"] = pred["predicted_s"] / max(row["wall_s"], 1e-9)
-                row["replay_decode_ratio"] = pred["decode_s"] / max(row["decode_s"], 1e-9)
-                row["replay_passes_match"] = pred["forward_passes"] == row["forward_passes"]
-                none_row = measured["none"][row["epoch"]]
-                row["speedup"] = none_row["wall_s"] / max(row["wall_s"], 1e-9)
-                row["predicted_speedup"] = (predicted["none"][row["epoch"]]["predicted_s"]
-                                            / max(pred["predicted_s"], 1e-9))
-                result["runs"].append(row)
-        result.setdefault("overheads", {})[str(temp)] = overheads
+        _add_replay(result, measured, none_epochs, names, ec, setup, coef, das, temp)
         for e in sorted(none_epochs):
             trace_rollouts.extend(none_epochs[e])
 
@@ -304,20 +282,61 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                                     setup.max_new_tokens, das, setup.paper, log)
     result["report"] = report_markdown(result)
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        header = {"model": setup.model_name, "cost_model": coef,
-                  "engine": result["engine"], "max_new_tokens": setup.max_new_tokens,
-                  "das": dataclasses.asdict(das),
-                  "overheads": result["overheads"][str(setup.temperatures[0])],
-                  "overheads_by_temperature": result["overheads"],
-                  "num_generations": setup.num_generations}
-        rp.write_trace(os.path.join(out_dir, "trace.jsonl"), header, trace_rollouts)
-        with open(os.path.join(out_dir, "rollout.json"), "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        plot_rollout(result, out_dir)
-        with open(os.path.join(out_dir, "rollout.md"), "w") as f:
-            f.write(result["report"] + "\n\n" + result["table"] + "\n")
+        _write_outputs(out_dir, result, setup, coef, das, trace_rollouts)
     return result
+
+
+def _add_replay(result: dict, measured: dict, none_epochs: dict, names: list[str], ec,
+                setup: BenchSetup, coef: dict, das, temp: float) -> None:
+    """Adds temperature `temp`'s rows to `result["runs"]` with the replay's predictions beside
+    the measurements (speedups, prediction ratios), and the overheads (prefill per token, host
+    time per step) measured from the `none` run of epoch 0 that the replay charges."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.bench import replay as rp
+
+    sim0 = rp.simulate(none_epochs[0], ec, setup.max_new_tokens, rp.FrozenCostModel.of(coef))
+    m0 = measured["none"][0]
+    overheads = {
+        "prefill_s_per_token": m0["prefill_s"] / max(sim0.prefill_tokens, 1),
+        "host_s_per_step": max(0.0, (m0["wall_s"] - m0["decode_s"] - m0["prefill_s"]
+                                     - m0["draft_s"] - m0["policy_s"])
+                               / max(m0["forward_passes"], 1)),
+    }
+    predicted = rp.replay_epochs(none_epochs, names, ec, setup.max_new_tokens, coef, das,
+                                 overheads)
+    for name in names:
+        for row, pred in zip(measured[name], predicted[name]):
+            row["replay"] = pred
+            row["replay_ratio"] = pred["predicted_s"] / max(row["wall_s"], 1e-9)
+            row["replay_decode_ratio"] = pred["decode_s"] / max(row["decode_s"], 1e-9)
+            row["replay_passes_match"] = pred["forward_passes"] == row["forward_passes"]
+            none_row = measured["none"][row["epoch"]]
+            row["speedup"] = none_row["wall_s"] / max(row["wall_s"], 1e-9)
+            row["predicted_speedup"] = (predicted["none"][row["epoch"]]["predicted_s"]
+                                        / max(pred["predicted_s"], 1e-9))
+            result["runs"].append(row)
+    result.setdefault("overheads", {})[str(temp)] = overheads
+
+
+def _write_outputs(out_dir: str, result: dict, setup: BenchSetup, coef: dict, das,
+                   trace_rollouts: list) -> None:
+    """Writes `trace.jsonl`, `rollout.json`, the PNG plots and `rollout.md` under `out_dir`."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.bench import replay as rp
+
+    os.makedirs(out_dir, exist_ok=True)
+    header = {"model": setup.model_name, "cost_model": coef,
+              "engine": result["engine"], "max_new_tokens": setup.max_new_tokens,
+              "das": dataclasses.asdict(das),
+              "overheads": result["overheads"][str(setup.temperatures[0])],
+              "overheads_by_temperature": result["overheads"],
+              "num_generations": setup.num_generations}
+    rp.write_trace(os.path.join(out_dir, "trace.jsonl"), header, trace_rollouts)
+    with open(os.path.join(out_dir, "rollout.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    plot_rollout(result, out_dir)
+    with open(os.path.join(out_dir, "rollout.md"), "w") as f:
+        f.write(result["report"] + "\n\n" + result["table"] + "\n")
 
 
 def _checkpoint(out_dir: str, result: dict, measured: dict, none_epochs: dict,

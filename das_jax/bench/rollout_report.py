@@ -1,4 +1,4 @@
-"""Pure summaries of the rollout benchmark (issue 12 item 8): ratios side by side, token identity,
+"""Pure summaries of the rollout benchmark: ratios side by side, token identity,
 the regime of a cost model. No jax, no I/O; every function works on plain numbers and lists.
 
 * `divergence_stats`: share of rollouts identical to the reference and first divergences per
@@ -8,7 +8,7 @@ the regime of a cost model. No jax, no I/O; every function works on plain number
   all epochs (sums of times).
 * `step_term_shares`, `regime`: which term of the cost model `t = c_base + c_tok*N + c_kv*K`
   dominates the decode time of a (simulated) run.
-* `targets_rows`, `targets_markdown`: the issue's targets next to the measured values.
+* `targets_rows`, `targets_markdown`: the benchmark's targets next to the measured values.
 """
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def _met(x, target) -> str:
 def targets_rows(measured: Mapping, hf: Mapping | None = None,
                  identity: Mapping[str, Mapping] | None = None,
                  paper: Mapping[str, Mapping] | None = None) -> list[tuple[str, str, str, str]]:
-    """(what, value, target, met) rows of issue 12's benchmark targets.
+    """(what, value, target, met) rows of the rollout benchmark's targets.
 
     measured: `speedup_summary` of the measured wall times; hf: {"none_tok_s", "hf_tok_s",
     "batch"} (None: no HF reference); identity: drafter -> merged `divergence_stats`; paper: cost

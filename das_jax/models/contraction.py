@@ -3,10 +3,11 @@
 Exact mode makes every contraction that feeds a token's logits *shape-invariant*: a row's result
 is bitwise the same whatever the batch bucket, draft width, attended-length bucket or prefill
 bucket of the step that computes it. With the position-keyed sampling rule (`engine/sampling.py`)
-this makes rollouts token-identical with and without speculation (../../shared/DESIGN.md, "The
-sampling rule that makes rollouts token-identical").
+this makes rollouts token-identical with and without speculation (docs/design.md, "Sampling
+rule").
 
-How (measured on XLA CPU, float32; see the README's "Exact mode" section):
+How (found on XLA CPU, float32; docs/design.md, "Exact mode: how", and
+docs/results/exact-mode.md):
 
 * Row classes. For `x[M, ...] . w` a row's result depends only on which *class* its row count M
   falls in (e.g. {1}, {2..32}, {33+} for K=576), never on its position or on the other rows at a

@@ -4,7 +4,7 @@
 new tokens per row, attention over the row's first `cache_len[b]` cached positions plus its own
 new tokens up to and including itself (causal), the new tokens' K/V not yet in the cache.
 
-Design (issue 12, "attention that reads each cached position once"):
+Design (attention that reads each cached position once):
 
 * Two key blocks, one softmax. The scores of the queries against the cached prefix
   (`[B, KVH, G*T, A]`, A = the attended-length bucket) and against the row's own new keys
@@ -19,12 +19,10 @@ Design (issue 12, "attention that reads each cached position once"):
   both contractions are batched matrix products over (row, KV head) with the G query heads of a
   KV head and the T new tokens as one M = G*T axis, `q [M, K] @ k [K, A]` and
   `p [M, A] @ v [A, K]`, so K/V are never repeated per query head and neither operand is
-  contracted on a transposed axis (keys stored `[S, K]` made the attention 1.2-1.65x slower on
-  XLA CPU). Measured on XLA CPU against the placed view over `[B, S, KVH, K]` (SmolLM2-135M,
-  all 30 layers, packed verify step, side by side in one process): B=16 steps 1.09x faster at
-  384 attended positions, 1.13x with 24 draft slots at 640, 1.20x at 1024; B=1 unchanged.
-  `jax.nn.dot_product_attention(implementation="xla")` computes the same but was measured ~5x
-  slower for the whole step on XLA CPU; its cuDNN kernel takes no per-query mask of this form.
+  contracted on a transposed axis (a transposed-key layout is slower on XLA CPU: the side-by-side
+  comparison is in docs/results/engine.md). `jax.nn.dot_product_attention` computes the same but
+  is slower for the whole step on XLA CPU (same page), and its cuDNN kernel takes no per-query
+  mask of this form.
   The attended length is a static bucket (`engine.schedule.kv_len_bucket`: quarter octaves,
   multiples of 128 up to 1024), so a row reads close to the longest row's length, not the next
   power of two.

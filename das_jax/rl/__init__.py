@@ -25,14 +25,14 @@ from das_jax._lazy import lazy_exports
 _EXPORTS = {
     "SCALE_REWARDS": "advantages", "advantage_metrics": "advantages",
     "group_advantages": "advantages", "group_stats": "advantages",
-    "CheckpointError": "checkpoint", "CheckpointManager": "checkpoint",
+    "CheckpointError": "checkpoint_errors", "CheckpointManager": "checkpoint",
     "registered_losses": "losses", "entropy_from_logits": "losses", "grpo_loss": "losses",
     "per_token_terms": "losses", "token_loss_weights": "losses",
     "TrainBatch": "batches", "make_batch": "batches", "compute_logprobs": "logprobs",
     "accumulate_grads": "grads", "LossAndGrad": "grads", "make_loss_and_grad": "grads",
     "Optimizer": "optimizer", "make_lr_schedule": "optimizer", "make_optimizer": "optimizer",
     "TrainStep": "train_step", "make_train_step": "train_step",
-    "GRPOTrainer": "trainer", "TrainError": "trainer", "load_model": "model_loading",
+    "GRPOTrainer": "trainer", "TrainError": "train_error", "load_model": "model_loading",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -13,6 +13,10 @@ The console gets, through the `logging` logger "das_jax" (the CLI installs a han
 The ETA excludes one-off costs: each step's wall time minus the JAX compile time spent in it
 (the engine's step shapes, the cost-model calibration's shapes, the train step), averaged over
 the steps run so far, times the steps left.
+
+The console handler and `phase` live in `das_jax.rl.console_log`, compile counting in
+`das_jax.rl.compile_watch`, the JSON-lines files in `das_jax.rl.run_files`; their public names
+are importable from here too.
 """
 from __future__ import annotations
 
@@ -20,7 +24,6 @@ import contextlib
 import json
 import logging
 import math
-import re
 import resource
 import sys
 import threading
@@ -28,130 +31,21 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from das_jax.errors import UserError
+from das_jax.rl.compile_watch import CompileWatch, describe_compiles
+from das_jax.rl.console_log import (Phase, fmt_seconds, phase,  # noqa: F401 - re-exported
+                                    setup_console_logging)
 from das_jax.rl.plots import plot_run
+from das_jax.rl.run_files import (METRICS_FILE, SAMPLES_FILE, RunFileError,  # noqa: F401
+                                  clip_line, format_sample, read_jsonl, read_metrics,
+                                  sample_rows, truncate_jsonl)
 
 log = logging.getLogger("das_jax.train")
 
 _clock = time.perf_counter   # the step clock (a test replaces it)
 
-METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"
-
 _BAR_KEYS = (("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.2f}"),
              ("loss", "loss", "{:.4f}"), ("rollout_s", "rollout_s", "{:.1f}"),
              ("train_s", "train_s", "{:.1f}"), ("tokens_per_forward", "tok/fwd", "{:.2f}"))
-
-
-# ------------------------------------------------------------------ console
-class _ConsoleHandler(logging.Handler):
-    """Writes records to the *current* `sys.stderr` through `tqdm.write`, so lines never tear
-    an active progress bar (and a test's captured stderr sees them)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            from tqdm import tqdm  # deferred import: tqdm (slow to import)
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:  # pragma: no cover - logging must never raise
-            self.handleError(record)
-
-
-_console_handler: logging.Handler | None = None
-
-
-def setup_console_logging(level: int = logging.INFO) -> logging.Handler:
-    """Sends das_jax's log records at `level` and above to stderr as "HH:MM:SS message" lines.
-    Idempotent: a second call replaces the handler the first one installed."""
-    global _console_handler
-    root = logging.getLogger("das_jax")
-    if _console_handler is not None:
-        root.removeHandler(_console_handler)
-    handler = _ConsoleHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    root.addHandler(handler)
-    root.setLevel(level)
-    root.propagate = False   # a library's logging.basicConfig() would print every line twice
-    _console_handler = handler
-    return handler
-
-
-def fmt_seconds(s: float | None) -> str:
-    """`12.3 s`, `4 min 05 s`, `1 h 02 min`."""
-    if s is None or not math.isfinite(s):
-        return "?"
-    if s < 60:
-        return f"{s:.1f} s"
-    m, sec = divmod(int(round(s)), 60)
-    if m < 60:
-        return f"{m} min {sec:02d} s"
-    h, m = divmod(m, 60)
-    return f"{h} h {m:02d} min"
-
-
-class Phase:
-    """What a `phase` block may add to its closing line (`detail`)."""
-
-    detail: str = ""
-
-
-@contextlib.contextmanager
-def phase(what: str, logger: logging.Logger = log) -> Iterator[Phase]:
-    """Logs `what ...` on entry and `what: <detail>, <seconds>` on exit (not on an exception,
-    which speaks for itself)."""
-    p = Phase()
-    logger.info("%s ...", what)
-    t0 = time.perf_counter()
-    yield p
-    dt = time.perf_counter() - t0
-    logger.info("%s: %s%s", what, f"{p.detail}, " if p.detail else "", f"done in {fmt_seconds(dt)}")
-
-
-class CompileWatch:
-    """Counts the JAX compilations of this process through `jax.monitoring` (jaxpr tracing,
-    lowering and XLA compile events).
-
-    `so_far()` / `take()` return what was compiled since the last `take()` (which resets):
-    (seconds, {program name: count}).
-    """
-
-    _EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
-               "/jax/core/compile/jaxpr_to_mlir_module_duration",
-               "/jax/core/compile/backend_compile_duration")
-
-    def __init__(self):
-        # deferred import: jax (not loaded by importing this module)
-        import jax
-        self._jax = jax
-        self._lock = threading.Lock()
-        self._seconds = 0.0
-        self._programs: dict[str, int] = {}
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **kw: Any) -> None:
-        if event not in self._EVENTS:
-            return
-        with self._lock:
-            self._seconds += duration
-            if event == self._EVENTS[-1]:
-                name = str(kw.get("fun_name", "?"))
-                name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
-                self._programs[name] = self._programs.get(name, 0) + 1
-
-    def so_far(self) -> tuple[float, dict[str, int]]:
-        with self._lock:
-            return self._seconds, dict(self._programs)
-
-    def take(self) -> tuple[float, dict[str, int]]:
-        with self._lock:
-            out = (self._seconds, dict(self._programs))
-            self._seconds, self._programs = 0.0, {}
-        return out
-
-    def close(self) -> None:
-        try:
-            self._jax.monitoring.unregister_event_duration_listener(self._on_event)
-        except (AttributeError, ValueError):  # pragma: no cover - older jax / already removed
-            pass
 
 
 class _Heartbeat:
@@ -173,146 +67,6 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
-def describe_compiles(seconds: float, programs: dict[str, int], min_count: int = 1) -> str:
-    """`compiled 13 programs (verify x9, prefill_insert x3, train_step) in 41.2 s`: the programs
-    the engine and trainer jit by name (single-op programs from eager jnp calls are counted, not
-    named)."""
-    named = {k: v for k, v in programs.items()
-             if k in ("verify", "verify_packed", "prefill_insert", "prefill_packed",
-                      "gather_rows", "train_step", "_compute_logprobs_jit") and v >= min_count}
-    parts = [f"{k.strip('_').removesuffix('_jit')}" + (f" x{v}" if v > 1 else "")
-             for k, v in sorted(named.items(), key=lambda kv: -kv[1])]
-    small = sum(programs.values()) - sum(named.values())
-    if small:
-        parts.append(f"{small} small")
-    return (f"compiled {sum(programs.values())} programs ({', '.join(parts)}) in "
-            f"{fmt_seconds(seconds)}")
-
-
-# ------------------------------------------------------------------ samples
-def sample_rows(rb, step: int, count: int, prompt_text: dict[str, str] | None = None) -> list[dict]:
-    """The first `count` rollouts of a step as JSON-able dicts (question, rendered prompt,
-    completion, answer, reward and its parts, length, finish reason).
-
-    Args:
-      rb: the step's `RolloutBatch` (das_jax.rl.trainer).
-      step: the 1-based step number the rows are logged under.
-      count: how many rows (0 = none).
-      prompt_text: problem_id -> the rendered prompt the model saw (default: the question).
-    """
-    rows = []
-    for i in range(min(count, len(rb.outputs))):
-        p, o = rb.problems[i], rb.outputs[i]
-        rows.append({
-            "step": step, "index": i, "problem_id": p.problem_id,
-            "sample_index": o.request.sample_index,
-            "question": p.prompt,
-            "prompt": (prompt_text or {}).get(p.problem_id, p.prompt),
-            "completion": rb.completions[i],
-            "answer": p.answer if isinstance(p.answer, str) and len(p.answer) < 500 else None,
-            "reward": float(rb.rewards[i]),
-            "rewards": {k: float(v[i]) for k, v in rb.reward_parts.items()},
-            "length": len(o.token_ids), "finish_reason": o.finish_reason,
-        })
-    return rows
-
-
-def format_sample(s: dict, width: int = 100) -> str:
-    """A sample (a `sample_rows` dict) as a readable block of text."""
-    parts = ", ".join(f"{k} {v:.3g}" for k, v in s.get("rewards", {}).items())
-    head = (f"── step {s['step']} · sample {s['index']} · problem {s['problem_id']} "
-            f"(#{s.get('sample_index', '?')}) · reward {s['reward']:.3f}"
-            + (f" ({parts})" if parts else "")
-            + f" · {s.get('length', '?')} tokens, {s.get('finish_reason', '?')}")
-    lines = [head, f"question: {s.get('question', s.get('prompt', ''))}"]
-    if s.get("answer") is not None:
-        lines.append(f"expected: {s['answer']}")
-    lines.append("completion:")
-    lines += ["  " + line for line in (s.get("completion") or "(empty)").splitlines()]
-    return "\n".join(lines)
-
-
-def _one_line(text: str, width: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-# ------------------------------------------------------------------ files
-class RunFileError(UserError):
-    """A run's JSON-lines log that cannot be read (not UTF-8 before its last line)."""
-
-
-_STEP_RE = re.compile(rb'"step":\s*(\d+)')
-
-
-def read_jsonl(path: str | Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file; [] if the file does not exist.
-
-    A line that is not a JSON object is skipped and reported (never silently): a torn last line
-    (a run killed while writing it) or a damaged line, with the file, the line number and the
-    step it held when that can be read. Reports go to `problems` when given (one string each),
-    else to the log as warnings.
-
-    Raises:
-      RunFileError: a line before the last one is not valid UTF-8 (names the file and line).
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    out = []
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        torn = n == len(lines)           # the last line, with no newline after it
-        try:
-            rec = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            if not torn:
-                raise RunFileError(f"{path}:{n}: invalid UTF-8 (byte {e.start + 1} of the line); "
-                                   "the file is damaged or was not written by das-jax") from None
-            rec = None
-        except json.JSONDecodeError:
-            rec = None
-        if isinstance(rec, dict):
-            out.append(rec)
-            continue
-        m = _STEP_RE.search(raw)
-        what = ("torn last line (the run was killed while writing it)" if torn
-                else "line that is not a JSON record")
-        msg = f"{path}:{n}: skipped a {what}" + (f"; it held step {int(m.group(1))}" if m else "")
-        if problems is not None:
-            problems.append(msg)
-        else:
-            log.warning("%s", msg)
-    return out
-
-
-def read_metrics(path: str | Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl (skipped lines reported as by `read_jsonl`)."""
-    return read_jsonl(path, problems)
-
-
-def _truncate_jsonl(path: Path, start_step: int, *, check_steps: bool = False) -> None:
-    """Keeps the records of steps <= `start_step` (a resumed run logs the later ones again);
-    reports skipped lines and, with `check_steps`, the steps up to `start_step` that have no
-    record (lost when a killed run tore its line)."""
-    kept = [r for r in read_jsonl(path) if r.get("step", 0) <= start_step]
-    if check_steps and start_step > 0 and path.exists():
-        have = {r.get("step") for r in kept if r.get("kind") != "eval"}
-        lost = [s for s in range(1, start_step + 1) if s not in have]
-        if lost:
-            log.warning("%s has no record of step %s (lost when the run was killed while "
-                        "writing it); the run resumes after step %d, so those steps stay "
-                        "missing from its metrics and plots", path,
-                        ", ".join(map(str, lost)), start_step)
-    with open(path, "w") as f:
-        for r in kept:
-            f.write(json.dumps(r) + "\n")
-
-
-# ------------------------------------------------------------------ the logger
 def _summary_writer_class():
     """`tensorboardX.SummaryWriter`, imported without torch: tensorboardX's writer imports torch
     whenever it is installed (only to accept torch tensors, which das-jax never passes), which
@@ -359,8 +113,8 @@ class RunLogger:
         self.start_step = start_step
         self.max_new_tokens = max_new_tokens
         self.steps_per_epoch = steps_per_epoch
-        _truncate_jsonl(self.path, start_step, check_steps=True)
-        _truncate_jsonl(self.samples_path, start_step)
+        truncate_jsonl(self.path, start_step, check_steps=True)
+        truncate_jsonl(self.samples_path, start_step)
         self._file = open(self.path, "a")
         self._samples_file = open(self.samples_path, "a")
         try:
@@ -452,7 +206,7 @@ class RunLogger:
             if samples:
                 s = samples[0]
                 log.info("  sample (reward %.2f, %d tokens): %s", s["reward"],
-                         s.get("length", 0), _one_line(s["completion"], 100))
+                         s.get("length", 0), clip_line(s["completion"], 100))
 
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[None]:

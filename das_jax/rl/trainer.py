@@ -22,13 +22,14 @@ With `eval.num_problems > 0`, a greedy evaluation on held-out problems runs at s
 A run directory holds the resolved `config.yaml`, `metrics.jsonl`, the first completions of
 each step in `samples.jsonl`, TensorBoard events under `tb/`, orbax checkpoints under
 `checkpoints/`, and PNG plots under `plots/`.
+
+The run loop lives in `das_jax.rl.train_loop`, saving and restoring a trainer's checkpoints in
+`das_jax.rl.trainer_checkpoint`; `GRPOTrainer.train`, `.save` and `.restore` call them.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import logging
 import math
 import time
 from pathlib import Path
@@ -38,10 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from das_jax.config import Config, config_to_dict, save_config
+from das_jax.config import Config
 from das_jax.data import Problem, problems_from_config, render_prompt, reward_kwargs
 from das_jax.engine import Request, RequestOutput, request_seed
-from das_jax.errors import is_disk_full
 from das_jax.malloc import release_free_memory, release_trace_caches
 from das_jax.models.loading import load
 from das_jax.models.transformer import ActivationConfig
@@ -49,25 +49,19 @@ from das_jax.models.tokenizer import encode_prompt
 from das_jax.parallel import distributed as dist
 from das_jax.parallel.sharding import (MESH_AXES, MeshError, TrainShardings, mesh_from_config,
                                        place, replicated, resolve_mesh_shape)
-from das_jax.rl import run_dir as rd
 from das_jax.rl.advantages import advantage_metrics, get_advantage
 from das_jax.rl.batches import make_batch
-from das_jax.rl.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointManager,
-                                   CheckpointMismatchError, largest_array_bytes)
-from das_jax.rl.evaluate import Evaluator, eval_due
+from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.logprobs import cast_params, compute_logprobs
 from das_jax.rl.optimizer import Optimizer
 from das_jax.rl.rewards import combine_rewards, reward_fns_from_config
-from das_jax.rl.run_dir import set_aside_checkpoints
-from das_jax.rl.run_log import RunLogger, sample_rows
+from das_jax.rl.run_log import sample_rows
+from das_jax.rl.train_error import TrainError
+from das_jax.rl.train_loop import run_training
 from das_jax.rl.train_step import TrainStep
+from das_jax.rl.trainer_checkpoint import (ROLLOUT_STATE_KEY,  # noqa: F401 - re-exported
+                                          restore_trainer, save_trainer)
 from das_jax.rollout import rollout_from_config
-
-log = logging.getLogger("das_jax.train")
-
-
-class TrainError(ValueError):
-    """A run that cannot start or resume (names the problem and the fix)."""
 
 
 @dataclasses.dataclass
@@ -374,102 +368,36 @@ class GRPOTrainer:
     def release_optimizer_state(self) -> None:
         """Drops the optimizer state once the run has reached `train.steps` (after its last
         checkpoint, which holds it): no update follows, so the final evaluation and the plots
-        run without the Adam moments (2x the params: 1.08 GB of the CPU main job). `update` and
-        `save` need it, so neither may be called afterwards."""
+        run without the Adam moments (2x the params). `update` and `save` need it, so neither
+        may be called afterwards."""
         self.opt_state = None
         gc.collect()
         release_free_memory()
 
     # ------------------------------------------------------------------ checkpoints
-    def _meta(self) -> dict:
-        return {"step": self.step, "seed": self.config.train.seed,
-                "policy_state": self.rollouts.state_dict()["policy"],
-                "config": config_to_dict(self.config)}
-
     def save(self, manager: CheckpointManager) -> None:
-        """Checkpoints the current step.
+        """Checkpoints the current step (`das_jax.rl.trainer_checkpoint.save_trainer`).
 
         Raises:
           TrainError: the disk is full (names the checkpoint directory and how to go on).
         """
-        try:
-            manager.save(self.step, self.params, self.opt_state, self._meta(),
-                         {ROLLOUT_STATE_KEY: self.rollouts.state_dict()})
-            release_free_memory()  # tensorstore's write buffers
-        except Exception as e:  # noqa: BLE001 - orbax / tensorstore wrap OSErrors in many types
-            if not is_disk_full(e):
-                raise
-            previous = [s for s in manager.all_steps() if s < self.step]
-            then = (f"pass --resume {self.run_dir} to continue from step {previous[-1]}"
-                    if previous else "start it again with --overwrite (it has no earlier "
-                                     "checkpoint)")
-            raise TrainError(f"disk full while checkpointing step {self.step} to "
-                             f"{manager.step_dir(self.step)}; free space on that disk (or move "
-                             f"the run to another one), then {then}") from None
+        save_trainer(self, manager)
 
     def restore(self, manager: CheckpointManager, max_step: int | None = None) -> int:
         """Restores the newest readable checkpoint (at or below `max_step` when given); returns
-        its step. A corrupt or unreadable newer checkpoint is skipped with a one-line warning
-        naming it.
+        its step (`das_jax.rl.trainer_checkpoint.restore_trainer`).
 
         Raises:
           TrainError: no checkpoint, none readable, one written for another model/optimizer, or
             one in a format this version does not read (an older version's pickle).
         """
-        steps = [s for s in manager.all_steps() if max_step is None or s <= max_step]
-        where = manager.step_dir(0).parent
-        if not steps:
-            raise TrainError(f"no checkpoint to resume from under {where}; start a new run "
-                             "without --resume (with --overwrite to replace this one, or "
-                             "another output_dir)")
-        unreadable: list[tuple[int, str]] = []
-        for step in reversed(steps):
-            try:
-                params, opt_state, meta, drafter_state = manager.restore(
-                    step, params_like=self.params, opt_state_like=self.opt_state)
-                break
-            except CheckpointMismatchError as e:
-                raise TrainError(f"{e}; resume with the run's own model.source / model and grpo "
-                                 "settings, or start a new run in another output_dir") from None
-            except CheckpointFormatError as e:
-                raise TrainError(str(e)) from None
-            except CheckpointError as e:
-                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-                unreadable.append((step, reason if len(reason) <= 240 else reason[:237] + "..."))
-        else:
-            raise TrainError(f"no readable checkpoint under {where}: all of steps "
-                             f"{', '.join(str(s) for s, _ in unreadable)} are corrupt (newest: "
-                             f"{unreadable[0][1]}); start a new run (--overwrite or another "
-                             "output_dir)")
-        if unreadable:
-            moved = set_aside_checkpoints(self.run_dir, [s for s, _ in unreadable])
-            log.warning("checkpoint step %s is unreadable (%s); resuming from step %d, the newest "
-                        "readable checkpoint (the unreadable one moved to %s)",
-                        ", ".join(str(s) for s, _ in unreadable), unreadable[0][1], step, moved)
-        try:
-            if isinstance(drafter_state, dict) and ROLLOUT_STATE_KEY in drafter_state:
-                # this process's drafter and DAS policy state
-                self.rollouts.load_state_dict(drafter_state[ROLLOUT_STATE_KEY])
-            else:  # a checkpoint written before per-process rollout state
-                self.rollouts.load_state_dict({"drafter": drafter_state,
-                                               "policy": meta.get("policy_state")})
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            saved = (meta.get("config") or {}) if isinstance(meta.get("config"), dict) else {}
-            was = (f" (the run was trained with drafter={saved['drafter']})"
-                   if saved.get("drafter") not in (None, self.config.drafter) else "")
-            raise TrainError(
-                f"checkpoint {manager.step_dir(step)}: its drafter / DAS policy state does not "
-                f"fit drafter={self.config.drafter} and this run's das settings{was}: "
-                f"{type(e).__name__}: {e}; resume with the run's own drafter and das settings "
-                "(drop those --set overrides), or start a new run in another output_dir"
-                ) from None
-        self.params, self.opt_state, self.step = params, opt_state, int(meta["step"])
-        return self.step
+        return restore_trainer(self, manager, max_step)
 
     # ------------------------------------------------------------------ the loop
     def train(self, resume: bool = False, progress: bool = True,
               stop_after: int | None = None, overwrite: bool = False) -> list[dict]:
-        """Runs until `train.steps` (or `stop_after` more steps); returns this call's records.
+        """Runs until `train.steps` (or `stop_after` more steps); returns this call's records
+        (`das_jax.rl.train_loop.run_training`).
 
         The run directory is locked for the whole call (`das_jax.rl.run_dir`). A new run
         (`resume=False`) refuses a directory holding a previous run's files unless `overwrite`
@@ -484,66 +412,8 @@ class GRPOTrainer:
           TrainError: nothing to resume; a non-finite loss (nothing of that step is saved); the
             disk filled up while checkpointing.
         """
-        c = self.config
-        primary = dist.is_primary()  # process 0 owns the run directory's files and logs
-        with rd.lock_run_dir(self.run_dir) if primary else contextlib.nullcontext():
-            if not resume and primary:
-                rd.check_new_run(self.run_dir, overwrite=overwrite,
-                                 has_checkpoint=bool(rd.checkpoint_steps(self.run_dir)))
-                if overwrite:
-                    rd.clear_run(self.run_dir)
-            if primary:
-                rd.write_manifest(self.run_dir)   # a resumed older run gets one too
-            dist.sync("das_jax.train.run_dir_checked")
-            # one array at a time in flight while saving (bounds tensorstore's buffers)
-            manager = CheckpointManager(self.run_dir, max_to_keep=c.train.keep_checkpoints,
-                                        save_concurrent_bytes=largest_array_bytes(
-                                            self.params, self.opt_state))
-            with _closing(manager):
-                if resume:
-                    self.restore(manager)
-                    if self.step >= c.train.steps:
-                        log.warning("%s", rd.complete_message(self.run_dir, self.step,
-                                                              c.train.steps))
-                        return []
-                if primary:
-                    save_config(dataclasses.replace(c, distributed=dataclasses.replace(
-                        c.distributed, process_id=None)), self.run_dir / "config.yaml")
-                    logger = RunLogger(self.run_dir, total_steps=c.train.steps,
-                                       start_step=self.step, progress=progress,
-                                       max_new_tokens=c.rollout.max_new_tokens,
-                                       steps_per_epoch=self.steps_per_epoch())
-                else:
-                    logger = _SilentLogger()
-                records = []
-                evaluator = Evaluator.for_trainer(self)
-                with _closing(logger):
-                    if evaluator is not None and self.step == 0 < c.train.steps:
-                        with logger.between_steps():
-                            logger.log_eval(evaluator.run(self, 0))
-                    while self.step < c.train.steps:
-                        if stop_after is not None and len(records) >= stop_after:
-                            break
-                        record = self.train_one_step()
-                        _check_finite(record, c, manager.latest_step())
-                        records.append(record)
-                        logger.log(record, samples=self.last_samples)
-                        every = c.train.save_every
-                        if every and (self.step % every == 0 or self.step == c.train.steps):
-                            self.save(manager)
-                        if self.step >= c.train.steps:
-                            self.release_optimizer_state()
-                        if evaluator is not None and eval_due(self.step, c.train.steps,
-                                                              c.eval.every):
-                            with logger.between_steps():
-                                logger.log_eval(evaluator.run(self, self.step))
-        # process 0 closes the logs (plots) last: the others wait, so that none reaches jax's
-        # shutdown barrier long before it
-        dist.sync("das_jax.train.done")
-        return records
-
-
-ROLLOUT_STATE_KEY = "rollout_state"
+        return run_training(self, resume=resume, progress=progress, stop_after=stop_after,
+                            overwrite=overwrite)
 
 
 def _train_mesh(c: Config):
@@ -561,50 +431,3 @@ def _train_mesh(c: Config):
     except MeshError as e:
         raise TrainError(f"{e} (mesh: in the config; jax sees {jax.device_count()} devices in "
                          f"{jax.process_count()} process(es))") from None
-
-
-class _SilentLogger:
-    """The run logger of processes other than 0: they log nothing."""
-
-    def log(self, record, samples=None) -> None:
-        pass
-
-    def log_eval(self, record) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def between_steps(self):
-        yield
-
-    def close(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _closing(resource):
-    """Closes `resource` after the block. When the block raised, a failure to close (e.g. the
-    disk that is full also fails the final plot) is logged, not raised over the first error."""
-    try:
-        yield resource
-    except BaseException:
-        try:
-            resource.close()
-        except Exception as e:  # noqa: BLE001 - secondary; the block's error is the one to see
-            log.debug("closing %s after an error also failed: %s", type(resource).__name__, e)
-        raise
-    resource.close()
-
-
-def _check_finite(record: dict, c: Config, last_checkpoint: int | None) -> None:
-    """Raises TrainError when a step's loss or gradient norm is NaN/inf (before it is logged or
-    saved): the model's logits or the update overflowed."""
-    for key in ("loss", "grad_norm", "reward_mean"):
-        v = record.get(key)
-        if isinstance(v, float) and not math.isfinite(v):
-            since = (f"the last checkpoint is step {last_checkpoint}" if last_checkpoint
-                     is not None else "no checkpoint was written")
-            raise TrainError(
-                f"step {record['step']}: {key} is {v}, so the model's logits or the update "
-                f"overflowed (model.source={c.model.source!r}, model.dtype={c.model.dtype}); this "
-                f"step was not logged or saved and {since}; check the model files, use "
-                "model.dtype: float32 or a lower grpo.learning_rate")

@@ -243,8 +243,8 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
     slot count above B (the first drafting bucket, what the DAS budget mostly chooses), so the
     fit sees N vary at fixed attended KV and the attended KV vary at fixed N. These are the
     shapes generation runs (and `Engine.precompile` compiles), so their executables are reused
-    there. Other drafting shapes are not timed: each costs a compile (~2 s for SmolLM2-135M on
-    the 2-core CPU) that a rollout may never reuse; the online fit and the per-shape table
+    there. Other drafting shapes are not timed: each costs a compile that a rollout may never
+    reuse; the online fit and the per-shape table
     learn them when they run.
     """
     widths = tuple(widths)

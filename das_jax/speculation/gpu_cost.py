@@ -31,8 +31,8 @@ nvidia.com/en-us/data-center/h200; dense = the datasheet's sparse figure / 2):
 Stated utilisations (assumptions, each with its basis):
 
 * HBM efficiency 0.90 of the datasheet bandwidth for long streaming reads (weights, KV): a
-  device-to-device copy measured ~4.3 TB/s on the H200 lent to this project (DESIGN notes,
-  0.9 x 4.8), and a CUDA-graph decode step of Llama-3.1-8B (16 GB of bf16 weights) is
+  device-to-device copy measured ~4.3 TB/s on the H200 lent to this project
+  (0.9 x 4.8), and a CUDA-graph decode step of Llama-3.1-8B (16 GB of bf16 weights) is
   reported at 5.1 ms on an H100 SXM, i.e. ~0.94 of 3.35 TB/s.
 * Tensor Core utilisation 0.60 of dense peak for the verify GEMMs (M = N tokens from tens to a
   few thousand, K/N = 3584..18944): a large bf16 matmul measured ~790 TFLOP/s (0.80) on the
@@ -60,9 +60,9 @@ slots); at long contexts the KV term dominates both (256 rows x 4K positions = 1
 assumes no overlap between streaming the weights and the math: exact in both limits, at most 2x
 pessimistic at the ridge point.
 
-`cpu` is the model measured on the project's 2-core CPU with SmolLM2-135M in float32 (quiet
-machine; DESIGN notes, "Engine shape contract": c_base ~25 ms, c_tok ~1.5 ms, c_kv ~6 us), the
-compute-bound regime of issue 12.
+`cpu` holds the coefficients fitted on the project's 2-core CPU with SmolLM2-135M in float32
+(`PRESETS["cpu"]`): a compute-bound regime, where each verified token slot costs a sizeable
+fraction of a step.
 """
 from __future__ import annotations
 

@@ -219,25 +219,11 @@ def make_code_reward(
         statuses: list[str] = [""] * n
 
         def one(i: int) -> float:
-            prompt = code_prompts[i] if code_prompts else None
-            ep = eps[i] if eps else None
-            try:
-                tests_src = build_tests(test=tests[i] if tests and ep else None, entry_point=ep,
-                                        harness=answers[i] if answers else None)
-                # the functions the tests take from the solution: the prompt's stubs, the names the
-                # tests use without defining them, and the entry point
-                names = stub_functions(prompt) if prompt else []
-                names += [x for x in free_names(*(s for s in (prompt, tests_src) if s)) if x not in names]
-                names += [ep] if ep and ep not in names else []
-            except (ValueError, SyntaxError) as e:  # a dataset problem: this sample only
-                logger.error("code_reward: sample %d: unusable tests (%s: %s); reward 0", i, type(e).__name__, e)
-                return 0.0
-            solution = build_solution(comps[i], code_prompt=prompt, entry_point=ep)
-            r = check(solution, tests_src, prompt, names)
-            statuses[i] = r.status
-            if r.status == "error":
-                logger.error("code_reward: sandbox error: %s", r.detail[-500:])
-            return 1.0 if r.passed else 0.0
+            score, statuses[i] = _score_sample(
+                comps[i], check, test=tests[i] if tests else None, entry_point=eps[i] if eps else None,
+                harness=answers[i] if answers else None,
+                prompt=code_prompts[i] if code_prompts else None, index=i)
+            return score
 
         if num_workers == 1 or n <= 1:
             out = [one(i) for i in range(n)]
@@ -263,27 +249,56 @@ def make_code_reward(
             SandboxUnavailableError: the sandbox cannot run here, or gave a wrong verdict (the
                 one-line message names ``rewards.sandbox`` and what went wrong).
         """
-        caps = require_sandbox(sandbox)
-        # a passing verdict holds for this temp dir (the sandbox's work dirs live under it)
-        key = (sandbox, caps.mode, limits, max_message_mb, tempfile.gettempdir())
-        if key in _SELF_TESTED:
-            return
-        for solution, want in _SELF_TEST_CASES:
-            r = check(solution, _SELF_TEST_TESTS, None, ["f"])
-            if r.passed != want:
-                why = " ".join((r.detail or r.solution_stderr or "no output").split())[-300:]
-                raise SandboxUnavailableError(
-                    f"code reward self-test: the sandbox judged a {'correct' if want else 'wrong'} solution "
-                    f"{r.status} (rewards.sandbox={sandbox}, mode {caps.mode}: {why}); code rewards would be "
-                    "wrong, so training stops: fix the sandbox (a writable temp dir, $DAS_JAX_SANDBOX_PYTHON "
-                    "readable by other users) or set rewards.sandbox")
-        _SELF_TESTED.add(key)
+        _self_test(check, sandbox, limits, max_message_mb)
 
     code_reward.__name__ = "code_reward"
     code_reward.events = events  # type: ignore[attr-defined]
     code_reward.self_test = self_test  # type: ignore[attr-defined]
     code_reward.sandbox = sandbox  # type: ignore[attr-defined]
     return code_reward
+
+
+def _score_sample(completion: str, check: Callable, *, test: str | None, entry_point: str | None,
+                  harness: str | None, prompt: str | None, index: int) -> tuple[float, str]:
+    """(reward, sandbox status) of one completion: 1.0 when it passes its tests in `check`'s
+    sandboxes; 0.0 with status "" when the sample's tests are unusable (a dataset problem,
+    logged)."""
+    ep = entry_point
+    try:
+        tests_src = build_tests(test=test if ep else None, entry_point=ep, harness=harness)
+        # the functions the tests take from the solution: the prompt's stubs, the names the
+        # tests use without defining them, and the entry point
+        names = stub_functions(prompt) if prompt else []
+        names += [x for x in free_names(*(s for s in (prompt, tests_src) if s)) if x not in names]
+        names += [ep] if ep and ep not in names else []
+    except (ValueError, SyntaxError) as e:  # a dataset problem: this sample only
+        logger.error("code_reward: sample %d: unusable tests (%s: %s); reward 0", index, type(e).__name__, e)
+        return 0.0, ""
+    solution = build_solution(completion, code_prompt=prompt, entry_point=ep)
+    r = check(solution, tests_src, prompt, names)
+    if r.status == "error":
+        logger.error("code_reward: sandbox error: %s", r.detail[-500:])
+    return (1.0 if r.passed else 0.0), r.status
+
+
+def _self_test(check: Callable, sandbox: str, limits: SandboxLimits, max_message_mb: float) -> None:
+    """`fn.self_test()` of :func:`make_code_reward`: judges one correct and one wrong solution
+    with `check`; raises SandboxUnavailableError if either verdict is wrong."""
+    caps = require_sandbox(sandbox)
+    # a passing verdict holds for this temp dir (the sandbox's work dirs live under it)
+    key = (sandbox, caps.mode, limits, max_message_mb, tempfile.gettempdir())
+    if key in _SELF_TESTED:
+        return
+    for solution, want in _SELF_TEST_CASES:
+        r = check(solution, _SELF_TEST_TESTS, None, ["f"])
+        if r.passed != want:
+            why = " ".join((r.detail or r.solution_stderr or "no output").split())[-300:]
+            raise SandboxUnavailableError(
+                f"code reward self-test: the sandbox judged a {'correct' if want else 'wrong'} solution "
+                f"{r.status} (rewards.sandbox={sandbox}, mode {caps.mode}: {why}); code rewards would be "
+                "wrong, so training stops: fix the sandbox (a writable temp dir, $DAS_JAX_SANDBOX_PYTHON "
+                "readable by other users) or set rewards.sandbox")
+    _SELF_TESTED.add(key)
 
 
 #: The default code reward: 5 CPU-seconds per sandbox, 1 GiB per sandbox, no fork, isolated

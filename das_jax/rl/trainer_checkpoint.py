@@ -1,0 +1,108 @@
+"""A GRPO trainer's checkpoints: what `GRPOTrainer.save` writes and `GRPOTrainer.restore` reads
+back (params, optimizer state, step, and each process's drafter / DAS policy state) through a
+`CheckpointManager`, with one-line errors for a full disk, a missing, corrupt or mismatching
+checkpoint."""
+from __future__ import annotations
+
+import logging
+
+from das_jax.config import config_to_dict
+from das_jax.errors import is_disk_full
+from das_jax.malloc import release_free_memory
+from das_jax.rl.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointManager,
+                                   CheckpointMismatchError)
+from das_jax.rl.run_dir import set_aside_checkpoints
+from das_jax.rl.train_error import TrainError
+
+log = logging.getLogger("das_jax.train")
+
+ROLLOUT_STATE_KEY = "rollout_state"
+
+
+def trainer_meta(trainer) -> dict:
+    """What a checkpoint stores beside the arrays: step, seed, DAS policy state, the config."""
+    return {"step": trainer.step, "seed": trainer.config.train.seed,
+            "policy_state": trainer.rollouts.state_dict()["policy"],
+            "config": config_to_dict(trainer.config)}
+
+
+def save_trainer(trainer, manager: CheckpointManager) -> None:
+    """Checkpoints `trainer` (a `GRPOTrainer`) at its current step.
+
+    Raises:
+      TrainError: the disk is full (names the checkpoint directory and how to go on).
+    """
+    try:
+        manager.save(trainer.step, trainer.params, trainer.opt_state, trainer_meta(trainer),
+                     {ROLLOUT_STATE_KEY: trainer.rollouts.state_dict()})
+        release_free_memory()  # tensorstore's write buffers
+    except Exception as e:  # noqa: BLE001 - orbax / tensorstore wrap OSErrors in many types
+        if not is_disk_full(e):
+            raise
+        previous = [s for s in manager.all_steps() if s < trainer.step]
+        then = (f"pass --resume {trainer.run_dir} to continue from step {previous[-1]}"
+                if previous else "start it again with --overwrite (it has no earlier "
+                                 "checkpoint)")
+        raise TrainError(f"disk full while checkpointing step {trainer.step} to "
+                         f"{manager.step_dir(trainer.step)}; free space on that disk (or move "
+                         f"the run to another one), then {then}") from None
+
+
+def restore_trainer(trainer, manager: CheckpointManager, max_step: int | None = None) -> int:
+    """Restores into `trainer` (a `GRPOTrainer`) the newest readable checkpoint (at or below
+    `max_step` when given); returns its step. A corrupt or unreadable newer checkpoint is skipped with a one-line warning
+    naming it.
+
+    Raises:
+      TrainError: no checkpoint, none readable, one written for another model/optimizer, or
+        one in a format this version does not read (an older version's pickle).
+    """
+    steps = [s for s in manager.all_steps() if max_step is None or s <= max_step]
+    where = manager.step_dir(0).parent
+    if not steps:
+        raise TrainError(f"no checkpoint to resume from under {where}; start a new run "
+                         "without --resume (with --overwrite to replace this one, or "
+                         "another output_dir)")
+    unreadable: list[tuple[int, str]] = []
+    for step in reversed(steps):
+        try:
+            params, opt_state, meta, drafter_state = manager.restore(
+                step, params_like=trainer.params, opt_state_like=trainer.opt_state)
+            break
+        except CheckpointMismatchError as e:
+            raise TrainError(f"{e}; resume with the run's own model.source / model and grpo "
+                             "settings, or start a new run in another output_dir") from None
+        except CheckpointFormatError as e:
+            raise TrainError(str(e)) from None
+        except CheckpointError as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            unreadable.append((step, reason if len(reason) <= 240 else reason[:237] + "..."))
+    else:
+        raise TrainError(f"no readable checkpoint under {where}: all of steps "
+                         f"{', '.join(str(s) for s, _ in unreadable)} are corrupt (newest: "
+                         f"{unreadable[0][1]}); start a new run (--overwrite or another "
+                         "output_dir)")
+    if unreadable:
+        moved = set_aside_checkpoints(trainer.run_dir, [s for s, _ in unreadable])
+        log.warning("checkpoint step %s is unreadable (%s); resuming from step %d, the newest "
+                    "readable checkpoint (the unreadable one moved to %s)",
+                    ", ".join(str(s) for s, _ in unreadable), unreadable[0][1], step, moved)
+    try:
+        if isinstance(drafter_state, dict) and ROLLOUT_STATE_KEY in drafter_state:
+            # this process's drafter and DAS policy state
+            trainer.rollouts.load_state_dict(drafter_state[ROLLOUT_STATE_KEY])
+        else:  # a checkpoint written before per-process rollout state
+            trainer.rollouts.load_state_dict({"drafter": drafter_state,
+                                           "policy": meta.get("policy_state")})
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        saved = (meta.get("config") or {}) if isinstance(meta.get("config"), dict) else {}
+        was = (f" (the run was trained with drafter={saved['drafter']})"
+               if saved.get("drafter") not in (None, trainer.config.drafter) else "")
+        raise TrainError(
+            f"checkpoint {manager.step_dir(step)}: its drafter / DAS policy state does not "
+            f"fit drafter={trainer.config.drafter} and this run's das settings{was}: "
+            f"{type(e).__name__}: {e}; resume with the run's own drafter and das settings "
+            "(drop those --set overrides), or start a new run in another output_dir"
+            ) from None
+    trainer.params, trainer.opt_state, trainer.step = params, opt_state, int(meta["step"])
+    return trainer.step
