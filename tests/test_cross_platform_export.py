@@ -124,7 +124,7 @@ def _engine_examples(config, dtype) -> dict[type, list]:
                      VerifySpec(config, GREEDY, 4, 4, 1, 64, 64, dtype)],
         PrefillSpec: [PrefillSpec(config, TOP_P, 4, 32, 2, 16, 64, dtype),
                       PrefillSpec(config, GREEDY, 4, 32, 2, 16, 64, dtype, with_logits=True)],
-        ShareSpec: [ShareSpec(config, TOP_P, 4, 64, dtype)],
+        ShareSpec: [ShareSpec(config, TOP_P, 4, 16, 64, dtype)],
         GatherSpec: [GatherSpec(config, 4, 2, 64, dtype)],
         # the padded programs (the tests' oracle, run by `PaddedExecutor`)
         PaddedVerifySpec: [PaddedVerifySpec(config, TOP_P, 4, 4, 64, 32, dtype)],

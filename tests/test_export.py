@@ -26,7 +26,7 @@ from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.sampling import SamplingParams
 from das_jax.models import ModelConfig, RopeScaling, Tokenizer, forward, init_params, load
 from das_jax.models import export as hf_export
-from das_jax.rl import model_loading, run_log
+from das_jax.rl import console_log, model_loading
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.rewards import REWARD_FUNCTIONS
 from das_jax.testing import CharTokenizer
@@ -197,9 +197,9 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 def _restore_logging():
     yield
     root = logging.getLogger("das_jax")
-    if run_log._console_handler is not None:
-        root.removeHandler(run_log._console_handler)
-        run_log._console_handler = None
+    if console_log._console_handler is not None:
+        root.removeHandler(console_log._console_handler)
+        console_log._console_handler = None
     root.setLevel(logging.NOTSET)
     root.propagate = True
 
@@ -238,8 +238,8 @@ def run_dir(tmp_path_factory):
              "--set", "rollout.max_new_tokens=8", "--set", "train.steps=2",
              "--set", "train.save_every=1", "--set", "train.log_samples=0"])
     root = logging.getLogger("das_jax")
-    root.removeHandler(run_log._console_handler)
-    run_log._console_handler = None
+    root.removeHandler(console_log._console_handler)
+    console_log._console_handler = None
     assert rc == 0, err
     return run
 

@@ -112,7 +112,7 @@ def load_spec(source: str) -> tuple[ModelConfig, Tokenizer]:
     except ModelConfigError as e:
         raise ModelConfigError(f"{path}: {e}") from None
     return config, Tokenizer.from_gguf(path, gguf_file.eos_ids_from_metadata(meta),
-                                       header_size=int(reader.data_offset))
+                                       reader=reader)
 
 
 def params_size(params: Params) -> tuple[int, int]:
