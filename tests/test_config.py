@@ -220,7 +220,6 @@ def test_compilation_cache_stores_programs_and_a_second_process_reads_them(tmp_p
         "from das_jax.config import config_from_dict, apply_compilation_cache\n"
         "cfg = config_from_dict({} if sys.argv[1] == 'on' else {'compilation_cache': None})\n"
         "print(apply_compilation_cache(cfg))\n"
-        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
         "from jax._src import monitoring\n"
         "hits = []\n"
         "monitoring.register_event_listener(lambda e, **k: hits.append(e) if 'cache_hits' in e else None)\n"

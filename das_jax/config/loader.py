@@ -300,9 +300,9 @@ def compilation_cache_dir(cfg: Config) -> str | None:
 
 def apply_compilation_cache(cfg: Config) -> str | None:
     """Turns JAX's persistent compilation cache on in `compilation_cache_dir(cfg)` (or off when it
-    is None) and returns the directory. Programs compiling in under
-    `jax_persistent_cache_min_compile_time_secs` (JAX's default 1 s) are not stored. Call it before
-    the first compile: JAX decides once per process whether the cache is used.
+    is None) and returns the directory. Every compiled program is stored (JAX's
+    `jax_persistent_cache_min_compile_time_secs` set to 0 unless its environment variable is set).
+    Call it before the first compile: JAX decides once per process whether the cache is used.
 
     Raises:
       ConfigError: the directory cannot be created.
@@ -319,6 +319,10 @@ def apply_compilation_cache(cfg: Config) -> str | None:
                               "compilation_cache to a writable directory, or null to turn it "
                               "off") from None
     jax.config.update("jax_compilation_cache_dir", path)
+    if path is not None and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        # every program, not only those compiling for over JAX's default 1 s: a run compiles
+        # dozens of small ones (sampling, bookkeeping) whose compiles add up to most of a resume's
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 
