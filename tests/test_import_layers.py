@@ -243,3 +243,106 @@ def test_no_lazy_export_is_named_like_a_submodule():
     clashes = [f"{_module_name(f)}.{name}" for f in files if f.name == "__init__.py"
                for name in _lazy_exports(f, PKG) if f"{_module_name(f)}.{name}" in modules]
     assert clashes == []
+
+
+# Third-party packages heavy enough to defer: an import written inside a function may only
+# defer one of these (or a das_jax module that loads one) that its module does not load already.
+HEAVY = frozenset({"jax", "jaxlib", "flax", "optax", "orbax", "torch", "transformers",
+                   "matplotlib", "tensorboardX", "scipy", "numba", "gguf", "tokenizers",
+                   "safetensors", "math_verify", "tqdm", "accelerate"})
+
+
+def _top_level_nodes(tree: ast.Module) -> set[int]:
+    """ids of the import statements that run when the module is imported (module body, and
+    inside its top-level `if` / `try` blocks)."""
+    out = set()
+    for node in tree.body:
+        for n in (ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]):
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                out.add(id(n))
+    return out
+
+
+def deferred_imports(root: pathlib.Path = PKG) -> list[str]:
+    """`file:line: text` of every import of a das_jax module written inside a function that
+    loads no heavy package (`HEAVY`) its module does not load at import time already: such an
+    import defers nothing and belongs at the top of the module."""
+    files = sorted(root.rglob("*.py"))
+    modules = {_module_name(f, root): f for f in files}
+    lazy = {_module_name(f, root): _lazy_exports(f, root) for f in files
+            if f.name == "__init__.py"}
+    top_mods, top_third, inner = collections.defaultdict(set), collections.defaultdict(set), []
+    for me, f in modules.items():
+        src = f.read_text()
+        tree = ast.parse(src, str(f))
+        top = _top_level_nodes(tree)
+        package = me if f.name == "__init__.py" else me.rpartition(".")[0]
+        parts = me.split(".")
+        top_mods[me] |= {".".join(parts[:i]) for i in range(1, len(parts))}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            mods, third = set(), set()
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    (mods.add(a.name) if a.name.startswith("das_jax") else
+                     third.add(a.name.split(".")[0]))
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                if not base.startswith("das_jax"):
+                    third.add(base.split(".")[0])
+                else:
+                    mods.add(base)
+                    for a in node.names:
+                        if f"{base}.{a.name}" in modules:
+                            mods.add(f"{base}.{a.name}")
+                        elif a.name in lazy.get(base, {}):
+                            mods.add(lazy[base][a.name])
+            if id(node) in top:
+                top_mods[me] |= mods
+                top_third[me] |= third
+            elif mods:
+                inner.append((me, f, node, mods, third, ast.get_source_segment(src, node)))
+
+    def heavy(module: str) -> set[str]:
+        seen, todo, out = set(), [module], set()
+        while todo:
+            m = todo.pop()
+            if m in seen or m not in modules:
+                continue
+            seen.add(m)
+            out |= top_third[m] & HEAVY
+            todo.extend(top_mods[m])
+        return out
+
+    bad = []
+    for me, f, node, mods, third, text in inner:
+        adds = set(third) & HEAVY
+        for t in mods:
+            adds |= heavy(t)
+        if not adds - heavy(me):
+            bad.append(f"{f.relative_to(root.parent)}:{node.lineno}: {text}")
+    return bad
+
+
+def test_imports_inside_functions_defer_a_heavy_dependency():
+    assert deferred_imports() == []
+
+
+def test_the_check_catches_an_import_inside_a_function_that_defers_nothing(tmp_path):
+    pkg = tmp_path / "das_jax"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("")
+    (pkg / "a" / "light.py").write_text("import os\n")
+    (pkg / "a" / "heavy.py").write_text("import jax\n")
+    (pkg / "a" / "user.py").write_text(
+        "def f():\n    from das_jax.a import light\n\n"
+        "def g():\n    from das_jax.a import heavy\n")
+    (pkg / "a" / "loaded.py").write_text(
+        "import jax\n\ndef f():\n    from das_jax.a import heavy\n")
+    assert sorted(deferred_imports(pkg)) == ["das_jax/a/loaded.py:4: from das_jax.a import heavy",
+                                             "das_jax/a/user.py:2: from das_jax.a import light"]

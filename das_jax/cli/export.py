@@ -5,6 +5,8 @@ import argparse
 import os
 
 from das_jax.arg_types import nonnegative_int
+from das_jax.rl.export import export_run
+from das_jax.rl.run_log import setup_console_logging
 
 
 def register(subparsers) -> None:
@@ -32,8 +34,6 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     # host arrays only: never grab an accelerator (a run may be training on it)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from das_jax.rl.export import export_run
-    from das_jax.rl.run_log import setup_console_logging
 
     setup_console_logging()
     result = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype,

@@ -35,6 +35,7 @@ from das_jax.engine import scheduler
 from das_jax.engine.engine_config import (EngineConfig, GenerateError, Request,  # noqa: F401
                                           size_slots)
 from das_jax.engine.executor import DeviceExecutor
+from das_jax.engine.placement import MeshPlacement
 from das_jax.engine.policy import SpeculationPolicy
 from das_jax.engine.programs import Programs
 from das_jax.engine.schedule import (bucket, cache_len_for, kv_len_bucket,
@@ -43,6 +44,7 @@ from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, validate_stop_ids
 from das_jax.engine.specs import PrefillSpec, VerifySpec
 from das_jax.models.config import ModelConfig
+from das_jax.models.contraction import EXACT
 from das_jax.models.transformer import KVCache, Params
 
 
@@ -74,7 +76,6 @@ class Engine:
                  eos_token_ids: Sequence[int] = (), engine_config: EngineConfig = EngineConfig(),
                  device: jax.Device | None = None, dtype=None, mesh=None):
         if engine_config.exact:
-            from das_jax.models.contraction import EXACT
             config = dataclasses.replace(config, contraction=EXACT)
         if device is not None and mesh is not None:
             raise GenerateError("give an Engine a device or a mesh, not both")
@@ -82,7 +83,6 @@ class Engine:
         self.device = device
         self.mesh = mesh
         if mesh is not None:
-            from das_jax.engine.placement import MeshPlacement
             self.placement = MeshPlacement(mesh)
         else:
             self.placement = None

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from das_jax.models import sources
-from das_jax.models.config import ModelConfig
+from das_jax.models.config import ModelConfig, ModelConfigError
 from das_jax.models.errors import ModelLoadError
 from das_jax.models.loaders import hub
+from das_jax.models.loaders import gguf_file
 from das_jax.models.loaders.gguf_file import load_gguf
-from das_jax.models.loaders.hf_dir import load_hf_dir
+from das_jax.models.loaders.hf_dir import load_hf_dir, read_hf_config
 from das_jax.models.tokenizer import Tokenizer
 from das_jax.models.transformer import Params
 
@@ -101,10 +102,7 @@ def load_spec(source: str) -> tuple[ModelConfig, Tokenizer]:
     """
     kind, path = resolve_source(source)
     if kind == "hf_dir":
-        from das_jax.models.loaders.hf_dir import read_hf_config
         return read_hf_config(path), Tokenizer.from_hf_dir(path)
-    from das_jax.models.config import ModelConfigError
-    from das_jax.models.loaders import gguf_file
     reader = gguf_file.open_gguf(path)
     meta = gguf_file.read_metadata(reader)
     try:

@@ -18,7 +18,14 @@ import os
 import shutil
 from pathlib import Path
 
+import yaml
+
+from das_jax.config import ConfigError, config_from_dict
+from das_jax.models import export as hf_export
 from das_jax.models.export import EXPORT_DTYPES, ExportError, is_export_file
+from das_jax.rl import model_loading
+from das_jax.rl import run_dir as rd
+from das_jax.rl.run_log import phase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +75,6 @@ def _run_model_section(cfg_path: Path):
     Raises:
       ConfigError: config.yaml unreadable, or its model section invalid (names the file).
     """
-    import yaml
-
-    from das_jax.config import ConfigError, config_from_dict
     try:
         raw = yaml.safe_load(cfg_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
@@ -109,10 +113,6 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
       ModelLoadError / ModelConfigError: the run's model source cannot be read.
       OSError: OUT cannot be written (e.g. a full disk).
     """
-    from das_jax.models import export as hf_export
-    from das_jax.rl import model_loading
-    from das_jax.rl import run_dir as rd
-    from das_jax.rl.run_log import phase
 
     run, out = Path(run_dir), Path(out)
     if not run.is_dir():
