@@ -25,7 +25,7 @@ from das_jax.engine import sampling as sampling_lib
 from das_jax.engine import scheduler
 from das_jax.engine.executor import DeviceExecutor
 from das_jax.engine.programs import register_program
-from das_jax.engine.specs import CacheSpec, batch_pytree, int32_abstract
+from das_jax.engine.specs import OnCache, batch_pytree, int32_abstract
 from das_jax.engine.step import emitted
 from das_jax.models.config import ModelConfig
 from das_jax.models.transformer import KVCache, Params, forward, forward_hidden, lm_head
@@ -109,7 +109,7 @@ def verify(
 
 # ---------------------------------------------------------------------- the padded programs
 @dataclasses.dataclass(frozen=True)
-class PaddedVerifySpec:
+class PaddedVerifySpec(OnCache):
     """Static shape of the padded verify: `batch` rows x `width` columns, attended length
     `kv_len`, on a cache of `batch` rows x `cache_len` positions."""
 
@@ -120,10 +120,6 @@ class PaddedVerifySpec:
     cache_len: int
     kv_len: int
     dtype: str
-
-    @property
-    def cache(self) -> CacheSpec:
-        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
 
     def abstract(self, sharding=None) -> "PaddedVerifyBatch":
         B, W = self.batch, self.width
@@ -153,7 +149,7 @@ class PaddedVerifyBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class PaddedPrefillSpec:
+class PaddedPrefillSpec(OnCache):
     """Static shape of the padded prefill: `rows` (U) prompts x `width` (T) tokens inserted
     into `inserts` (R) of the `batch` cache rows of `cache_len` positions."""
 
@@ -165,10 +161,6 @@ class PaddedPrefillSpec:
     inserts: int
     cache_len: int
     dtype: str
-
-    @property
-    def cache(self) -> CacheSpec:
-        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
 
     def abstract(self, sharding=None) -> "PaddedPrefillBatch":
         U, T, R = self.rows, self.width, self.inserts

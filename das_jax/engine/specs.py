@@ -59,8 +59,19 @@ class CacheSpec:
             KVCache.abstract(self.config, self.batch, self.cache_len, jnp.dtype(self.dtype)))
 
 
+class OnCache:
+    """Base of the program specs: `cache`, the `CacheSpec` of the KV cache the program runs on
+    (the spec's `config`, `batch` rows of `cache_len` positions, `dtype`)."""
+
+    __slots__ = ()
+
+    @property
+    def cache(self) -> CacheSpec:
+        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class VerifySpec:
+class VerifySpec(OnCache):
     """Static shape of one packed verify step: `batch` cache rows (B) of `cache_len` positions,
     `num_tokens` flat token slots (N), query-block `width` (W: 1 + the longest row's drafts,
     a compiled draft width), attended length `kv_len`; sampling key
@@ -74,10 +85,6 @@ class VerifySpec:
     cache_len: int
     kv_len: int
     dtype: str
-
-    @property
-    def cache(self) -> CacheSpec:
-        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
 
     def abstract(self, sharding=None) -> "VerifyBatch":
         B, N = self.batch, self.num_tokens
@@ -139,7 +146,7 @@ class VerifyBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillSpec:
+class PrefillSpec(OnCache):
     """Static shape of one packed prefill: `batch` cache rows (B) of `cache_len` positions,
     `num_tokens` flat prompt slots (N), an attention block of `rows` prompts (U, a batch
     bucket) x `width` tokens (T, a prompt-length bucket); `with_logits`: also return each
@@ -154,10 +161,6 @@ class PrefillSpec:
     cache_len: int
     dtype: str
     with_logits: bool = False
-
-    @property
-    def cache(self) -> CacheSpec:
-        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
 
     def abstract(self, sharding=None) -> "PrefillBatch":
         B, N = self.batch, self.num_tokens
@@ -196,7 +199,7 @@ class PrefillBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShareSpec:
+class ShareSpec(OnCache):
     """Static shape of admission by row copy: `batch` cache rows of `cache_len` positions, of
     which the first `width` (a prompt-length bucket >= every copied prompt) are copied."""
 
@@ -206,10 +209,6 @@ class ShareSpec:
     width: int
     cache_len: int
     dtype: str
-
-    @property
-    def cache(self) -> CacheSpec:
-        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
 
     def abstract(self, sharding=None) -> "ShareBatch":
         B, V = self.batch, self.config.vocab_size
@@ -262,7 +261,7 @@ class ShareBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class GatherSpec:
+class GatherSpec(OnCache):
     """Static shape of compaction: `batch` cache rows gathered into `new_batch` rows."""
 
     config: ModelConfig
@@ -270,10 +269,6 @@ class GatherSpec:
     new_batch: int
     cache_len: int
     dtype: str
-
-    @property
-    def cache(self) -> CacheSpec:
-        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
 
     def abstract(self, sharding=None) -> "GatherBatch":
         return GatherBatch(self, int32_abstract((self.new_batch,), sharding))
