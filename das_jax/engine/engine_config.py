@@ -3,6 +3,7 @@ the KV-memory sizing of the slot count (`size_slots`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Hashable
 
@@ -79,8 +80,10 @@ class EngineConfig:
                                 f"{self.draft_widths}")
         object.__setattr__(self, "draft_widths", widths)
 
-    @property
+    @functools.cached_property
     def batch_buckets(self) -> tuple[int, ...]:
+        """Powers of two below `max_slots`, then `max_slots` (computed once: the scheduler
+        reads it every step)."""
         out, b = [], 1
         while b < self.max_slots:
             out.append(b)

@@ -23,7 +23,7 @@ import numpy as np
 from das_jax.engine import scheduler
 from das_jax.engine.engine_config import Request
 from das_jax.engine.sampling import SamplingParams, request_seed
-from das_jax.engine.schedule import PromptRows, bucket, compact_rows, prompt_bucket
+from das_jax.engine.schedule import PromptRows, compact_rows, prompt_bucket
 from das_jax.engine.specs import (GatherBatch, GatherSpec, PrefillBatch, ShareBatch, ShareSpec,
                                   VerifyBatch, VerifySpec)
 from das_jax.models.transformer import Params
@@ -100,9 +100,8 @@ class DeviceExecutor:
         """Prefills requests `take` into `rows` (`step.prefill_packed`); writes their first
         tokens / log-probs at `where`; returns the token slots computed."""
         lay = self._layout(take, batch, packed=True)
-        U = bucket(len(lay.prompts), self.engine_config.batch_buckets)
-        pb = PrefillBatch.pack(self.config, self.skey, self.S, self.dtype, U, lay.T, lay.prompts,
-                               lay.src, rows, self.seeds[take], batch, with_logits)
+        pb = PrefillBatch.pack(self.config, self.skey, self.S, self.dtype, lay.U, lay.T,
+                               lay.prompts, lay.src, rows, self.seeds[take], batch, with_logits)
         out = self.programs.run(self.params, self.cache, pb)
         self.cache, first_R, first_logp_R = out[:3]
         first[where] = np.asarray(first_R)[:len(take)]
