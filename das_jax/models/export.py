@@ -305,13 +305,7 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32", tokenizer=None) 
                            original_max_position_embeddings=rs.original_max_position_embeddings)
         hf["rope_scaling"] = scaling
     if tokenizer is not None:
-        bos, eos, pad = _ids(tokenizer)
-        if bos is not None:
-            hf["bos_token_id"] = bos
-        if eos:
-            hf["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-        if pad is not None:
-            hf["pad_token_id"] = pad
+        hf.update(generation_config_dict(tokenizer))   # the same special ids
     return hf
 
 
