@@ -63,7 +63,7 @@ def run_training(trainer, resume: bool = False, progress: bool = True,
                     if stop_after is not None and len(records) >= stop_after:
                         break
                     record = trainer.train_one_step()
-                    _check_finite(record, c, manager.latest_step())
+                    _check_finite(record, c, manager)
                     records.append(record)
                     logger.log(record, samples=trainer.last_samples)
                     every = c.train.save_every
@@ -113,12 +113,14 @@ def _closing(resource):
     resource.close()
 
 
-def _check_finite(record: dict, c: Config, last_checkpoint: int | None) -> None:
+def _check_finite(record: dict, c: Config, manager) -> None:
     """Raises TrainError when a step's loss or gradient norm is NaN/inf (before it is logged or
-    saved): the model's logits or the update overflowed."""
+    saved): the model's logits or the update overflowed. `manager` (the run's
+    `CheckpointManager`) is read only then, for the last checkpoint's step."""
     for key in ("loss", "grad_norm", "reward_mean"):
         v = record.get(key)
         if isinstance(v, float) and not math.isfinite(v):
+            last_checkpoint = manager.latest_step()
             since = (f"the last checkpoint is step {last_checkpoint}" if last_checkpoint
                      is not None else "no checkpoint was written")
             raise TrainError(
