@@ -23,7 +23,7 @@ from das_jax.plan import check_before_training
 from das_jax.rl import run_dir as rd
 from das_jax.rl.compare import RunDirError, compare_table, load_run
 from das_jax.rl import model_loading
-from das_jax.rl.rewards import reward_fns_from_config
+from das_jax.rl.rewards import reward_fns_from_config, self_test_rewards
 from das_jax.rl.plots import plot_compare
 from das_jax.rl.run_log import (SAMPLES_FILE, format_sample, phase, read_jsonl,
                                 setup_console_logging)
@@ -149,10 +149,11 @@ def run(args: argparse.Namespace) -> int:
         memory_plan = check_before_training(config)  # before any weights are loaded
         if memory_plan is not None:
             print(memory_plan.table(), file=sys.stderr)
-        from das_jax.rl.trainer import GRPOTrainer  # jax (after configure_allocator)
+        # deferred import: jax (after configure_allocator)
+        from das_jax.rl.trainer import GRPOTrainer, check_registered_names
+        check_registered_names(config)   # before any weights are loaded
         reward_fns = reward_fns_from_config(config.grpo.reward_funcs, config.rewards)
-        for fn in reward_fns:  # the code sandbox's self-test, before any weights are loaded
-            getattr(fn, "self_test", lambda: None)()
+        self_test_rewards(reward_fns)   # the code sandbox's, before any weights are loaded
         model = model_loading.load_model(config)
         try:
             with phase("setting up the trainer (engine, optimizer, prompts)"):

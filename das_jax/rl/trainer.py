@@ -49,12 +49,13 @@ from das_jax.models.tokenizer import encode_prompt
 from das_jax.parallel import distributed as dist
 from das_jax.parallel.sharding import (MESH_AXES, MeshError, TrainShardings, mesh_from_config,
                                        place, replicated, resolve_mesh_shape)
+from das_jax.rl import losses
 from das_jax.rl.advantages import advantage_metrics, get_advantage
 from das_jax.rl.batches import make_batch
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.logprobs import cast_params, compute_logprobs
 from das_jax.rl.optimizer import Optimizer
-from das_jax.rl.rewards import combine_rewards, reward_fns_from_config
+from das_jax.rl.rewards import combine_rewards, reward_fns_from_config, self_test_rewards
 from das_jax.rl.run_log import sample_rows
 from das_jax.rl.train_error import TrainError
 from das_jax.rl.train_loop import run_training
@@ -81,6 +82,20 @@ def _token_bucket(n: int, multiple: int = 64) -> int:
     return int(math.ceil(n / multiple) * multiple)
 
 
+def check_registered_names(config: Config):
+    """(advantage estimator, loss) registered under `grpo.advantage_estimator` and
+    `grpo.loss_type` (their registries import jax, so the config schema cannot check them).
+
+    Raises:
+      TrainError: either name is not registered (one line naming the key and the valid names).
+    """
+    g = config.grpo
+    try:
+        return get_advantage(g.advantage_estimator), losses.get_loss(g.loss_type)
+    except ValueError as e:
+        raise TrainError(f"grpo.{e}") from None
+
+
 class GRPOTrainer:
     """Runs GRPO with DAS rollouts for a `Config`.
 
@@ -98,13 +113,12 @@ class GRPOTrainer:
                  reward_fns: Sequence[Callable] | None = None):
         self.config = config
         c = config
+        self.advantage_fn, _ = check_registered_names(c)
         # Rewards first: a code reward whose sandbox cannot run here (or judges its self-test
         # wrongly) stops the run in one line before the model loads.
         if reward_fns is None:
             reward_fns = reward_fns_from_config(c.grpo.reward_funcs, c.rewards)
-        for fn in reward_fns:
-            if callable(getattr(fn, "self_test", None)):
-                fn.self_test()
+        self_test_rewards(reward_fns)
         self._reward_events = [fn.events for fn in reward_fns if hasattr(getattr(fn, "events", None), "take")]
         if model is None:
             model = load(c.model.source, dtype=getattr(jnp, c.train.master_dtype))
@@ -231,7 +245,7 @@ class GRPOTrainer:
 
     def build_batch(self, rb: RolloutBatch):
         c = self.config
-        advantages = np.asarray(get_advantage(c.grpo.advantage_estimator)(
+        advantages = np.asarray(self.advantage_fn(
             jnp.asarray(rb.rewards), c.grpo))
         lens_p = np.array([len(p) for p in rb.prompt_ids], np.int32)
         lens_c = np.array([max(len(o.token_ids), 0) for o in rb.outputs], np.int32)

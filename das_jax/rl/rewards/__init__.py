@@ -31,6 +31,7 @@ Public surface:
     get_reward_fn(name) -> fn               names: math_accuracy, format, code (KeyError otherwise)
     register_reward_fn(name, fn, *, overwrite=False)
     reward_fns_from_config(names, rewards_section) -> [fn]   ``code`` built from ``rewards:``
+    self_test_rewards(fns)   the start-up self-test of those that have one (the code sandbox)
     math_answer_correct(completion, answer, *, use_math_verify=True, timeout_s=3) -> bool
     extract_final_number(completion) -> str | None   the final answer if it is one number
     parse_number(text) -> Fraction | None   exact value when the whole text is one number
@@ -52,7 +53,8 @@ from das_jax.rl.rewards.math_reward import (
     math_answer_correct,
     parse_number,
 )
-from das_jax.rl.rewards.registry import REWARD_FUNCTIONS, get_reward_fn, register_reward_fn, reward_fns_from_config
+from das_jax.rl.rewards.registry import (REWARD_FUNCTIONS, get_reward_fn, register_reward_fn,
+                                         reward_fns_from_config, self_test_rewards)
 from das_jax.rl.rewards.safety import RewardFn, combine_rewards, reward_name, safe_reward
 from das_jax.rl.rewards.sandbox import (
     SandboxCapabilities,
@@ -89,6 +91,7 @@ __all__ = [
     "get_reward_fn",
     "register_reward_fn",
     "reward_fns_from_config",
+    "self_test_rewards",
     "REWARD_FUNCTIONS",
     "math_answer_correct",
     "extract_final_number",

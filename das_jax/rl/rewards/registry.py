@@ -19,31 +19,27 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = REWARDS.entries
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered under ``name``.
+    """The reward function registered under ``name`` (``REWARDS``).
 
     Raises:
         KeyError: unknown name (the message lists the valid names).
     """
-    try:
-        return REWARD_FUNCTIONS[name]
-    except KeyError:
-        raise KeyError(f"unknown reward function {name!r}; valid names: {', '.join(sorted(REWARD_FUNCTIONS))}") from None
+    if name not in REWARDS:
+        raise KeyError(f"unknown reward function {name!r}; valid names: "
+                       f"{', '.join(sorted(REWARDS.names()))}")
+    return REWARDS.get(name)
 
 
 def register_reward_fn(name: str, fn: RewardFn, *, overwrite: bool = False) -> None:
-    """Register a reward function under ``name``.
+    """Register a reward function under ``name`` (``REWARDS.register``).
 
     Raises:
-        ValueError: ``name`` is taken and ``overwrite`` is False.
+        ValueError: ``name`` is empty, or taken and ``overwrite`` is False.
         TypeError: ``fn`` is not callable.
     """
     if not callable(fn):
         raise TypeError(f"reward function {name!r} is not callable")
-    if name in REWARD_FUNCTIONS and not overwrite:
-        raise ValueError(f"reward function {name!r} is already registered (pass overwrite=True)")
-    REWARD_FUNCTIONS[name] = fn
-
-
+    REWARDS.register(name, fn, replace=overwrite)
 
 
 def reward_fns_from_config(names: Sequence[str], rewards: Any = None) -> list[RewardFn]:
@@ -62,3 +58,15 @@ def reward_fns_from_config(names: Sequence[str], rewards: Any = None) -> list[Re
                                   num_workers=rewards.workers, sandbox=rewards.sandbox)
         out.append(fn)
     return out
+
+
+def self_test_rewards(reward_fns: Sequence[RewardFn]) -> None:
+    """Runs the start-up self-test of every reward function that has one (the code reward:
+    one right and one wrong solution through its sandbox; remembered per process).
+
+    Raises:
+        SandboxUnavailableError: a sandbox cannot run here or judged its self-test wrongly.
+    """
+    for fn in reward_fns:
+        if callable(getattr(fn, "self_test", None)):
+            fn.self_test()
