@@ -411,3 +411,24 @@ def test_registry():
         get_reward_fn("nope")
     with pytest.raises(ValueError, match="already"):
         register_reward_fn("format", _const)
+
+
+@pytest.mark.parametrize("completion", [
+    "So \\boxed{42}\n#### The answer is above",
+    "\\boxed{42}\n#### Answer: see above",
+    "\\boxed{42}\n#### **Answer:** see above",
+    "\\boxed{42}\n#### Final answer: shown above.",
+    "\\boxed{42}\n#### Answer = the boxed value",
+    "\\boxed{42}\n#### Answer is boxed",
+    "\\boxed{42}\n#### Answer: as computed in the box",
+    "\\boxed{42}\n#### 3 Verification steps",
+    "\\boxed{42}\n#### 1/2 way check",
+])
+def test_labelled_prose_and_numbered_headings_do_not_overwrite_the_answer(completion):
+    assert math_accuracy_reward([""], [completion], answer=["42"]) == [1.0]
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("#### Answer: yes", "yes"), ("#### Answer: 6 x 7 = 42", "42"), ("#### 42", "42")])
+def test_labelled_and_plain_answers_still_count(completion, answer):
+    assert math_accuracy_reward([""], [completion], answer=[answer]) == [1.0]

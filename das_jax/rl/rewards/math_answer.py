@@ -66,6 +66,19 @@ def _is_placeholder(core: str) -> bool:
     return set(words) <= _PLACEHOLDER_WORDS and bool(set(words) & _PLACEHOLDER_NOUNS)
 
 
+def _prose_words(text: str) -> list[str]:
+    """The words of two or more letters in ``text`` that are not math names or Greek."""
+    return [w for w in _WORD_RE.findall(text)
+            if w.lower() not in _MATH_WORDS and not any("\u0370" <= c <= "\u03ff" for c in w)]
+
+
+# Words that point at an answer given elsewhere ("#### The answer is above").
+_POINTERS = frozenset({"above", "below", "earlier", "previously", "boxed"})
+
+# A number, then words and nothing else of math: "3 Verification steps", "1/2 way check".
+_NUMBERED_HEADING_RE = re.compile(r"[-+]?\d[\d.,/]*\s+(?P<rest>[^\d=\\$+\-\u2212^<>/|]+)")
+
+
 def _is_prose(text: str) -> bool:
     """Does ``text`` read like a heading or a sentence -- a word of two or more letters (not a
     math name such as ``sqrt``, not Greek) before its first number or math symbol -- rather than
@@ -78,10 +91,11 @@ def _is_prose(text: str) -> bool:
         t = t[m.end():]
     cut = _MATH_CHAR_RE.search(t)
     prefix = t[: cut.start()] if cut else t
-    return any(
-        w.lower() not in _MATH_WORDS and not any("\u0370" <= c <= "\u03ff" for c in w)
-        for w in _WORD_RE.findall(prefix)
-    )
+    if _prose_words(prefix):
+        return True
+    # a numbered heading: one number, then two or more words ("18 dollars" stays an answer)
+    m = _NUMBERED_HEADING_RE.fullmatch(t.strip())
+    return bool(m) and len(_prose_words(m.group("rest"))) >= 2
 
 
 def _holds_answer(candidate: str) -> bool:
@@ -110,6 +124,9 @@ def _hash_answer(line: str) -> str | None:
         rest = s[m.end():].strip()
         if not rest or (not m.group("sep") and _is_prose(rest)):
             return None  # "#### Answer", "#### Final Answer" (a heading), "#### Answer key"
+        words = {w.lower() for w in _prose_words(rest)}
+        if not _MATH_CHAR_RE.search(rest) and (len(words) >= 2 or words & _POINTERS):
+            return None  # a labelled sentence or pointer, no math: "#### Answer: see above"
         s = rest  # labelled: "#### Answer: yes" holds "yes", even though it is a word
     s = _strip_markdown(_QUOTES_RE.sub("", s).strip())
     if (not m and _is_prose(s)) or not _holds_answer(s):
