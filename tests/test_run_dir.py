@@ -172,3 +172,18 @@ def test_checkpoint_steps_reads_committed_step_dirs_only(tmp_path):
 def test_complete_message_says_how_to_extend():
     msg = rd.complete_message("runs/x", 16, 16)
     assert "is complete" in msg and "--resume runs/x --set train.steps=N with N > 16" in msg
+
+
+def test_a_users_own_lock_file_is_kept_and_refused(tmp_path):
+    """A file named like das-jax's lock that das-jax did not write is neither truncated nor
+    overwritten: the run is refused in one line."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / rd.LOCK_FILE).write_text("my notes\n")
+    with pytest.raises(rd.RunDirError, match="did not write"):
+        with rd.lock_run_dir(run):
+            pass
+    assert (run / rd.LOCK_FILE).read_text() == "my notes\n"
+    (run / rd.LOCK_FILE).write_text("pid 12 on otherhost\n")   # a dead run's note: usable
+    with rd.lock_run_dir(run):
+        pass

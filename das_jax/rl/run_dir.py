@@ -98,6 +98,12 @@ def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
     except OSError as e:
         raise RunDirError(f"cannot create the lock file {str(lock_path)!r}: {e.strerror}; "
                           "choose a writable output_dir") from None
+    note = _read_holder(fd, default="")
+    if note and not _HOLDER_RE.match(note):   # a file of the user's that is named .lock
+        os.close(fd)
+        raise RunDirError(f"output_dir {str(path)!r} holds a {LOCK_FILE} that das-jax did not "
+                          f"write; das-jax keeps its lock there, so move that file or choose "
+                          "another output_dir (--set output_dir=DIR)")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -108,7 +114,7 @@ def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
                           ) from None
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     except OSError:
         pass  # the lock is what matters; the note is for messages only
     _held[key] = [fd, 1]
@@ -121,13 +127,17 @@ def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
             os.close(fd)   # releases the flock
 
 
-def _read_holder(fd: int) -> str:
+# What a lock file holds: the note `lock_run_dir` writes, "pid 123 on host".
+_HOLDER_RE = re.compile(r"pid \d+ on \S*$")
+
+
+def _read_holder(fd: int, default: str = "pid unknown") -> str:
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         text = os.read(fd, 200).decode(errors="replace").strip()
     except OSError:
         text = ""
-    return text or "pid unknown"
+    return text or default
 
 
 def is_run(run_dir: str | os.PathLike) -> bool:
