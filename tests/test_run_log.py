@@ -334,3 +334,17 @@ def test_train_errors_found_with_the_model_are_one_line_naming_the_key(runs, mon
 
 def steps_of(run_dir):
     return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_samples_with_records_that_are_not_samples_are_named_not_a_traceback(tmp_path):
+    """A record without an integer step, or with a non-numeric reward, is skipped with a warning
+    naming it; the others print."""
+    (tmp_path / "samples.jsonl").write_text(
+        '{"step": 1, "reward": 0.5, "completion": "hi"}\n{"reward": 1.0}\n'
+        '{"step": 2, "reward": "x"}\n', encoding="utf-8")
+    rc, out, err = _run_cli(["samples", str(tmp_path), "--all"])
+    assert rc == 0 and "reward 0.500" in out and "Traceback" not in err
+    assert [line.split("record ")[1].split(" ")[0] for line in err.splitlines()] == ["2", "3"]
+    (tmp_path / "samples.jsonl").write_text('{"step": 1, "reward": "x"}\n', encoding="utf-8")
+    rc, out, err = _run_cli(["samples", str(tmp_path)])
+    assert rc == 2 and err.splitlines()[-1].startswith("das-jax samples: error:")

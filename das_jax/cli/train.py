@@ -180,6 +180,9 @@ def run_samples(args: argparse.Namespace) -> int:
         return 2
     problems: list[str] = []
     samples = read_jsonl(path, problems)
+    samples, skipped = _valid_samples(samples)
+    problems += [f"{path}: record {k} is not a das-jax sample (needs an integer 'step' and a "
+                 f"numeric 'reward'); skipped" for k in skipped]
     for msg in problems:
         print(f"das-jax samples: warning: {msg}", file=sys.stderr)
     steps = sorted({s["step"] for s in samples})
@@ -198,6 +201,17 @@ def run_samples(args: argparse.Namespace) -> int:
     for i, s in enumerate(shown):
         print(("\n" if i else "") + format_sample(s))
     return 0
+
+
+def _valid_samples(records: list) -> tuple[list[dict], list[int]]:
+    """(the records `format_sample` can show, the 1-based numbers of the others): a sample is a
+    JSON object with an integer `step` and a numeric `reward`."""
+    good, bad = [], []
+    for k, r in enumerate(records, 1):
+        ok = (isinstance(r, dict) and type(r.get("step")) is int
+              and isinstance(r.get("reward"), (int, float)) and not isinstance(r["reward"], bool))
+        (good.append(r) if ok else bad.append(k))
+    return good, bad
 
 
 def _ranges(steps: list[int]) -> str:

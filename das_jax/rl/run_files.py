@@ -47,8 +47,11 @@ def sample_rows(rb, step: int, count: int, prompt_text: dict[str, str] | None = 
 
 def format_sample(s: dict, width: int = 100) -> str:
     """A sample (a `sample_rows` dict) as a readable block of text."""
-    parts = ", ".join(f"{k} {v:.3g}" for k, v in s.get("rewards", {}).items())
-    head = (f"── step {s['step']} · sample {s['index']} · problem {s['problem_id']} "
+    rewards = s.get("rewards")
+    parts = ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                      for k, v in (rewards.items() if isinstance(rewards, dict) else ()))
+    head = (f"── step {s['step']} · sample {s.get('index', '?')} · "
+            f"problem {s.get('problem_id', '?')} "
             f"(#{s.get('sample_index', '?')}) · reward {s['reward']:.3f}"
             + (f" ({parts})" if parts else "")
             + f" · {s.get('length', '?')} tokens, {s.get('finish_reason', '?')}")
