@@ -22,7 +22,11 @@ def _arithmetic(path, **kw: Any) -> list[Problem]:
     limit = kw.pop("limit", None)
     if limit is not None:
         kw["num_problems"] = min(int(kw["num_problems"]), int(limit))
-    return synthetic_arithmetic(**kw)
+    try:
+        return synthetic_arithmetic(**kw)
+    except ValueError as e:   # settings no template can meet (data.templates / min / max_steps)
+        raise DatasetError(f"data.kind 'arithmetic' with data.templates / data.min_steps / "
+                           f"data.max_steps: {e}") from None
 
 
 def _file_kind(kind: str, loader):
