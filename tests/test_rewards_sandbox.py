@@ -726,6 +726,23 @@ def test_big_ints_and_large_results_cross():
     assert res.status == "too_large"
 
 
+def test_values_nested_past_the_wire_limit_are_reported_as_too_large():
+    """A correct result (or argument) nested deeper than the wire allows is reported and counted
+    as `too_large`, like an oversize message, not a silent failure; shallow ones cross."""
+    nest = {"code_prompt": "def f(n):\n    \"\"\"n nested lists\"\"\"\n", "entry_point": "f",
+            "test": "def check(candidate):\n    x = []\n    for _ in range(100):\n"
+                    "        x = [x]\n    assert candidate(100) == x\n"}
+    sol = "    x = []\n    for _ in range(n):\n        x = [x]\n    return x\n"
+    fn = make_code_reward()
+    assert _reward(nest, sol, fn) == 0.0
+    assert fn.events.take() == {"too_large": 1}
+    shallow = dict(nest, test=nest["test"].replace("100", "30"))
+    assert _reward(shallow, sol) == 1.0
+    res = check_solution("def g(x):\n    return 1\n",
+                         "x = []\nfor _ in range(100):\n    x = [x]\nassert g(x) == 1\n")
+    assert res.status == "too_large"
+
+
 # appended to a completion: burns {s} seconds of CPU once, when the solution is loaded
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}:\n    pass\n"
 

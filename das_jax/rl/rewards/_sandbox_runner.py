@@ -51,9 +51,13 @@ class WireError(Exception):
     """A value that is not plain data, or a malformed message."""
 
 
+class WireTooDeep(WireError):
+    """A value nested deeper than ``MAX_DEPTH``: reported as a message over the limits."""
+
+
 def encode(x, depth=0):
     if depth > MAX_DEPTH:
-        raise WireError("value nested too deeply")
+        raise WireTooDeep(f"value nested deeper than {MAX_DEPTH} levels")
     if x is None or x is True or x is False:
         return x
     d = depth + 1
@@ -94,7 +98,7 @@ _FLOATS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 def decode(x, depth=0):
     """Rebuild a value from :func:`encode`'s output using builtin types only."""
     if depth > MAX_DEPTH:
-        raise WireError("value nested too deeply")
+        raise WireTooDeep(f"value nested deeper than {MAX_DEPTH} levels")
     t = type(x)
     if x is None or t is bool or t is int or t is float or t is str:
         return x
@@ -546,9 +550,16 @@ def _run_serve(job, src, fds, guard):
             fn = g[name] if name in allowed else None
             if fn is None or not callable(fn):
                 raise NameError(f"{name!r} is not defined by the solution")
-            out = {"id": rid, "ok": encode(fn(*decode(msg["args"]), **decode(msg["kwargs"])))}
+            res = fn(*decode(msg["args"]), **decode(msg["kwargs"]))
         except BaseException as e:  # noqa: BLE001 - reported to the checker as a failed call
             out = {"id": rid, "err": _plain_name(e)}
+        else:
+            try:
+                out = {"id": rid, "ok": encode(res)}
+            except WireTooDeep:          # over the wire's limits, like an oversize reply
+                out = {"id": rid, "err": TOO_LARGE}
+            except BaseException as e:  # noqa: BLE001
+                out = {"id": rid, "err": _plain_name(e)}
         try:
             data = (dumps(out) + "\n").encode()
         except BaseException as e:  # noqa: BLE001
@@ -606,7 +617,7 @@ def _candidate_error(name):
 
 def _raise_for(name):
     if name == TOO_LARGE:
-        raise MessageTooLarge("the solution's reply is over the message size limit")
+        raise MessageTooLarge("the solution's reply is over the message size or nesting limit")
     raise _candidate_error(name if isinstance(name, str) else "")(f"the solution raised {name!r}")
 
 
@@ -625,6 +636,9 @@ def _run_check(job, src, fds):
             try:
                 data = (dumps({"id": rid, "fn": name, "args": encode(list(args)),
                                "kwargs": encode(dict(kwargs))}) + "\n").encode()
+            except WireTooDeep as e:
+                state["oversize"] = True
+                raise MessageTooLarge(f"arguments of {name}() are {e}") from None
             except (WireError, ValueError, RecursionError) as e:
                 raise CandidateCallError(f"arguments are not plain data: {e}") from None
             if len(data) > max_msg:

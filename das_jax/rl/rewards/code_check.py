@@ -22,8 +22,9 @@ so ``except ValueError`` in a test still works), never as a control-flow excepti
 
 Limits: the tests may call the solution's functions only with plain-data arguments, and
 mutations of arguments do not travel back. Ints of any size cross (as hex beyond ~1200 digits). A
-call's arguments or reply may be at most ``max_message_mb`` MiB of JSON (default 64): beyond it
-the call fails and the check's status is ``"too_large"`` (reported, not a silent failure). Time:
+call's arguments or reply may be at most ``max_message_mb`` MiB of JSON (default 64) and nested at
+most 64 levels deep (lists, dicts, tuples, sets): beyond either the call fails and the check's
+status is ``"too_large"`` (reported, not a silent failure). Time:
 each sandbox may use ``limits.timeout_s`` seconds of CPU (not counting interpreter start-up); a
 wall-clock backstop (``limits.wall_s``) ends sandboxes that sleep or block.
 """
@@ -57,7 +58,7 @@ class CheckResult:
         passed: the trusted tests ran to their end without an exception.
         status: ``"passed"``, ``"failed"``, ``"timeout"`` (a sandbox used up its CPU time, or the
             wall-clock backstop), ``"too_large"`` (the tests failed after a call's arguments or
-            reply went over ``max_message_mb``) or ``"error"`` (the sandbox itself failed).
+            reply went over ``max_message_mb`` or 64 levels of nesting) or ``"error"`` (the sandbox itself failed).
         calls: calls the tests made to the solution (when passed; else 0).
         elapsed_s: wall-clock seconds.
         detail: the last lines of the tests' stderr (why it failed), or the error.
