@@ -116,8 +116,6 @@ def check_finite_logprobs(outputs, model: str, dtype: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from das_jax.engine import SamplingParams  # jax
     try:
-        if args.num_samples < 1:
-            raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
         widths = tuple(args.draft_widths)

@@ -154,7 +154,9 @@ def _check_reward_names(names: Sequence[str]) -> None:
 
 
 _FILE_KINDS = ("gsm8k", "math", "humaneval")
-_DATA_DEFAULTS = {"num_problems": 64, "seed": 0}
+# the synthetic-only fields and their defaults (read from the schema, so they cannot drift)
+_DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSection)
+                  if f.name in ("num_problems", "seed")}
 
 
 def _check_data_kind_fields(d: DataSection) -> None:
