@@ -122,6 +122,17 @@ def test_round_trip_through_das_jax_loader(tmp_path, flavour):
     assert tok.encode(PROMPTS[1]) == TOK.encode(PROMPTS[1])
 
 
+def test_exported_files_are_readable_like_any_new_file(tmp_path):
+    """Every exported file gets the mode a new file gets (safetensors alone wrote 0600)."""
+    config = FLAVOURS["llama-tied"]
+    files = hf_export.save_hf_model(tmp_path / "out", config, random_params(config), TOK,
+                                    "float32")
+    (tmp_path / "new").write_text("x")
+    want = (tmp_path / "new").stat().st_mode & 0o777
+    assert {f: (tmp_path / "out" / f).stat().st_mode & 0o777 for f in files} == \
+        {f: want for f in files}
+
+
 def test_bfloat16_and_sharded_round_trip(tmp_path):
     config = FLAVOURS["qwen2-qkv-bias"]
     params = random_params(config, seed=1)

@@ -46,6 +46,13 @@ class ExportError(ModelLoadError):
     (the message names the tensor or the tokenizer and the fix)."""
 
 
+def _file_mode() -> int:
+    """The mode `open()` gives a new file: 0666 less the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _numpy_dtype(dtype: str) -> np.dtype:
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"unsupported export dtype {dtype!r}; use float32 or bfloat16")
@@ -232,6 +239,7 @@ def save_safetensors(out: str | os.PathLike, config: ModelConfig, params: Mappin
     for file, names in zip(files, shards):
         tensors = {name: get(name).astype(np_dtype) for name in names}
         save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})
+        os.chmod(os.path.join(out, file), _file_mode())   # safetensors writes 0600
         del tensors
         weight_map.update({name: file for name in names})
     if n > 1:

@@ -84,6 +84,8 @@ class Tokenizer:
             raise ModelLoadError(
                 f"{path}: no tokenizer files (expected tokenizer.json and tokenizer_config.json); "
                 "copy them from the model's original repository into this directory")
+        # no "PyTorch was not found" advice: das-jax uses transformers' tokenizers only
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         # deferred import: transformers (not loaded by importing this module)
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
         tok_cfg = _read_json_if_exists(os.path.join(path, "tokenizer_config.json"))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from das_jax.models.errors import ModelLoadError
@@ -288,7 +289,8 @@ def build_tokenizer(meta: dict[str, Any], source: str = "GGUF"):
     Raises:
       ModelLoadError: as `build_backend`.
     """
-    # deferred import: transformers (not loaded by importing this module)
+    # no "PyTorch was not found" advice: das-jax uses transformers' tokenizers only
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     # deferred import: transformers (not loaded by importing this module)
     from transformers import PreTrainedTokenizerFast
 
