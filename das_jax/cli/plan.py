@@ -7,13 +7,16 @@ import sys
 
 from das_jax.config import ConfigError, load_config
 from das_jax.plan import PlanError, plan
+from das_jax.rl import model_loading
+from das_jax.rl.run_log import setup_console_logging
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "plan", help="per-device memory of a run (abstract shapes, no weights)",
+        "plan", help="per-device memory of a run (abstract shapes, no weights loaded)",
         description="Compile the train step and the largest rollout shapes against abstract "
-                    "shapes and print per-device bytes; exit 1 with one line naming what to "
+                    "shapes and print per-device bytes (a named model source is fetched first: "
+                    "its config is in the file); exit 1 with one line naming what to "
                     "change when it does not fit.")
     p.add_argument("--config", required=True, help="YAML run config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -33,6 +36,8 @@ def run(args) -> int:
         print(f"das-jax plan: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # analysis only: never grab an accelerator
+    setup_console_logging()
+    model_loading.fetch_named_source(config)   # its config is read from the file: not silently
     try:
         p = plan(config, args.devices, args.device_memory_gb)
     except (PlanError, ValueError, OSError) as e:

