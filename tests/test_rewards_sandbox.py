@@ -26,9 +26,9 @@ from das_jax.rl.rewards import (
     run_in_sandbox,
     sandbox_capabilities,
 )
-from das_jax.rl.rewards import _sandbox_runner as wire
 from das_jax.rl.rewards import sandbox as sandbox_mod
 from das_jax.rl.rewards.code_check import free_names, stub_functions
+from das_jax.rl.rewards.sandbox_child import wire
 
 HUMANEVAL = "/work/shared/data/humaneval/HumanEval.jsonl.gz"
 SLACK_S = 5.0
@@ -643,7 +643,7 @@ def _runner_procs():
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"_sandbox_runner.py" in cmd and state != "Z":
+        if b"sandbox_child/runner.py" in cmd and state != "Z":
             out.append(int(p))
     return set(out)
 

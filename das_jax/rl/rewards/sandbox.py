@@ -50,234 +50,31 @@ read world-readable system files.
 
 from __future__ import annotations
 
-import glob
-import json
 import logging
-import os
-import secrets
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
-import time
-from dataclasses import dataclass
 
-from das_jax.errors import UserError
+# The types and host facts live in sandbox_host, the running sandbox in sandbox_process; this module
+# re-exports their public names (code_check imports CPU_LIMIT_EXIT, SETUP_FAILED_EXIT and
+# SandboxProcess from here, the tests ``_UID_RANGE`` and ``_interpreters``).
+from das_jax.rl.rewards.sandbox_host import (CPU_LIMIT_EXIT, RUNNER, SANDBOX_MODES, SETUP_FAILED_EXIT,  # noqa: F401
+                                             SYSTEM_PATHS, SandboxCapabilities, SandboxLimits, SandboxResult,
+                                             SandboxUnavailableError, fresh_uid, is_root, sweep_stale_dirs)
+from das_jax.rl.rewards.sandbox_host import UID_RANGE as _UID_RANGE  # noqa: F401
+from das_jax.rl.rewards.sandbox_host import interpreters as _interpreters
+from das_jax.rl.rewards.sandbox_process import SandboxProcess, run_exec  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SandboxResult", "SandboxCapabilities", "SandboxLimits", "SandboxUnavailableError", "run_in_sandbox",
            "sandbox_capabilities", "require_sandbox", "SANDBOX_MODES"]
 
-_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_runner.py")
-_OUTPUT_TAIL = 4000
 _NS_FLAGS = ("--mount", "--pid", "--net", "--ipc", "--fork", "--kill-child")
-#: Host paths visible (read-only) inside the sandbox, besides the Python installation.
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
-#: Fresh uids for sandboxed programs (as root) are drawn from this range where the user namespace
-#: maps it (else from the highest mapped uids).
-_UID_RANGE = (2_000_000, 2_000_000_000)
-#: ``sandbox=`` values: ``isolated`` (namespaces, or refuse) and ``unisolated`` (namespaces where
-#: available, else the unisolated mode of the module docstring).
-SANDBOX_MODES = ("isolated", "unisolated")
-#: Exit statuses of the sandbox runner (see ``_sandbox_runner``).
-CPU_LIMIT_EXIT, SETUP_FAILED_EXIT = 124, 125
-_DIR_PREFIX = "das_jax_sbx_"
-
-
-class SandboxUnavailableError(UserError):
-    """The requested sandbox cannot run on this machine (the message names the reason and the fix)."""
-
-
-@dataclass(frozen=True)
-class SandboxResult:
-    """Outcome of one sandboxed run.
-
-    Attributes:
-        passed: the program ran to its end without an exception (reported by the program's own
-            process: NOT proof against a hostile program; see the module docstring).
-        status: ``"passed"``, ``"failed"`` (exception / non-zero exit / early exit),
-            ``"timeout"`` (used up its CPU time, or the wall-clock backstop) or ``"error"`` (the
-            sandbox itself failed).
-        returncode: the sandbox's exit status (negative: killed by that signal), None if unknown.
-        elapsed_s: wall-clock seconds, start to reap.
-        stdout, stderr: the last few KB of each stream.
-    """
-
-    passed: bool
-    status: str
-    returncode: int | None
-    elapsed_s: float
-    stdout: str = ""
-    stderr: str = ""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Limits of one sandbox.
-
-    Attributes:
-        timeout_s: CPU seconds the program may use (``RLIMIT_CPU``, counted from the program's
-            start; rounded up to whole seconds by the kernel's accounting).
-        memory_mb: MiB for the sandbox as a whole: its processes' address spaces plus its tmpfs.
-        max_procs: processes (and threads) the sandbox may have at once; 1 = no fork.
-        max_file_mb: MiB of each private tmpfs (``/tmp``, ``/dev/shm``) and the largest file
-            (including captured stdout/stderr) a process may write.
-        wall_timeout_s: wall-clock backstop in seconds (a program that sleeps uses no CPU); then
-            the whole sandbox is SIGKILLed. None: ``4 * timeout_s + 10`` (:attr:`wall_s`), generous
-            so that a busy machine does not turn a correct program into a timeout.
-    """
-
-    timeout_s: float = 5.0
-    memory_mb: int = 1024
-    max_procs: int = 1
-    max_file_mb: int = 16
-    wall_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"sandbox timeout_s must be > 0, got {self.timeout_s}")
-        if self.wall_timeout_s is not None and not self.wall_timeout_s > 0:
-            raise ValueError(f"sandbox wall_timeout_s must be > 0 or None, got {self.wall_timeout_s}")
-        if self.max_procs < 1 or self.max_file_mb < 1:
-            raise ValueError(f"sandbox max_procs and max_file_mb must be >= 1, got {self.max_procs}, "
-                             f"{self.max_file_mb}")
-        if self.per_process_mb < 32:
-            raise ValueError(f"sandbox memory_mb={self.memory_mb} leaves {self.per_process_mb} MiB per process "
-                             f"(max_procs={self.max_procs}, 2 x max_file_mb={self.max_file_mb} of tmpfs); "
-                             "need >= 32: raise memory_mb or lower max_procs")
-
-    @property
-    def per_process_mb(self) -> int:
-        """``RLIMIT_AS`` of each process, MiB."""
-        return (int(self.memory_mb) - 2 * int(self.max_file_mb)) // int(self.max_procs)
-
-    @property
-    def wall_s(self) -> float:
-        """The wall-clock backstop, seconds."""
-        return float(self.wall_timeout_s) if self.wall_timeout_s is not None else 4.0 * self.timeout_s + 10.0
-
-
-@dataclass(frozen=True)
-class SandboxCapabilities:
-    """What isolation this machine gives the sandbox (probed once per process).
-
-    Attributes:
-        mode: ``"namespaces"`` (as root), ``"user-namespaces"`` (unprivileged), ``"unisolated"``
-            (Landlock + seccomp, no namespaces) or ``"none"`` (nothing works; see ``reason``).
-        prefix: the command prefix (``setpriv ... unshare ...``) or ``()``.
-        mount_namespace: private filesystem view (layer 1 of the module docstring).
-        pid_namespace: own PID namespace (all descendants die with the run; /proc shows only them).
-        net_namespace: no network at all.
-        drop_privileges: the program runs under an unprivileged uid of its own.
-        python: the interpreter that runs the program (the Python of this process or, where the
-            sandbox's uid cannot read it, another; override with ``$DAS_JAX_SANDBOX_PYTHON``).
-        reason: why the isolated modes are not used ("" when ``isolated``): one clause per
-            mode, e.g. ``"unshare not found on PATH"``.
-        landlock: the Landlock ABI version the unisolated mode uses (0: none).
-        unisolated_reason: why the unisolated mode cannot run here ("" when it can, or when it
-            was not needed).
-    """
-
-    mode: str
-    prefix: tuple[str, ...]
-    mount_namespace: bool
-    pid_namespace: bool
-    net_namespace: bool
-    drop_privileges: bool
-    python: str = sys.executable
-    reason: str = ""
-    landlock: int = 0
-    unisolated_reason: str = ""
-
-    @property
-    def isolated(self) -> bool:
-        """Mount, PID and network namespaces are all in use."""
-        return self.mount_namespace and self.pid_namespace and self.net_namespace
-
-    @property
-    def usable(self) -> bool:
-        """Some sandbox (isolated or unisolated) works here."""
-        return self.mode != "none"
-
 
 _caps_lock = threading.Lock()
 _caps: SandboxCapabilities | None = None
 _warned_unisolated = False
-
-
-def _is_root() -> bool:
-    return hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def _base_python() -> str:
-    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-
-
-def _interpreters() -> list[str]:
-    out: list[str] = []
-    env = os.environ.get("DAS_JAX_SANDBOX_PYTHON")
-    for p in (env, _base_python(), "/usr/bin/python3", "/usr/local/bin/python3"):
-        if p and os.path.exists(p) and all(os.path.realpath(p) != os.path.realpath(q) for q in out):
-            out.append(p)
-    return out
-
-
-def _python_paths(python: str) -> list[str]:
-    """Host directories the interpreter needs (its installation prefix), outside SYSTEM_PATHS."""
-    real = os.path.realpath(python)
-    paths = []
-    if real == os.path.realpath(_base_python()):
-        paths += [os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)]
-    else:  # another interpreter: its prefix is two levels above bin/python
-        paths.append(os.path.dirname(os.path.dirname(real)))
-    out = []
-    for p in paths:
-        if p not in out and not any(p == s or p.startswith(s + "/") for s in SYSTEM_PATHS):
-            out.append(p)
-    return out
-
-
-def _read_id_map(path: str) -> list[tuple[int, int]]:
-    """``[(first inside id, count)]`` of a ``/proc/self/{uid,gid}_map``; the full range if unreadable."""
-    try:
-        with open(path, encoding="ascii") as f:
-            rows = [line.split() for line in f if line.strip()]
-        return [(int(r[0]), int(r[2])) for r in rows if len(r) == 3]
-    except (OSError, ValueError):
-        return [(0, 1 << 32)]
-
-
-def _spare_uids() -> list[tuple[int, int]]:
-    """Half-open ranges ``[lo, hi)`` of ids mapped in both the uid and gid maps of this user
-    namespace, above the system ids (>= 1000), without this process's uid and ``nobody``."""
-    def ranges(path):
-        return [(a, a + n) for a, n in _read_id_map(path)]
-
-    out = []
-    for ulo, uhi in ranges("/proc/self/uid_map"):
-        for glo, ghi in ranges("/proc/self/gid_map"):
-            lo, hi = max(ulo, glo, 1000), min(uhi, ghi, (1 << 32) - 1)
-            if hi > lo:
-                out.append((lo, hi))
-    return out
-
-
-def fresh_uid() -> int | None:
-    """An otherwise unused uid for one sandbox (as root): random in ``_UID_RANGE`` where the user
-    namespace maps it, else among the highest mapped ids (a rootless container maps only its
-    subordinate range). None if the namespace maps no spare id."""
-    spare = _spare_uids()
-    lo0, hi0 = _UID_RANGE
-    wide = [(max(lo, lo0), min(hi, hi0)) for lo, hi in spare if min(hi, hi0) - max(lo, lo0) >= 1 << 16]
-    if wide:
-        lo, hi = wide[secrets.randbelow(len(wide))]
-        return lo + secrets.randbelow(hi - lo)
-    own = os.getuid()
-    pool = [u for lo, hi in spare for u in range(max(lo, hi - 4096), hi) if u not in (own, 65534, 65535)]
-    return pool[secrets.randbelow(len(pool))] if pool else None
 
 
 def _which_unshare() -> str | None:
@@ -308,13 +105,13 @@ def _candidates() -> list[SandboxCapabilities]:
     out: list[SandboxCapabilities] = []
     pys = _interpreters()
     if unshare:
-        if _is_root():
+        if is_root():
             out.append(SandboxCapabilities("namespaces", (*pd, unshare, *_NS_FLAGS, "--"), True, True, True, True,
                                            pys[0]))
         out.append(SandboxCapabilities("user-namespaces",
                                        (*pd, unshare, "--user", "--map-root-user", *_NS_FLAGS, "--"),
                                        True, True, True, True, pys[0]))
-    out += [SandboxCapabilities("unisolated", (), False, False, False, _is_root(), py) for py in pys]
+    out += [SandboxCapabilities("unisolated", (), False, False, False, is_root(), py) for py in pys]
     return out
 
 
@@ -367,51 +164,6 @@ def _probe_line(r: SandboxResult) -> str:
     return f"probe {r.status}, exit status {r.returncode}"
 
 
-def _tmp_roots() -> list[str]:
-    """Where unisolated-mode working directories may go: the temp dir, then common fallbacks."""
-    out = []
-    for d in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"):
-        if d not in out and os.path.isdir(d):
-            out.append(d)
-    return out
-
-
-def _tmp_root(other_uid: bool) -> str:
-    """A writable temp dir for a sandbox's working directory; one that every uid can traverse when
-    the sandbox runs under another uid (pytest's or a user's private ``$TMPDIR`` is not)."""
-    import stat
-
-    roots = _tmp_roots()
-    for d in roots:
-        if not os.access(d, os.W_OK | os.X_OK):
-            continue
-        if other_uid:
-            path, ok = os.path.realpath(d), True
-            while ok:
-                try:
-                    ok = bool(os.stat(path).st_mode & stat.S_IXOTH)
-                except OSError:
-                    ok = False
-                if path == "/":
-                    break
-                path = os.path.dirname(path)
-            if not ok:
-                continue
-        return d
-    return roots[0] if roots else tempfile.gettempdir()
-
-
-def _sweep_stale_dirs() -> None:
-    """Remove unisolated-mode working directories of callers that died (SIGKILL leaves them)."""
-    for d in [p for root in _tmp_roots() for p in glob.glob(os.path.join(root, _DIR_PREFIX + "*"))]:
-        try:
-            pid = int(os.path.basename(d)[len(_DIR_PREFIX):].split("_", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(d, ignore_errors=True)
-
-
 def sandbox_capabilities(refresh: bool = False) -> SandboxCapabilities:
     """The strongest sandbox that works here, found by running a tiny probe program under each
     candidate configuration (once per process; ``refresh=True`` probes again). ``mode == "none"``
@@ -421,7 +173,7 @@ def sandbox_capabilities(refresh: bool = False) -> SandboxCapabilities:
     with _caps_lock:
         if _caps is not None and not refresh:
             return _caps
-        _sweep_stale_dirs()
+        sweep_stale_dirs()
         reasons: list[str] = []
         uni_reasons: list[str] = []
         if _which_unshare() is None:
@@ -435,7 +187,7 @@ def sandbox_capabilities(refresh: bool = False) -> SandboxCapabilities:
                     uni_reasons.append(uni_why)
                     break
                 cand = SandboxCapabilities(**{**cand.__dict__, "landlock": abi})
-            r = _run_exec(_PROBE.format(runner=_RUNNER, tmp=tempfile.gettempdir()), cand, limits, guard=True,
+            r = run_exec(_PROBE.format(runner=RUNNER, tmp=tempfile.gettempdir()), cand, limits, guard=True,
                           argv_tag="isolated" if cand.isolated else "plain")
             if r.passed:
                 chosen = cand
@@ -498,134 +250,6 @@ def require_sandbox(mode: str = "isolated", *, setting: str = "rewards.sandbox")
     return caps
 
 
-class _Tail:
-    """An unlinked temporary file for a child's stdout/stderr (nothing left on disk)."""
-
-    def __init__(self) -> None:
-        self.f = tempfile.TemporaryFile()
-
-    def read(self) -> str:
-        try:
-            self.f.seek(0, os.SEEK_END)
-            size = self.f.tell()
-            self.f.seek(max(0, size - _OUTPUT_TAIL))
-            return self.f.read().decode("utf-8", "replace")
-        except (OSError, ValueError):
-            return ""
-
-    def close(self) -> None:
-        self.f.close()
-
-
-class SandboxProcess:
-    """One running sandbox (parent side). Use :meth:`start`, then :meth:`wait`/:meth:`kill`, and
-    always :meth:`cleanup` (which kills it if still running)."""
-
-    def __init__(self, caps: SandboxCapabilities, limits: SandboxLimits):
-        self.caps, self.limits = caps, limits
-        self.proc: subprocess.Popen | None = None
-        self._uid: int | None = None
-        self._out: _Tail | None = None
-        self._err: _Tail | None = None
-
-    def start(self, job: dict, pass_fds: dict[str, int], argv_tag: str = "") -> "SandboxProcess":
-        """Launch the runner and send it the job over its stdin. ``job`` holds ``mode``,
-        ``program`` and the mode's fields; ``pass_fds`` maps the runner's names (``status``,
-        ``req``, ``resp``) to this process's file descriptors, which the child inherits under
-        the same numbers."""
-        caps, lim = self.caps, self.limits
-        uid = fresh_uid() if caps.mode != "user-namespaces" and _is_root() else None
-        self._uid = uid
-        job = {
-            **job,
-            "isolate": caps.isolated,
-            "landlock": caps.mode == "unisolated",
-            "seccomp": True,
-            "ro_paths": [*SYSTEM_PATHS, *_python_paths(caps.python)],
-            "disk_bytes": int(lim.max_file_mb) << 20,
-            "tmp_root": _tmp_root(uid is not None),
-            "dir_prefix": f"{_DIR_PREFIX}{os.getpid()}_",
-            "parent_pid": os.getpid(),
-            "uid": uid,
-            "nested_userns": caps.mode == "user-namespaces",
-            "limits": {
-                "as": int(lim.per_process_mb) << 20,
-                "fsize": int(lim.max_file_mb) << 20,
-                "nofile": 64,
-                "cpu": float(lim.timeout_s),
-                "nproc": int(lim.max_procs),
-            },
-            "fds": dict(pass_fds),
-        }
-        data = json.dumps(job).encode("utf-8")
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        self._out, self._err = _Tail(), _Tail()
-        cmd = [*caps.prefix, caps.python, "-I", "-S", _RUNNER, argv_tag]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=self._out.f, stderr=self._err.f, cwd="/",
-                                     env=env, start_new_session=True, close_fds=True,
-                                     pass_fds=tuple(pass_fds.values()))
-        try:
-            self.proc.stdin.write(data)
-        except BrokenPipeError:  # the runner died first: its stderr says why
-            pass
-        finally:
-            try:
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        return self
-
-    def wait(self, timeout_s: float | None) -> int | None:
-        """Exit status, or None if still running after ``timeout_s``."""
-        assert self.proc is not None
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def kill(self) -> None:
-        """End the whole sandbox. Isolated: SIGKILL its process group (the PID namespace takes the
-        rest). Unisolated: SIGTERM to its supervisor, which kills the program's process group (and
-        its uid's processes) and removes its directory; SIGKILL if it has not ended in 5 s."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None and not self.caps.isolated:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(timeout=5.0)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        self.proc.wait()
-
-    def output(self) -> tuple[str, str]:
-        """The last few KB of stdout and stderr."""
-        return (self._out.read() if self._out else ""), (self._err.read() if self._err else "")
-
-    def cleanup(self) -> None:
-        """Kill (if running) and close the output files."""
-        try:
-            self.kill()
-        finally:
-            for t in (self._out, self._err):
-                if t is not None:
-                    t.close()
-
-
 def run_in_sandbox(
     program: str,
     *,
@@ -660,50 +284,4 @@ def run_in_sandbox(
     """
     limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_procs=max_procs, max_file_mb=max_file_mb,
                            wall_timeout_s=wall_timeout_s)
-    return _run_exec(program, require_sandbox(sandbox, setting="sandbox"), limits, guard=guard)
-
-
-def _read_available(fd: int, limit: int = 1 << 16) -> bytes:
-    """What is in the pipe now (non-blocking: a leftover writer cannot stall the caller)."""
-    os.set_blocking(fd, False)
-    chunks, n = [], 0
-    while n < limit:
-        try:
-            b = os.read(fd, limit - n)
-        except BlockingIOError:
-            break
-        if not b:
-            break
-        chunks.append(b)
-        n += len(b)
-    return b"".join(chunks)
-
-
-def _run_exec(program: str, caps: SandboxCapabilities, limits: SandboxLimits, *, guard: bool,
-              argv_tag: str = "") -> SandboxResult:
-    t0 = time.monotonic()
-    sp = SandboxProcess(caps, limits)
-    status_r = status_w = -1
-    try:
-        status_r, status_w = os.pipe()
-        sp.start({"mode": "exec", "program": program, "guard": bool(guard)}, {"status": status_w}, argv_tag)
-        os.close(status_w)
-        status_w = -1
-        rc = sp.wait(limits.wall_s)
-        timed_out = rc is None
-        sp.kill()
-        rc = sp.proc.returncode
-        done = _read_available(status_r) == b"done\n"
-        stdout, stderr = sp.output()
-        passed = not timed_out and rc == 0 and done
-        status = ("timeout" if timed_out or rc == CPU_LIMIT_EXIT else "error" if rc == SETUP_FAILED_EXIT
-                  else "passed" if passed else "failed")
-        return SandboxResult(passed, status, rc, time.monotonic() - t0, stdout.rstrip("\n"), stderr)
-    except Exception as e:  # noqa: BLE001 - the sandbox must never crash the caller
-        logger.error("code sandbox failed: %s: %s", type(e).__name__, e)
-        return SandboxResult(False, "error", None, time.monotonic() - t0, "", f"{type(e).__name__}: {e}")
-    finally:
-        for fd in (status_r, status_w):
-            if fd >= 0:
-                os.close(fd)
-        sp.cleanup()
+    return run_exec(program, require_sandbox(sandbox, setting="sandbox"), limits, guard=guard)
