@@ -6,7 +6,8 @@ import pytest
 from das_jax.models.transformer import ActivationConfig
 from das_jax.rl import compute_logprobs, make_batch, make_loss_and_grad
 from das_jax.rl.batches import (HostColumns, completion_window, count_bucket,
-                                pack_shared_prompts, shared_prompt_groups)
+                                pack_shared_prompts, packed_micro_batches,
+                                shared_prompt_groups)
 
 from test_grpo_train_step import CFG, TEMP, _grpo, _tree_rel_err, tiny_params
 
@@ -154,6 +155,38 @@ def test_shared_prompt_groups_and_packing():
     assert unpadded.tokens.shape == (1, 5, 64) and unpadded.source.shape == (1, 5, 32)
     valid[0, 4] = True  # a valid token after the completion: not prompt + completion
     assert shared_prompt_groups(tokens, positions, valid, cmask, range(4)) is None
+
+
+def test_packed_rows_hold_at_most_the_padded_length_and_micro_batch_size():
+    """A packed row never holds more than T tokens (prompt + its completions) and a micro-batch
+    never more than `size` completions: a long or large group is split, repeating its prompt."""
+    T = 20
+    spans = {0: (8, 6), 1: (8, 5), 2: (8, 4), 3: (8, 7), 4: (3, 2), 5: (3, 2)}
+    cmask = np.zeros((6, T), bool)
+    for r, (P, L) in spans.items():
+        cmask[r, P:P + L] = True
+    groups = [[0, 1, 2, 3], [4, 5]]
+    # 8 + 6 + 5 = 19 <= 20 < 19 + 4: group 0 splits in two rows of two; micro-batches of 4
+    assert packed_micro_batches(groups, cmask, 4) == [[[0, 1], [2, 3]], [[4, 5]]]
+    assert packed_micro_batches(groups, cmask, 3) == [[[0, 1]], [[2, 3]], [[4, 5]]]
+    assert packed_micro_batches(groups, cmask, 16) == [[[0, 1], [2, 3], [4, 5]]]
+    assert packed_micro_batches(groups, cmask, 1) == [[[r]] for r in range(6)]
+    # a group of 16 short completions and micro-batches of 4: rows of 4, not one row of 16
+    many = np.zeros((16, 64), bool)
+    many[:, 10:13] = True
+    micro = packed_micro_batches([list(range(16))], many, 4)
+    assert micro == [[list(range(i, i + 4))] for i in range(0, 16, 4)]
+    for m in packed_micro_batches(groups, cmask, 4):
+        assert sum(len(row) for row in m) <= 4
+        for row in m:
+            assert spans[row[0]][0] + sum(spans[r][1] for r in row) <= T
+
+
+def test_long_groups_split_into_bounded_rows_match_full_reference(params):
+    """Groups of six whose packed rows would exceed T (41 + 6 x up to 12 > 64) train as several
+    packed rows per group, with the loss, metrics and gradients of the full reference."""
+    b = _group_batch(params, seed=5, prompt_lens=(41, 30), G=6)
+    _assert_matches_full_reference(params, b, "dapo", 0.0, 6)
 
 
 @pytest.mark.parametrize("loss_type,beta,mb", [("dapo", 0.0, 9), ("grpo", 0.04, 3),

@@ -3,7 +3,8 @@ three micro-batch kinds the gradient kernel takes, each a registered dataclass p
 
     PaddedMicroBatch    whole rows `[n, mb, T]` (the reference path and the mesh path)
     WindowedMicroBatch  whole rows, the head scored on a completion window `[n, mb, W]`
-    PackedMicroBatch    GRPO groups packed one row per prompt (`pack_shared_prompts`)
+    PackedMicroBatch    GRPO groups packed one row per prompt, rows of at most T tokens
+                        (`packed_micro_batches`, `pack_shared_prompts`)
 
 Every micro-batch has a leading axis of `n` micro-batches (the kernel scans over it) and the
 loss inputs `completion_mask`, `old_logprobs`, `ref_logprobs`, `weights` (`[n, rows, W]`) and
@@ -22,7 +23,7 @@ import numpy as np
 
 __all__ = ["TrainBatch", "make_batch", "HostColumns", "PaddedMicroBatch", "WindowedMicroBatch",
            "PackedMicroBatch", "length_bucket", "count_bucket", "micro_batch_plan",
-           "completion_window", "shared_prompt_groups", "pack_shared_prompts"]
+           "completion_window", "shared_prompt_groups", "packed_micro_batches", "pack_shared_prompts"]
 
 
 @flax.struct.dataclass
@@ -277,6 +278,47 @@ def shared_prompt_groups(tokens_NxT, positions_NxT, valid_NxT, cmask_NxT, rows) 
         key = (tokens_NxT[r, :P].tobytes(), positions_NxT[r, :P].tobytes())
         groups.setdefault(key, []).append(int(r))
     return list(groups.values())
+
+
+def packed_micro_batches(groups, cmask_NxT: np.ndarray, size: int) -> list[list[list[int]]]:
+    """The micro-batches of shared-prompt packed rows: each micro-batch a list of packed rows,
+    each packed row a list of row indices of one group (its prompt and some of its completions).
+
+    A packed row holds at most T tokens (the batch's padded length: prompt plus completions,
+    each row of the batch fits) and a micro-batch at most `size` completions, so a packed
+    micro-batch never holds more tokens, attention positions or scored completions than the
+    padded micro-batch of `size` rows the memory plan sizes: a group too long or too large for
+    one packed row is split into several, each repeating the prompt (a long-context group of 16
+    completions no longer becomes one row of ~16 x T tokens). Groups keep their order; a
+    micro-batch takes whole packed rows while they fit.
+
+    Args:
+      groups: lists of row indices with identical prompts (`shared_prompt_groups`).
+      cmask_NxT: bool `[N, T]` completion mask (a row's completion is contiguous).
+      size: completions per micro-batch, >= 1.
+    """
+    T = cmask_NxT.shape[1]
+    lengths = cmask_NxT.sum(1)
+    packed_rows = []
+    for g in groups:
+        P = int(np.argmax(cmask_NxT[g[0]]))
+        row, n = [], P
+        for r in g:
+            L = int(lengths[r])
+            if row and (n + L > T or len(row) == size):
+                packed_rows.append(row)
+                row, n = [], P
+            row.append(int(r))
+            n += L
+        packed_rows.append(row)
+    micro, n = [[]], 0
+    for row in packed_rows:
+        if micro[-1] and n + len(row) > size:
+            micro.append([])
+            n = 0
+        micro[-1].append(row)
+        n += len(row)
+    return micro
 
 
 def pack_shared_prompts(groups, cols: HostColumns, *,

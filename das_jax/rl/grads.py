@@ -23,7 +23,8 @@ from das_jax.models.transformer import ActivationConfig
 from das_jax.parallel import sharding as shard_lib
 from das_jax.rl import losses
 from das_jax.rl.batches import (HostColumns, PackedMicroBatch, PaddedMicroBatch, TrainBatch,
-                                micro_batch_plan, pack_shared_prompts, shared_prompt_groups)
+                                micro_batch_plan, pack_shared_prompts, packed_micro_batches,
+                                shared_prompt_groups)
 from das_jax.rl.logprobs import cast_params, micro_batch_logprobs, round_up
 
 __all__ = ["zero_carry", "accumulate_grads", "LossAndGrad", "make_loss_and_grad"]
@@ -137,7 +138,9 @@ class LossAndGrad:
     With `activation` (and no mesh) the head runs at the completion positions only
     (`WindowedMicroBatch`), and with `share_prompts` rows that share a prompt (a GRPO group) are
     packed into one row per group (`PackedMicroBatch`): the prompt's forward and backward run
-    once per group, not once per completion. Both give the same loss and gradient up to float
+    once per group, not once per completion (a row holds at most T tokens and a micro-batch at
+    most `micro_batch_size` completions, so larger groups take several rows:
+    `batches.packed_micro_batches`). Both give the same loss and gradient up to float
     rounding.
 
     With a `mesh` (`jax.sharding.Mesh`; params placed by `das_jax.parallel.sharding`), the
@@ -190,20 +193,17 @@ class LossAndGrad:
         return cols, keep
 
     def _packed_groups(self, cols: HostColumns, keep, size: int):
-        """Whole groups per micro-batch, up to `size` completions each (a larger group alone),
-        or None when the rows are not shared-prompt groups (or packing is off)."""
+        """The shared-prompt packed micro-batches of the rows `keep` (`packed_micro_batches`:
+        rows of at most T tokens, up to `size` completions each), or None when the rows are not
+        shared-prompt groups, packing is off, or no packed row would share its prompt."""
         groups = (shared_prompt_groups(cols.tokens, cols.positions, cols.valid,
                                        cols.completion_mask, keep)
                   if self.share_prompts else None)
         if not groups or max(len(g) for g in groups) <= 1:
             return None
-        micro, n = [[]], 0
-        for g in groups:
-            if micro[-1] and n + len(g) > size:
-                micro.append([])
-                n = 0
-            micro[-1].append(g)
-            n += len(g)
+        micro = packed_micro_batches(groups, cols.completion_mask, size)
+        if max(len(row) for m in micro for row in m) <= 1:
+            return None
         return micro
 
     def single_packed(self, batch: TrainBatch) -> tuple[bool, PackedMicroBatch | None]:
