@@ -17,6 +17,16 @@ import tempfile
 
 import pytest
 
+# XLA's CPU backend at optimization level 0 (LLVM's passes off) for the whole run, this process
+# and the subprocesses tests start: the suite's wall time is mostly compiling tiny programs that
+# then run for microseconds, and level 0 compiles them in ~60% of the CPU time. The HLO (fusion,
+# layout, what is computed in which order) is the same at every level; only LLVM's optimization
+# of the code emitted for it differs, and every comparison a test makes runs both sides under
+# the same flags. An XLA_FLAGS that names an optimization level is left as it is.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
+
 # One persistent JAX compilation cache for the whole run, shared by this process and every
 # subprocess a test starts (they inherit the environment): the suite compiles the same tiny
 # programs many times over (a fresh jit per Engine / trainer / CLI process), and XLA compiles are

@@ -125,7 +125,8 @@ def test_skip_zero_advantage_rows_same_loss_and_gradient(params, loss_type):
                                           skip_zero_advantage=True)(params, b)
     assert float(loss_a) != 0.0
     np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-6)
-    assert _tree_rel_err(g_b, g_a) <= 1e-6
+    # fewer micro-batch rows, so other float32 summation orders: ~10 ulps of the gradient
+    assert _tree_rel_err(g_b, g_a) <= 2e-6, _tree_rel_err(g_b, g_a)
     assert float(m_b["num_completion_tokens"]) < float(m_a["num_completion_tokens"])  # fewer rows
     zero = dataclasses.replace(b, advantages_B=jnp.zeros_like(b.advantages_B))
     loss_z, g_z, _ = make_loss_and_grad(CFG, cfg, temperature=TEMP,

@@ -26,7 +26,8 @@ def test_release_trace_caches_keeps_compiled_programs():
         assert compiled.count("jit(program_f)") == 1  # the same executable, not rebuilt
         n = len(compiled)
         assert float((x + 1.0).sum()) == eager and len(compiled) == n
-        assert float(f(jnp.ones((4, 8)))) == float(jnp.tanh(jnp.full((4, 4), 8.0)).sum())
+        # (another program computes the reference: equal up to float rounding)
+        assert abs(float(f(jnp.ones((4, 8)))) - 16.0 * float(jnp.tanh(8.0))) <= 1e-5
         assert compiled.count("jit(program_f)") == 2  # a new shape still compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)

@@ -171,7 +171,8 @@ def forced_device_runs():
     """Both checks start with the module's first test and run while the in-process tests do
     (they are mostly XLA compiles); the last tests collect them."""
     procs = {}
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+               + os.environ.get("XLA_FLAGS", ""),  # keeps the suite's flags (conftest)
                JAX_PLATFORMS="cpu")
     for scenario in ("dp", "tp"):
         procs[scenario] = subprocess.Popen([sys.executable, "-c", MESH_CHECK, scenario], env=env,

@@ -73,7 +73,8 @@ def _free_port() -> int:
 
 
 def _start(mode, pid, nproc, port, run_dir, steps, devices, **env_extra):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+               + os.environ.get("XLA_FLAGS", ""),  # keeps the suite's flags (conftest)
                JAX_PLATFORMS="cpu", **env_extra)
     return subprocess.Popen([sys.executable, "-c", WORKER, mode, str(pid), str(nproc), str(port),
                              str(run_dir), str(steps)], env=env, stdout=subprocess.PIPE,

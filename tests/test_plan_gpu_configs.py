@@ -25,7 +25,8 @@ def _train(tmp_path, config, devices):
                             for i in range(2)))
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_MEM_FRACTION="0.75",
                JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+               + os.environ.get("XLA_FLAGS", ""))  # keeps the suite's flags (conftest)
     return subprocess.run(
         [sys.executable, "-m", "das_jax.cli", "train", "--config", str(config),
          "--set", "platform=cpu", "--set", "train.device_memory_gb=141",

@@ -103,7 +103,8 @@ WORKER = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def forced_8():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+               + os.environ.get("XLA_FLAGS", ""),  # keeps the suite's flags (conftest)
                JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True,
                        timeout=1800)
