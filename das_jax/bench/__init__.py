@@ -8,6 +8,8 @@
   and tokenized prompts.
 - `replay`: trace format (`write_trace` / `read_trace`), the simulator `simulate`
   (`Engine.generate`'s own scheduler on recorded tokens), `replay_epochs`, `paper_workload`; `das_jax.cli.bench_replay` drives it.
+- `gpu_lease_check`: the one GPU check a device lease runs (one JSON; `lease_plan`: its shapes
+  and time estimate); `gpu_check --from-json` fits the cost model and replays from that JSON.
 
 Modules here import jax lazily (the command registration, `das_jax.cli.bench`, imports none).
 """

@@ -1,7 +1,13 @@
-"""GPU check of the GPU cost model (measured step times against its coefficients), one go, no
-downloads, under ~8 minutes:
+"""GPU cost model (measured step times against its coefficients) and the paper-scale replay
+under it, no downloads:
 
+    PYTHONPATH=. python -m das_jax.bench.gpu_check --from-json DIR/gpu_lease_check.json [--out DIR]
     PYTHONPATH=. python -m das_jax.bench.gpu_check [--out DIR] [--trace TRACE.jsonl[.gz]]
+
+Not the lease script: a device lease runs `das_jax.bench.gpu_lease_check` (one JSON, <= 8 min on
+one H200). `--from-json` then runs here, on the CPU: it fits the model (step 2) to the four verify
+programs the lease check timed and runs the replay (step 3). Without it, step 1 measures the
+shapes below on this machine's device first (longer than a lease allows for both models).
 
 1. Random-weight bfloat16 models of Qwen2-1.5B and Qwen2-7B shapes. For N in {16, 64, 256,
    1024, 4096} token slots and 1K / 8K attended positions per row, times the engine's packed
@@ -113,17 +119,25 @@ def measure_model(name: str, config, tokens, kv_lens, dtype, kv_budget_bytes: fl
                       draft_widths=(1,), kv_memory_gb=kv_budget_bytes / 1e9)
     engine = Engine(config, params, eos_token_ids=[0], engine_config=ec)
     shapes = []
-    cm = CostModel(history=10_000)
     for kv in kv_lens:
         for n in tokens:
             rows, width = step_layout(n, kv, bpp, kv_budget_bytes, max_rows)
             sec, wall = time_packed_step(engine, rows, width, kv, repeats)
             shapes.append({"tokens": n, "kv_len": kv, "rows": rows, "width": width,
                            "attended_kv": rows * kv, "seconds": sec, "wall_s": wall})
-            cm.observe_step(n, rows * kv, sec, refit=False)
             log(f"  N={n:5d} kv={kv:5d}: {rows:4d} rows x {width:3d} slots  {sec * 1e3:9.2f} ms"
                 f"  ({wall:.1f}s with the compile)")
     del params, engine
+    return fit_shapes(name, shapes, log)
+
+
+def fit_shapes(name: str, shapes: list[dict], log=print) -> dict:
+    """Fits `t = c_base + c_tok * N + c_kv * K` (non-negative least squares) to timed shapes
+    ({tokens N, attended_kv K, seconds}; each gets its fitted_seconds); returns {"model",
+    "shapes", "coef": {c_base, c_tok, c_kv}, "fit_error": max relative error of the fit}."""
+    cm = CostModel(history=10_000)
+    for s in shapes:
+        cm.observe_step(s["tokens"], s["attended_kv"], s["seconds"], refit=False)
     cm.fit()
     coef = {"c_base": cm.c_base, "c_tok": cm.c_tok, "c_kv": cm.c_kv}
     err = 0.0
@@ -133,6 +147,79 @@ def measure_model(name: str, config, tokens, kv_lens, dtype, kv_budget_bytes: fl
     log(f"  fit: c_base {coef['c_base'] * 1e3:.3f} ms + c_tok {coef['c_tok'] * 1e6:.2f} us*N + "
         f"c_kv {coef['c_kv'] * 1e9:.3f} ns*K (max error {err:.0%})")
     return {"model": name, "shapes": shapes, "coef": coef, "fit_error": err}
+
+
+def shapes_from_lease_json(path) -> tuple[str, list[dict]]:
+    """(device kind, timed shapes) of the verify programs in a lease check's JSON
+    (`das_jax.bench.gpu_lease_check`): {tokens N, kv_len A, rows B, width W, attended_kv B * A,
+    seconds: the median step}.
+
+    Raises:
+      ValueError: the file has no verify timings (the part failed or was not run)."""
+    res = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    rows = res.get("parts", {}).get("verify", {}).get("programs")
+    if not rows:
+        raise ValueError(f"{path}: no verify timings (parts.verify.programs); the lease check's "
+                         "verify part failed or was not run")
+    shapes = [{"tokens": r["N"], "kv_len": r["A"], "rows": r["B"], "width": r["W"],
+               "attended_kv": r["B"] * r["A"], "seconds": r["median_s"]} for r in rows]
+    return res.get("parts", {}).get("env", {}).get("device_kind", "unknown"), shapes
+
+
+def _save(out: pathlib.Path, r: dict, device: str, jax_version: str, weights: str,
+          source: str) -> str:
+    """Saves model `r`'s coefficients as `DIR/cost-<model>-<device>.json`; returns the path."""
+    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
+    path = out / f"cost-{r['model']}-{slug}.json"
+    save_cost_model(path, r["coef"], device=device, model=f"{r['model']} shapes, {weights}",
+                    source=source, jax=jax_version, shapes=r["shapes"])
+    r["file"] = str(path)
+    print(f"  saved {path}")
+    return str(path)
+
+
+def _measure_all(args, names, tokens, kv_lens, out: pathlib.Path) -> tuple[dict, dict]:
+    """Times and fits every model on this machine's first device: (result, {model: file})."""
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices()[0]
+    device = getattr(dev, "device_kind", str(dev))
+    res = {"device": device, "backend": jax.default_backend(), "jax": jax.__version__,
+           "models": {}}
+    print(f"device: {device} ({jax.default_backend()}), jax {jax.__version__}")
+    dtype = jnp.dtype(args.dtype)
+    if args.smoke:
+        configs = {"tiny": tiny_model_config()}
+        dtype = jnp.dtype("float32")
+    else:
+        configs = {m: ModelConfig(**MODELS[m]) for m in names}
+    files = {}
+    for name, mc in configs.items():
+        r = measure_model(name, mc, tokens, kv_lens, dtype, args.kv_memory_gb * 1e9,
+                          args.max_rows, args.repeats)
+        files[name] = _save(out, r, device, jax.__version__, f"random {dtype.name} weights",
+                            "das_jax.bench.gpu_check: the packed verify step timed per shape, "
+                            "non-negative least squares")
+        res["models"][name] = r
+    return res, files
+
+
+def _from_lease(path, out: pathlib.Path) -> tuple[dict, dict]:
+    """Fits the cost model to the verify timings of a lease check's JSON (on any machine):
+    (result, {model: file})."""
+    lease = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    device, shapes = shapes_from_lease_json(path)
+    env = lease.get("parts", {}).get("env", {})
+    name = "tiny" if lease.get("smoke") else lease.get("shapes", {}).get("model", "qwen2-7b")
+    print(f"device: {device} (from {path}), jax {env.get('jax')}")
+    r = fit_shapes(name, shapes)
+    file = _save(out, r, device, str(env.get("jax")), f"random {lease['shapes']['dtype']} "
+                 "weights", f"das_jax.bench.gpu_lease_check ({path}): the verify programs' "
+                 "median steps, non-negative least squares")
+    return {"device": device, "backend": f"from {path}", "jax": env.get("jax"),
+            "models": {name: r}}, {name: file}
 
 
 def main(argv=None) -> int:
@@ -154,6 +241,9 @@ def main(argv=None) -> int:
                     help="epochs of the trace the paper-scale replay uses (the first ones)")
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny model and small shapes (CPU smoke test of every part)")
+    ap.add_argument("--from-json", default=None, metavar="DIR/gpu_lease_check.json",
+                    help="fit the cost model to a lease check's verify timings instead of "
+                         "measuring (no device needed), then replay")
     args = ap.parse_args(argv)
 
     def fail(msg: str) -> int:
@@ -176,39 +266,18 @@ def main(argv=None) -> int:
         return fail(f"--trace {trace_path}: no such file; pass a trace written by `das-jax bench "
                     "rollout` (DIR/trace.jsonl)")
 
-    # deferred import: jax (not loaded by importing this module)
-    import jax
-    import jax.numpy as jnp
-
+    # deferred import: jax, through the replay (not loaded by importing this module)
     from das_jax.bench import replay as rp
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = jax.devices()[0]
-    device = getattr(dev, "device_kind", str(dev))
-    slug = "".join(c if c.isalnum() else "-" for c in device.lower()).strip("-")
-    res = {"device": device, "backend": jax.default_backend(), "jax": jax.__version__,
-           "models": {}}
-    print(f"device: {device} ({jax.default_backend()}), jax {jax.__version__}")
-    dtype = jnp.dtype(args.dtype)
-    if args.smoke:
-        configs = {"tiny": tiny_model_config()}
-        dtype = jnp.dtype("float32")
+    if args.from_json:
+        try:
+            res, files = _from_lease(args.from_json, out)
+        except (OSError, ValueError, KeyError) as e:
+            return fail(f"--from-json: {e}")
     else:
-        configs = {m: ModelConfig(**MODELS[m]) for m in names}
-    files = {}
-    for name, mc in configs.items():
-        r = measure_model(name, mc, tokens, kv_lens, dtype, args.kv_memory_gb * 1e9,
-                          args.max_rows, args.repeats)
-        path = out / f"cost-{name}-{slug}.json"
-        save_cost_model(path, r["coef"], device=device, model=f"{name} shapes, random "
-                        f"{dtype.name} weights", source="das_jax.bench.gpu_check: the packed "
-                        "verify step timed per shape, non-negative least squares",
-                        jax=jax.__version__, shapes=r["shapes"])
-        files[name] = str(path)
-        r["file"] = str(path)
-        res["models"][name] = r
-        print(f"  saved {path}")
+        res, files = _measure_all(args, names, tokens, kv_lens, out)
 
     # Paper-scale replay under the measured model of the largest model, beside the datasheet
     # models of a 7B on H100 / H200.

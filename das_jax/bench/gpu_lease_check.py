@@ -1,0 +1,467 @@
+"""The lease script: the project's one GPU check, sized for a 15-minute device lease (<= 8 min on
+one H200), random-weight Qwen2-7B in bfloat16, nothing downloaded, all output under --out:
+
+    PYTHONPATH=. python -m das_jax.bench.gpu_lease_check --out DIR [--smoke] [--parts LIST]
+
+Parts (`--parts`, comma-separated, default all; each runs in its own try/except, so one that
+fails records its error in the JSON and the others still run):
+
+* env: jax / jaxlib versions, CUDA and cuDNN versions (null where the backend has none), device
+  kind, allocator memory limit, `jax.print_environment_info()`.
+* verify: four packed verify programs (`VerifySpec`, compiled by `Programs`) at a 17,408-position
+  cache: (B rows, N slots, W width, A attended) = (32, 32, 1, 16K), (32, 256, 8, 16K),
+  (32, 32, 1, 2K), (8, 8, 1, 16K): compile seconds, aliased / temporary bytes (XLA's memory
+  analysis), the median of 10 steps and its ratio to the read floor (weights + B * A cached
+  positions at the H200's 4.8 TB/s).
+* hlo: the first program's optimised HLO (`DIR/verify0.hlo.txt`) with a labelled heuristic of
+  whether the layer scan copies each layer's weights, and an A/B of that program in a
+  subprocess with `--xla_gpu_enable_dynamic_slice_fusion=true` added to XLA_FLAGS.
+* share: temporary bytes of prompt sharing and of compaction (32 -> 16 rows) at 32 x 17,408.
+* train: the train step's gradient kernel (`accumulate_grads`, as `LossAndGrad` runs it) at
+  micro-batch 1, T=4096, remat full, bf16 params with their Adam moments alive: cuDNN attention
+  in the lowered kernel or not, step seconds, and the allocator's peak against the train phase
+  of `das_jax.plan.plan_in_process` (run after the verify programs; JAX has no public reset of
+  the peak, so the peak counts only when the kernel raised it above the earlier one).
+* generate: `Engine.generate` with `none` and `das` on 32 requests (4 prompts x 8) x 128 tokens:
+  host seconds per step (wall - device decode - prefill, per forward pass).
+
+Writes `DIR/gpu_lease_check.json` after every part: {"parts": {part: result or {"error"}},
+"seconds": {part: wall s}, "counts": {part: compiles by kind, steps}, "estimate": {...}}.
+`--smoke` runs every part on the tests' tiny model in float32 with tiny shapes (B <= 4, cache 64;
+generate keeps the full run's request layout), on the CPU (`tests/test_gpu_lease_check.py`).
+
+Estimate (`das_jax.bench.lease_plan.estimate_seconds`): the full run's seconds from counts
+(compiles by kind, steps per program, generate passes and token slots: what this run measured,
+`expected_counts` for parts not run) times the stated GPU figures of `lease_plan.FIGURES`
+(assumptions, not measurements: replace them with the JSON's measured compile and step seconds
+after a lease) and the `h200-7b` step model of `das_jax.speculation.gpu_cost`. Printed at the
+start (from `expected_counts`) and stored in the JSON (from the counts measured).
+
+After the lease, on the CPU: `python -m das_jax.bench.gpu_check --from-json
+DIR/gpu_lease_check.json` fits the cost model to the four verify timings and runs the
+paper-scale replay under it (`gpu_check` itself is no longer a lease script).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from das_jax.bench.gpu_check import MODELS
+from das_jax.bench.lease_plan import (BUDGET_S, FULL, SMOKE, Shapes, estimate_seconds,
+                                      expected_counts, weight_copy_heuristic)
+from das_jax.config import config_from_dict
+from das_jax.models.config import ModelConfig
+from das_jax.plan import device_memory_bytes, plan_in_process
+from das_jax.speculation import CostModelConfig, DASSection, build_speculation
+from das_jax.speculation.gpu_cost import H200
+from das_jax.testing import tiny_model_config
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+DSF_FLAG = "--xla_gpu_enable_dynamic_slice_fusion=true"
+
+class CompileCounter:
+    """Backend compiles of the process (`jax.monitoring`'s compile-duration event, a persistent
+    cache hit included): the compiled functions' names and seconds; installed once (a listener
+    cannot be removed on every jax version)."""
+
+    names: list = []
+    seconds, installed = 0.0, False
+
+    @classmethod
+    def install(cls) -> None:
+        """Registers the listener (once; without the API the names stay empty)."""
+        if cls.installed:
+            return
+        import jax  # deferred import: jax (not loaded by importing this module)
+
+        def listen(event, duration, **kwargs):
+            if event.endswith("backend_compile_duration"):
+                name = str(kwargs.get("fun_name", ""))   # "jit(f)"; "jit_f" before
+                cls.names.append(name.removeprefix("jit(").removesuffix(")")
+                                 .removeprefix("jit_"))
+                cls.seconds += float(duration)
+        try:
+            jax.monitoring.register_event_duration_secs_listener(listen)
+            cls.installed = True
+        except Exception:  # noqa: BLE001 - an API absent in this jax: counts stay 0
+            pass
+
+
+class Check:
+    """One run: its shapes, output directory, model, params, `Programs` and counts."""
+
+    def __init__(self, args, shapes: Shapes):
+        import jax  # deferred import: jax (not loaded by importing this module)
+        import jax.numpy as jnp
+
+        from das_jax.engine import Programs, SamplingParams
+        from das_jax.models.transformer import init_params
+
+        self.args, self.shapes, self.out = args, shapes, pathlib.Path(args.out)
+        # smoke: the tiny model with a vocabulary where random prompts rarely repeat (as on
+        # the 7B's 152K), so the das drafter's suffix trees stay as small as there
+        self.config = (tiny_model_config(vocab_size=1024) if args.smoke
+                       else ModelConfig(**MODELS[shapes.model]))
+        self.dtype = jnp.dtype(shapes.dtype)
+        self.device = jax.devices()[0]
+        self.params = jax.jit(lambda k: init_params(self.config, k, self.dtype))(
+            jax.random.PRNGKey(0))
+        jax.block_until_ready(self.params)
+        self.programs = Programs(self.config, device=self.device)
+        self.skey = SamplingParams(temperature=0.6).static_key()
+        self.counts: dict = {}
+        self.results: dict = {}
+
+    def verify_spec(self, B: int, N: int, W: int, A: int):
+        """The `VerifySpec` of B rows x N slots (width W) attending A positions."""
+        # deferred import: jax (not loaded by importing this module)
+        from das_jax.engine import VerifySpec
+        return VerifySpec(self.config, self.skey, B, N, W, self.shapes.cache_len, A,
+                          self.dtype.name)
+
+    def compile(self, spec) -> float:
+        """Compiles `spec`'s program from abstract arguments; seconds (0 when compiled before)."""
+        c0 = self.programs.compile_s
+        self.programs.executable(spec, *self.programs.abstract(spec, self.params))
+        return self.programs.compile_s - c0
+
+    def read_floor_s(self, B: int, A: int) -> float:
+        """Seconds to read the weights (all but an untied input embedding) and B x A cached
+        positions once at the H200's datasheet bandwidth (4.8 TB/s)."""
+        import jax  # deferred import: jax (not loaded by importing this module)
+
+        from das_jax.models.kv_cache import KVCache
+        w = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+        if "lm_head" in self.params:
+            w -= self.params["embed"].nbytes
+        kv = B * A * KVCache.bytes_per_position(self.config, self.dtype)
+        return (w + kv) / H200.hbm_bytes_per_s
+
+
+def part_env(ck: Check) -> dict:
+    """Versions (jax, jaxlib, CUDA / cuDNN: null without the CUDA plugin), device kind, the
+    allocator's memory limit in bytes, the XLA environment, `jax.print_environment_info()`."""
+    import jax  # deferred import: jax (not loaded by importing this module)
+    import jaxlib
+
+    dev = ck.device
+    out = {"jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", None),
+           "backend": jax.default_backend(), "device_kind": dev.device_kind,
+           "platform_version": getattr(getattr(dev, "client", None), "platform_version", None),
+           "cuda": None, "cudnn": None, "versions": {},
+           "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                                                  "XLA_CLIENT_MEM_FRACTION", "JAX_PLATFORMS")}}
+    try:   # private module, absent without the CUDA plugin: versions stay null
+        from jax._src.lib import cuda_versions
+        for name in dir(cuda_versions or object()):
+            if name.endswith("_version") and callable(getattr(cuda_versions, name)):
+                try:
+                    out["versions"][name] = getattr(cuda_versions, name)()
+                except Exception as e:  # noqa: BLE001 - one unavailable library
+                    out["versions"][name] = repr(e)
+        out["cuda"] = out["versions"].get("cuda_runtime_get_version")
+        out["cudnn"] = out["versions"].get("cudnn_get_version")
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        out["versions_error"] = repr(e)
+    stats = dev.memory_stats() or {}
+    out["memory_limit_bytes"] = stats.get("bytes_limit")
+    try:
+        out["environment_info"] = jax.print_environment_info(return_string=True)
+    except Exception as e:  # noqa: BLE001
+        out["environment_info"] = repr(e)
+    return out
+
+
+def part_verify(ck: Check) -> dict:
+    """Per program: compile_s, alias / temp / argument / output bytes, median_s of `repeats`
+    steps (after one discarded), floor_s and median / floor."""
+    rows = []
+    programs = ck.shapes.verify[:1] if ck.args.first_verify_only else ck.shapes.verify
+    for B, N, W, A in programs:
+        spec = ck.verify_spec(B, N, W, A)
+        compile_s = ck.compile(spec)
+        mem = ck.programs.memory(spec, ck.params)
+        med = ck.programs.time(spec, ck.params, repeats=ck.shapes.repeats)
+        floor = ck.read_floor_s(B, A)
+        rows.append({"B": B, "N": N, "W": W, "A": A, "cache_len": ck.shapes.cache_len,
+                     "compile_s": compile_s, **{f"{k}_bytes": v for k, v in mem.items()},
+                     "median_s": med, "floor_s": floor, "ratio_to_floor": med / floor})
+        print(f"  verify B={B} N={N} W={W} A={A}: compile {compile_s:.1f}s, temp "
+              f"{mem['temp'] / 1e9:.3f} GB, alias {mem['alias'] / 1e9:.3f} GB, median "
+              f"{med * 1e3:.2f} ms = {med / floor:.2f}x the read floor", flush=True)
+    ck.counts["verify"] = {"verify_steps": [ck.shapes.repeats + 1] * len(rows)}
+    return {"programs": rows}
+
+
+def part_hlo(ck: Check) -> dict:
+    """The first verify program's HLO (file + heuristic) and its A/B with the GPU flag."""
+    B, N, W, A = ck.shapes.verify[0]
+    spec = ck.verify_spec(B, N, W, A)
+    ck.compile(spec)
+    text = ck.programs.executable(spec, *ck.programs.abstract(spec, ck.params)).as_text()
+    path = ck.out / "verify0.hlo.txt"
+    path.write_text(text)
+    heur = weight_copy_heuristic(text, ck.params)
+    counts = {"hlo_texts": 1, "subprocesses": 1, "verify_steps": [0]}
+    done = ck.results.get("verify", {}).get("programs")
+    base = done[0]["median_s"] if done else None
+    if base is None:
+        base = ck.programs.time(spec, ck.params, repeats=ck.shapes.repeats)
+        counts["verify_steps"] = [ck.shapes.repeats + 1]
+    ck.counts["hlo"] = counts
+    ab = _ab_arm(ck, base, counts)
+    print(f"  HLO {len(text)} chars -> {path.name}; materialised layer-weight slices "
+          f"{heur['materialised_slices']} (heuristic); A/B speedup with the flag "
+          f"{ab.get('speedup', float('nan')):.3f}x", flush=True)
+    return {"hlo_file": str(path), "hlo_chars": len(text), "weight_copies": heur, "ab": ab}
+
+
+def _ab_arm(ck: Check, base: float, counts: dict) -> dict:
+    """The first verify program timed by this script in a subprocess whose XLA_FLAGS add
+    `DSF_FLAG` (flags are read when a backend starts), against `base` seconds without it; adds
+    the subprocess's compiles and steps to `counts`. A failed arm records its error."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {DSF_FLAG}".strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    sub = ck.out / "ab_dynamic_slice_fusion"
+    (sub / "gpu_lease_check.json").unlink(missing_ok=True)    # never read an earlier run's
+    cmd = [sys.executable, "-m", "das_jax.bench.gpu_lease_check", "--out", str(sub), "--parts",
+           "verify", "--first-verify-only"] + (["--smoke"] if ck.args.smoke else [])
+    print(f"  A/B arm: XLA_FLAGS += {DSF_FLAG} (subprocess)", flush=True)
+    ab = {"flag": DSF_FLAG, "without_flag_median_s": base}
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=ck.shapes.ab_timeout_s)
+        ab.update(rc=proc.returncode, stderr_tail=proc.stderr[-3000:] or None)
+        child = json.loads((sub / "gpu_lease_check.json").read_text())
+        row = child["parts"]["verify"]["programs"][0]
+        ab.update(with_flag=row, with_flag_median_s=row["median_s"],
+                  speedup=base / row["median_s"], stderr_tail=None)
+        sub_counts = child["counts"]["verify"]
+        counts["compiles"] = sub_counts.get("compiles", {})
+        counts["verify_steps"] = [counts["verify_steps"][0] + sub_counts["verify_steps"][0]]
+    except Exception as e:  # noqa: BLE001 - the arm failed (timeout, its error): recorded
+        ab["error"] = f"{type(e).__name__}: {e}"
+    return ab
+
+
+def part_share(ck: Check) -> dict:
+    """Memory analysis of prompt sharing (`share_width` prompt positions per row) and of
+    compaction (`share_rows` -> `gather_to` rows) on a share_rows x cache_len cache."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.engine import GatherSpec, ShareSpec
+
+    sh, out = ck.shapes, {}
+    specs = {"share_prompt_rows": ShareSpec(ck.config, ck.skey, sh.share_rows, sh.share_width,
+                                            sh.cache_len, ck.dtype.name),
+             "gather_rows": GatherSpec(ck.config, sh.share_rows, sh.gather_to, sh.cache_len,
+                                       ck.dtype.name)}
+    for name, spec in specs.items():
+        compile_s = ck.compile(spec)
+        mem = ck.programs.memory(spec, ck.params)
+        out[name] = {"compile_s": compile_s, **{f"{k}_bytes": v for k, v in mem.items()}}
+        print(f"  {name} at {sh.share_rows} x {sh.cache_len}: temp {mem['temp'] / 1e9:.3f} GB, "
+              f"output {mem['output'] / 1e9:.3f} GB", flush=True)
+    out.update(rows=sh.share_rows, cache_len=sh.cache_len, share_width=sh.share_width,
+               gather_to=sh.gather_to)
+    ck.counts["share"] = {}
+    return out
+
+
+def _peak(dev) -> tuple[int | None, int | None]:
+    """(peak bytes in use, bytes in use) of `dev`'s allocator; None where it keeps none (CPU)."""
+    stats = dev.memory_stats() or {}
+    return stats.get("peak_bytes_in_use"), stats.get("bytes_in_use")
+
+
+def part_train(ck: Check) -> dict:
+    """The gradient kernel of the train step (`accumulate_grads`, as `LossAndGrad` calls it) at
+    micro-batch 1 x T, remat full, params and Adam moments in `dtype` (alive, as in the plan's
+    train phase): the plan, two calls (the first compiles), cuDNN attention in the lowered
+    kernel or not, the allocator's peak against the planned train phase (bytes)."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.models.transformer import ActivationConfig
+    from das_jax.rl.batches import make_batch
+    from das_jax.rl.grads import accumulate_grads, make_loss_and_grad
+    from das_jax.rl.optimizer import make_optimizer
+
+    T, mc, dt = ck.shapes.train_len, ck.config, ck.dtype.name
+    prompt = max(1, T // 64)
+    config = config_from_dict({
+        "model": {"dtype": dt},
+        "rollout": {"max_new_tokens": T - prompt, "max_cache_len": T, "max_slots": 1,
+                    "draft_widths": [1]},
+        "grpo": {"num_generations": 2, "prompts_per_step": 1, "micro_batch_size": 1},
+        "train": {"master_dtype": dt, "remat": "full"}})
+    t0 = time.perf_counter()
+    plan = plan_in_process(config, 1, device_memory_bytes(config, None), model_config=mc)
+    out = {"T": T, "plan_s": time.perf_counter() - t0, "planned_phases_bytes": plan.phases,
+           "planned_train_bytes": plan.phases["train"]}
+    act = ActivationConfig(remat="full", logits_chunk=config.train.logits_chunk)
+    lg = make_loss_and_grad(mc, config.grpo, temperature=1.0, activation=act, compute_dtype=dt)
+    tokens = np.random.default_rng(0).integers(0, mc.vocab_size, size=(1, T))
+    cols, keep = lg.host_columns(make_batch(tokens, [prompt], [T - prompt],
+                                            advantages_B=np.ones(1, np.float32)))
+    xs = next(iter(lg.micro_batches(cols, keep, 1)))
+    opt_state = make_optimizer(config.grpo, 10).init(ck.params)
+    peak0, in_use0 = _peak(ck.device)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        float(accumulate_grads(mc, lg.loss_config, ck.params, xs, activation=act,
+                               compute_dtype=dt)[0])
+        times.append(time.perf_counter() - t0)
+    peak1, _ = _peak(ck.device)
+    del opt_state
+    text = accumulate_grads.lower(mc, lg.loss_config, ck.params, xs, activation=act,
+                                  compute_dtype=dt).as_text()
+    raised = peak0 is not None and peak1 is not None and peak1 > peak0
+    out.update(step_s=times[1], first_step_s=times[0], cudnn_attention="cudnn" in text.lower(),
+               peak_before_bytes=peak0, in_use_before_bytes=in_use0, peak_after_bytes=peak1,
+               train_peak_bytes=peak1 if raised else None,
+               peak_vs_plan=peak1 / plan.phases["train"] if raised else None,
+               peak_note="no public JAX reset of the peak: train_peak_bytes is the process peak "
+                         "after the kernel when it raised the peak before (the verify "
+                         "programs'), else null")
+    # the plan's kernel and update (jitted lambdas there); this kernel counts by its name
+    ck.counts["train"] = {"compiles": {"train_kernel": 1, "update": 1}, "train_steps": 2,
+                          "lowerings": 1}
+    print(f"  train kernel T={T}: {times[1]:.2f}s (first {times[0]:.1f}s), cuDNN attention "
+          f"{out['cudnn_attention']}, peak {peak1} vs planned {plan.phases['train']}", flush=True)
+    return out
+
+
+def part_generate(ck: Check) -> dict:
+    """`Engine.generate` with `none` and `das` (its policy's compile prior: the measured
+    verify compile seconds); host seconds per forward pass and the step counts."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
+
+    sh = ck.shapes
+    rng = np.random.default_rng(0)
+    prompts = [tuple(int(t) for t in rng.integers(1, ck.config.vocab_size, sh.gen_prompt))
+               for _ in range(sh.gen_problems)]
+    requests = [Request(p, problem_id=i, sample_index=g) for i, p in enumerate(prompts)
+                for g in range(sh.gen_samples)]
+    sampling = SamplingParams(temperature=0.6, max_new_tokens=sh.gen_new)
+    engine = Engine(ck.config, ck.params, eos_token_ids=[], engine_config=EngineConfig(
+        max_slots=sh.gen_slots, max_cache_len=2048, draft_widths=sh.gen_widths))
+    done = ck.results.get("verify", {}).get("programs") or [{"compile_s": 1.0}]
+    prior = float(np.mean([r["compile_s"] for r in done]))
+    das = DASSection(cost_model=CostModelConfig(source=sh.cost_source, calibrate=False,
+                                                compile_s=prior))
+    out, steps = {"requests": len(requests), "new_tokens": sh.gen_new}, [0, 0, 0]
+    prefill = [0, 0, 0]
+    for name in ("none", "das"):
+        drafter, policy = build_speculation(name, das)
+        _, st = engine.generate(requests, sampling, drafter=drafter, policy=policy)
+        n = max(st.forward_passes, 1)
+        host = st.wall_s - st.decode_s - st.prefill_s
+        out[name] = {**st.to_dict(), "host_s_per_step": host / n,
+                     "draft_policy_s_per_step": (st.draft_s + st.policy_s) / n,
+                     "decode_s_per_step": st.decode_s / n}
+        steps[0] += sum(s.num_tokens or s.batch * s.width for s in st.steps)
+        steps[1] += sum(s.attended_kv or s.batch * s.kv_len for s in st.steps)
+        steps[2] += st.forward_passes
+        prefill = [prefill[0] + st.prefill_tokens, 0, prefill[2] + st.prefill_calls]
+        print(f"  generate {name}: {st.forward_passes} steps, host {host / n * 1e3:.2f} ms/step, "
+              f"decode {st.decode_s / n * 1e3:.2f} ms/step, compile {st.compile_s:.1f}s, "
+              f"accept len {st.acceptance_length:.2f}", flush=True)
+    ck.counts["generate"] = {"device_steps": [steps, prefill], "host_steps": steps[2]}
+    return out
+
+
+PARTS = {"env": part_env, "verify": part_verify, "hlo": part_hlo, "share": part_share,
+         "train": part_train, "generate": part_generate}
+
+
+# The kind of a compiled function, by its name (`estimate_seconds` prices compiles by kind).
+KINDS = {"verify_packed": "engine", "prefill_packed": "engine", "share_prompt_rows": "copy",
+         "gather_rows": "copy", "accumulate_grads": "train_kernel"}
+
+
+def _run_part(ck: Check, name: str, res: dict) -> None:
+    """Runs one part into `res` (its result or error, wall seconds, counts incl. the compiles:
+    by the compiled functions' names, plus the kinds a part names itself, the rest "other")."""
+    print(f"[{name}]", flush=True)
+    n0, t0 = len(CompileCounter.names), time.perf_counter()
+    try:
+        res["parts"][name] = ck.results[name] = PARTS[name](ck)
+    except Exception as e:  # noqa: BLE001 - one failing part must not lose the others
+        res["parts"][name] = {"error": f"{type(e).__name__}: {e}",
+                              "traceback": traceback.format_exc()[-4000:]}
+        print(f"  {name} failed: {type(e).__name__}: {e}", flush=True)
+    res["seconds"][name] = time.perf_counter() - t0
+    counts = ck.counts.setdefault(name, {})
+    kinds = counts.setdefault("compiles", {})
+    named = [KINDS.get(f, "other") for f in CompileCounter.names[n0:]]
+    for kind in set(named) - {"other"}:
+        kinds[kind] = kinds.get(kind, 0) + named.count(kind)
+    explicit = sum(n for k, n in kinds.items() if k != "other")
+    kinds["other"] = kinds.get("other", 0) + max(0, len(named) - explicit)
+    res["counts"][name] = counts
+
+
+def main(argv=None) -> int:
+    """Runs the parts (module docstring); 0 when none failed, 1 otherwise, 2 on bad arguments."""
+    ap = argparse.ArgumentParser(prog="python -m das_jax.bench.gpu_lease_check",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="output directory (everything goes there)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, tiny shapes (CPU test)")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " +
+                    ", ".join(PARTS))
+    ap.add_argument("--first-verify-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        print(f"error: --parts: unknown {', '.join(bad)}; valid: {', '.join(PARTS)}",
+              file=sys.stderr)
+        return 2
+    shapes = SMOKE if args.smoke else FULL
+    # The A/B arm runs in a second process beside this one: allocate on demand (before JAX
+    # starts its backend; an explicit setting wins).
+    if not args.smoke:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    est0 = estimate_seconds(expected_counts(FULL))
+    print(f"gpu lease check ({'smoke' if args.smoke else 'full'}): parts {', '.join(parts)}; "
+          f"estimated full run on one H200 {est0['seconds']:.0f}s (budget {BUDGET_S:.0f}s)",
+          flush=True)
+    CompileCounter.install()
+    t0, n0 = time.perf_counter(), len(CompileCounter.names)
+    ck = Check(args, shapes)
+    res = {"smoke": args.smoke, "shapes": dataclasses.asdict(shapes), "parts": {},
+           "seconds": {"setup": time.perf_counter() - t0}, "counts": {},
+           "setup_compiles": len(CompileCounter.names) - n0}
+    path = out / "gpu_lease_check.json"
+    for name in parts + [None]:
+        if name is not None:
+            _run_part(ck, name, res)
+        else:
+            res["seconds"]["total"] = time.perf_counter() - t0
+        # the counts of the parts that ran through, the expected ones for the others
+        ran = {p: c for p, c in res["counts"].items() if "error" not in res["parts"][p]}
+        full = {**expected_counts(FULL), **ran}
+        res["estimate"] = estimate_seconds(full)
+        res["estimate"]["counts_from"] = {p: "measured" if p in ran else "expected"
+                                          for p in full}
+        path.write_text(json.dumps(res, indent=1, default=str))
+    print("seconds per part: " + ", ".join(f"{k} {v:.1f}" for k, v in res["seconds"].items()))
+    print(f"estimated full run on one H200 from these counts: {res['estimate']['seconds']:.0f}s "
+          f"(budget {BUDGET_S:.0f}s); wrote {path}", flush=True)
+    return 1 if any("error" in r for r in res["parts"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
