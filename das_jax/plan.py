@@ -15,14 +15,16 @@ Per-device bytes (printed table):
   params        compute-dtype copy the engine samples from (replicated: one per device)
   master        master weights (train.master_dtype), sharded
   optimizer     Adam moments (master dtype), sharded
-  gradients     float32 accumulator, sharded
+  gradients     float32 accumulator, sharded (0 with the fused update: one layer's at a time)
   activations   the gradient kernel's scratch (XLA temp: remat'd layer inputs, attention chunks,
-                logits chunks, gathered weights)
+                logits chunks, gathered weights); with the fused update its forward program's
   kv_cache      slots x max_cache_len positions
   logits        verify-step logits [slots, W, V] f32 + one train logits chunk (both included in
                 the phases' scratch; shown for reference)
   rollout scratch / update scratch   XLA temp of the verify / prefill and optimizer executables
-and three phase peaks (rollout, train, update). The run fits when the largest peak is at most the
+and the phase peaks: rollout, train and update, or rollout and update when the update is fused
+(`fuses_update`: one device, `train.fused_update`, the whole batch one micro-batch; its programs
+`das_jax.rl.fused_plan`). The run fits when the largest peak is at most the
 device memory. Caveat: XLA's CPU memory analysis stands in for the GPU's (cuDNN flash attention
 is replaced by the chunked XLA attention, which keeps one [B, H, chunk, T] f32 block).
 """
@@ -134,6 +136,11 @@ class MemoryPlan:
                     f"{self.rows['activations'] / GB:.1f} GB at grpo.micro_batch_size="
                     f"{config.grpo.micro_batch_size}); lower grpo.micro_batch_size, set "
                     "train.remat=full, or use more devices (das-jax plan --devices N)")
+        if self.shapes.get("update") == "fused":
+            return (f"{need} in the fused update (layer inputs and activations of the whole "
+                    f"batch at grpo.micro_batch_size={config.grpo.micro_batch_size}); lower "
+                    "grpo.micro_batch_size below the batch (several micro-batches, unfused "
+                    "update), set train.remat=full, or use more devices (das-jax plan --devices N)")
         return (f"{need} in the optimizer update; use more devices (das-jax plan --devices N) or "
                 "train.master_dtype=bfloat16 (lossy)")
 
@@ -183,7 +190,9 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     from das_jax.parallel import sharding as shard_lib
     from das_jax.rl import losses
     from das_jax.rl.batches import PaddedMicroBatch
-    from das_jax.rl.grads import accumulate_grads, zero_carry
+    from das_jax.rl.fused_plan import fused_update_memory, packed_abstract
+    from das_jax.rl.fused_update import FusedSpec
+    from das_jax.rl.grads import zero_carry
     from das_jax.rl.optimizer import make_optimizer
 
     if len(jax.devices()) < devices:
@@ -220,22 +229,15 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     loss_cfg = losses.LossConfig.from_grpo(g, r.temperature or 1.0)
     act = ActivationConfig(remat=t.remat, logits_chunk=t.logits_chunk,
                            attention_chunk=t.attention_chunk)
-    kernel = accumulate_grads.__wrapped__
-    train_fn = jax.jit(lambda p, xs, c: kernel(mc, loss_cfg, p, xs, c, activation=act,
-                                                compute_dtype=compute.name),
-                       out_shardings=c_shard, donate_argnums=(2,))
-    with jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh:
-        train_mem = _mem(train_fn.lower(params_abs, xs_abs, carry_abs).compile())
-
-        def apply(p, s, grads):
-            updates, s = optimizer.update(grads, s, p)
-            # deferred import: optax (not loaded by importing this module)
-            import optax
-            return optax.apply_updates(p, updates), s
-        grads_abs = abstract(jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params_shape), p_shard)
-        apply_fn = jax.jit(apply, out_shardings=(p_shard, o_shard), donate_argnums=(0, 1))
-        update_mem = _mem(apply_fn.lower(params_abs, opt_abs, grads_abs).compile())
+    fused = fuses_update(config, devices)
+    if fused:
+        spec = FusedSpec(mc, loss_cfg, act, compute.name, optimizer)
+        fused_programs, fused_peak = fused_update_memory(spec, params_shape, opt_shape,
+                                                         packed_abstract(*packed_shape(config)))
+    else:
+        train_mem, update_mem = _unfused_memory(mc, loss_cfg, act, compute, optimizer, mesh,
+                                                params_abs, opt_abs, carry_abs, xs_abs,
+                                                p_shard, o_shard, c_shard)
 
     # ---- rollout: one engine per device, full compute-dtype params ----
     slots, S, W, rdtype, engine_programs = _rollout_memory(mc, r, g, params_shape, compute)
@@ -248,36 +250,99 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     cparams_b = _tree_bytes(params_shape) * compute.itemsize // master.itemsize
     kv_b = DenseKVCache.nbytes_for(mc, slots, S, compute)
     ref_b = master_b * compute.itemsize // master.itemsize if g.beta > 0 else 0
+    if fused:
+        update_programs = fused_programs
+        train_rows = {"gradients": 0, "activations": fused_programs["fused_forward"]["temp"],
+                      "update_scratch": max(m["temp"] for m in fused_programs.values())}
+        train_phases = {"update": ref_b + fused_peak}
+    else:
+        update_programs = {"accumulate_grads": train_mem, "optimizer_update": update_mem}
+        train_rows = {"gradients": grads_b, "activations": train_mem["temp"],
+                      "update_scratch": update_mem["temp"]}
+        train_phases = {
+            "train": opt_b + ref_b + train_mem["argument"] + train_mem["temp"]
+            + max(0, train_mem["output"] - train_mem["alias"]),
+            "update": ref_b + update_mem["argument"] + update_mem["temp"]
+            + max(0, update_mem["output"] - update_mem["alias"]),
+        }
     rows = {
-        "params": cparams_b, "master": master_b, "optimizer": opt_b, "gradients": grads_b,
-        "ref_params": ref_b, "activations": train_mem["temp"], "kv_cache": kv_b,
+        "params": cparams_b, "master": master_b, "optimizer": opt_b,
+        "gradients": train_rows["gradients"], "ref_params": ref_b,
+        "activations": train_rows["activations"], "kv_cache": kv_b,
         "logits": slots * W * mc.vocab_size * 4 + min(T, max(1, t.logits_chunk // max(1, mb // n)))
         * max(1, mb // n) * mc.vocab_size * 4,
         # the compaction's output (the smaller cache) is alive beside the full one
         "rollout_scratch": max(m["temp"] + (m["output"] * compute.itemsize // rdtype.itemsize
                                             if k == "gather_rows" else 0)
                                for k, m in engine_programs.items()),
-        "update_scratch": update_mem["temp"],
+        "update_scratch": train_rows["update_scratch"],
     }
     # With one device and compute dtype == master dtype the engine reads the master arrays.
     shared = n == 1 and compute == master
     phases = {
         "rollout": master_b + opt_b + ref_b + (0 if shared else cparams_b) + kv_b
         + rows["rollout_scratch"],
-        "train": opt_b + ref_b + train_mem["argument"] + train_mem["temp"]
-        + max(0, train_mem["output"] - train_mem["alias"]),
-        "update": ref_b + update_mem["argument"] + update_mem["temp"]
-        + max(0, update_mem["output"] - update_mem["alias"]),
+        **train_phases,
     }
     shapes = {"slots": slots, "cache_len": S, "width": W, "micro_batch": mb, "train_len": T,
               "remat": t.remat, "dtype": f"{compute.name}/{master.name}",
+              "update": "fused" if fused else "unfused",
               "rollout_analysis": rdtype.name,
               "mesh": "x".join(f"{a}{k}" for a, k in mesh.shape.items() if k > 1) or "1"}
-    all_programs = {"accumulate_grads": train_mem, "optimizer_update": update_mem,
-                    **engine_programs}
+    all_programs = {**update_programs, **engine_programs}
     return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
                       {k: int(v) for k, v in phases.items()}, shapes, float(mem_fraction),
                       all_programs)
+
+
+def fuses_update(config, devices: int) -> bool:
+    """Whether the run trains with the fused update (`das_jax.rl.fused_update`): one device,
+    `train.fused_update`, and every step's batch one shared-prompt packed micro-batch
+    (`grpo.micro_batch_size` >= the batch's completions). Otherwise the gradient kernel and the
+    optimizer update run apart."""
+    g = config.grpo
+    return (bool(config.train.fused_update) and devices == 1
+            and g.prompts_per_step * g.num_generations <= g.micro_batch_size)
+
+
+def packed_shape(config) -> tuple[int, int, int, int]:
+    """(packed rows G, tokens per row S, completions R, window W) of the largest packed
+    micro-batch of a run (`das_jax.rl.batches.packed_micro_batches`): a row holds at most
+    `rollout.max_cache_len` tokens and at least one completion, so at most one row per
+    completion; G and R are `count_bucket`s, S and W `length_bucket`s, as the trainer pads them."""
+    # deferred import: jax (rl.batches loads it; not loaded by importing this module)
+    from das_jax.rl.batches import count_bucket, length_bucket
+
+    r, g = config.rollout, config.grpo
+    R = count_bucket(g.prompts_per_step * g.num_generations)
+    return R, length_bucket(r.max_cache_len), R, length_bucket(r.max_new_tokens, 32)
+
+
+def _unfused_memory(mc, loss_cfg, act, compute, optimizer, mesh, params_abs, opt_abs, carry_abs,
+                    xs_abs, p_shard, o_shard, c_shard):
+    """(memory of the gradient kernel on one micro-batch, memory of the optimizer update),
+    compiled on the run's mesh."""
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+
+    from das_jax.rl.grads import accumulate_grads
+
+    kernel = accumulate_grads.__wrapped__
+    train_fn = jax.jit(lambda p, xs, c: kernel(mc, loss_cfg, p, xs, c, activation=act,
+                                                compute_dtype=compute.name),
+                       out_shardings=c_shard, donate_argnums=(2,))
+    with jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh:
+        train_mem = _mem(train_fn.lower(params_abs, xs_abs, carry_abs).compile())
+
+        def apply(p, s, grads):
+            updates, s = optimizer.update(grads, s, p)
+            # deferred import: optax (not loaded by importing this module)
+            import optax
+            return optax.apply_updates(p, updates), s
+        apply_fn = jax.jit(apply, out_shardings=(p_shard, o_shard), donate_argnums=(0, 1))
+        # the gradients: the params' shapes, dtypes and shardings
+        update_mem = _mem(apply_fn.lower(params_abs, opt_abs, params_abs).compile())
+    return train_mem, update_mem
 
 
 def mem_fraction(config) -> float:

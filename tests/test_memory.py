@@ -210,3 +210,35 @@ def test_plan_tiny_config_fits_and_refuses():
     assert not small.fits
     assert "grpo.micro_batch_size" in small.advice(config) or "rollout" in small.advice(config)
     assert "DOES NOT FIT" in small.table()
+
+
+def test_plan_of_a_fused_update_counts_its_programs_not_a_whole_gradient():
+    """A one-device run whose whole batch is one micro-batch trains with the fused update: the
+    plan compiles its programs (forward, one layer, finish) at the largest packed micro-batch,
+    holds no whole gradient and has no separate train phase; any other run plans the gradient
+    kernel and the optimizer update."""
+    from das_jax.config import config_from_dict
+    from das_jax.plan import fuses_update, packed_shape, plan_in_process
+    base = {"rollout": {"max_new_tokens": 16, "max_slots": 4, "max_cache_len": 64,
+                        "draft_widths": [1, 4]},
+            "grpo": {"num_generations": 2, "prompts_per_step": 2, "micro_batch_size": 4}}
+    config = config_from_dict(base)
+    assert fuses_update(config, 1) and not fuses_update(config, 2)
+    assert not fuses_update(config_from_dict(base, ["train.fused_update=false"]), 1)
+    assert not fuses_update(config_from_dict(base, ["grpo.micro_batch_size=3"]), 1)
+    # 4 completions, each alone in a row of at most 64 tokens in the worst case, window 32
+    assert packed_shape(config) == (4, 64, 4, 32)
+    fused = plan_in_process(config, 1, int(1e9), model_config=CFG)
+    unfused = plan_in_process(config_from_dict(base, ["train.fused_update=false"]), 1, int(1e9),
+                              model_config=CFG)
+    assert fused.shapes["update"] == "fused" and unfused.shapes["update"] == "unfused"
+    assert {"fused_forward", "fused_layer", "fused_finish"} <= set(fused.programs)
+    assert "accumulate_grads" not in fused.programs and "accumulate_grads" in unfused.programs
+    assert set(fused.phases) == {"rollout", "update"}
+    assert set(unfused.phases) == {"rollout", "train", "update"}
+    assert fused.rows["gradients"] == 0 < unfused.rows["gradients"]
+    # the update holds at least the params, the moments and the forward's layer inputs
+    x_in_L = CFG.num_layers * 4 * 64 * CFG.hidden_size * 4
+    assert fused.phases["update"] >= fused.rows["master"] + fused.rows["optimizer"] + x_in_L
+    assert fused.programs["fused_forward"]["output"] >= x_in_L
+    assert "fused" in fused.table()

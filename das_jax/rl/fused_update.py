@@ -12,9 +12,9 @@ The tail (final norm, lm_head, loss) is differentiated by hand too (`head_logpro
 vocabulary slices with a written-out backward pass), so that the norm pass never holds the
 head's `[V, D]` gradient: it takes that gradient's square and its rows at the batch's tokens
 slice by slice, and the embedding's norm follows from them (`_embed_cross_norm`). The last
-program (`_finish`) recomputes the tail's gradient once and adds the embedded tokens' scatter;
-AdamW then runs on the embedding in row blocks of ~16 MB, each taken, updated and written back
-in place (`_adamw_in_row_blocks`).
+program (`finish_update`) recomputes the tail's gradient once and adds the embedded tokens'
+scatter; AdamW then runs on the embedding in row blocks of ~16 MB, each taken, updated and
+written back in place (`_adamw_in_row_blocks`).
 
 Global-norm clipping needs the norm of the whole gradient before any weight moves, so the
 backward pass runs twice (LOMO: Lv et al. 2023, "Full Parameter Fine-tuning for Large Language
@@ -31,7 +31,7 @@ metrics against the unfused step). Cost: one more backward pass (per-layer recom
 the unfused step with remat, and one more head forward + backward.
 
 The programs are module-level jits whose static arguments are a `FusedSpec` (model, loss,
-activation, compute dtype, optimizer) and a `_Layout` (the params / AdamW state tree layout).
+activation, compute dtype, optimizer) and a `Layout` (the params / AdamW state tree layout).
 Scope: one device, the shared-prompt packed micro-batch of `pack_shared_prompts` (the whole
 batch in one micro-batch), `activation` set. The train step falls back to the unfused update
 for anything else (several micro-batches, a mesh, unpacked rows).
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,7 @@ class FusedSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class Layout:
     """The params and AdamW state trees as the programs see them (hashable, static).
 
     p_def / s_def: tree definitions of the params and of AdamW's state; owner: for each state
@@ -126,7 +127,7 @@ class _Layout:
         return tuple(i for i in self.other_idx if i not in self.big_idx)
 
     @classmethod
-    def of(cls, optimizer: Optimizer, params, adamw_state) -> "_Layout":
+    def of(cls, optimizer: Optimizer, params, adamw_state) -> "Layout":
         p_leaves, p_def = jax.tree_util.tree_flatten(params)
         paths = [jax.tree_util.keystr(k) for k, _ in
                  jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -148,10 +149,12 @@ class _Layout:
 def _row_blocks(a) -> list[tuple[int, int]]:
     """(first row, rows) of the blocks of ~`_BLOCK_BYTES` that cover `a`'s leading axis: equal
     blocks and one shorter last block (two compiled block shapes at most). One block for a
-    leaf of rank < 2 or under two blocks' worth of rows."""
-    rows = a.shape[0] if a.ndim else 1
-    per = max(1, _BLOCK_BYTES // max(1, a.nbytes // rows))
-    if a.ndim < 2 or rows < 2 * per:
+    leaf of rank < 2 or under two blocks' worth of rows. `a`: an array or its
+    `jax.ShapeDtypeStruct`."""
+    rows = a.shape[0] if len(a.shape) else 1
+    nbytes = math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+    per = max(1, _BLOCK_BYTES // max(1, nbytes // rows))
+    if len(a.shape) < 2 or rows < 2 * per:
         return [(0, rows)]
     return [(r, min(per, rows - r)) for r in range(0, rows, per)]
 
@@ -258,11 +261,11 @@ def _embed_cross_norm(tok, e_rows, dx0):
     return 2.0 * cross + jnp.sum(jnp.square(seg))
 
 
-def _layer_params(layout: _Layout, p_st, i):
+def _layer_params(layout: Layout, p_st, i):
     return jax.tree_util.tree_unflatten(layout.layers_def, [a[i] for a in p_st])
 
 
-def _adamw_on(spec: FusedSpec, layout: _Layout, idx, p_vals, g_vals, s_vals, shared):
+def _adamw_on(spec: FusedSpec, layout: Layout, idx, p_vals, g_vals, s_vals, shared):
     """optax.adamw on the param leaves `idx` (values by param index in `p_vals` / `g_vals`, their
     state by state index in `s_vals`, the shared step counts by state index in `shared`);
     returns (new param values by index, new state values by index, squared update norm)."""
@@ -289,12 +292,12 @@ def _clipped(spec: FusedSpec, g, norm):
 
 # ---------------------------------------------------------------- the programs
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _forward_and_norm(spec: FusedSpec, layout: _Layout, params, xs: PackedMicroBatch):
+def forward_and_norm(spec: FusedSpec, layout: Layout, params, xs: PackedMicroBatch):
     """Program 1: the forward (keeping each layer's input and the last hidden state), and with
     the clip the tail's vjp and the first backward pass (the global gradient norm, one layer's
     gradient at a time). The tail's own gradient (the `[V, D]` head) is never whole here: only
-    its square and its rows at the batch's tokens are taken (`_tail_backward`), and `_finish`
-    recomputes it (one more head vjp per step)."""
+    its square and its rows at the batch's tokens are taken (`_tail_backward`), and
+    `finish_update` recomputes it (one more head vjp per step)."""
     mb = xs.first()
     x0 = spec.cast(params["embed"])[mb.tokens]
     xL, x_in_L = jax.lax.scan(lambda x, lp: (_layer(spec, mb, x, lp), x), x0,
@@ -318,7 +321,7 @@ def _forward_and_norm(spec: FusedSpec, layout: _Layout, params, xs: PackedMicroB
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _layer_update(spec: FusedSpec, layout: _Layout, xs, dx, x, p_i, s_i, shared, norm):
+def layer_update(spec: FusedSpec, layout: Layout, xs, dx, x, p_i, s_i, shared, norm):
     """Program 2, one layer: its gradient (vjp at its saved input), clipped, and AdamW on its
     slices `p_i` / `s_i`; returns (dx into the layer below, new slices, |g|^2, |u|^2). `xs`
     None: nothing to train on this step, a zero gradient (AdamW still moves)."""
@@ -335,7 +338,7 @@ def _layer_update(spec: FusedSpec, layout: _Layout, xs, dx, x, p_i, s_i, shared,
 
 
 @jax.jit
-def _take_slices(stacks, i):
+def take_slices(stacks, i):
     return jax.tree_util.tree_map(lambda a: a[i], stacks)
 
 
@@ -347,8 +350,8 @@ def _put_slices(stacks, i, values):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(7, 8))
-def _finish(spec: FusedSpec, layout: _Layout, xs, xL, dx0, norm, layers_gsq, p_o, s_o, shared,
-            p_big):
+def finish_update(spec: FusedSpec, layout: Layout, xs, xL, dx0, norm, layers_gsq, p_o, s_o,
+                  shared, p_big):
     """The non-layer params' gradient (the tail's vjp at the kept last hidden state `xL`, plus
     the embedded tokens' scatter-add of `dx0`) and AdamW on the small ones (final norm), which
     also advances the shared step counts; the gradient / update norms. The large ones (`p_big`,
@@ -390,7 +393,7 @@ def _put_rows(stacks, r0, values):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _block_adamw(spec: FusedSpec, layout: _Layout, i: int, keys: tuple, p_b, g_b, s_b, shared,
+def _block_adamw(spec: FusedSpec, layout: Layout, i: int, keys: tuple, p_b, g_b, s_b, shared,
                  norm):
     """AdamW (clipped gradient) on a block of rows of leaf `i` (its state leaves `keys`):
     (new p, new moments, |u|^2)."""
@@ -435,13 +438,13 @@ def fused_update(spec: FusedSpec, params, opt_state, xs: PackedMicroBatch | None
     """
     L = spec.model_config.num_layers
     clip_state, inner = spec.optimizer.split_state(opt_state)
-    layout = _Layout.of(spec.optimizer, params, inner)
+    layout = Layout.of(spec.optimizer, params, inner)
     zero = jnp.zeros((), jnp.float32)
     if xs is None:
         loss, sums = zero, {k: zero for k in losses.METRIC_SUM_KEYS}
         x_in_L, dx, xL, norm = [None] * L, None, None, zero
     else:
-        loss, sums, x_in_L, dx, xL, norm = _forward_and_norm(spec, layout, params, xs)
+        loss, sums, x_in_L, dx, xL, norm = forward_and_norm(spec, layout, params, xs)
     if norm is None:
         norm = zero  # unused without the clip
     p_leaves = jax.tree_util.tree_leaves(params)
@@ -453,13 +456,13 @@ def fused_update(spec: FusedSpec, params, opt_state, xs: PackedMicroBatch | None
     s_st = [s_leaves[k] for k in layout.s_layer]
     gsq, usq = zero, zero
     for i in reversed(range(L)):
-        p_i, s_i = _take_slices((p_st, s_st), i)
-        dx, new_p, new_s, g2, u = _layer_update(spec, layout, xs, dx, x_in_L[i], p_i, s_i,
+        p_i, s_i = take_slices((p_st, s_st), i)
+        dx, new_p, new_s, g2, u = layer_update(spec, layout, xs, dx, x_in_L[i], p_i, s_i,
                                                 shared, norm)
         p_st, s_st = _put_slices((p_st, s_st), i, (new_p, new_s))
         gsq, usq = gsq + g2, usq + u
     del x_in_L
-    new_p, new_s, u, norm, g_big = _finish(
+    new_p, new_s, u, norm, g_big = finish_update(
         spec, layout, xs, xL, dx, norm, gsq, [p_leaves[i] for i in layout.small_idx],
         [s_leaves[k] for k in layout.s_other if layout.owner[k] not in layout.big_idx], shared,
         [p_leaves[i] for i in layout.big_idx])
