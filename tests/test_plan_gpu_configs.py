@@ -43,6 +43,19 @@ def test_gpu_config_passes_memory_check_on_8_devices(tmp_path, config):
     assert "  fits: peak" in err, err[-3000:]
     for name in PROGRAMS:
         assert f"program {name} " in err, name
+    # No hidden second cache: the programs that update the cache in place (verify, prompt
+    # sharing) keep temporaries under 10% of it (their aliased bytes), and the compaction under
+    # 10% of the cache it reads (the prefill's are the admitted prompts' activations: not held
+    # to this)
+    mem = {}
+    for line in err.splitlines():
+        f = line.split()
+        if "program" in f and f[f.index("program") + 2:][:1] == ["temp"]:
+            f = f[f.index("program"):]  # "program NAME temp X GB args X GB out X GB aliased X GB"
+            mem[f[1]] = {"temp": float(f[3]), "args": float(f[6]), "aliased": float(f[12])}
+    for name, cache in (("verify_packed", "aliased"), ("share_prompt_rows", "aliased"),
+                        ("gather_rows", "args")):
+        assert mem[name]["temp"] <= 0.10 * mem[name][cache], (name, mem[name])
     # past the check, the run stops only at loading the (absent) weights
     assert "hub cannot be reached" in err or "HF cache" in err, err[-2000:]
 

@@ -198,8 +198,19 @@ class DenseKVCache:
         return DenseKVCache(k=k, v=v)
 
     def gather_rows(self, rows_B) -> "DenseKVCache":
-        """A cache of `len(rows_B)` rows taken from this one (rows may repeat: padding)."""
-        return DenseKVCache(k=self.k[:, rows_B], v=self.v[:, rows_B])
+        """A cache of `len(rows_B)` rows taken from this one (rows may repeat: padding).
+
+        Row by row into the new buffers (a loop of row copies): XLA's gather of the whole
+        `[:, rows_B]` keeps one of its two outputs in a temporary as large as that output; this
+        loop keeps nothing beside the two caches."""
+        rows_B = jnp.asarray(rows_B, jnp.int32)
+
+        def take(a):
+            out = jnp.zeros((a.shape[0], rows_B.shape[0], *a.shape[2:]), a.dtype)
+            return jax.lax.fori_loop(0, rows_B.shape[0], lambda j, o: (
+                jax.lax.dynamic_update_slice_in_dim(
+                    o, jax.lax.dynamic_slice_in_dim(a, rows_B[j], 1, 1), j, 1)), out)
+        return DenseKVCache(k=take(self.k), v=take(self.v))
 
 
 KVCache = DenseKVCache
