@@ -229,19 +229,18 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     loss_cfg = losses.LossConfig.from_grpo(g, r.temperature or 1.0)
     act = ActivationConfig(remat=t.remat, logits_chunk=t.logits_chunk,
                            attention_chunk=t.attention_chunk)
-    fused = fuses_update(config, devices)
-    if fused:
+    fused_peak = None
+    if fuses_update(config, devices):
         spec = FusedSpec(mc, loss_cfg, act, compute.name, optimizer)
-        fused_programs, fused_peak = fused_update_memory(spec, params_shape, opt_shape,
-                                                         packed_abstract(*packed_shape(config)))
+        update_programs, fused_peak = fused_update_memory(
+            spec, params_shape, opt_shape, packed_abstract(*packed_shape(config)))
     else:
-        train_mem, update_mem = _unfused_memory(mc, loss_cfg, act, compute, optimizer, mesh,
-                                                params_abs, opt_abs, carry_abs, xs_abs,
-                                                p_shard, o_shard, c_shard)
+        update_programs = dict(zip(("accumulate_grads", "optimizer_update"), _unfused_memory(
+            mc, loss_cfg, act, compute, optimizer, mesh, params_abs, opt_abs, carry_abs, xs_abs,
+            p_shard, o_shard, c_shard)))
 
     # ---- rollout: one engine per device, full compute-dtype params ----
     slots, S, W, rdtype, engine_programs = _rollout_memory(mc, r, g, params_shape, compute)
-    verify_mem, prefill_mem = engine_programs["verify_packed"], engine_programs["prefill_packed"]
 
     n = devices
     master_b = _shard_bytes(params_abs)
@@ -250,21 +249,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     cparams_b = _tree_bytes(params_shape) * compute.itemsize // master.itemsize
     kv_b = DenseKVCache.nbytes_for(mc, slots, S, compute)
     ref_b = master_b * compute.itemsize // master.itemsize if g.beta > 0 else 0
-    if fused:
-        update_programs = fused_programs
-        train_rows = {"gradients": 0, "activations": fused_programs["fused_forward"]["temp"],
-                      "update_scratch": max(m["temp"] for m in fused_programs.values())}
-        train_phases = {"update": ref_b + fused_peak}
-    else:
-        update_programs = {"accumulate_grads": train_mem, "optimizer_update": update_mem}
-        train_rows = {"gradients": grads_b, "activations": train_mem["temp"],
-                      "update_scratch": update_mem["temp"]}
-        train_phases = {
-            "train": opt_b + ref_b + train_mem["argument"] + train_mem["temp"]
-            + max(0, train_mem["output"] - train_mem["alias"]),
-            "update": ref_b + update_mem["argument"] + update_mem["temp"]
-            + max(0, update_mem["output"] - update_mem["alias"]),
-        }
+    train_rows, train_phases = _update_rows(update_programs, fused_peak, grads_b, opt_b, ref_b)
     rows = {
         "params": cparams_b, "master": master_b, "optimizer": opt_b,
         "gradients": train_rows["gradients"], "ref_params": ref_b,
@@ -286,13 +271,31 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     }
     shapes = {"slots": slots, "cache_len": S, "width": W, "micro_batch": mb, "train_len": T,
               "remat": t.remat, "dtype": f"{compute.name}/{master.name}",
-              "update": "fused" if fused else "unfused",
+              "update": "unfused" if fused_peak is None else "fused",
               "rollout_analysis": rdtype.name,
               "mesh": "x".join(f"{a}{k}" for a, k in mesh.shape.items() if k > 1) or "1"}
     all_programs = {**update_programs, **engine_programs}
     return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
                       {k: int(v) for k, v in phases.items()}, shapes, float(mem_fraction),
                       all_programs)
+
+
+def _update_rows(programs: dict, fused_peak: int | None, grads_b: int, opt_b: int, ref_b: int
+                 ) -> tuple[dict[str, int], dict[str, int]]:
+    """(the gradients / activations / update-scratch rows, the train-side phase peaks) of the
+    update's `programs`: the fused update's (`fused_peak` its peak) or the gradient kernel's
+    and the optimizer update's (`fused_peak` None)."""
+    if fused_peak is not None:
+        return ({"gradients": 0, "activations": programs["fused_forward"]["temp"],
+                 "update_scratch": max(m["temp"] for m in programs.values())},
+                {"update": ref_b + fused_peak})
+    train_mem, update_mem = programs["accumulate_grads"], programs["optimizer_update"]
+    return ({"gradients": grads_b, "activations": train_mem["temp"],
+             "update_scratch": update_mem["temp"]},
+            {"train": opt_b + ref_b + train_mem["argument"] + train_mem["temp"]
+             + max(0, train_mem["output"] - train_mem["alias"]),
+             "update": ref_b + update_mem["argument"] + update_mem["temp"]
+             + max(0, update_mem["output"] - update_mem["alias"])})
 
 
 def fuses_update(config, devices: int) -> bool:
