@@ -149,9 +149,9 @@ class MemoryPlan:
 
 
 def _mem(compiled) -> dict[str, int]:
-    m = compiled.memory_analysis()
-    return {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-            for k in ("argument", "output", "alias", "temp")}
+    # deferred import: jax (engine.programs loads it; not loaded by importing this module)
+    from das_jax.engine import compiled_memory
+    return compiled_memory(compiled)
 
 
 def _tree_bytes(tree) -> int:

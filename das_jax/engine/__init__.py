@@ -4,7 +4,8 @@ Public surface:
   Engine, RequestOutput, GenerateStats                                         (generate.py)
   EngineConfig, Request, GenerateError                                         (engine_config.py)
   DeviceExecutor (the engine's step executor)                                  (executor.py)
-  Programs (the owner of every compiled program), register_program             (programs.py)
+  Programs (the owner of every compiled program), register_program,           (programs.py)
+    compiled_memory (a compiled program's bytes from XLA's memory analysis)
   VerifySpec, VerifyBatch, PrefillSpec, PrefillBatch, ShareSpec, ShareBatch,
     GatherSpec, GatherBatch, CacheSpec: the programs' typed inputs             (specs.py)
   time_verify_padded (the padded verify, timed as the benchmark's baseline)    (reference.py)
@@ -39,6 +40,7 @@ _EXPORTS = {
     "step_shape_fn": "schedule", "verify_token_buckets": "schedule",
     "precompile_token_buckets": "schedule", "PromptRows": "schedule",
     "DeviceExecutor": "executor", "Programs": "programs", "register_program": "programs",
+    "compiled_memory": "programs",
     "VerifySpec": "specs", "VerifyBatch": "specs", "PrefillSpec": "specs",
     "PrefillBatch": "specs", "ShareSpec": "specs", "ShareBatch": "specs", "GatherSpec": "specs",
     "GatherBatch": "specs", "CacheSpec": "specs", "StepShape": "schedule",

@@ -43,6 +43,15 @@ PROGRAMS: dict[type, Callable] = {
 COMPILED: dict[tuple, Any] = {}
 
 
+def compiled_memory(compiled) -> dict[str, int]:
+    """Bytes of a compiled program (`jax.stages.Compiled`) from XLA's memory analysis:
+    argument, output, alias (outputs written in place of donated arguments) and temp (scratch);
+    0 where the backend reports none."""
+    m = compiled.memory_analysis()
+    return {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+            for k in ("argument", "output", "alias", "temp")}
+
+
 def register_program(spec_type: type, fn: Callable) -> None:
     """Adds a program: batches whose spec is a `spec_type` run `fn(params, cache, batch)` (a
     `jax.jit` function). Used by `das_jax.engine.reference` for the padded oracle steps."""
@@ -158,6 +167,4 @@ class Programs:
         """Bytes of `spec`'s compiled program from XLA's memory analysis: argument, output,
         alias (outputs written in place of donated arguments) and temp (scratch)."""
         params_abs, cache_abs, batch_abs = self.abstract(spec, params)
-        m = self.executable(spec, params_abs, cache_abs, batch_abs).memory_analysis()
-        return {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-                for k in ("argument", "output", "alias", "temp")}
+        return compiled_memory(self.executable(spec, params_abs, cache_abs, batch_abs))

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from das_jax.engine import compiled_memory
 from das_jax.rl.batches import PackedMicroBatch
 from das_jax.rl.fused_update import (FusedSpec, Layout, finish_update, forward_and_norm,
                                      layer_update, take_slices)
@@ -52,9 +53,7 @@ def _bytes(tree) -> int:
 
 
 def _mem(lowered) -> dict[str, int]:
-    m = lowered.compile().memory_analysis()
-    return {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-            for k in ("argument", "output", "alias", "temp")}
+    return compiled_memory(lowered.compile())
 
 
 def fused_update_memory(spec: FusedSpec, params, opt_state, xs: PackedMicroBatch
