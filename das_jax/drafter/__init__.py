@@ -1,7 +1,8 @@
 """das_jax.drafter: nonparametric drafters for speculative decoding of RL rollouts.
 
 Public surface:
-- `Draft`, `Drafter` (the protocol the engine calls), `make_drafter(name, **kwargs)`,
+- `Draft`, `Drafter` (the protocol the engine calls), `DraftBatch` and `propose_batch` /
+  `append_batch` (every row in one call), `make_drafter(name, **kwargs)`,
   `DRAFTER_NAMES`.
 - `SuffixDrafter` (DAS: per-problem suffix tries over a sliding window of epochs),
   `GlobalSuffixDrafter` (SuffixDecoding baseline), `NgramDrafter` / `NgramConfig` (prompt lookup).
@@ -10,7 +11,7 @@ Public surface:
 
 Everything here is host-side (numpy + numba); nothing imports jax.
 """
-from .base import Draft, Drafter, RequestContext
+from .base import Draft, DraftBatch, Drafter, RequestContext, append_batch, propose_batch
 from .factory import DRAFTER_NAMES, make_drafter
 from .history import ProblemHistory
 from .ngram import NgramConfig, NgramDrafter
@@ -18,7 +19,7 @@ from .suffix_drafter import GlobalSuffixDrafter, SuffixDrafter
 from .suffix_tree import ScoredDraft, SuffixForest, SuffixTree, SuffixTreeConfig
 
 __all__ = [
-    "Draft", "Drafter", "RequestContext", "DRAFTER_NAMES", "make_drafter", "ProblemHistory",
+    "Draft", "DraftBatch", "Drafter", "propose_batch", "append_batch", "RequestContext", "DRAFTER_NAMES", "make_drafter", "ProblemHistory",
     "NgramConfig", "NgramDrafter", "GlobalSuffixDrafter", "SuffixDrafter", "ScoredDraft",
     "SuffixForest", "SuffixTree", "SuffixTreeConfig",
 ]

@@ -48,6 +48,113 @@ class Draft:
         return Draft(np.zeros(0, np.int32), np.zeros(0, np.float32))
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftBatch:
+    """Drafts for A rows at once (what `propose_batch` returns; row b is the `Draft` of the b-th
+    request asked for).
+
+    Attributes:
+      tokens_AxK: int32 [A, K]; row b's draft is tokens_AxK[b, :lens_A[b]] (0 past it).
+      probs_AxK: float32 [A, K]; path probabilities as in `Draft.probs` (0 past a row's draft).
+      support_AxK: int32 [A, K]; supports as in `Draft.support` (0 past a row's draft, and for
+        rows whose drafter gives none).
+      lens_A: int32 [A], each <= K.
+      has_support_A: bool [A]; whether row b's draft comes with a support (`Draft.support` not
+        None).
+    """
+
+    tokens_AxK: np.ndarray
+    probs_AxK: np.ndarray
+    support_AxK: np.ndarray
+    lens_A: np.ndarray
+    has_support_A: np.ndarray
+
+    @staticmethod
+    def empty(rows: int, width: int = 0) -> "DraftBatch":
+        """`rows` empty drafts, K = width."""
+        return DraftBatch(np.zeros((rows, width), np.int32), np.zeros((rows, width), np.float32),
+                          np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
+                          np.zeros(rows, bool))
+
+    @staticmethod
+    def from_drafts(drafts: Sequence["Draft | None"], width: int | None = None) -> "DraftBatch":
+        """Packs per-row drafts (None: empty) into K = width (default: the longest) columns;
+        longer drafts are cut to K."""
+        lens = np.array([0 if d is None else len(d) for d in drafts], np.int32)
+        K = int(lens.max(initial=0)) if width is None else int(width)
+        out = DraftBatch.empty(len(drafts), K)
+        for b, d in enumerate(drafts):
+            if d is None or not len(d):
+                continue
+            k = min(len(d), K)
+            out.tokens_AxK[b, :k] = d.tokens[:k]
+            out.probs_AxK[b, :k] = d.probs[:k]
+            if d.support is not None:
+                out.support_AxK[b, :k] = d.support[:k]
+                out.has_support_A[b] = True
+        np.minimum(lens, K, out=lens)
+        return DraftBatch(out.tokens_AxK, out.probs_AxK, out.support_AxK, lens,
+                          out.has_support_A)
+
+    def __len__(self) -> int:
+        return int(self.lens_A.shape[0])
+
+    @property
+    def width(self) -> int:
+        """K, the columns."""
+        return int(self.tokens_AxK.shape[1])
+
+    def row(self, b: int) -> Draft:
+        """Row b as a `Draft` (copies)."""
+        k = int(self.lens_A[b])
+        return Draft(self.tokens_AxK[b, :k].copy(), self.probs_AxK[b, :k].copy(),
+                     self.support_AxK[b, :k].copy() if self.has_support_A[b] else None)
+
+    def cut(self, n_A: np.ndarray) -> "DraftBatch":
+        """The drafts cut to n_A[b] <= lens_A[b] tokens each (columns past max(n_A) dropped)."""
+        n_A = np.minimum(np.asarray(n_A, np.int32), self.lens_A)
+        K = int(n_A.max(initial=0))
+        keep_AxK = np.arange(K)[None, :] < n_A[:, None]
+        return DraftBatch(np.where(keep_AxK, self.tokens_AxK[:, :K], 0).astype(np.int32),
+                          np.where(keep_AxK, self.probs_AxK[:, :K], 0).astype(np.float32),
+                          np.where(keep_AxK, self.support_AxK[:, :K], 0).astype(np.int32),
+                          n_A, self.has_support_A & (n_A > 0))
+
+
+def propose_batch(drafter, request_ids: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:
+    """Drafts for every row at once: `drafter.propose_batch` when the drafter has it, else one
+    `propose` per row with max_tokens_A[b] > 0. K = max(max_tokens_A) (0 for no rows).
+
+    Args:
+      request_ids: int [A]; max_tokens_A: int [A] (>= 0).
+    """
+    fn = getattr(drafter, "propose_batch", None)
+    if fn is not None:
+        return fn(np.asarray(request_ids, np.int64), np.asarray(max_tokens_A, np.int32))
+    K = int(np.max(max_tokens_A, initial=0))
+    drafts = [drafter.propose(int(r), int(k)) if k > 0 else None
+              for r, k in zip(request_ids, max_tokens_A)]
+    return DraftBatch.from_drafts(drafts, K)
+
+
+def append_batch(drafter, request_ids: np.ndarray, tokens_AxW: np.ndarray,
+                 n_A: np.ndarray) -> None:
+    """Appends tokens_AxW[b, :n_A[b]] to request request_ids[b], for every row with n_A[b] > 0
+    (`drafter.append_batch` when the drafter has it, else one `append` per such row).
+
+    Args:
+      request_ids: int [A]; tokens_AxW: int32 [A, W]; n_A: int [A], each <= W.
+    """
+    fn = getattr(drafter, "append_batch", None)
+    if fn is not None:
+        fn(np.asarray(request_ids, np.int64), np.asarray(tokens_AxW, np.int32),
+           np.asarray(n_A, np.int32))
+        return
+    for r, toks, n in zip(request_ids, tokens_AxW, n_A):
+        if n > 0:
+            drafter.append(int(r), toks[:int(n)])
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """What the engine needs from a drafter (see docs/design.md, "Drafter contract")."""
@@ -60,6 +167,11 @@ class Drafter(Protocol):
 
     def append(self, request_id: int, token_ids: Sequence[int]) -> None:
         """Tokens the target model emitted (verified) for this request, in order."""
+
+    # Optional, for speed (`propose_batch` / `append_batch` below fall back to the per-row
+    # calls): propose_batch(request_ids int64 [A], max_tokens_A int32 [A]) -> DraftBatch, and
+    # append_batch(request_ids, tokens_AxW int32 [A, W], n_A int32 [A]), each equal to the
+    # per-row calls in row order.
 
     def end(self, request_id: int) -> None:
         """The rollout finished; its tokens stay in the problem's current-epoch set."""
