@@ -414,14 +414,15 @@ def test_plan_step_hands_the_drafts_support_to_the_policy():
     seen = {}
 
     class Recorder(FixedPolicy):
-        def choose(self, rows, draft_probs, step_shape, draft_support=None):
-            seen["support"] = draft_support
-            return super().choose(rows, draft_probs, step_shape, draft_support)
+        def choose(self, rows, drafts, step_shape):
+            seen["drafts"] = drafts
+            return super().choose(rows, drafts, step_shape)
 
     rows = [RowView(i, "p", 10, 100) for i in range(2)]
     plan = plan_step(Supported(), Recorder(), rows, 2, (1, 4), 64)
-    assert [s.tolist() for s in seen["support"]] == [[7, 7, 7], [8, 8, 8]]
-    assert [t.tolist() for t in plan.tokens] == [[0, 1, 2]] * 2
+    assert seen["drafts"].support_AxK.tolist() == [[7, 7, 7], [8, 8, 8]]
+    assert seen["drafts"].has_support_A.tolist() == [True, True]
+    assert [plan.drafts.row(j).tokens.tolist() for j in range(2)] == [[0, 1, 2]] * 2
 
 
 def test_draft_support_must_match_its_tokens():

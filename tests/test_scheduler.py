@@ -55,7 +55,7 @@ class Recorder:
         self.calls.append((
             "verify", st.batch, [int(r) for r in st.live], list(st.request_ids),
             list(st.generated), [int(st.cache_len_B[r]) for r in st.live], st.kv_len, st.width,
-            [[int(t) for t in d] for d in st.drafts], [int(n) for n in st.n_draft_B],
+            [st.draft(j).tolist() for j in range(len(st.live))], [int(n) for n in st.n_draft_B],
             st.num_tokens, st.attended_kv, st.predicted_seconds))
         if self.cost_model is not None:
             out = dataclasses.replace(
@@ -142,8 +142,8 @@ class _ScriptExecutor:
         pass
 
     def verify(self, st):
-        toks = [[7] * (1 + len(d)) for d in st.drafts]
-        return scheduler.StepOutput(toks, [[0.0] * len(t) for t in toks], 1.0)
+        toks = [[7] * (1 + len(st.draft(j))) for j in range(len(st.live))]
+        return scheduler.StepOutput.from_rows(toks, [[0.0] * len(t) for t in toks], 1.0)
 
 
 class _ConstDrafter:

@@ -48,7 +48,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--c-kv", type=float, default=None,
                    help="cost model: seconds per cached position per row")
     p.add_argument("--no-overheads", action="store_true",
-                   help="predict decode + drafter time only (no prefill / host-loop terms)")
+                   help="leave out the trace's prefill and executor overheads (the measured "
+                        "host time of the scheduler, drafter and policy stays in)")
     p.add_argument("--scale", choices=("trace", "paper"), default="trace",
                    help="trace: replay the recorded rollouts; paper: a resampled paper-scale "
                         "workload (128 problems x 16 samples, 16K tokens, long tail)")

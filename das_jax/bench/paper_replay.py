@@ -13,7 +13,7 @@ re-priced under each model: t = c_base + c_tok*N + c_kv*K (`CostModel.predict_st
 Speculations that plan with the cost model (das, das-unlimited) are simulated per model.
 
 Per model the result gives per-epoch decode time (the cost model's step times) and the total
-with the drafter's and policy's measured host time (on this machine), the speed-ups
+with the measured host time of the scheduler, drafter and policy (on this machine), the speed-ups
 (`rollout_report.speedup_summary` on decode time), and the regime: the share of c_base, c_tok*N
 and c_kv*K in the decode time of `none` (plain decoding) and of `das-unlimited` (every row
 verifies its whole draft) -- "compute-bound" for das-unlimited means verification of long drafts
@@ -31,7 +31,7 @@ from das_jax.rollout import build_speculation, get_speculation
 def _summary(st, steps_nk, coef) -> dict:
     decode = sum(float(coef["c_base"]) + float(coef["c_tok"]) * n + float(coef.get("c_kv", 0.0)) * k
                  for n, k in steps_nk)
-    return {"decode_s": decode, "predicted_s": decode + st.draft_s + st.policy_s,
+    return {"decode_s": decode, "predicted_s": decode + st.host_s, "host_s": st.host_s,
             "draft_s": st.draft_s, "policy_s": st.policy_s, "forward_passes": st.forward_passes,
             "generated_tokens": st.generated_tokens, "acceptance_length": st.acceptance_length}
 

@@ -32,10 +32,11 @@ Modelling assumptions (what the prediction leaves out or approximates):
    cost on a CPU is not (different matmul kernels per M), so the decode prediction is only as
    good as the fit (`bench rollout` prints predicted / measured next to every measured time).
 2. Prefill is modelled as `prefill_s_per_token` per prompt token slot the engine's prefill
-   computes (`scheduler.prefill_layout` of each admission call), and the host loop as
-   `host_s_per_step` per forward pass; both are fitted from the measured plain (`none`) run of
-   the first epoch. Drafter and policy time are the real host time of the simulated calls on
-   this machine.
+   computes (`scheduler.prefill_layout` of each admission call), and the executor's own host
+   work (packing a step's arrays, dispatch) as `host_s_per_step` per forward pass; both are
+   fitted from the measured plain (`none`) run of the first epoch. The scheduler's, drafter's
+   and policy's host work is measured: the replay runs the engine's own host code on this
+   machine (`GenerateStats.host_s`), and counts all of it as exposed (no overlap).
 3. Tokens past a recorded stop token are unknown, so a draft that runs past the end of a rollout
    is accepted only up to the end; the engine counts the same (only committed tokens). A
    rollout ends at its recorded end with its recorded finish reason, or at max_new_tokens.
@@ -176,24 +177,36 @@ def read_trace(path) -> Trace:
 @dataclasses.dataclass
 class SimStats(GenerateStats):
     """What one simulated `generate` call did (the engine's `GenerateStats`; times in seconds):
-    decode_s is the cost model's prediction, draft_s / policy_s the measured host time of the
-    drafter and policy calls, prefill_s 0 (priced by `predicted_s` from prefill_tokens)."""
+    decode_s is the cost model's prediction of the verify steps; host_s the measured host work
+    of the engine's scheduler, drafter and policy on this machine (draft_s / policy_s are part
+    of it); prefill_s 0 (priced by `device_s` from prefill_tokens)."""
 
-    def predicted_s(self, overheads: dict | None = None) -> float:
-        """Predicted wall time: decode (cost model) + drafter/policy host time + prefill and host
-        loop overheads (if given)."""
+    def device_s(self, overheads: dict | None = None) -> float:
+        """Predicted time of the executor's calls: the verify steps (cost model) and, with
+        `overheads`, the prefill (`prefill_s_per_token` x prefill tokens) and the executor's own
+        host time per step (`host_s_per_step`: packing a step's arrays, dispatch)."""
         o = overheads or {}
-        return (self.decode_s + self.draft_s + self.policy_s
-                + float(o.get("prefill_s_per_token", 0.0)) * self.prefill_tokens
+        return (self.decode_s + float(o.get("prefill_s_per_token", 0.0)) * self.prefill_tokens
                 + float(o.get("host_s_per_step", 0.0)) * self.forward_passes)
 
+    def predicted_s(self, overheads: dict | None = None) -> float:
+        """Predicted wall time: device time plus the exposed host time (all of the measured
+        host time: the replay does not overlap host work with the device)."""
+        return self.device_s(overheads) + self.host_s
+
     def summary(self, overheads: dict | None = None) -> dict:
+        rows = sum(s.active for s in self.steps)
         return {"forward_passes": self.forward_passes, "generated_tokens": self.generated_tokens,
                 "drafted_tokens": self.drafted_tokens,
                 "accepted_draft_tokens": self.accepted_draft_tokens,
                 "acceptance_length": self.acceptance_length, "decode_s": self.decode_s,
                 "draft_s": self.draft_s, "policy_s": self.policy_s,
                 "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
+                "mean_live_rows": rows / max(self.forward_passes, 1),
+                "device_s": self.device_s(overheads), "host_s": self.host_s,
+                "exposed_host_s": self.host_s,
+                "host_us_per_row": 1e6 * self.host_s / max(rows, 1),
+                "total_s": self.predicted_s(overheads),
                 "predicted_s": self.predicted_s(overheads)}
 
 
@@ -218,6 +231,11 @@ class TraceExecutor:
             if not r.token_ids:
                 raise ValueError(f"trace rollout {i} (problem {r.problem_id!r}) has no tokens; "
                                  "a recorded rollout holds at least its first token")
+        # every recorded rollout's tokens in one array (rollout ri at start_R[ri], len_R[ri])
+        self.len_R = np.array([len(r.token_ids) for r in rollouts], np.int64)
+        self.start_R = np.cumsum(self.len_R) - self.len_R
+        self.tokens_T = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rollouts])
+        self.reason_R = np.array([r.finish_reason or "stop" for r in rollouts])
 
     def _end(self, ri: int, upto: int) -> str:
         r = self.rollouts[ri]
@@ -246,17 +264,24 @@ class TraceExecutor:
         self.prompt_rows.compact(live, new_batch)
 
     def verify(self, st: StepInput) -> StepOutput:
-        tokens, ends = [], []
-        for ri, g, d in zip(st.request_ids, st.generated, st.drafts):
-            rec = self.rollouts[ri].token_ids
-            # The pending token is rec[g - 1]; the target token after it is rec[g], so draft token
-            # i is accepted while it equals rec[g + i] (and the prefix before it was accepted).
-            acc, lim = 0, min(len(d), len(rec) - g - 1)
-            while acc < lim and int(d[acc]) == rec[g + acc]:
-                acc += 1
-            tokens.append(rec[g:g + acc + 1])
-            ends.append(self._end(ri, g + acc + 1))
-        return StepOutput(tokens, [[0.0] * len(t) for t in tokens],
+        ri_A, g_A = np.asarray(st.request_ids), np.asarray(st.generated)
+        n_draft_A = np.asarray(st.n_draft_B)[st.live].astype(np.int64)
+        # The pending token is rec[g - 1]; the target token after it is rec[g], so draft token i
+        # is accepted while it equals rec[g + i] (and the prefix before it was accepted), and
+        # never past the recorded end.
+        lim_A = np.minimum(n_draft_A, self.len_R[ri_A] - g_A - 1)
+        K = st.drafts_AxK.shape[1]
+        col = np.arange(K + 1)[None, :]
+        pos_AxK1 = np.minimum(self.start_R[ri_A, None] + g_A[:, None] + col,
+                              len(self.tokens_T) - 1)
+        rec_AxK1 = self.tokens_T[pos_AxK1]
+        miss_AxK = (st.drafts_AxK != rec_AxK1[:, :K]) | (col[:, :K] >= lim_A[:, None])
+        acc_A = np.where(miss_AxK.any(axis=1), miss_AxK.argmax(axis=1), K) if K else \
+            np.zeros(len(ri_A), np.int64)
+        n_A = acc_A + 1
+        done_A = g_A + n_A >= self.len_R[ri_A]
+        ends = np.where(done_A, self.reason_R[ri_A], "")
+        return StepOutput(rec_AxK1, np.zeros(rec_AxK1.shape, np.float32), n_A.astype(np.int32),
                           float(self.cost_model.predict_step(st.num_tokens, st.attended_kv)),
                           ends)
 

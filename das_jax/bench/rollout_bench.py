@@ -290,7 +290,8 @@ def _add_replay(result: dict, measured: dict, none_epochs: dict, names: list[str
                 setup: BenchSetup, coef: dict, das, temp: float) -> None:
     """Adds temperature `temp`'s rows to `result["runs"]` with the replay's predictions beside
     the measurements (speedups, prediction ratios), and the overheads (prefill per token, host
-    time per step) measured from the `none` run of epoch 0 that the replay charges."""
+    time per step outside the scheduler, drafter and policy, whose host time the replay
+    measures itself) measured from the `none` run of epoch 0 that the replay charges."""
     # deferred import: jax (not loaded by importing this module)
     from das_jax.bench import replay as rp
 
@@ -299,8 +300,7 @@ def _add_replay(result: dict, measured: dict, none_epochs: dict, names: list[str
     overheads = {
         "prefill_s_per_token": m0["prefill_s"] / max(sim0.prefill_tokens, 1),
         "host_s_per_step": max(0.0, (m0["wall_s"] - m0["decode_s"] - m0["prefill_s"]
-                                     - m0["draft_s"] - m0["policy_s"])
-                               / max(m0["forward_passes"], 1)),
+                                     - m0["host_s"]) / max(m0["forward_passes"], 1)),
     }
     predicted = rp.replay_epochs(none_epochs, names, ec, setup.max_new_tokens, coef, das,
                                  overheads)

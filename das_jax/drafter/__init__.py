@@ -11,15 +11,21 @@ Public surface:
 
 Everything here is host-side (numpy + numba); nothing imports jax.
 """
-from .base import Draft, DraftBatch, Drafter, RequestContext, append_batch, propose_batch
-from .factory import DRAFTER_NAMES, make_drafter
-from .history import ProblemHistory
-from .ngram import NgramConfig, NgramDrafter
-from .suffix_drafter import GlobalSuffixDrafter, SuffixDrafter
-from .suffix_tree import ScoredDraft, SuffixForest, SuffixTree, SuffixTreeConfig
+from __future__ import annotations
 
-__all__ = [
-    "Draft", "DraftBatch", "Drafter", "propose_batch", "append_batch", "RequestContext", "DRAFTER_NAMES", "make_drafter", "ProblemHistory",
-    "NgramConfig", "NgramDrafter", "GlobalSuffixDrafter", "SuffixDrafter", "ScoredDraft",
-    "SuffixForest", "SuffixTree", "SuffixTreeConfig",
-]
+from das_jax._lazy import lazy_exports
+
+# Imported lazily (PEP 562): `das_jax.drafter.base` (the types the engine uses) loads without
+# numba.
+_EXPORTS = {
+    "Draft": "base", "DraftBatch": "base", "Drafter": "base", "RequestContext": "base",
+    "propose_batch": "base", "append_batch": "base",
+    "DRAFTER_NAMES": "factory", "make_drafter": "factory",
+    "ProblemHistory": "history",
+    "NgramConfig": "ngram", "NgramDrafter": "ngram",
+    "GlobalSuffixDrafter": "suffix_drafter", "SuffixDrafter": "suffix_drafter",
+    "ScoredDraft": "suffix_tree", "SuffixForest": "suffix_tree", "SuffixTree": "suffix_tree",
+    "SuffixTreeConfig": "suffix_tree",
+}
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -12,7 +12,7 @@ Public surface:
   run_schedule, StepExecutor, StepInput, StepOutput, Prefilled, Limits,
     prefill_layout: the host scheduler shared with the trace replay             (scheduler.py)
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
-  SpeculationPolicy, FixedPolicy, RowView, StepRecord, DraftPlan, plan_step,
+  SpeculationPolicy, FixedPolicy, RowView, RowBatch, StepRecord, DraftPlan, plan_step,
     acceptance_length, padded_step_shape, packed_step_shape, width_for         (policy.py)
   bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
   token_buckets, packed_width, step_shape_fn, StepShape, verify_token_buckets,
@@ -30,7 +30,7 @@ _EXPORTS = {
     "Engine": "generate", "EngineConfig": "engine_config", "Request": "engine_config",
     "RequestOutput": "generate", "GenerateStats": "generate", "GenerateError": "engine_config",
     "SamplingParams": "sampling", "SamplingError": "sampling", "request_seed": "sampling",
-    "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy",
+    "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy", "RowBatch": "policy",
     "StepRecord": "policy", "DraftPlan": "policy", "plan_step": "policy",
     "acceptance_length": "policy", "padded_step_shape": "policy", "packed_step_shape": "policy",
     "width_for": "policy",

@@ -142,7 +142,7 @@ class DeviceExecutor:
         spec = VerifySpec(self.config, self.skey, st.batch, st.num_tokens, st.width, self.S,
                           st.kv_len, self.dtype)
         return VerifyBatch.pack(spec, st.cache_len_B, self.pending, self.row_seed, st.live,
-                                st.drafts, st.n_draft_B)
+                                st.drafts_AxK, st.n_draft_B)
 
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
         compiled_before = self.programs.compile_s
@@ -152,11 +152,7 @@ class DeviceExecutor:
         self.cache, y_BxW, logp_BxW, n_emit_B = exe(self.params, self.cache, batch)
         y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)
         seconds = time.perf_counter() - t0
-        tokens, logps = [], []
-        for r in st.live:
-            ne = int(n_emit_B[r])
-            self.pending[r] = y_BxW[r, ne - 1]
-            tokens.append(y_BxW[r, :ne])
-            logps.append(logp_BxW[r, :ne])
-        return scheduler.StepOutput(tokens, logps, seconds,
+        n_A = n_emit_B[st.live]
+        self.pending[st.live] = y_BxW[st.live, n_A - 1]
+        return scheduler.StepOutput(y_BxW[st.live], logp_BxW[st.live], n_A, seconds,
                                     compile_s=self.programs.compile_s - compiled_before)

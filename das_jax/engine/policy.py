@@ -19,6 +19,7 @@ from typing import Callable, Hashable, Protocol, Sequence
 
 import numpy as np
 
+from das_jax.drafter.base import DraftBatch, propose_batch
 from das_jax.engine import schedule
 
 
@@ -33,6 +34,48 @@ class RowView:
     problem_id: Hashable
     generated: int
     remaining: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBatch:
+    """The live rows of a decode step as a policy sees them, as arrays `[A]` (A live rows, in
+    the step's order): request_ids int64, generated int64 (tokens emitted so far), remaining
+    int64 (tokens each may still emit, the max_new_tokens bound)."""
+
+    request_ids: np.ndarray
+    generated: np.ndarray
+    remaining: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.request_ids.shape[0])
+
+    @staticmethod
+    def of(rows: "Sequence[RowView] | RowBatch") -> "RowBatch":
+        """The batch of `rows` (a `RowBatch` is returned as is)."""
+        if isinstance(rows, RowBatch):
+            return rows
+        return RowBatch(np.array([r.request_id for r in rows], np.int64),
+                        np.array([r.generated for r in rows], np.int64),
+                        np.array([r.remaining for r in rows], np.int64))
+
+
+def as_draft_batch(drafts, draft_support=None) -> DraftBatch:
+    """`drafts` as a `DraftBatch`: a `DraftBatch` as is, else a sequence of per-row path
+    probabilities (float `[len_b]`, kept in float64; the tokens left 0) with optional per-row
+    supports (`draft_support[b]`: int `[len_b]` or None)."""
+    if isinstance(drafts, DraftBatch):
+        return drafts
+    lens = np.array([len(p) for p in drafts], np.int32)
+    K = int(lens.max(initial=0))
+    out = DraftBatch.empty(len(lens), K)
+    out = dataclasses.replace(out, probs_AxK=out.probs_AxK.astype(np.float64))  # as given
+    for b, p in enumerate(drafts):
+        out.probs_AxK[b, :lens[b]] = p
+        sup = None if draft_support is None else draft_support[b]
+        if sup is not None and lens[b]:
+            out.support_AxK[b, :lens[b]] = sup
+            out.has_support_A[b] = True
+    return DraftBatch(out.tokens_AxK, out.probs_AxK, out.support_AxK, lens, out.has_support_A)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,24 +167,27 @@ def acceptance_length(steps: Sequence[StepRecord]) -> float:
 
 
 class SpeculationPolicy(Protocol):
+    """How much to speculate. Per-step calls see every live row at once (`RowBatch`,
+    `DraftBatch`: arrays, so a policy's host time need not grow with per-row Python); policies
+    also accept a sequence of `RowView`s and, for `choose`, per-row path probabilities (see
+    `RowBatch.of`, `as_draft_batch`)."""
+
     def admission_order(self, problem_ids: Sequence[Hashable]) -> list[int]:
         """Order in which queued requests enter slots (indices into problem_ids)."""
 
     def begin(self, request_id: int, problem_id: Hashable, prompt_len: int) -> None:
         """A request entered a slot."""
 
-    def draft_budgets(self, rows: Sequence[RowView], batch: int, max_width: int) -> np.ndarray:
-        """int `[len(rows)]`: draft tokens to request per row (0 = do not draft for it)."""
+    def draft_budgets(self, rows: RowBatch, batch: int, max_width: int) -> np.ndarray:
+        """int32 `[A]`: draft tokens to request per row (0 = do not draft for it)."""
 
-    def choose(self, rows: Sequence[RowView], draft_probs: Sequence[np.ndarray],
-               step_shape: ShapeFn, draft_support: Sequence[np.ndarray | None] | None = None
+    def choose(self, rows: RowBatch, drafts: DraftBatch, step_shape: ShapeFn
                ) -> tuple[np.ndarray, float | None]:
-        """(int32 n_draft per row, each in 0..len(draft_probs[b]), predicted seconds or None).
+        """(int32 n_draft `[A]`, each in 0..drafts.lens_A[b], predicted seconds or None).
 
-        draft_probs[b]: the drafter's path probabilities of row b's draft (float `[len]`,
-        nonincreasing: the chance that its first i + 1 tokens are all accepted).
-        draft_support[b]: int32 `[len]` past occurrences each token's estimate rests on
-        (`Draft.support`), or None where the drafter does not say (None: for every row).
+        drafts: the drafter's drafts (`DraftBatch`): probs_AxK[b, i] the path probability that
+        row b's first i + 1 tokens are all accepted (nonincreasing along i), support_AxK the
+        past occurrences each estimate rests on where has_support_A[b].
         step_shape: n_draft_B -> (num_tokens, attended_kv) of the verify step the engine would
         run for that choice (`padded_step_shape`, `packed_step_shape`)."""
 
@@ -151,7 +197,7 @@ class SpeculationPolicy(Protocol):
     def end(self, request_id: int, num_tokens: int) -> None:
         """A request finished with num_tokens generated."""
 
-    def step_classes(self, rows: Sequence[RowView]) -> dict | None:
+    def step_classes(self, rows: RowBatch) -> dict | None:
         """Per-class live counts for the stats (or None)."""
 
     def fork(self, drafter) -> "SpeculationPolicy":
@@ -177,11 +223,12 @@ class FixedPolicy:
         pass
 
     def draft_budgets(self, rows, batch, max_width):
+        rows = RowBatch.of(rows)
         k = max_width - 1 if self.max_draft is None else min(self.max_draft, max_width - 1)
-        return np.array([min(k, max(r.remaining - 1, 0)) for r in rows], np.int32)
+        return np.clip(rows.remaining - 1, 0, k).astype(np.int32)
 
-    def choose(self, rows, draft_probs, step_shape, draft_support=None):
-        return np.array([len(p) for p in draft_probs], np.int32), None
+    def choose(self, rows, drafts, step_shape):
+        return as_draft_batch(drafts).lens_A.astype(np.int32), None
 
     def observe(self, record):
         pass
@@ -198,52 +245,42 @@ class FixedPolicy:
 
 @dataclasses.dataclass
 class DraftPlan:
-    """One step's speculation: width W, per-row draft tokens (int32, each <= W - 1 long, in the
-    order of the live rows), the policy's predicted step seconds, and host time spent."""
+    """One step's speculation: width W, the drafts the policy chose (`DraftBatch`, each row
+    <= W - 1 tokens, in the order of the live rows), the policy's predicted step seconds, and
+    host time spent (seconds)."""
 
     width: int
-    tokens: list[np.ndarray]
+    drafts: DraftBatch
     predicted_seconds: float | None
     draft_s: float = 0.0
     policy_s: float = 0.0
 
 
-def plan_step(drafter, policy: "SpeculationPolicy", rows: Sequence[RowView], batch: int,
-              widths: Sequence[int], kv_len: int,
+def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[RowView]",
+              batch: int, widths: Sequence[int], kv_len: int,
               step_shape: ShapeFn | None = None) -> DraftPlan:
-    """Asks the policy for budgets, the drafter for drafts, the policy for n_draft per row; W is
-    the smallest compiled width holding the longest chosen draft.
+    """Asks the policy for budgets, the drafter for every row's draft in one call
+    (`das_jax.drafter.propose_batch`), the policy for n_draft per row; W is the smallest
+    compiled width holding the longest chosen draft.
 
     step_shape: what a choice costs (default: `padded_step_shape(batch, widths, kv_len)`).
     Shared by `Engine.generate` and the trace-replay simulator, so both take exactly the same
     decisions. With no drafter: W = 1 and no drafts.
     """
+    rows = RowBatch.of(rows)
     if drafter is None:
-        return DraftPlan(1, [np.zeros(0, np.int32)] * len(rows), None)
-    max_w = max(widths)
-    t0 = time.perf_counter()
-    budgets = policy.draft_budgets(rows, batch, max_w)
-    t1 = time.perf_counter()
-    tokens: list[np.ndarray] = []
-    probs: list[np.ndarray] = []
-    support: list[np.ndarray | None] = []
-    for row, k in zip(rows, budgets):
-        k = int(min(k, max_w - 1, row.remaining - 1))
-        d = drafter.propose(row.request_id, k) if k > 0 else None
-        if d is None or len(d.tokens) == 0:
-            tokens.append(np.zeros(0, np.int32))
-            probs.append(np.zeros(0, np.float32))
-            support.append(None)
-        else:
-            tokens.append(np.asarray(d.tokens[:k], np.int32))
-            probs.append(np.asarray(d.probs[:k], np.float32))
-            support.append(None if d.support is None else np.asarray(d.support[:k], np.int32))
-    t2 = time.perf_counter()
+        return DraftPlan(1, DraftBatch.empty(len(rows)), None)
     ws = sorted(int(w) for w in widths)
+    t0 = time.perf_counter()
+    budgets = policy.draft_budgets(rows, batch, ws[-1])
+    budgets = np.clip(np.minimum(budgets, rows.remaining - 1), 0, ws[-1] - 1).astype(np.int32)
+    t1 = time.perf_counter()
+    drafts = propose_batch(drafter, rows.request_ids, budgets)
+    drafts = drafts.cut(budgets)
+    t2 = time.perf_counter()
     shape = step_shape or padded_step_shape(batch, ws, kv_len)
-    n_draft, predicted = policy.choose(rows, probs, shape, draft_support=support)
+    n_draft, predicted = policy.choose(rows, drafts, shape)
     t3 = time.perf_counter()
-    n_draft = np.minimum(np.asarray(n_draft, np.int32), ws[-1] - 1)
-    tokens = [t[:int(n)] for t, n in zip(tokens, n_draft)]
-    width = width_for(np.array([len(t) for t in tokens], np.int32), ws)
-    return DraftPlan(width, tokens, predicted, draft_s=t2 - t1, policy_s=(t1 - t0) + (t3 - t2))
+    drafts = drafts.cut(np.minimum(np.asarray(n_draft, np.int32), ws[-1] - 1))
+    width = width_for(drafts.lens_A, ws)
+    return DraftPlan(width, drafts, predicted, draft_s=t2 - t1, policy_s=(t1 - t0) + (t3 - t2))

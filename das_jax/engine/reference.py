@@ -249,8 +249,8 @@ class PaddedExecutor(DeviceExecutor):
         B, W = st.batch, st.width
         tokens_BxW = np.zeros((B, W), np.int32)
         tokens_BxW[:, 0] = self.pending
-        for j, r in enumerate(st.live):
-            tokens_BxW[r, 1:1 + len(st.drafts[j])] = st.drafts[j]
+        K = st.drafts_AxK.shape[1]
+        tokens_BxW[st.live, 1:1 + K] = st.drafts_AxK   # zeros past a row's draft
         spec = PaddedVerifySpec(self.config, self.skey, B, W, self.S, st.kv_len, self.dtype)
         return PaddedVerifyBatch(spec, st.cache_len_B, tokens_BxW, st.n_draft_B, self.row_seed)
 

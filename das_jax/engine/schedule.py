@@ -227,7 +227,7 @@ def pack_prompts(prompts: Sequence[Sequence[int]], src: Sequence[int], rows: Seq
 def packed_width(n_draft: Sequence[int], widths: Sequence[int]) -> int:
     """The query-block width of a packed step: the smallest compiled width holding the longest
     row (1 + its draft tokens)."""
-    need = 1 + max((int(n) for n in n_draft), default=0)
+    need = 1 + int(np.max(n_draft, initial=0))
     return next((w for w in sorted(widths) if w >= need), max(widths))
 
 

@@ -26,7 +26,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from das_jax.engine.policy import (FixedPolicy, RowView, SpeculationPolicy, StepRecord,
+from das_jax.drafter.base import append_batch
+from das_jax.engine.policy import (FixedPolicy, RowBatch, SpeculationPolicy, StepRecord,
                                    acceptance_length, plan_step)
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
                                      prompt_bucket, step_shape_fn, tail_bucket, token_buckets)
@@ -54,7 +55,10 @@ class GenerateStats:
     from the phase timers and reported as `compile_s`). accepted_draft_tokens counts accepted
     draft tokens that were committed (not those past a stop token or max_new_tokens);
     prefill_tokens: token slots the prefill calls computed (padding included), over
-    prefill_calls admissions. In the replay, decode_s is the cost model's prediction."""
+    prefill_calls admissions. In the replay, decode_s is the cost model's prediction.
+    host_s: the host work between the executor's calls (scheduler bookkeeping, drafter and
+    policy; draft_s and policy_s are part of it): `run_schedule`'s wall time less the wall
+    time of its executor calls (the device steps, or the replay's recorded ones)."""
 
     forward_passes: int = 0
     generated_tokens: int = 0
@@ -64,6 +68,7 @@ class GenerateStats:
     decode_s: float = 0.0
     draft_s: float = 0.0
     policy_s: float = 0.0
+    host_s: float = 0.0
     wall_s: float = 0.0
     compile_s: float = 0.0
     prefill_tokens: int = 0
@@ -139,40 +144,63 @@ class Prefilled:
 class StepInput:
     """One verify step as the scheduler planned it (A live rows of B cache rows).
 
-    batch: B; live: int `[A]` cache rows; request_ids / generated: `[A]` each live row's request
-    index and tokens committed so far; cache_len_B: int32 `[B]` tokens in each cache row's KV
-    (stale for free rows); kv_len: attended-length bucket; width: W (query block); drafts:
-    `[A]` int32 draft tokens per live row; n_draft_B: int32 `[B]` (0 for free rows); num_tokens /
-    attended_kv: the step shape (`step_shape_fn`); predicted_seconds: the policy's prediction.
+    batch: B; live: int64 `[A]` cache rows; request_ids / generated: int64 `[A]` each live
+    row's request index and tokens committed so far; cache_len_B: int32 `[B]` tokens in each
+    cache row's KV (stale for free rows); kv_len: attended-length bucket; width: W (query
+    block); drafts_AxK: int32 `[A, K]` draft tokens per live row (row j's are
+    drafts_AxK[j, :n_draft_B[live[j]]], K <= W - 1); n_draft_B: int32 `[B]` (0 for free rows);
+    num_tokens / attended_kv: the step shape (`step_shape_fn`); predicted_seconds: the
+    policy's prediction.
     """
 
     batch: int
     live: np.ndarray
-    request_ids: list[int]
-    generated: list[int]
+    request_ids: np.ndarray
+    generated: np.ndarray
     cache_len_B: np.ndarray
     kv_len: int
     width: int
-    drafts: list[np.ndarray]
+    drafts_AxK: np.ndarray
     n_draft_B: np.ndarray
     num_tokens: int
     attended_kv: int
     predicted_seconds: float | None
 
+    def draft(self, j: int) -> np.ndarray:
+        """int32 `[n]`: the draft tokens of live row j."""
+        return self.drafts_AxK[j, :int(self.n_draft_B[self.live[j]])]
+
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """What a verify step returns per live row (`[A]`): tokens[j] (1 + accepted drafts sampled
-    tokens, before the stop / max_new_tokens cut), logprobs[j], ends[j] ("" or a finish reason
-    the executor knows; None: none known); the step's seconds (compilation excluded); and
-    compile_s, the seconds spent compiling the step's program when this step was its first
-    (0.0 otherwise, and in the replay)."""
+    """What a verify step returns per live row (`[A]`, in the order of `StepInput.live`):
+    tokens_AxW int32 / logprobs_AxW float32 `[A, W']` with row j's n_A[j] (>= 1) sampled
+    tokens (1 + accepted drafts, before the stop / max_new_tokens cut) and their log-probs
+    first; ends[j] ("" or a finish reason the executor knows; a sequence or a str array;
+    None: none known); the step's
+    seconds (compilation excluded); and compile_s, the seconds spent compiling the step's
+    program when this step was its first (0.0 otherwise, and in the replay)."""
 
-    tokens: Sequence[Sequence[int]]
-    logprobs: Sequence[Sequence[float]]
+    tokens_AxW: np.ndarray
+    logprobs_AxW: np.ndarray
+    n_A: np.ndarray
     seconds: float
     ends: Sequence[str] | None = None
     compile_s: float = 0.0
+
+    @staticmethod
+    def from_rows(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
+                  seconds: float, ends: Sequence[str] | None = None,
+                  compile_s: float = 0.0) -> "StepOutput":
+        """A `StepOutput` from per-row token and log-prob lists (each row non-empty)."""
+        n_A = np.array([len(t) for t in tokens], np.int32)
+        W = int(n_A.max(initial=1))
+        tok = np.zeros((len(tokens), W), np.int32)
+        logp = np.zeros((len(tokens), W), np.float32)
+        for j, (t, lp) in enumerate(zip(tokens, logprobs)):
+            tok[j, :len(t)] = t
+            logp[j, :len(t)] = lp
+        return StepOutput(tok, logp, n_A, seconds, ends, compile_s)
 
 
 class StepExecutor(Protocol):
@@ -223,8 +251,10 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
     Returns:
       (outputs in request order, stats); wall_s / compile_s are the caller's to set.
     """
-    run = _Run(requests, executor, engine_config, limits, drafter, policy or FixedPolicy(),
-               progress, keep_tokens, stats if stats is not None else GenerateStats())
+    t_start = time.perf_counter()
+    run = _Run(requests, _TimedExecutor(executor), engine_config, limits, drafter,
+               policy or FixedPolicy(), progress, keep_tokens,
+               stats if stats is not None else GenerateStats())
     while run.queue or (run.row_req >= 0).any():
         free = np.flatnonzero(run.row_req < 0)
         if run.queue and len(free):
@@ -233,24 +263,52 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
         live = np.flatnonzero(run.row_req >= 0)
         if len(live):
             run.step(run.compact(live))
+    run.collect()
+    run.stats.host_s += time.perf_counter() - t_start - run.executor.seconds
     return run.outputs, run.stats
+
+
+class _TimedExecutor:
+    """An executor whose calls' wall time is summed in `seconds` (what is not host time)."""
+
+    def __init__(self, executor: StepExecutor):
+        self.executor, self.seconds = executor, 0.0
+
+    def __getattr__(self, name):
+        fn = getattr(self.executor, name)
+        if not callable(fn):
+            return fn
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
 
 
 class _Run:
     """The state of one `run_schedule` call: the queue, each cache row's request and cache
-    length, each request's committed tokens, the outputs and stats."""
+    length, each request's committed tokens (`[R]` arrays over the R requests), the outputs and
+    stats. Per step, the work is array operations over the live rows; per-row Python runs only
+    when a request is admitted or finishes."""
 
-    def __init__(self, requests, executor: StepExecutor, ec, limits: Limits, drafter,
+    def __init__(self, requests, executor, ec, limits: Limits, drafter,
                  policy: SpeculationPolicy, progress, keep_tokens: bool, stats: GenerateStats):
         self.requests, self.executor, self.ec = requests, executor, ec
         self.drafter, self.policy, self.progress = drafter, policy, progress
         self.keep_tokens, self.stats = keep_tokens, stats
         self.widths = ec.draft_widths if drafter is not None else (1,)
-        self.stop_ids = limits.stop_ids
+        self.stop_ids = np.array(sorted(limits.stop_ids), np.int64)
         self.max_new = limits.max_new_tokens
         n = len(requests)
         self.outputs = [RequestOutput(r, [], [], "") for r in requests]
-        self.generated = [0] * n                    # tokens committed per request
+        self.generated_R = np.zeros(n, np.int64)     # tokens committed per request
+        self.passes_R = np.zeros(n, np.int64)        # RequestOutput counters, filled at the end
+        self.drafted_R = np.zeros(n, np.int64)
+        self.accepted_R = np.zeros(n, np.int64)
+        self.log: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # committed tokens
         self.queue = collections.deque(policy.admission_order([r.problem_id for r in requests]))
         self.S = cache_len_for(ec.max_cache_len, ec.draft_widths,
                                max(len(r.prompt_ids) for r in requests), self.max_new)
@@ -265,38 +323,62 @@ class _Run:
         self.outputs[ri].finish_reason = reason
         if self.drafter is not None:
             self.drafter.end(ri)
-        self.policy.end(ri, self.generated[ri])
+        self.policy.end(ri, int(self.generated_R[ri]))
         self.row_req[row] = -1
         self.finished += 1
         if self.progress:
             self.progress(self.finished, len(self.requests))
 
-    def emit(self, row: int, toks: Sequence[int], logps: Sequence[float], end: str = "") -> int:
-        """Commits the row's tokens up to a stop token / max_new_tokens (finishing the row there,
-        or with `end`, the executor's finish reason); returns the tokens committed."""
-        ri, stats = int(self.row_req[row]), self.stats
-        room = self.max_new - self.generated[ri]
-        toks, logps = list(toks[:room]), list(logps[:room])
-        reason = ""
-        for j, t in enumerate(toks):
-            if t in self.stop_ids:
-                toks, logps, reason = toks[:j + 1], logps[:j + 1], "stop"
-                break
-        if not reason and self.generated[ri] + len(toks) >= self.max_new:
-            reason = "length"
+    def commit(self, rows_A: np.ndarray, tokens_AxW: np.ndarray, logprobs_AxW: np.ndarray,
+               n_A: np.ndarray, ends: Sequence[str] | None) -> np.ndarray:
+        """Commits each row's n_A[j] sampled tokens up to a stop token (included) or
+        max_new_tokens, finishing the row there, or with `ends[j]` (the executor's finish
+        reason); returns int64 `[A]` the tokens committed per row."""
+        req_A = self.row_req[rows_A]
+        gen_A = self.generated_R[req_A]
+        n_A = np.minimum(np.asarray(n_A, np.int64), self.max_new - gen_A)
+        valid_AxW = np.arange(tokens_AxW.shape[1])[None, :] < n_A[:, None]
+        stop_A = np.zeros(len(rows_A), bool)
+        if self.stop_ids.size:
+            hit_AxW = np.isin(tokens_AxW, self.stop_ids) & valid_AxW
+            stop_A = hit_AxW.any(axis=1)
+            n_A = np.where(stop_A, hit_AxW.argmax(axis=1) + 1, n_A)
+            valid_AxW &= np.arange(tokens_AxW.shape[1])[None, :] < n_A[:, None]
         if self.keep_tokens:
-            self.outputs[ri].token_ids.extend(int(t) for t in toks)
-            self.outputs[ri].logprobs.extend(float(x) for x in logps)
-        self.generated[ri] += len(toks)
-        stats.generated_tokens += len(toks)
-        if self.drafter is not None and toks:
+            self.log.append((np.broadcast_to(req_A[:, None], valid_AxW.shape)[valid_AxW],
+                             tokens_AxW[valid_AxW], logprobs_AxW[valid_AxW]))
+        self.generated_R[req_A] = gen_A + n_A
+        self.stats.generated_tokens += int(n_A.sum())
+        if self.drafter is not None:
             t0 = time.perf_counter()
-            self.drafter.append(ri, toks)
-            stats.draft_s += time.perf_counter() - t0
-        reason = reason or end
-        if reason:
-            self.finish(row, reason)
-        return len(toks)
+            append_batch(self.drafter, req_A, tokens_AxW, n_A.astype(np.int32))
+            self.stats.draft_s += time.perf_counter() - t0
+        length_A = ~stop_A & (gen_A + n_A >= self.max_new)
+        end_A = stop_A | length_A
+        if ends is not None:
+            end_A = end_A | (np.asarray(ends) != "")
+        for j in np.flatnonzero(end_A):
+            reason = "stop" if stop_A[j] else "length" if length_A[j] else ends[j]
+            self.finish(int(rows_A[j]), reason)
+        return n_A
+
+    def collect(self) -> None:
+        """Fills the outputs' tokens, log-probs and counters from the run's arrays."""
+        if self.keep_tokens and self.log:
+            req_T = np.concatenate([c[0] for c in self.log])
+            order = np.argsort(req_T, kind="stable")
+            tok_T = np.concatenate([c[1] for c in self.log])[order]
+            logp_T = np.concatenate([c[2] for c in self.log])[order]
+            ends = np.cumsum(np.bincount(req_T, minlength=len(self.outputs)))
+            for ri, o in enumerate(self.outputs):
+                lo = ends[ri - 1] if ri else 0
+                o.token_ids = tok_T[lo:ends[ri]].tolist()
+                o.logprobs = logp_T[lo:ends[ri]].astype(np.float64).tolist()
+        self.log = []
+        for ri, o in enumerate(self.outputs):
+            o.forward_passes = int(self.passes_R[ri])
+            o.drafted_tokens = int(self.drafted_R[ri])
+            o.accepted_draft_tokens = int(self.accepted_R[ri])
 
     def admit(self, free: np.ndarray) -> None:
         """Admits queued requests into the free rows (prefill) and commits their first tokens."""
@@ -318,9 +400,9 @@ class _Run:
                 drafter.begin(int(ri), req.problem_id, list(req.prompt_ids))
             stats.policy_s += t1 - t0
             stats.draft_s += time.perf_counter() - t1
-        for k, row in enumerate(rows):
-            self.emit(int(row), [int(pre.first_tokens[k])], [float(pre.first_logprobs[k])],
-                      pre.ends[k] if pre.ends is not None else "")
+        self.commit(rows, np.asarray(pre.first_tokens, np.int32).reshape(-1, 1),
+                    np.asarray(pre.first_logprobs, np.float32).reshape(-1, 1),
+                    np.ones(len(rows), np.int64), pre.ends)
 
     def compact(self, live: np.ndarray) -> np.ndarray:
         """Compacts the live rows into a smaller bucket for the tail (once the queue is empty
@@ -335,51 +417,46 @@ class _Run:
 
     def step(self, live: np.ndarray) -> None:
         """One verify step of the live rows: draft, verify, commit, record."""
-        stats, policy, B, generated = self.stats, self.policy, self.B, self.generated
+        stats, policy, B = self.stats, self.policy, self.B
         kv_len = kv_len_bucket(self.cache_len[live], self.S)
-        req_ids = [int(self.row_req[r]) for r in live]
-        views = [RowView(ri, self.requests[ri].problem_id, generated[ri],
-                         self.max_new - generated[ri]) for ri in req_ids]
+        req_A = self.row_req[live]
+        gen_A = self.generated_R[req_A]
+        rows = RowBatch(req_A, gen_A, self.max_new - gen_A)
         step_shape = step_shape_fn(B, kv_len, self.widths)
-        plan = plan_step(self.drafter, policy, views, B, self.widths, kv_len, step_shape)
+        plan = plan_step(self.drafter, policy, rows, B, self.widths, kv_len, step_shape)
         stats.draft_s += plan.draft_s
         stats.policy_s += plan.policy_s
 
+        n_draft_A = plan.drafts.lens_A
         n_draft_B = np.zeros(B, np.int32)
-        for j, r in enumerate(live):
-            n_draft_B[r] = len(plan.tokens[j])
-        num_tokens, attended_kv = step_shape(n_draft_B[live])
+        n_draft_B[live] = n_draft_A
+        num_tokens, attended_kv = step_shape(n_draft_A)
         out = self.executor.verify(StepInput(
-            batch=B, live=live, request_ids=req_ids, generated=[generated[ri] for ri in req_ids],
-            cache_len_B=self.cache_len, kv_len=kv_len,
-            width=plan.width, drafts=plan.tokens, n_draft_B=n_draft_B, num_tokens=num_tokens,
+            batch=B, live=live, request_ids=req_A, generated=gen_A,
+            cache_len_B=self.cache_len, kv_len=kv_len, width=plan.width,
+            drafts_AxK=plan.drafts.tokens_AxK, n_draft_B=n_draft_B, num_tokens=num_tokens,
             attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds))
         stats.decode_s += out.seconds
         stats.forward_passes += 1
-        drafted = int(n_draft_B.sum())
+        drafted = int(n_draft_A.sum())
         stats.drafted_tokens += drafted
-        classes = policy.step_classes(views)
-        accepted_rows = []
-        emitted = 0
-        for j, r in enumerate(live):
-            o = self.outputs[req_ids[j]]
-            o.forward_passes += 1
-            o.drafted_tokens += int(n_draft_B[r])
-            self.cache_len[r] += len(out.tokens[j])
-            # Count what was committed: tokens past a stop token or max_new_tokens are not.
-            committed = self.emit(int(r), out.tokens[j], out.logprobs[j],
-                                  out.ends[j] if out.ends is not None else "")
-            emitted += committed
-            accepted_rows.append(max(committed - 1, 0))
-            o.accepted_draft_tokens += accepted_rows[-1]
-        accepted = sum(accepted_rows)
+        classes = policy.step_classes(rows)
+        self.passes_R[req_A] += 1
+        self.drafted_R[req_A] += n_draft_A
+        self.cache_len[live] += np.asarray(out.n_A, np.int32)
+        # Count what was committed: tokens past a stop token or max_new_tokens are not.
+        committed_A = self.commit(live, out.tokens_AxW, out.logprobs_AxW, out.n_A, out.ends)
+        accepted_A = np.maximum(committed_A - 1, 0)
+        self.accepted_R[req_A] += accepted_A
+        accepted = int(accepted_A.sum())
         stats.accepted_draft_tokens += accepted
         record = StepRecord(batch=B, active=len(live), width=plan.width, kv_len=kv_len,
-                            drafted=drafted, accepted=accepted, emitted=emitted,
+                            drafted=drafted, accepted=accepted, emitted=int(committed_A.sum()),
                             seconds=out.seconds,
                             predicted_seconds=plan.predicted_seconds, classes=classes,
                             num_tokens=num_tokens, attended_kv=attended_kv,
-                            accepted_per_row=tuple(accepted_rows), compile_s=out.compile_s)
+                            accepted_per_row=tuple(accepted_A.tolist()),
+                            compile_s=out.compile_s)
         stats.steps.append(record)
         t0 = time.perf_counter()
         policy.observe(record)

@@ -126,22 +126,25 @@ class VerifyBatch:
     seeds_B: Any
 
     @classmethod
-    def pack(cls, spec: VerifySpec, cache_len_B, pending_B, seeds_B, live: Sequence[int],
-             drafts: Sequence[Sequence[int]], n_draft_B) -> "VerifyBatch":
-        """Each live row's pending token then its drafts, as consecutive slots; the rest of
-        the N slots are padding (row index B)."""
+    def pack(cls, spec: VerifySpec, cache_len_B, pending_B, seeds_B, live: np.ndarray,
+             drafts_AxK: np.ndarray, n_draft_B) -> "VerifyBatch":
+        """Each live row's pending token then its drafts (drafts_AxK[j, :n_draft_B[live[j]]]),
+        as consecutive slots; the rest of the N slots are padding (row index B)."""
         N, B = spec.num_tokens, spec.batch
+        live = np.asarray(live, np.int64)
+        c_A = 1 + np.asarray(n_draft_B, np.int64)[live]          # slots per live row
+        T = int(c_A.sum())
+        j_T = np.repeat(np.arange(len(live)), c_A)
+        off_T = np.arange(T) - np.repeat(np.cumsum(c_A) - c_A, c_A)
+        drafts_AxK = np.asarray(drafts_AxK, np.int32)
+        draft_T = (drafts_AxK[j_T, np.maximum(off_T - 1, 0)] if drafts_AxK.shape[1]
+                   else np.zeros(T, np.int32))
         tokens_N = np.zeros(N, np.int32)
         row_N = np.full(N, B, np.int32)
         offset_N = np.zeros(N, np.int32)
-        i = 0
-        for j, r in enumerate(live):
-            k = len(drafts[j])
-            tokens_N[i] = pending_B[r]
-            tokens_N[i + 1:i + 1 + k] = drafts[j]
-            row_N[i:i + 1 + k] = r
-            offset_N[i:i + 1 + k] = np.arange(1 + k)
-            i += 1 + k
+        tokens_N[:T] = np.where(off_T == 0, np.asarray(pending_B)[live][j_T], draft_T)
+        row_N[:T] = live[j_T]
+        offset_N[:T] = off_T
         return cls(spec, cache_len_B, tokens_N, row_N, offset_N, n_draft_B, seeds_B)
 
 

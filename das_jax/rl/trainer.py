@@ -342,6 +342,7 @@ class GRPOTrainer:
             "decode_s": st.decode_s,
             "draft_s": st.draft_s,
             "policy_s": st.policy_s,
+            "host_s": st.host_s,
             "train_s": train_s,
             "rollout_logprob_gap": self.last_logprob_gap,
             # code samples that used up their CPU time (logged by the code reward, once a step)

@@ -79,38 +79,22 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from das_jax.engine import RowView, StepRecord
+from das_jax.engine import StepRecord
+from das_jax.engine.policy import RowBatch, as_draft_batch
+from das_jax.speculation.acceptance import (SUPPORT_BUCKETS, calibrated_paths, grow_depth_scale,
+                                            step_ratios, support_bucket, support_prior,
+                                            update_depth_scale, update_support_scale)
 from das_jax.speculation.cost_model import CostModel
 
+__all__ = ["DASPolicy", "DASConfig", "SHORT", "MEDIUM", "LONG", "SUPPORT_BUCKETS",
+           "step_ratios", "support_bucket", "support_prior"]
+
 SHORT, MEDIUM, LONG = "short", "medium", "long"
-_ORDER = {SHORT: 0, MEDIUM: 1, LONG: 2}
+CLASS_NAMES = (SHORT, MEDIUM, LONG)     # class codes 0, 1, 2 (ordered: a longer class is larger)
+_ORDER = {name: i for i, name in enumerate(CLASS_NAMES)}
+_NONE = -1                 # no class recorded (a request not begun): counts as medium
 MAX_VALUE_CUTS = 24        # value cut-offs of the greedy order evaluated per step
-_SCALE_RANGE = (0.02, 4.0)  # bounds of the per-depth calibration factor
 UNSEEN_EVERY = 4           # cold start: one unmeasured shape per UNSEEN_EVERY * explore_every steps
-SUPPORT_BUCKETS = 6        # support buckets 1, 2-3, 4-7, 8-15, 16-31, 32+ occurrences
-
-
-def support_bucket(support) -> np.ndarray:
-    """int `[k]`: the calibration bucket of each token's support (`Draft.support`, past
-    occurrences): floor(log2(support)) capped at SUPPORT_BUCKETS - 1 (support < 1 counts as 1)."""
-    s = np.maximum(np.asarray(support, np.int64), 1)
-    return np.minimum(np.floor(np.log2(s)).astype(np.int64), SUPPORT_BUCKETS - 1)
-
-
-def support_prior() -> np.ndarray:
-    """float64 `[SUPPORT_BUCKETS]`: the starting calibration factors, c / (c + 1) at each
-    bucket's smallest support c (1/2 for a continuation seen once; Witten-Bell's escape estimate
-    for a context with one continuation seen c times). Online calibration moves them."""
-    c = 2.0 ** np.arange(SUPPORT_BUCKETS)
-    return c / (c + 1.0)
-
-
-def step_ratios(probs: np.ndarray) -> np.ndarray:
-    """float64 `[k]`: a path probability's per-token factors P_i / P_{i-1} (P_{-1} = 1; a zero
-    prefix gives 0)."""
-    p = np.asarray(probs, np.float64)
-    prev = np.concatenate([[1.0], p[:-1]])
-    return np.divide(p, prev, out=np.zeros_like(p), where=prev > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +171,7 @@ class DASPolicy:
         self.config = config
         self.cost_model = cost_model or CostModel()
         self.finished_lengths: collections.deque = collections.deque(maxlen=config.length_history)
-        self.classes: dict[int, str] = {}
+        self._class_R = np.full(0, _NONE, np.int8)   # class code by request id
         self.depth_scale = np.zeros(0)     # per-depth calibration factors (grown on demand)
         self.support_scale = support_prior()   # per-support-bucket factors
         self._pending = None               # (n_draft, probabilities, supports) of last choice
@@ -219,13 +203,20 @@ class DASPolicy:
         return float(lo), float(max(hi, lo))
 
     def classify_length(self, n: float, th: tuple[float, float] | None) -> str:
+        """The class of a rollout of `n` tokens under thresholds `th` (None: medium)."""
+        return CLASS_NAMES[int(self.classify_lengths(np.array([n]), th)[0])]
+
+    @staticmethod
+    def classify_lengths(n_A: np.ndarray, th: tuple[float, float] | None) -> np.ndarray:
+        """int8 `[A]` class codes (0 short, 1 medium, 2 long) of lengths `n_A` (tokens): long
+        above the long threshold, short at or below the short one (unless both are equal: a
+        degenerate history has no short class), else medium; all medium when `th` is None."""
+        n_A = np.asarray(n_A, np.float64)
         if th is None:
-            return MEDIUM
+            return np.full(n_A.shape, 1, np.int8)
         lo, hi = th
-        if n > hi:
-            return LONG
-        # A degenerate history (every rollout the same length) has no short class.
-        return SHORT if n <= lo and lo < hi else MEDIUM
+        short = (n_A <= lo) & (lo < hi)
+        return np.where(n_A > hi, 2, np.where(short, 0, 1)).astype(np.int8)
 
     def initial_class(self, problem_id: Hashable) -> str:
         """The class most common among the problem's past rollouts (ties: the longer class)."""
@@ -233,8 +224,13 @@ class DASPolicy:
         past = list(self.lengths_fn(problem_id))
         if th is None or not past:
             return MEDIUM
-        counts = collections.Counter(self.classify_length(n, th) for n in past)
-        return max(counts, key=lambda k: (counts[k], _ORDER[k]))
+        counts = np.bincount(self.classify_lengths(np.array(past), th), minlength=3)
+        return CLASS_NAMES[int(2 - np.argmax(counts[::-1]))]
+
+    @property
+    def classes(self) -> dict[int, str]:
+        """{request id: class} of the requests begun and not ended."""
+        return {int(r): CLASS_NAMES[c] for r, c in enumerate(self._class_R) if c != _NONE}
 
     def predicted_length(self, problem_id: Hashable) -> float:
         past = list(self.lengths_fn(problem_id))
@@ -248,73 +244,56 @@ class DASPolicy:
         return sorted(range(len(problem_ids)), key=lambda i: -pred[i])  # stable: ties keep order
 
     def begin(self, request_id: int, problem_id: Hashable, prompt_len: int) -> None:
-        self.classes[request_id] = self.initial_class(problem_id)
+        if request_id >= len(self._class_R):
+            grown = np.full(max(2 * len(self._class_R), request_id + 1, 64), _NONE, np.int8)
+            grown[:len(self._class_R)] = self._class_R
+            self._class_R = grown
+        self._class_R[request_id] = _ORDER[self.initial_class(problem_id)]
         self._waiting = max(self._waiting - 1, 0)
 
-    def current_class(self, row: RowView, th) -> str:
-        cls = self.classes.get(row.request_id, MEDIUM)
-        grown = self.classify_length(row.generated, th)
-        if th is not None and _ORDER[grown] > _ORDER[cls]:
-            cls = self.classes[row.request_id] = grown   # promotion: outgrew its class
+    def current_classes(self, rows: RowBatch, th) -> np.ndarray:
+        """int8 `[A]` each row's class code, promoting (and recording) rows whose generated
+        length outgrew their class."""
+        ids = rows.request_ids
+        known = (ids >= 0) & (ids < len(self._class_R))
+        cls = np.full(len(ids), 1, np.int8)
+        cls[known] = self._class_R[ids[known]]
+        cls[cls == _NONE] = 1
+        if th is not None:
+            grown = self.classify_lengths(rows.generated, th)
+            up = known & (grown > cls)
+            cls = np.where(up, grown, cls).astype(np.int8)
+            self._class_R[ids[up]] = cls[up]
         return cls
 
-    def row_weights(self, rows: Sequence[RowView]) -> np.ndarray:
-        """float64 `[len(rows)]`: each row's class weight (promoting rows that outgrew it)."""
-        th = self.thresholds()
+    def row_weights(self, rows) -> np.ndarray:
+        """float64 `[A]`: each row's class weight (promoting rows that outgrew it)."""
+        rows = RowBatch.of(rows)
         c = self.config
-        w = {SHORT: c.weight_short, MEDIUM: c.weight_medium, LONG: c.weight_long}
-        return np.array([w[self.current_class(r, th)] for r in rows], np.float64)
+        w = np.array([c.weight_short, c.weight_medium, c.weight_long], np.float64)
+        return w[self.current_classes(rows, self.thresholds())]
 
-    def draft_budgets(self, rows: Sequence[RowView], batch: int, max_width: int) -> np.ndarray:
-        widest = max_width - 1
+    def draft_budgets(self, rows, batch: int, max_width: int) -> np.ndarray:
+        rows = RowBatch.of(rows)
         c = self.config
-        th = None if c.unlimited else self.thresholds()
-        caps = {SHORT: c.budget_short, MEDIUM: c.budget_medium, LONG: c.budget_long}
-        out = []
-        for r in rows:
-            k = min(widest, max(r.remaining - 1, 0))
-            if not c.unlimited:
-                cap = caps[self.current_class(r, th)]
-                k = k if cap is None else min(k, cap)
-            out.append(k)
-        return np.array(out, np.int32)
+        k = np.clip(rows.remaining - 1, 0, max_width - 1)
+        if not c.unlimited:
+            big = np.iinfo(np.int64).max
+            caps = np.array([big if x is None else x for x in
+                             (c.budget_short, c.budget_medium, c.budget_long)], np.int64)
+            k = np.minimum(k, caps[self.current_classes(rows, self.thresholds())])
+        return k.astype(np.int32)
 
-    def calibrated(self, draft_probs: Sequence[np.ndarray],
-                   draft_support: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
-        """float64 `[rows, longest draft]`: q_b,d, the calibrated chance that row b's first d + 1
-        draft tokens are accepted (0 past a row's draft; nonincreasing along d).
-
-        A row whose draft has a support (`Draft.support`): the product over its tokens of the
-        drafter's per-token ratio P_i / P_{i-1} times the calibration factor of the token's
-        support bucket (`support_bucket`), each clipped to [0, 1]. A row without: its path
-        probability times the per-depth calibration factor."""
-        lens = np.fromiter((len(p) for p in draft_probs), np.int64, len(draft_probs))
-        D = int(lens.max(initial=0))
-        P = np.zeros((len(draft_probs), D))
-        if D:
-            P[np.arange(D)[None, :] < lens[:, None]] = np.concatenate(
-                [np.asarray(p, np.float64) for p in draft_probs])
-        scale = self._scale(D)
-        q = np.minimum.accumulate(np.clip(P * scale[None, :], 0.0, 1.0), axis=1)
-        if draft_support is not None:
-            for b, sup in enumerate(draft_support):
-                if sup is not None and lens[b]:
-                    q[b, :lens[b]] = self._support_path(P[b, :lens[b]], sup)
-        return q
-
-    def _support_path(self, probs: np.ndarray, support: np.ndarray) -> np.ndarray:
-        """float64 `[k]`: calibrated path probabilities of one draft from its per-token ratios
-        and support buckets (`calibrated`)."""
-        ratio = step_ratios(probs)
-        r = np.clip(ratio * self.support_scale[support_bucket(support)], 0.0, 1.0)
-        return np.cumprod(r)
-
-    def _scale(self, depth: int) -> np.ndarray:
-        if len(self.depth_scale) < depth:
-            fill = self.depth_scale[-1] if len(self.depth_scale) else 1.0
-            self.depth_scale = np.concatenate(
-                [self.depth_scale, np.full(depth - len(self.depth_scale), fill)])
-        return self.depth_scale[:depth]
+    def calibrated(self, drafts, draft_support=None) -> np.ndarray:
+        """float64 `[A, longest draft]`: q_b,d, the calibrated chance that row b's first d + 1
+        draft tokens are accepted (`acceptance.calibrated_paths`; drafts: a `DraftBatch`, or
+        per-row path probabilities with optional `draft_support`, see
+        `engine.policy.as_draft_batch`)."""
+        db = as_draft_batch(drafts, draft_support)
+        D = int(db.lens_A.max(initial=0))
+        self.depth_scale = grow_depth_scale(self.depth_scale, D)
+        return calibrated_paths(db.probs_AxK, db.lens_A, db.support_AxK, db.has_support_A,
+                                self.depth_scale, self.support_scale)
 
     @property
     def acceptance_scale(self) -> float:
@@ -385,7 +364,7 @@ class DASPolicy:
         del self._regret[top[5]]
         return top
 
-    def base_shares(self, rows: Sequence[RowView], weights: np.ndarray) -> np.ndarray:
+    def base_shares(self, rows, weights: np.ndarray) -> np.ndarray:
         """float64 `[len(rows)]`: each row's share beta_b (summing to 1) of the cost a step pays
         whatever the drafts, c_base + c_kv * K (`row_fixed_costs`).
 
@@ -398,7 +377,7 @@ class DASPolicy:
             return np.full(len(rows), 1.0 / max(len(rows), 1))
         return weights / weights.sum()
 
-    def row_fixed_costs(self, rows: Sequence[RowView], weights: np.ndarray,
+    def row_fixed_costs(self, rows, weights: np.ndarray,
                         attended_kv: int) -> np.ndarray:
         """float64 `[len(rows)]`, seconds: f_b, what row b adds to every step it is live in,
         drafts aside: its pending token's slot and its share beta_b (`base_shares`) of the cost
@@ -433,12 +412,15 @@ class DASPolicy:
         saved = float((lam_B * (1.0 + cum_q_BxD1[np.arange(len(n)), n])).sum())
         return t - saved, t
 
-    def choose(self, rows, draft_probs, step_shape, draft_support=None):
-        lens = np.array([len(p) for p in draft_probs], np.int32)
+    def choose(self, rows, drafts, step_shape, draft_support=None):
+        """See `SpeculationPolicy.choose` (drafts: a `DraftBatch`, or per-row path
+        probabilities with optional `draft_support`)."""
+        db = as_draft_batch(drafts, draft_support)
+        lens = db.lens_A.astype(np.int32)
         self._pending = None
         if self.config.unlimited or lens.max(initial=0) == 0:
             return lens, self._predict(step_shape(lens))
-        q_BxD = self.calibrated(draft_probs, draft_support)
+        q_BxD = self.calibrated(db)
         cum = np.concatenate([np.zeros((len(lens), 1)), np.cumsum(q_BxD, axis=1)], axis=1)
         f = self.row_fixed_costs(rows, self.row_weights(rows),
                                  step_shape(np.zeros_like(lens))[1])
@@ -478,9 +460,7 @@ class DASPolicy:
                 self._last_unseen = self._steps
         n = best[3]
         if n.sum():
-            self._pending = (n.copy(), [np.asarray(p, np.float64) for p in draft_probs],
-                             list(draft_support) if draft_support is not None
-                             else [None] * len(n))
+            self._pending = (n.copy(), db)
         return n.astype(np.int32), best[1]
 
     def observe(self, record: StepRecord) -> None:
@@ -491,58 +471,37 @@ class DASPolicy:
         pending, self._pending = self._pending, None
         if pending is None or not record.drafted:
             return
-        n, probs, support = pending
+        n, db = pending
         a = self.config.acceptance_ema
         per_row = (record.accepted_per_row is not None
                    and len(record.accepted_per_row) == len(n))
-        with_support = np.array([s is not None for s in support]) & (n > 0)
+        acc = np.asarray(record.accepted_per_row, np.int64) if per_row else None
+        with_support = db.has_support_A & (n > 0)
         if per_row and with_support.any():
             # Support buckets: each token verified after an accepted prefix is a trial of its
             # per-token ratio; the factor tracks accepted trials over predicted ones.
-            acc = np.minimum(np.asarray(record.accepted_per_row), n)
-            expected = np.zeros(SUPPORT_BUCKETS)
-            accepted = np.zeros(SUPPORT_BUCKETS)
-            for b in np.flatnonzero(with_support):
-                tried = int(min(acc[b] + 1, n[b]))
-                bk = support_bucket(support[b][:tried])
-                np.add.at(expected, bk, step_ratios(probs[b][:n[b]])[:tried])
-                np.add.at(accepted, bk, (np.arange(tried) < acc[b]).astype(np.float64))
-            seen = expected > 0
-            g = self.support_scale
-            g[seen] = (1 - a) * g[seen] + a * accepted[seen] / expected[seen]
-            np.clip(g, *_SCALE_RANGE, out=g)
-            if with_support.all():
-                return
-            keep = ~with_support
-            n = np.where(keep, n, 0)
+            update_support_scale(self.support_scale, n, acc, db.probs_AxK, db.support_AxK,
+                                 with_support, a)
+            n = np.where(with_support, 0, n)
             if not n.any():
                 return
-        D = int(n.max())
-        expected = np.zeros(D)
-        for b, k in enumerate(n):
-            expected[:k] += probs[b][:k]
-        scale = self._scale(D)
-        if per_row:
-            acc = np.minimum(np.asarray(record.accepted_per_row), n)
-            accepted = np.array([(acc >= d + 1).sum() for d in range(D)], np.float64)
-            seen = expected > 0
-            ratio = np.where(seen, accepted / np.maximum(expected, 1e-12), 1.0)
-            scale[seen] = (1 - a) * scale[seen] + a * ratio[seen]
-        else:   # only the step's total is known: one factor for every depth
-            ratio = record.accepted / max(float(expected.sum()), 1e-12)
-            scale[:] = (1 - a) * scale + a * ratio
-        np.clip(scale, *_SCALE_RANGE, out=scale)
+        self.depth_scale = update_depth_scale(self.depth_scale, n, acc, record.accepted,
+                                              db.probs_AxK, a)
 
     def end(self, request_id: int, num_tokens: int) -> None:
-        self.classes.pop(request_id, None)
+        if 0 <= request_id < len(self._class_R):
+            self._class_R[request_id] = _NONE
         self.finished_lengths.append(num_tokens)
         self._finished_count += 1
 
-    def step_classes(self, rows: Sequence[RowView]) -> dict:
-        counts = {SHORT: 0, MEDIUM: 0, LONG: 0}
-        for r in rows:
-            counts[self.classes.get(r.request_id, MEDIUM)] += 1
-        return counts
+    def step_classes(self, rows) -> dict:
+        rows = RowBatch.of(rows)
+        ids = rows.request_ids
+        cls = np.full(len(ids), 1, np.int64)
+        known = (ids >= 0) & (ids < len(self._class_R))
+        cls[known] = self._class_R[ids[known]]
+        counts = np.bincount(np.where(cls == _NONE, 1, cls), minlength=3)
+        return {SHORT: int(counts[0]), MEDIUM: int(counts[1]), LONG: int(counts[2])}
 
     def fork(self, drafter=None) -> "DASPolicy":
         """A copy for another device: the same config, a copy of the fitted cost model (with its

@@ -1,0 +1,133 @@
+"""Calibrated acceptance of drafts, over all rows of a step at once (the DAS policy's item 4).
+
+A suffix-trie draft says for each token its path probability P_i (the chance that its first
+i + 1 tokens are all accepted, from count ratios) and its support (past occurrences the estimate
+rests on, `das_jax.drafter.Draft.support`). A count ratio of a token seen once is 1 whatever
+the model does next, so raw path probabilities are overconfident at small supports. The
+calibrated chance q_b,d that row b's first d + 1 draft tokens are accepted is
+
+* with support: prod_{i <= d} clip(P_i / P_{i-1} * g[bucket(support_i)], 0, 1), g one factor per
+  support bucket (1, 2-3, 4-7, 8-15, 16-31, 32+; starting at c / (c + 1), `support_prior`);
+* without: clip(P_d * s_d, 0, 1) made nonincreasing along d, s_d one factor per depth.
+
+Both factor sets are exponential moving averages of accepted over predicted tokens
+(`update_support_scale`, `update_depth_scale`). Every function takes `[A, K]` arrays of the A
+live rows (`DraftBatch` layout) and has no per-row Python loop.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SUPPORT_BUCKETS = 6         # support buckets 1, 2-3, 4-7, 8-15, 16-31, 32+ occurrences
+SCALE_RANGE = (0.02, 4.0)   # bounds of every calibration factor
+
+
+def support_bucket(support) -> np.ndarray:
+    """int64 `[...]`: the calibration bucket of each token's support (past occurrences):
+    floor(log2(support)) capped at SUPPORT_BUCKETS - 1 (support < 1 counts as 1)."""
+    s = np.maximum(np.asarray(support, np.int64), 1)
+    # floor(log2(s)) exactly for integers: the bit length less one
+    return np.minimum(np.frexp(s.astype(np.float64))[1].astype(np.int64) - 1,
+                      SUPPORT_BUCKETS - 1)
+
+
+def support_prior() -> np.ndarray:
+    """float64 `[SUPPORT_BUCKETS]`: the starting calibration factors, c / (c + 1) at each
+    bucket's smallest support c (1/2 for a continuation seen once; Witten-Bell's escape estimate
+    for a context with one continuation seen c times). Online calibration moves them."""
+    c = 2.0 ** np.arange(SUPPORT_BUCKETS)
+    return c / (c + 1.0)
+
+
+def step_ratios(probs: np.ndarray) -> np.ndarray:
+    """float64, the shape of `probs` (`[k]` or `[A, k]`): a path probability's per-token
+    factors P_i / P_{i-1} along the last axis (P_{-1} = 1; a zero prefix gives 0)."""
+    p = np.asarray(probs, np.float64)
+    prev = np.concatenate([np.ones(p.shape[:-1] + (1,)), p[..., :-1]], axis=-1)
+    return np.divide(p, prev, out=np.zeros_like(p), where=prev > 0)
+
+
+def grow_depth_scale(depth_scale: np.ndarray, depth: int) -> np.ndarray:
+    """The per-depth factors extended to `depth` entries (new depths start at the deepest
+    known factor, 1.0 before any)."""
+    if len(depth_scale) >= depth:
+        return depth_scale
+    fill = depth_scale[-1] if len(depth_scale) else 1.0
+    return np.concatenate([depth_scale, np.full(depth - len(depth_scale), fill)])
+
+
+def calibrated_paths(probs_AxK: np.ndarray, lens_A: np.ndarray, support_AxK: np.ndarray,
+                     has_support_A: np.ndarray, depth_scale: np.ndarray,
+                     support_scale: np.ndarray) -> np.ndarray:
+    """float64 `[A, D]` (D = max(lens_A)): q_b,d, the calibrated chance that row b's first
+    d + 1 draft tokens are accepted (module docstring; 0 past a row's draft, nonincreasing
+    along d). depth_scale: float64 `[>= D]`; support_scale: float64 `[SUPPORT_BUCKETS]`."""
+    lens_A = np.asarray(lens_A, np.int64)
+    D = int(lens_A.max(initial=0))
+    A = len(lens_A)
+    if D == 0:
+        return np.zeros((A, 0))
+    valid_AxD = np.arange(D)[None, :] < lens_A[:, None]
+    P = np.where(valid_AxD, np.asarray(probs_AxK, np.float64)[:, :D], 0.0)
+    q = np.minimum.accumulate(np.clip(P * depth_scale[None, :D], 0.0, 1.0), axis=1)
+    if np.any(has_support_A):
+        sup = support_scale[support_bucket(np.asarray(support_AxK)[:, :D])]
+        q_sup = np.cumprod(np.clip(step_ratios(P) * sup, 0.0, 1.0), axis=1)
+        q = np.where(np.asarray(has_support_A, bool)[:, None], q_sup, q)
+    return np.where(valid_AxD, q, 0.0)
+
+
+def update_support_scale(support_scale: np.ndarray, n_A: np.ndarray, accepted_A: np.ndarray,
+                         probs_AxK: np.ndarray, support_AxK: np.ndarray, rows_A: np.ndarray,
+                         ema: float) -> None:
+    """Moves the support-bucket factors (in place) toward what one step measured.
+
+    Each token a row verified after an accepted prefix (the first min(accepted + 1, n) of its
+    n drafted tokens) is one trial of its own ratio P_i / P_{i-1}: per bucket, the factor's EMA
+    (weight `ema`) moves toward accepted trials / predicted ones. rows_A: bool `[A]`, the rows
+    that count (drafted, with support); accepted_A: committed accepted draft tokens per row."""
+    n_A = np.asarray(n_A, np.int64)
+    acc_A = np.minimum(np.asarray(accepted_A, np.int64), n_A)
+    K = int(n_A.max(initial=0))
+    col = np.arange(K)[None, :]
+    tried_AxK = (col < np.minimum(acc_A + 1, n_A)[:, None]) & np.asarray(rows_A, bool)[:, None]
+    if not tried_AxK.any():
+        return
+    bk = support_bucket(np.asarray(support_AxK)[:, :K])[tried_AxK]
+    ratio = step_ratios(np.asarray(probs_AxK, np.float64)[:, :K])[tried_AxK]
+    hit = np.broadcast_to(col < acc_A[:, None], tried_AxK.shape)[tried_AxK]
+    expected = np.bincount(bk, weights=ratio, minlength=SUPPORT_BUCKETS)
+    accepted = np.bincount(bk, weights=hit.astype(np.float64), minlength=SUPPORT_BUCKETS)
+    seen = expected > 0
+    g = support_scale
+    g[seen] = (1 - ema) * g[seen] + ema * accepted[seen] / expected[seen]
+    np.clip(g, *SCALE_RANGE, out=g)
+
+
+def update_depth_scale(depth_scale: np.ndarray, n_A: np.ndarray,
+                       accepted_A: np.ndarray | None, step_accepted: int,
+                       probs_AxK: np.ndarray, ema: float) -> np.ndarray:
+    """The per-depth factors after one step (drafts without support; rows with n_A[b] = 0 do
+    not count): at depth d, the EMA moves toward rows that accepted >= d + 1 tokens over the
+    predicted chance summed over rows drafting >= d + 1 (accepted_A: committed accepted draft
+    tokens per row); with only the step's total `step_accepted` known (accepted_A None), every
+    depth moves toward it over the total predicted. Returns the (grown) factors."""
+    n_A = np.asarray(n_A, np.int64)
+    D = int(n_A.max(initial=0))
+    if D == 0:
+        return depth_scale
+    scale = grow_depth_scale(depth_scale, D)
+    drafted_AxD = np.arange(D)[None, :] < n_A[:, None]
+    expected = np.where(drafted_AxD, np.asarray(probs_AxK, np.float64)[:, :D], 0.0).sum(axis=0)
+    part = scale[:D]
+    if accepted_A is not None:
+        acc_A = np.minimum(np.asarray(accepted_A, np.int64), n_A)
+        accepted = (acc_A[:, None] >= np.arange(1, D + 1)[None, :]).sum(axis=0)
+        seen = expected > 0
+        ratio = np.where(seen, accepted / np.maximum(expected, 1e-12), 1.0)
+        part[seen] = (1 - ema) * part[seen] + ema * ratio[seen]
+    else:
+        ratio = step_accepted / max(float(expected.sum()), 1e-12)
+        part[:] = (1 - ema) * part + ema * ratio
+    np.clip(part, *SCALE_RANGE, out=part)
+    return scale
