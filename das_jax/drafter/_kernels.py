@@ -529,35 +529,63 @@ def propose(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, min_pr
     mmax = lc
     if mmax > md - 1:
         mmax = md - 1
-    big_m = 0
-    for m in range(1, mmax + 1):
+    # The longest matched tail: a tail of length m occurs (less the requester's own trailing
+    # occurrence) only if every shorter one does, so binary search finds it.
+    lo_m = 0                    # occurs (0: the empty tail)
+    hi_m = mmax + 1             # does not occur
+    while hi_m - lo_m > 1:
+        m = (lo_m + hi_m) // 2
         n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
-        if n < 0:
-            break
-        if nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, m) <= 0:
-            break
-        match_nodes[m] = n
-        big_m = m
-    best_k = 0
-    best_m = 0
-    best_score = 0.0
+        if n >= 0 and nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, m) > 0:
+            lo_m = m
+        else:
+            hi_m = m
+    big_m = lo_m
     lo = min_match
     if lo < 1:
         lo = 1
-    for m in range(big_m, lo - 1, -1):
+    # Every match length m in [lo, big_m] can draft at most limit(m) tokens, each with a path
+    # probability <= 1, so its score is <= limit(m). The winner is the highest score, ties going
+    # to the longer match: walking the lengths by decreasing limit (longer first on equal
+    # limits), a length whose limit is below the best score, or equal to it with a shorter
+    # match, cannot win and is not walked (branch and bound; the same draft as walking all).
+    best_k = 0
+    best_m = 0
+    best_score = 0.0
+    nm = big_m - lo + 1
+    if nm <= 0:
+        return best_k, best_m, best_score
+    for i in range(nm):
+        m = big_m - i
         limit = np.int64(np.ceil(m * spec_factor + spec_offset))
         if limit > max_tokens:
             limit = max_tokens
         if limit > md - m:
             limit = md - m
-        if limit <= 0:
-            continue
-        k, score = _walk(nodes, seqs, toks, act, meta, own, match_nodes[m], m, limit, min_prob,
+        match_nodes[m] = limit      # scratch: the limit of each length
+    done = 0
+    while done < nm:
+        # the unwalked length with the largest limit (the longest on ties)
+        m_sel = -1
+        l_sel = -1
+        for i in range(nm):
+            m = big_m - i
+            if match_nodes[m] >= 0 and match_nodes[m] > l_sel:
+                m_sel = m
+                l_sel = match_nodes[m]
+        if m_sel < 0 or l_sel <= 0:
+            break
+        match_nodes[m_sel] = -1
+        done += 1
+        if l_sel < best_score or (l_sel == best_score and m_sel < best_m):
+            break               # no later length can win either: limits only decrease
+        n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m_sel, m_sel)
+        k, score = _walk(nodes, seqs, toks, act, meta, own, n, m_sel, l_sel, min_prob,
                          tmp_t, tmp_p, tmp_c)
-        if k > 0 and score > best_score:
+        if k > 0 and (score > best_score or (score == best_score and m_sel > best_m)):
             best_score = score
             best_k = k
-            best_m = m
+            best_m = m_sel
             for i in range(k):
                 out_t[i] = tmp_t[i]
                 out_p[i] = tmp_p[i]

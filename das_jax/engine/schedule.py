@@ -248,19 +248,41 @@ class StepShape(tuple):
         return out
 
 
-def step_shape_fn(batch: int, kv_len: int, widths: Sequence[int]):
+class PackedStepShape:
+    """`step_shape(n_draft_A) -> StepShape` of the packed verify step (`step_shape_fn`), plus
+    `many(n_CxA)`: the shapes of C choices at once (arrays), for a policy that prices many."""
+
+    def __init__(self, batch: int, kv_len: int, widths: Sequence[int]):
+        self.widths = np.array(sorted(int(w) for w in widths), np.int64)
+        # once: the policy prices many choices
+        self.buckets = np.array(verify_token_buckets(batch, int(self.widths[-1])), np.int64)
+        self.attended = batch * kv_len
+
+    def __call__(self, n_draft_A) -> "StepShape":
+        return StepShape(int(_slot_bucket(n_draft_A, self.buckets)), int(self.attended),
+                         int(packed_width(n_draft_A, self.widths)))
+
+    def many(self, n_CxA: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int64 `[C]` each (num_tokens, attended_kv, width) of choices `n_CxA` (row c: one
+        draft length per live row), equal to calling the shape function on each row."""
+        n_CxA = np.asarray(n_CxA, np.int64)
+        slots = np.maximum(n_CxA.shape[1] + n_CxA.sum(axis=1), 1)
+        i = np.minimum(np.searchsorted(self.buckets, slots), len(self.buckets) - 1)
+        need = 1 + n_CxA.max(axis=1, initial=0)
+        w = np.minimum(np.searchsorted(self.widths, need), len(self.widths) - 1)
+        return self.buckets[i], np.full(len(n_CxA), self.attended, np.int64), self.widths[w]
+
+
+def step_shape_fn(batch: int, kv_len: int, widths: Sequence[int]) -> PackedStepShape:
     """`step_shape(n_draft_B) -> StepShape (num_tokens, attended_kv; .width W)` of the packed
     verify step at batch bucket `batch` and attended length `kv_len`, for per-row draft lengths
     of the live rows: num_tokens is the slot bucket of sum_b (1 + n_b) (`verify_token_buckets`:
     B, then slot buckets up to batch x the widest width), attended_kv = `batch * kv_len` (every
     cache row of the batch bucket attends the step's `kv_len`), W is `packed_width` (the
     smallest compiled width holding the longest row). Shared by the engine and the trace
-    replay, so both price a choice of drafts the same way."""
-    widths = tuple(sorted(int(w) for w in widths))
-    buckets = verify_token_buckets(batch, widths[-1])   # once: the policy prices many choices
-    attended = batch * kv_len
-    return lambda n_draft_B: StepShape(_slot_bucket(n_draft_B, buckets), attended,
-                                       packed_width(n_draft_B, widths))
+    replay, so both price a choice of drafts the same way (`PackedStepShape.many` prices many
+    choices at once)."""
+    return PackedStepShape(batch, kv_len, widths)
 
 
 def tail_bucket(num_live: int, batch: int, batch_buckets: Sequence[int],

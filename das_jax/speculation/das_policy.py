@@ -301,23 +301,34 @@ class DASPolicy:
         return float(np.mean(self.depth_scale)) if len(self.depth_scale) else 1.0
 
     def candidates(self, lens: np.ndarray, value_BxD: np.ndarray,
-                   n_opt: np.ndarray | None = None) -> list[np.ndarray]:
-        """The choices the budget evaluates: no drafts, every depth cap 1..longest of all drafts
-        (the last is all drafts) and of `n_opt` (each row's own best draft length), and up to
-        `MAX_VALUE_CUTS` cut-offs of the greedy marginal-value order."""
+                   n_opt: np.ndarray | None = None) -> np.ndarray:
+        """int32 `[C, A]`: the choices the budget evaluates (row c: a draft length per live row):
+        no drafts, every depth cap 1..longest of all drafts (the last is all drafts) and of
+        `n_opt` (each row's own best draft length), and up to `MAX_VALUE_CUTS` cut-offs of the
+        greedy marginal-value order."""
+        lens = np.asarray(lens, np.int32)
         D = value_BxD.shape[1]
-        out = [np.zeros_like(lens)] + [np.minimum(lens, L) for L in range(1, D + 1)]
+        caps = np.arange(0, D + 1, dtype=np.int32)[:, None]
+        out = [np.minimum(lens[None, :], caps)]
         if n_opt is not None:
             top = int(n_opt.max(initial=0))
-            out += [np.minimum(n_opt, L).astype(lens.dtype) for L in range(1, top + 1)]
+            out.append(np.minimum(np.asarray(n_opt, np.int32)[None, :], caps[1:top + 1]))
         pos = value_BxD[value_BxD > 0]
         if pos.size:
             cuts = np.unique(pos)[::-1]
             if len(cuts) > MAX_VALUE_CUTS:
                 cuts = cuts[np.linspace(0, len(cuts) - 1, MAX_VALUE_CUTS).round().astype(int)]
-            for tau in cuts:
-                out.append(np.minimum((value_BxD >= tau).sum(axis=1).astype(np.int32), lens))
-        return out
+            ge_CxA = (value_BxD[None, :, :] >= cuts[:, None, None]).sum(axis=2)
+            out.append(np.minimum(ge_CxA, lens[None, :]))
+        return np.concatenate(out).astype(np.int32)
+
+    def _shapes(self, step_shape, n_CxA: np.ndarray) -> list[tuple]:
+        """The step shape (num_tokens, attended_kv, width or None) of each choice: through
+        `step_shape.many` when the shape function has it, else one call per choice."""
+        many = getattr(step_shape, "many", None)
+        if many is not None:
+            return list(zip(*(a.tolist() for a in many(n_CxA))))
+        return [self._shape_key(step_shape(n)) for n in n_CxA]
 
     def _predict(self, shape) -> float:
         """Predicted seconds of a step shape (`schedule.StepShape`): its measured time when the
@@ -332,6 +343,14 @@ class DASPolicy:
         width = getattr(shape, "width", None)
         return width is None or not self.cost_model.table or self.cost_model.seen(
             shape[0], shape[1], width)
+
+    def _predict_key(self, key: tuple) -> float:
+        """`_predict` of a shape key (num_tokens, attended_kv, width or None)."""
+        return float(self.cost_model.predict_step(key[0], key[1], width=key[2]))
+
+    def _seen_key(self, key: tuple) -> bool:
+        """`_seen` of a shape key (num_tokens, attended_kv, width or None)."""
+        return key[2] is None or not self.cost_model.table or self.cost_model.seen(*key)
 
     @staticmethod
     def _shape_key(shape) -> tuple:
@@ -427,12 +446,17 @@ class DASPolicy:
         c_tok = max(self.cost_model.c_tok, 0.0)
         lam, n_opt = self.token_values(f, c_tok, cum, lens)
         value_BxD = lam[:, None] * q_BxD
-        scored = []
-        for n in self.candidates(lens, value_BxD, n_opt):
-            shape = step_shape(n)
-            F, t = self.objective(n, lam, cum, shape)
-            scored.append((F, t, int(n.sum()), n, n.sum() == 0 or self._seen(shape),
-                           self._shape_key(shape)))
+        n_CxA = self.candidates(lens, value_BxD, n_opt)
+        shapes = self._shapes(step_shape, n_CxA)
+        # the decoding time each choice's expected emitted tokens save (`objective`)
+        saved_C = (lam[None, :] * (1.0 + cum[np.arange(len(lens))[None, :], n_CxA])).sum(axis=1)
+        sums_C = n_CxA.sum(axis=1)
+        priced: dict = {}      # shape -> (predicted seconds, measured); few distinct per step
+        for sh in set(shapes):
+            priced[sh] = (self._predict_key(sh), self._seen_key(sh))
+        scored = [(priced[sh][0] - float(sv), priced[sh][0], int(k), n,
+                   k == 0 or priced[sh][1], sh)
+                  for sh, sv, k, n in zip(shapes, saved_C, sums_C, n_CxA)]
         key = lambda x: (x[0], x[1], x[2])   # noqa: E731
         # Shapes already measured (compiled) are priced by their own times. A shape never run is
         # priced by the linear fit and costs a compile (`CostModel.compile_s`; ~1.5-2.5 s for
