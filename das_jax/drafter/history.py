@@ -147,6 +147,17 @@ class ProblemHistory:
         own = -1 if handle is None else self._rollouts[handle][1].sid
         return self.forest.propose(prob.root, context, max_tokens, own)
 
+    def root(self, problem_id: Hashable) -> int:
+        """Root of the problem's trie in `forest`, -1 for an unknown problem."""
+        prob = self._problems.get(problem_id)
+        return -1 if prob is None else prob.root
+
+    def rollout(self, handle: int) -> _Rollout:
+        """The live rollout's record (sid: its forest sequence, -1 once un-indexed; out_len);
+        KeyError for an unknown/finished handle. Callers that batch appends keep out_len
+        themselves and write it back (`lengths` and `state_dict` read it)."""
+        return self._rollouts[handle][1]
+
     def lengths(self, problem_id: Hashable) -> list[int]:
         """Output lengths (generated tokens) of the problem's finished rollouts in the window,
         oldest epoch first."""
