@@ -90,13 +90,15 @@ def assert_batch_matches(batch, ref, ids, max_tokens_A):
         assert not batch.support_AxK[b, n:].any()
 
 
-def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60):
+def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60, cfg=CFG,
+              prompt_tail=None):
     """Random begin / propose / append / end / advance_epoch traffic on a batched drafter and
     the per-row reference; every step's drafts and periodic states are compared."""
     rng = np.random.default_rng(seed)
     vocab, problems = 5, 6
-    d = SuffixDrafter(CFG, window=window, max_problems=max_problems, threads=threads)
-    ref = RowDrafter(CFG, window, max_problems=max_problems)
+    d = SuffixDrafter(cfg, window=window, prompt_tail=prompt_tail, max_problems=max_problems,
+                      threads=threads)
+    ref = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems)
     live, next_id = [], 0
     stats = {"drafted": 0, "unindexed": 0}
     for step in range(steps):
@@ -149,9 +151,10 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60)
             for pid in range(problems):
                 assert d.lengths(pid) == ref.history.lengths(pid)
         if step == reload_at:
-            d2 = SuffixDrafter(CFG, window=window, max_problems=max_problems, threads=threads)
+            d2 = SuffixDrafter(cfg, window=window, prompt_tail=prompt_tail,
+                               max_problems=max_problems, threads=threads)
             d2.load_state_dict(pickle.loads(pickle.dumps(d.state_dict())))
-            ref2 = RowDrafter(CFG, window, max_problems=max_problems)
+            ref2 = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems)
             ref2.load_state_dict(pickle.loads(pickle.dumps(ref.state_dict())))
             d, ref = d2, ref2       # (a loaded forest lays out its storage anew: reload both)
     return stats
@@ -163,6 +166,17 @@ def test_batch_equals_per_row_reference(monkeypatch, seed, threads, window, max_
     monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)   # split even small batches
     stats = _scenario(seed, threads, window, max_problems)
     assert stats["drafted"] > 500 and stats["unindexed"] > 50, stats
+
+
+@pytest.mark.parametrize("cfg,prompt_tail", [
+    (SuffixTreeConfig(max_depth=12, min_token_prob=0.0, max_spec_factor=2.0), 2),
+    (SuffixTreeConfig(max_depth=6, min_token_prob=0.3, max_spec_offset=1.5, min_match_len=2), 0),
+    (SuffixTreeConfig(max_depth=10, max_spec_factor=0.5, max_spec_offset=2.0), 20)])
+def test_batch_equals_per_row_reference_other_configs(cfg, prompt_tail):
+    """Draft limits, probability cut-offs and prompt tails shorter than a match (tails longer
+    than the own sequence are looked up from the root)."""
+    stats = _scenario(3, 1, 1, cfg=cfg, prompt_tail=prompt_tail, steps=80, reload_at=40)
+    assert stats["drafted"] > 200, stats
 
 
 def test_threaded_propose_matches_inline_on_many_rows():

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import M_MAXD, _jit, append_tokens, propose
+from ._kernels import (COUNT, FIRST, M_MAXD, NEXT, S_LEN, S_SLOT, _jit, _match, _self_count,
+                       append_tokens, depth_of, edge_tok)
 
 CHUNK = 256   # tokens per append_tokens call (as SuffixForest.append; bounds the room reserved)
 
@@ -55,14 +56,120 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
         if tail > md - 1:
             tail = md - 1
         end = ctx_start[s] + n
-        k, m, score = propose(nodes, ht, seqs, toks, act, meta, root, ctx_pool[end - tail: end],
-                              slot_sid[s], kmax, min_prob, spec_factor, spec_offset, min_match,
-                              match_nodes, out_t, out_p, out_c, tmp_t, tmp_p, tmp_c)
+        k = propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx_pool[end - tail: end],
+                         slot_sid[s], kmax, min_prob, spec_factor, spec_offset, min_match,
+                         match_nodes, out_t, out_p, out_c, tmp_t, tmp_p, tmp_c)
         for i in range(k):
             tokens_AxK[b, i] = out_t[i]
             probs_AxK[b, i] = out_p[i]
             support_AxK[b, i] = out_c[i]
         lens_A[b] = k
+
+
+@_jit
+def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, min_prob,
+                 spec_factor, spec_offset, min_match, match_nodes, out_t, out_p, out_c, tmp_t,
+                 tmp_p, tmp_c):
+    """`_kernels.propose` (same arguments and draft; returns its k), faster:
+
+    - Matches: a tail of length m <= len(own) of the context is the path of the own live
+      sequence's window that ends at its end, and that window sits at a node end, which is
+      act[slot(own), (len(own) - m) % max_depth]; only longer tails are looked up from the root.
+    - Walks that cannot win are skipped or cut: a walk's score is a sum of at most `limit`
+      path probabilities, each <= the current one, and must exceed the best score so far.
+    """
+    md = meta[M_MAXD]
+    lc = ctx.shape[0]
+    mmax = lc
+    if mmax > md - 1:
+        mmax = md - 1
+    own_len = 0
+    slot = 0
+    if own >= 0:
+        own_len = seqs[own, S_LEN]
+        slot = seqs[own, S_SLOT]
+    big_m = 0
+    for m in range(1, mmax + 1):
+        if m <= own_len:
+            n = np.int64(act[slot, (own_len - m) % md])
+        else:
+            n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
+            if n < 0:
+                break
+        if nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, m) <= 0:
+            break
+        match_nodes[m] = n
+        big_m = m
+    best_k = 0
+    best_score = 0.0
+    lo = min_match
+    if lo < 1:
+        lo = 1
+    for m in range(big_m, lo - 1, -1):
+        limit = np.int64(np.ceil(m * spec_factor + spec_offset))
+        if limit > max_tokens:
+            limit = max_tokens
+        if limit > md - m:
+            limit = md - m
+        if limit <= 0 or limit <= best_score:
+            continue
+        k, score = _walk_bounded(nodes, seqs, toks, act, meta, own, match_nodes[m], m, limit,
+                                 min_prob, best_score, tmp_t, tmp_p, tmp_c)
+        if k > 0 and score > best_score:
+            best_score = score
+            best_k = k
+            for i in range(k):
+                out_t[i] = tmp_t[i]
+                out_p[i] = tmp_p[i]
+                out_c[i] = tmp_c[i]
+    return best_k
+
+
+@_jit
+def _walk_bounded(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, bound, out_t, out_p,
+                  out_c):
+    """`_kernels._walk`, stopped (returning a score <= bound) once its score cannot exceed
+    `bound`: the tokens still allowed each add at most the current path probability."""
+    prob = 1.0
+    score = 0.0
+    k = 0
+    nd = depth_of(nodes, seqs, meta, n)
+    while k < limit:
+        if score + prob * (limit - k) < bound - 1e-9:
+            return k, score
+        if d < nd:
+            t = edge_tok(nodes, seqs, toks, n, d)     # inside an edge: ratio 1
+            cn = nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, d)
+        else:
+            best = -1
+            bc = -1
+            bt = 0
+            c = nodes[n, FIRST]
+            while c >= 0:
+                cc = nodes[c, COUNT]
+                ct = edge_tok(nodes, seqs, toks, c, d)
+                if cc > bc or (cc == bc and ct < bt):
+                    best = c
+                    bc = cc
+                    bt = ct
+                c = nodes[c, NEXT]
+            if best < 0:
+                break
+            cn = nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, d)
+            if bc != cn:
+                prob = prob * bc / cn
+            if prob < min_prob:
+                break
+            t = bt
+            n = best
+            nd = depth_of(nodes, seqs, meta, n)
+        out_t[k] = t
+        out_p[k] = prob
+        out_c[k] = cn
+        score += prob
+        k += 1
+        d += 1
+    return k, score
 
 
 @_jit
