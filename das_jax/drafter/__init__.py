@@ -19,7 +19,8 @@ from .suffix_drafter import GlobalSuffixDrafter, SuffixDrafter
 from .suffix_tree import ScoredDraft, SuffixForest, SuffixTree, SuffixTreeConfig
 
 __all__ = [
-    "Draft", "DraftBatch", "Drafter", "propose_batch", "append_batch", "RequestContext", "DRAFTER_NAMES", "make_drafter", "ProblemHistory",
+    "Draft", "DraftBatch", "Drafter", "propose_batch", "append_batch", "RequestContext",
+    "DRAFTER_NAMES", "make_drafter", "ProblemHistory",
     "NgramConfig", "NgramDrafter", "GlobalSuffixDrafter", "SuffixDrafter", "ScoredDraft",
     "SuffixForest", "SuffixTree", "SuffixTreeConfig",
 ]
