@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -53,8 +54,8 @@ class SuffixDrafter:
         threads - 1 workers created on first use, the calling thread drafting a share too).
 
     `propose_batch` / `append_batch` do every row in one kernel call (equal to the per-row
-    calls in row order); the per-row calls go through them with one row. Active requests live in
-    `RequestSlots` (context, trie root, own sequence, output length per slot).
+    calls in row order). Active requests live in `RequestSlots` (context, trie root, own
+    sequence, output length per slot).
 
     Errors: `begin` with a request id already active raises ValueError; other calls with an
     unknown request id raise KeyError.
@@ -71,6 +72,7 @@ class SuffixDrafter:
         self._requests: dict[int, _Active] = {}
         self._slots = RequestSlots()
         self._executor = None
+        self._local = threading.local()      # per-thread scratch of `propose`
 
     # ------------------------------------------------------------------ protocol
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
@@ -87,14 +89,40 @@ class SuffixDrafter:
             self._sync_slots()      # live requests whose problem was dropped draft from it again
 
     def propose(self, request_id: int, max_tokens: int) -> Draft:
-        slot = self._requests[request_id].slot
-        k = min(int(max_tokens), self.config.max_depth)
-        return self._propose_slots(np.array([slot], np.int64), np.array([k], np.int32)).row(0)
+        s, sl = self._requests[request_id].slot, self._slots
+        root, n, md = int(sl.root[s]), int(sl.ctx_len[s]), self.config.max_depth
+        if max_tokens <= 0 or root < 0 or n == 0:
+            return Draft.empty()
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch[1].shape[0] != md:     # per thread: calls may overlap
+            scratch = self._local.scratch = (
+                np.zeros(md + 1, np.int64), np.zeros(md, np.int32), np.zeros(md, np.float32),
+                np.zeros(md, np.int32), np.zeros(md, np.int32), np.zeros(md, np.float32),
+                np.zeros(md, np.int32))
+        end = int(sl.ctx_start[s]) + n
+        f, cfg = self.history.forest, self.config
+        k = BK.propose_tail(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, root,
+                            sl.pool[end - min(n, md - 1): end], int(sl.sid[s]), int(max_tokens),
+                            float(cfg.min_token_prob), float(cfg.max_spec_factor),
+                            float(cfg.max_spec_offset), int(cfg.min_match_len), *scratch)
+        if k == 0:
+            return Draft.empty()
+        return Draft(scratch[1][:k].copy(), scratch[2][:k].copy(), scratch[3][:k].copy())
 
     def append(self, request_id: int, token_ids: Sequence[int]) -> None:
-        slot = self._requests[request_id].slot
-        arr = np.asarray(token_ids, np.int32).reshape(1, -1)
-        self._append_slots(np.array([slot], np.int64), arr, np.array([arr.shape[1]], np.int32))
+        s, sl = self._requests[request_id].slot, self._slots
+        arr = np.asarray(token_ids, np.int32).reshape(-1)
+        n = arr.size
+        if n == 0:
+            return
+        if sl.sid[s] >= 0:
+            self.history.forest.append(int(sl.sid[s]), arr)
+        length = int(sl.ctx_len[s])
+        sl.reserve(s, length + n)
+        start = int(sl.ctx_start[s]) + length
+        sl.pool[start: start + n] = arr
+        sl.ctx_len[s] = length + n
+        sl.out_len[s] += n
 
     def propose_batch(self, request_ids: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:
         """Row b: `propose(request_ids[b], max_tokens_A[b])`, all rows in one kernel call
@@ -203,7 +231,12 @@ class SuffixDrafter:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_executor"] = None       # threads do not pickle; a new pool starts on demand
+        del state["_local"]
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local = threading.local()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
