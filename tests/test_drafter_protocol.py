@@ -153,13 +153,13 @@ def test_suffix_drafter_propose_matches_bruteforce():
     q = rng.integers(0, 4, size=40).tolist()
     d.begin(99, "p", [])
     for t in q:
-        ctx = list(d._requests[99].context.array)
+        ctx = list(d.context(99))
         toks, probs, _, _ = ref.propose(ctx, 6, own=ctx)
         got = d.propose(99, 6)
         assert got.tokens.tolist() == toks
         np.testing.assert_allclose(got.probs, probs, rtol=1e-6)
         d.append(99, [t])
-        ref = BruteIndex(seqs + [list(d._requests[99].context.array)], CFG.max_depth)
+        ref = BruteIndex(seqs + [list(d.context(99))], CFG.max_depth)
 
 
 def test_global_drafter_uses_own_prompt_and_other_problems():

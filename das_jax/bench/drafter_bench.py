@@ -13,6 +13,13 @@ drafter is told the emitted tokens. Printed: median / p99 microseconds per `prop
 per appended token (append call time / tokens in it; also the amortized mean), acceptance
 (accepted tokens per propose, fraction of tokens that came from drafts), and memory per
 indexed token (allocated array bytes of the drafter's pool, and the used part).
+
+`--batch`: host time of one decode step for A live rows of the "suffix" drafter (A in
+`--rows`): per-row `propose` / `append` calls against `propose_batch` / `append_batch` with 1..N
+threads (`--threads`), on `--problems` problems x `--rollouts` rollouts of `--length` tokens
+(vocab `--vocab`) indexed, each row a new rollout of one of them partway through. Printed:
+median microseconds per row and step for propose and append, and the speedup of each thread
+count over one thread.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ import argparse
 import time
 
 import numpy as np
+
+from das_jax.bench import drafter_batch_bench
 
 VOCAB = 49152
 
@@ -36,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=8, help="draft budget per propose")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small traffic, finishes in < 30 s")
+    parser.add_argument("--batch", action="store_true",
+                        help="time per-row vs batched propose/append per decode step instead")
+    drafter_batch_bench.add_batch_arguments(parser)
 
 
 def _zipf_tokens(rng, n):
@@ -142,6 +154,8 @@ def _warmup(make):
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "batch", False):
+        return drafter_batch_bench.batch_main(args)
     # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import make_drafter
 

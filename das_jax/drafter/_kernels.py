@@ -45,17 +45,18 @@ _HMUL = np.uint64(0x9E3779B97F4A7C15)
 _HSHIFT = np.uint64(32)
 
 _jit = njit(cache=True, nogil=True)
+_jit_inline = njit(cache=True, nogil=True, inline="always")   # small helpers of hot loops
 
 
 # ----------------------------------------------------------------------------- hash table
-@_jit
+@_jit_inline
 def _hslot(p, t, mask):
     key = (np.uint64(p) << np.uint64(32)) ^ np.uint64(t)
     h = (key ^ (key >> np.uint64(29))) * _HMUL
     return np.int64(h ^ (h >> _HSHIFT)) & mask
 
 
-@_jit
+@_jit_inline
 def h_find(ht, p, t):
     mask = ht.shape[0] - 1
     i = _hslot(p, t, mask)
@@ -129,7 +130,7 @@ def h_rehash(ht, nht):
 
 
 # ----------------------------------------------------------------------------- nodes
-@_jit
+@_jit_inline
 def depth_of(nodes, seqs, meta, n):
     """Path length at node n's lower end (resolves lazy leaves)."""
     d = nodes[n, DEPTH]
@@ -140,7 +141,7 @@ def depth_of(nodes, seqs, meta, n):
     return np.int64(d if d < md else md)
 
 
-@_jit
+@_jit_inline
 def path_start(nodes, n):
     """Position in sequence REF_SEQ[n] where an occurrence of n's path begins."""
     d = nodes[n, DEPTH]
@@ -149,13 +150,13 @@ def path_start(nodes, n):
     return np.int64(nodes[n, REF_END])
 
 
-@_jit
+@_jit_inline
 def edge_tok(nodes, seqs, toks, n, i):
     """Token at 0-based path index i (< depth) of node n's path."""
     return toks[seqs[nodes[n, REF_SEQ], S_START] + path_start(nodes, n) + i]
 
 
-@_jit
+@_jit_inline
 def set_ref(nodes, seqs, n, s, end):
     old = nodes[n, REF_SEQ]
     if old != s:
@@ -166,14 +167,14 @@ def set_ref(nodes, seqs, n, s, end):
     nodes[n, REF_END] = end
 
 
-@_jit
+@_jit_inline
 def _make_lazy(nodes, seqs, n, s, j):
     """n becomes the private leaf of window j of live sequence s: its depth follows s's length."""
     set_ref(nodes, seqs, n, s, j)
     nodes[n, DEPTH] = -1
 
 
-@_jit
+@_jit_inline
 def _materialize(nodes, seqs, meta, n):
     """A lazy leaf gets an explicit depth; its owner window is no longer private."""
     if nodes[n, DEPTH] < 0:
@@ -218,7 +219,7 @@ def free_node(nodes, seqs, meta, n):
     meta[M_LIVE] -= 1
 
 
-@_jit
+@_jit_inline
 def child(nodes, ht, seqs, toks, p, t):
     """Child of p (not lazy) whose edge starts with token t, or -1.
 
@@ -286,7 +287,7 @@ def _replace_child(nodes, ht, old, new, t):
         h_set(ht, p, t, new)
 
 
-@_jit
+@_jit_inline
 def _single_child(nodes, n):
     f = nodes[n, FIRST]
     return f >= 0 and nodes[f, NEXT] < 0
@@ -453,7 +454,7 @@ def _match(nodes, ht, seqs, toks, meta, root, ctx, lo, m):
     return np.int64(n)
 
 
-@_jit
+@_jit_inline
 def _self_count(nodes, seqs, act, meta, own, n, d):
     """1 if the live sequence `own` has a window of length d ending at its end at node n's end
     (that occurrence has no continuation yet and is not counted when drafting for it)."""

@@ -147,6 +147,17 @@ class ProblemHistory:
         own = -1 if handle is None else self._rollouts[handle][1].sid
         return self.forest.propose(prob.root, context, max_tokens, own)
 
+    def root(self, problem_id: Hashable) -> int:
+        """Root of the problem's trie in `forest`, -1 for an unknown problem."""
+        prob = self._problems.get(problem_id)
+        return -1 if prob is None else prob.root
+
+    def rollout(self, handle: int) -> _Rollout:
+        """The live rollout's record (sid: its forest sequence, -1 once un-indexed; out_len);
+        KeyError for an unknown/finished handle. Callers that batch appends keep out_len
+        themselves and write it back (`lengths` and `state_dict` read it)."""
+        return self._rollouts[handle][1]
+
     def lengths(self, problem_id: Hashable) -> list[int]:
         """Output lengths (generated tokens) of the problem's finished rollouts in the window,
         oldest epoch first."""
@@ -171,7 +182,13 @@ class ProblemHistory:
         def ro_state(ro):
             return [ro.sid, ro.prefix_len, ro.out_len, ro.live]
         live = {id(ro): h for h, (_, ro) in self._rollouts.items()}
+        kept = {id(ro) for p in self._problems.values()
+                for ep in list(p.history) + [p.current] for ro in ep}
         return {
+            # live rollouts no epoch keeps any more (the window slid past them, or their
+            # problem was dropped): they keep drafting, un-indexed, until they finish
+            "detached": [[h, pid] + ro_state(ro) for h, (pid, ro) in self._rollouts.items()
+                         if id(ro) not in kept],
             "forest": self.forest.state_dict(), "window": self.window,
             "prompt_tail": self.prompt_tail, "max_problems": self.max_problems,
             "epoch": self.epoch, "next_handle": self._next_handle,
@@ -200,3 +217,5 @@ class ProblemHistory:
                 eps.append(rows)
             self._problems[pid] = _Problem(root, collections.deque(eps[:-1]), eps[-1],
                                            last_epoch)
+        for handle, pid, sid, prefix_len, out_len, live in state.get("detached", []):
+            self._rollouts[handle] = (pid, _Rollout(sid, prefix_len, out_len, live))

@@ -9,14 +9,26 @@
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import threading
 from typing import Hashable, Sequence
 
 import numpy as np
 
-from .base import Draft, RequestContext
+from . import _batch_kernels as BK
+from .base import Draft, DraftBatch, RequestContext
 from .history import ProblemHistory
+from .slots import RequestSlots
 from .suffix_tree import SuffixForest, SuffixTreeConfig
+
+
+@dataclasses.dataclass
+class _Active:
+    """A SuffixDrafter request: its problem, history handle and slot in `RequestSlots`."""
+    problem_id: Hashable
+    handle: int
+    slot: int
 
 
 @dataclasses.dataclass
@@ -28,6 +40,8 @@ class _Request:
     local_sid: int = -1
 
 
+_MIN_ROWS_PER_THREAD = 16    # propose_batch splits over threads only rows this many per thread
+
 class SuffixDrafter:
     """Per-problem suffix-trie drafter (DAS).
 
@@ -36,50 +50,200 @@ class SuffixDrafter:
       window: past epochs of rollouts kept per problem.
       prompt_tail: prompt tokens indexed in front of each rollout (default config.max_depth).
       max_problems: optional cap on problems kept (least recently visited dropped).
+      threads: threads `propose_batch` drafts on (1: the calling thread only; more: a pool of
+        threads - 1 workers created on first use, the calling thread drafting a share too).
+
+    `propose_batch` / `append_batch` do every row in one kernel call (equal to the per-row
+    calls in row order). Active requests live in `RequestSlots` (context, trie root, own
+    sequence, output length per slot).
 
     Errors: `begin` with a request id already active raises ValueError; other calls with an
     unknown request id raise KeyError.
     """
 
     def __init__(self, config: SuffixTreeConfig = SuffixTreeConfig(), window: int = 16,
-                 prompt_tail: int | None = None, max_problems: int | None = None):
+                 prompt_tail: int | None = None, max_problems: int | None = None,
+                 threads: int = 1):
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         self.history = ProblemHistory(config, window, prompt_tail, max_problems)
         self.config = self.history.config
-        self._requests: dict[int, _Request] = {}
+        self.threads = int(threads)
+        self._requests: dict[int, _Active] = {}
+        self._slots = RequestSlots()
+        self._executor = None
+        self._local = threading.local()      # per-thread scratch of `propose`
 
     # ------------------------------------------------------------------ protocol
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id} already active")
+        new_problem = self.history.root(problem_id) < 0
         handle = self.history.start_rollout(problem_id, prompt_ids)
-        self._requests[request_id] = _Request(problem_id, handle, RequestContext(prompt_ids))
+        sl = self._slots
+        s = sl.add(request_id, prompt_ids)
+        self._requests[request_id] = _Active(problem_id, handle, s)
+        sl.root[s] = self.history.root(problem_id)
+        sl.sid[s] = self.history.rollout(handle).sid
+        if new_problem and (sl.root[sl.live] < 0).any():
+            self._sync_slots()      # live requests whose problem was dropped draft from it again
 
     def propose(self, request_id: int, max_tokens: int) -> Draft:
-        req = self._requests[request_id]
-        return self.history.propose(req.problem_id, req.context.array, max_tokens,
-                                    req.handle).draft
+        s, sl = self._requests[request_id].slot, self._slots
+        root, n, md = int(sl.root[s]), int(sl.ctx_len[s]), self.config.max_depth
+        if max_tokens <= 0 or root < 0 or n == 0:
+            return Draft.empty()
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch[1].shape[0] != md:     # per thread: calls may overlap
+            scratch = self._local.scratch = (
+                np.zeros(md + 1, np.int64), np.zeros(md, np.int32), np.zeros(md, np.float32),
+                np.zeros(md, np.int32), np.zeros(md, np.int32), np.zeros(md, np.float32),
+                np.zeros(md, np.int32))
+        end = int(sl.ctx_start[s]) + n
+        f, cfg = self.history.forest, self.config
+        k = BK.propose_tail(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, root,
+                            sl.pool[end - min(n, md - 1): end], int(sl.sid[s]), int(max_tokens),
+                            float(cfg.min_token_prob), float(cfg.max_spec_factor),
+                            float(cfg.max_spec_offset), int(cfg.min_match_len), *scratch)
+        if k == 0:
+            return Draft.empty()
+        return Draft(scratch[1][:k].copy(), scratch[2][:k].copy(), scratch[3][:k].copy())
 
     def append(self, request_id: int, token_ids: Sequence[int]) -> None:
-        req = self._requests[request_id]
+        s, sl = self._requests[request_id].slot, self._slots
         arr = np.asarray(token_ids, np.int32).reshape(-1)
-        req.context.extend(arr)
-        self.history.extend_rollout(req.handle, arr)
+        n = arr.size
+        if n == 0:
+            return
+        if sl.sid[s] >= 0:
+            self.history.forest.append(int(sl.sid[s]), arr)
+        length = int(sl.ctx_len[s])
+        sl.reserve(s, length + n)
+        start = int(sl.ctx_start[s]) + length
+        sl.pool[start: start + n] = arr
+        sl.ctx_len[s] = length + n
+        sl.out_len[s] += n
+
+    def propose_batch(self, request_ids: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:
+        """Row b: `propose(request_ids[b], max_tokens_A[b])`, all rows in one kernel call
+        (split over `threads`). K = max(max_tokens_A) (0 without rows).
+
+        Args:
+          request_ids: int64 [A] active request ids (KeyError for an unknown one).
+          max_tokens_A: int32 [A], >= 0.
+        """
+        ids = np.asarray(request_ids, np.int64).reshape(-1)
+        max_tokens_A = np.asarray(max_tokens_A, np.int32).reshape(-1)
+        if ids.shape != max_tokens_A.shape:
+            raise ValueError(f"request_ids {ids.shape} and max_tokens_A {max_tokens_A.shape} "
+                             "differ in shape")
+        return self._propose_slots(self._slots.lookup(ids), max_tokens_A)
+
+    def append_batch(self, request_ids: np.ndarray, tokens_AxW: np.ndarray,
+                     n_A: np.ndarray) -> None:
+        """`append(request_ids[b], tokens_AxW[b, :n_A[b]])` for every row with n_A[b] > 0, in
+        row order, in one kernel call.
+
+        Args:
+          request_ids: int64 [A] active request ids (KeyError for an unknown one).
+          tokens_AxW: int32 [A, W]. n_A: int32 [A], each <= W.
+        """
+        ids = np.asarray(request_ids, np.int64).reshape(-1)
+        tokens_AxW = np.ascontiguousarray(tokens_AxW, np.int32)
+        n_A = np.asarray(n_A, np.int32).reshape(-1)
+        if tokens_AxW.ndim != 2 or tokens_AxW.shape[0] != ids.shape[0] or n_A.shape != ids.shape:
+            raise ValueError(f"need tokens_AxW [A, W] and n_A [A] for A = {ids.shape[0]} rows, "
+                             f"got {tokens_AxW.shape} and {n_A.shape}")
+        if ids.shape[0] and n_A.max() > tokens_AxW.shape[1]:
+            raise ValueError(f"n_A exceeds W = {tokens_AxW.shape[1]}")
+        self._append_slots(self._slots.lookup(ids), tokens_AxW, n_A)
 
     def end(self, request_id: int) -> None:
         req = self._requests.pop(request_id)
+        self.history.rollout(req.handle).out_len = int(self._slots.out_len[req.slot])
         self.history.finish_rollout(req.handle)
+        self._slots.remove(request_id)
 
     def advance_epoch(self) -> None:
         self.history.advance_epoch()
+        self._sync_slots()
 
     def lengths(self, problem_id: Hashable) -> list[int]:
         """Output lengths of the problem's finished rollouts in the window (oldest first)."""
         return self.history.lengths(problem_id)
 
+    def context(self, request_id: int) -> np.ndarray:
+        """int32 copy of the request's context (prompt + appended tokens); KeyError if unknown."""
+        return self._slots.context(self._requests[request_id].slot).copy()
+
+    # ------------------------------------------------------------------ batched kernels
+    def _propose_slots(self, slots: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:
+        A = slots.shape[0]
+        out = DraftBatch.empty(A, max(0, int(max_tokens_A.max(initial=0))))
+        if out.width == 0:
+            return out
+        f, cfg, sl = self.history.forest, self.config, self._slots
+        args = (f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, slots, max_tokens_A, sl.root,
+                sl.sid, sl.pool, sl.ctx_start, sl.ctx_len, float(cfg.min_token_prob),
+                float(cfg.max_spec_factor), float(cfg.max_spec_offset), int(cfg.min_match_len))
+        outs = (out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A)
+        parts = min(self.threads, A // _MIN_ROWS_PER_THREAD)
+        if parts <= 1:
+            BK.propose_rows(*args, 0, A, *outs)
+        else:
+            bounds = [A * i // parts for i in range(parts + 1)]
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self.threads - 1, thread_name_prefix="suffix-drafter")
+            futures = [self._executor.submit(BK.propose_rows, *args, bounds[i], bounds[i + 1],
+                                             *outs) for i in range(1, parts)]
+            BK.propose_rows(*args, 0, bounds[1], *outs)
+            for fut in futures:
+                fut.result()
+        np.greater(out.lens_A, 0, out=out.has_support_A)
+        return out
+
+    def _append_slots(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray) -> None:
+        f, sl = self.history.forest, self._slots
+        row, off = 0, 0
+        while True:
+            row, off, rc = BK.append_rows(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, slots,
+                                          tokens_AxW, n_A, sl.sid, sl.pool, sl.ctx_start,
+                                          sl.ctx_len, sl.ctx_cap, sl.out_len, row, off)
+            if rc == BK.RC_DONE:
+                break
+            s = int(slots[row])
+            if rc == BK.RC_CONTEXT:
+                sl.reserve(s, int(sl.ctx_len[s]) + int(n_A[row]))
+            else:
+                f.make_room(int(rc), int(sl.sid[s]), min(int(n_A[row]) - int(off), BK.CHUNK))
+        if slots.shape[0]:
+            f.count_indexed(n_A[(n_A > 0) & (sl.sid[slots] >= 0)].sum())
+
+    def _sync_slots(self):
+        """Every active request's trie root and own sequence from the history (after the window
+        slid or problems were dropped: a live rollout may lose both)."""
+        sl = self._slots
+        for req in self._requests.values():
+            sl.root[req.slot] = self.history.root(req.problem_id)
+            sl.sid[req.slot] = self.history.rollout(req.handle).sid
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_executor"] = None       # threads do not pickle; a new pool starts on demand
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local = threading.local()
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
+        for req in self._requests.values():        # live output lengths back to the history
+            self.history.rollout(req.handle).out_len = int(self._slots.out_len[req.slot])
         return {"kind": "suffix", "history": self.history.state_dict(),
-                "requests": [[rid, r.problem_id, r.handle, r.context.array.copy()]
+                "requests": [[rid, r.problem_id, r.handle, self._slots.context(r.slot).copy()]
                              for rid, r in self._requests.items()]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -87,8 +251,12 @@ class SuffixDrafter:
             raise ValueError(f"not a suffix drafter state: {state.get('kind')!r}")
         self.history.load_state_dict(state["history"])
         self.config = self.history.config
-        self._requests = {rid: _Request(pid, h, RequestContext(ctx))
-                          for rid, pid, h, ctx in state["requests"]}
+        self._requests, self._slots = {}, RequestSlots()
+        for rid, pid, handle, ctx in state["requests"]:
+            s = self._slots.add(rid, ctx)
+            self._slots.out_len[s] = self.history.rollout(handle).out_len
+            self._requests[rid] = _Active(pid, handle, s)
+        self._sync_slots()
 
 
 _GLOBAL = "__global__"

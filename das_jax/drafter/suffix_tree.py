@@ -225,13 +225,23 @@ class SuffixForest:
                                      self.meta, sid, chunk)
                 if rc == 0:
                     break
-                if rc == 1:
-                    self._reserve_nodes(chunk.size * self.config.max_depth)
-                elif rc == 2:
-                    self._reserve_tokens(sid, chunk.size)
-                else:
-                    raise ValueError(f"sequence {sid} is not live")
+                self.make_room(rc, sid, chunk.size)
         self._indexed += n
+
+    def make_room(self, rc: int, sid: int, n_tokens: int) -> None:
+        """Grow what `_kernels.append_tokens` returned `rc` for (1: nodes and hash slots for
+        n_tokens more tokens, 2: sequence sid's token storage for n_tokens more); ValueError
+        for 3 (sid is not live) and anything else."""
+        if rc == 1:
+            self._reserve_nodes(n_tokens * self.config.max_depth)
+        elif rc == 2:
+            self._reserve_tokens(sid, n_tokens)
+        else:
+            raise ValueError(f"sequence {sid} is not live")
+
+    def count_indexed(self, n_tokens: int) -> None:
+        """Record n_tokens appended by a kernel outside `append` (see `indexed_tokens`)."""
+        self._indexed += int(n_tokens)
 
     def freeze(self, sid: int) -> None:
         """End appends to `sid`; it stays indexed."""

@@ -145,6 +145,8 @@ class LockedDrafter:
     numbers its requests 0..n_d-1, and the view maps them back to indices into the full request
     list, so request ids never collide across devices and mean the same as on one device.
     `lengths(problem_id)` is passed through (under the lock) when the drafter has it.
+    `propose_batch` / `append_batch` map all ids in one gather and take the lock once (the
+    drafter's own batch calls when it has them, else its per-row calls).
     """
 
     def __init__(self, drafter: Any, lock: threading.RLock | None = None,
@@ -158,6 +160,7 @@ class LockedDrafter:
         self.drafter = drafter
         self.lock = lock or threading.RLock()
         self._ids = None if request_ids is None else [int(i) for i in request_ids]
+        self._ids_A = None          # self._ids as int64 [n], made on first batch call
 
     def view(self, request_ids: Sequence[int]) -> "LockedDrafter":
         """A view (same drafter, same lock) whose request id k means `request_ids[k]`."""
@@ -165,6 +168,15 @@ class LockedDrafter:
 
     def _id(self, request_id: int) -> int:
         return int(request_id) if self._ids is None else self._ids[request_id]
+
+    def _ids_of(self, request_ids) -> np.ndarray:
+        """int64 [A] global ids of view-local request_ids [A]."""
+        ids = np.asarray(request_ids, np.int64).reshape(-1)
+        if self._ids is None:
+            return ids
+        if self._ids_A is None:
+            self._ids_A = np.asarray(self._ids, np.int64)
+        return self._ids_A[ids]
 
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
         with self.lock:
@@ -177,6 +189,21 @@ class LockedDrafter:
     def append(self, request_id: int, token_ids: Sequence[int]) -> None:
         with self.lock:
             self.drafter.append(self._id(request_id), token_ids)
+
+    def propose_batch(self, request_ids, max_tokens_A):
+        """`drafter.propose_batch` (or its per-row fallback) on the mapped ids, one lock;
+        returns a `DraftBatch`."""
+        from das_jax.drafter.base import propose_batch   # deferred: the drafters load numba
+        ids = self._ids_of(request_ids)
+        with self.lock:
+            return propose_batch(self.drafter, ids, max_tokens_A)
+
+    def append_batch(self, request_ids, tokens_AxW, n_A) -> None:
+        """`drafter.append_batch` (or its per-row fallback) on the mapped ids, one lock."""
+        from das_jax.drafter.base import append_batch    # deferred: the drafters load numba
+        ids = self._ids_of(request_ids)
+        with self.lock:
+            append_batch(self.drafter, ids, tokens_AxW, n_A)
 
     def end(self, request_id: int) -> None:
         with self.lock:

@@ -1,0 +1,176 @@
+"""`das-jax bench drafter --batch`: host time per decode step of the "suffix" drafter for A live
+rows, per-row `propose` / `append` calls against `propose_batch` / `append_batch` (1..N threads).
+
+State: `--problems` problems, each with `--rollouts` finished rollouts of ~`--length` tokens
+(Zipf tokens modulo `--vocab`, mutated copies of a per-problem answer, so the tries branch and
+repeat) indexed in one epoch. Then A rows start (row i: problem i mod problems, a fresh mutated
+copy of its answer), each appended a random prefix of its rollout, and `--steps` decode steps
+run: every row drafts `--k` tokens, a greedy verifier accepts the matching prefix plus one token,
+the emitted tokens are appended. Each mode runs on its own copy of the same state, so all modes
+draft and accept the same tokens (checked). Printed per A and mode: median microseconds per row
+per step of propose and of append, and the throughput ratio to one thread.
+
+Also runs as a script (`python das_jax/bench/drafter_batch_bench.py`), e.g. against another
+checkout's `das_jax` on PYTHONPATH (modes the drafter lacks are skipped).
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+import time
+
+import numpy as np
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> None:
+    """The --batch options (`standalone`: also those `drafter_bench` shares with them)."""
+    if standalone:
+        parser.add_argument("--depth", type=int, default=24, help="suffix trie max_depth")
+        parser.add_argument("--window", type=int, default=16, help="epochs kept per problem")
+        parser.add_argument("--problems", type=int, default=128, help="problems")
+        parser.add_argument("--rollouts", type=int, default=16, help="rollouts per problem")
+        parser.add_argument("--k", type=int, default=8, help="draft budget per propose")
+        parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", default="32,128,256,512", help="--batch: live rows A")
+    parser.add_argument("--threads", default="1,2", help="--batch: propose_batch thread counts")
+    parser.add_argument("--length", type=int, default=1000, help="--batch: tokens per rollout")
+    parser.add_argument("--vocab", type=int, default=200, help="--batch: vocabulary")
+    parser.add_argument("--steps", type=int, default=30, help="--batch: timed decode steps")
+
+
+def _mutate(rng, base, p, vocab):
+    """int32 copy of `base` with a fraction p of tokens substituted, doubled (a random token
+    inserted after) or deleted, a third each."""
+    r = rng.random(base.size)
+    out = base.copy()
+    sub = r < p / 3
+    out[sub] = _tokens(rng, int(sub.sum()), vocab)
+    reps = np.where(r < 2 * p / 3, np.where(sub, 1, 2), np.where(r < p, 0, 1))
+    out = np.repeat(out, reps)
+    ins = np.cumsum(reps)[reps == 2] - 1
+    out[ins] = _tokens(rng, ins.size, vocab)
+    return out
+
+
+def _tokens(rng, n, vocab):
+    return (rng.zipf(1.2, size=n) % vocab).astype(np.int32)
+
+
+def _build(args):
+    """(drafter with problems x rollouts finished rollouts indexed, answers, prompts)."""
+    from das_jax.drafter import SuffixDrafter, SuffixTreeConfig
+
+    rng = np.random.default_rng(args.seed)
+    d = SuffixDrafter(SuffixTreeConfig(max_depth=args.depth), window=args.window)
+    answers = [_tokens(rng, args.length, args.vocab) for _ in range(args.problems)]
+    prompts = [_tokens(rng, 48, args.vocab) for _ in range(args.problems)]
+    rid = 0
+    for pid in range(args.problems):
+        for _ in range(args.rollouts):
+            out = _mutate(rng, answers[pid], 0.04, args.vocab)
+            d.begin(rid, pid, prompts[pid])
+            d.append(rid, out[: int(out.size * rng.uniform(0.7, 1.0))])
+            d.end(rid)
+            rid += 1
+    d.advance_epoch()
+    return d, answers, prompts
+
+
+def _run(base, rows, answers, prompts, args, threads):
+    """Times `args.steps` steps of `rows` rows on a copy of `base`; threads None: per-row calls.
+    Returns (propose seconds per step [S], append seconds per step [S], tokens emitted)."""
+    d = pickle.loads(pickle.dumps(base))
+    if threads is not None:
+        d.threads = threads
+    rng = np.random.default_rng(args.seed + 1)
+    k, W = args.k, args.k + 1
+    ids = np.arange(rows, dtype=np.int64)
+    truths, pos = [], np.zeros(rows, np.int64)
+    for i in range(rows):
+        pid = i % len(answers)
+        truth = _mutate(rng, answers[pid], 0.04, args.vocab)
+        truths.append(truth)
+        d.begin(i, pid, prompts[pid])
+        pos[i] = rng.integers(0, max(1, truth.size - (args.steps + 1) * W))
+        d.append(i, truth[: pos[i]])
+    max_tokens_A = np.full(rows, k, np.int32)
+    t_prop, t_app, emitted = [], [], 0
+    for step in range(args.steps + 1):      # step 0: warm-up, not timed
+        t0 = time.perf_counter()
+        if threads is None:
+            drafts = [d.propose(int(r), k) for r in ids]
+        else:
+            batch = d.propose_batch(ids, max_tokens_A)
+            drafts = [batch.tokens_AxK[b, : batch.lens_A[b]] for b in range(rows)]
+        t1 = time.perf_counter()
+        toks_AxW = np.zeros((rows, W), np.int32)
+        n_A = np.zeros(rows, np.int32)
+        for b in range(rows):
+            dt = drafts[b] if threads is not None else drafts[b].tokens
+            truth, p = truths[b], int(pos[b])
+            n = 0
+            while n < len(dt) and p + n < truth.size and dt[n] == truth[p + n]:
+                n += 1
+            emit = truth[p: p + n + 1]
+            toks_AxW[b, : emit.size] = emit
+            n_A[b] = emit.size
+        pos += n_A
+        t2 = time.perf_counter()
+        if threads is None:
+            for b in range(rows):
+                d.append(int(ids[b]), toks_AxW[b, : n_A[b]])
+        else:
+            d.append_batch(ids, toks_AxW, n_A)
+        t3 = time.perf_counter()
+        if step:
+            t_prop.append(t1 - t0)
+            t_app.append(t3 - t2)
+            emitted += int(n_A.sum())
+    return np.array(t_prop), np.array(t_app), emitted
+
+
+def batch_main(args: argparse.Namespace) -> int:
+    from das_jax.drafter import SuffixDrafter
+
+    rows_list = [int(x) for x in str(args.rows).split(",")]
+    thread_list = [int(x) for x in str(args.threads).split(",")]
+    t0 = time.perf_counter()
+    base, answers, prompts = _build(args)
+    forest = base.history.forest
+    print(f"drafter batch bench: {args.problems} problems x {args.rollouts} rollouts x "
+          f"~{args.length} tokens (vocab {args.vocab}) indexed: {forest.indexed_tokens} tokens, "
+          f"{forest.num_nodes} nodes, built in {time.perf_counter() - t0:.1f} s; depth="
+          f"{args.depth} k={args.k} steps={args.steps}")
+    batched = hasattr(SuffixDrafter, "propose_batch")
+    modes = [("per-row", None)] + ([(f"batch t={t}", t) for t in thread_list] if batched else [])
+    _run(base, 4, answers, prompts, argparse.Namespace(**{**vars(args), "steps": 1}), None)
+    header = (f"{'A':>4} {'mode':12} {'propose us/row':>14} {'append us/row':>13} "
+              f"{'total us/row':>12} {'step ms':>8} {'x 1 thread (prop / total)':>26} "
+              f"{'tok/row/step':>12}")
+    print(header)
+    print("-" * len(header))
+    for rows in rows_list:
+        one, emitted0 = None, None
+        for name, threads in modes:
+            tp, ta, emitted = _run(base, rows, answers, prompts, args, threads)
+            p, a = np.median(tp) / rows * 1e6, np.median(ta) / rows * 1e6
+            if emitted0 is None:
+                emitted0 = emitted
+            elif emitted != emitted0:
+                raise RuntimeError(f"{name} emitted {emitted} tokens, per-row {emitted0}")
+            if threads == 1:
+                one = (p, p + a)
+            ratio = (f"{one[0] / p:11.2f} / {one[1] / (p + a):5.2f}"
+                     if one is not None and threads is not None else "")
+            print(f"{rows:4d} {name:12} {p:14.2f} {a:13.2f} {p + a:12.2f} "
+                  f"{(p + a) * rows / 1e3:8.3f} {ratio:>26} {emitted / rows / args.steps:12.2f}",
+                  flush=True)
+    print("us/row = median over steps of the step's call time / A; x 1 thread = throughput "
+          "relative to propose_batch / append_batch on one thread")
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_batch_arguments(ap, standalone=True)
+    raise SystemExit(batch_main(ap.parse_args()))

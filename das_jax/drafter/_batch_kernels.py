@@ -1,0 +1,211 @@
+"""Numba kernels that draft and append for many requests in one call (internal; the API is
+`SuffixDrafter.propose_batch` / `append_batch`).
+
+Per-request state lives in per-slot arrays owned by `slots.RequestSlots` (a slot per active
+request): `slot_root` int64 [S] (the trie the request drafts from, -1: none), `slot_sid` int64
+[S] (its own live sequence in that trie, -1: not indexed), and its context (prompt + verified
+tokens) at ctx_pool[ctx_start[s] : ctx_start[s] + ctx_len[s]] (int32 pool, int64 [S] starts,
+lengths and capacities). The trie arrays are `SuffixForest`'s (see `_kernels`).
+
+Row kernels loop over rows b in a range and read row b's slot slots_A[b]. `propose_rows` only
+reads the forest, so disjoint row ranges may run on several threads at once (each call has its
+own scratch); `append_rows` mutates it and must run alone.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._kernels import (COUNT, FIRST, M_MAXD, NEXT, S_LEN, S_SLOT, _jit, _match, _self_count,
+                       append_tokens, depth_of, edge_tok)
+
+CHUNK = 256   # tokens per append_tokens call (as SuffixForest.append; bounds the room reserved)
+
+# append_rows return codes (besides append_tokens' 1: nodes, 2: sequence tokens, 3: not live)
+RC_DONE = 0
+RC_CONTEXT = 4
+
+
+@_jit
+def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_root, slot_sid,
+                 ctx_pool, ctx_start, ctx_len, min_prob, spec_factor, spec_offset, min_match,
+                 lo, hi, tokens_AxK, probs_AxK, support_AxK, lens_A):
+    """Drafts rows lo..hi-1: row b drafts up to max_tokens_A[b] tokens for the request in slot
+    slots_A[b] (`_kernels.propose` on the last max_depth - 1 tokens of its context, its own
+    sequence's trailing occurrences left out). Writes tokens_AxK[b, :k] (int32), probs_AxK[b, :k]
+    (float32), support_AxK[b, :k] (int32) and lens_A[b] = k (int32); entries past k are left as
+    they are (zeros from the caller). Rows with max_tokens <= 0, no trie or an empty context get
+    k = 0. K >= max_tokens_A[b] for every row.
+    """
+    md = meta[M_MAXD]
+    match_nodes = np.zeros(md + 1, np.int64)
+    out_t = np.zeros(md, np.int32)
+    out_p = np.zeros(md, np.float32)
+    out_c = np.zeros(md, np.int32)
+    tmp_t = np.zeros(md, np.int32)
+    tmp_p = np.zeros(md, np.float32)
+    tmp_c = np.zeros(md, np.int32)
+    for b in range(lo, hi):
+        lens_A[b] = 0
+        kmax = max_tokens_A[b]
+        s = slots_A[b]
+        root = slot_root[s]
+        n = ctx_len[s]
+        if kmax <= 0 or root < 0 or n <= 0:
+            continue
+        tail = n
+        if tail > md - 1:
+            tail = md - 1
+        end = ctx_start[s] + n
+        k = propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx_pool[end - tail: end],
+                         slot_sid[s], kmax, min_prob, spec_factor, spec_offset, min_match,
+                         match_nodes, out_t, out_p, out_c, tmp_t, tmp_p, tmp_c)
+        for i in range(k):
+            tokens_AxK[b, i] = out_t[i]
+            probs_AxK[b, i] = out_p[i]
+            support_AxK[b, i] = out_c[i]
+        lens_A[b] = k
+
+
+@_jit
+def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, min_prob,
+                 spec_factor, spec_offset, min_match, match_nodes, out_t, out_p, out_c, tmp_t,
+                 tmp_p, tmp_c):
+    """`_kernels.propose` (same arguments and draft; returns its k), faster:
+
+    - Matches: a tail of length m <= len(own) of the context is the path of the own live
+      sequence's window that ends at its end, and that window sits at a node end, which is
+      act[slot(own), (len(own) - m) % max_depth]; only longer tails are looked up from the root.
+    - Walks that cannot win are skipped or cut: a walk's score is a sum of at most `limit`
+      path probabilities, each <= the current one, and must exceed the best score so far.
+    """
+    md = meta[M_MAXD]
+    lc = ctx.shape[0]
+    mmax = lc
+    if mmax > md - 1:
+        mmax = md - 1
+    own_len = 0
+    slot = 0
+    if own >= 0:
+        own_len = seqs[own, S_LEN]
+        slot = seqs[own, S_SLOT]
+    big_m = 0
+    for m in range(1, mmax + 1):
+        if m <= own_len:
+            n = np.int64(act[slot, (own_len - m) % md])
+        else:
+            n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
+            if n < 0:
+                break
+        if nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, m) <= 0:
+            break
+        match_nodes[m] = n
+        big_m = m
+    best_k = 0
+    best_score = 0.0
+    lo = min_match
+    if lo < 1:
+        lo = 1
+    for m in range(big_m, lo - 1, -1):
+        limit = np.int64(np.ceil(m * spec_factor + spec_offset))
+        if limit > max_tokens:
+            limit = max_tokens
+        if limit > md - m:
+            limit = md - m
+        if limit <= 0 or limit <= best_score:
+            continue
+        k, score = _walk_bounded(nodes, seqs, toks, act, meta, own, match_nodes[m], m, limit,
+                                 min_prob, best_score, tmp_t, tmp_p, tmp_c)
+        if k > 0 and score > best_score:
+            best_score = score
+            best_k = k
+            for i in range(k):
+                out_t[i] = tmp_t[i]
+                out_p[i] = tmp_p[i]
+                out_c[i] = tmp_c[i]
+    return best_k
+
+
+@_jit
+def _walk_bounded(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, bound, out_t, out_p,
+                  out_c):
+    """`_kernels._walk`, stopped (returning a score <= bound) once its score cannot exceed
+    `bound`: the tokens still allowed each add at most the current path probability."""
+    prob = 1.0
+    score = 0.0
+    k = 0
+    nd = depth_of(nodes, seqs, meta, n)
+    while k < limit:
+        if score + prob * (limit - k) < bound - 1e-9:
+            return k, score
+        if d < nd:
+            t = edge_tok(nodes, seqs, toks, n, d)     # inside an edge: ratio 1
+            cn = nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, d)
+        else:
+            best = -1
+            bc = -1
+            bt = 0
+            c = nodes[n, FIRST]
+            while c >= 0:
+                cc = nodes[c, COUNT]
+                ct = edge_tok(nodes, seqs, toks, c, d)
+                if cc > bc or (cc == bc and ct < bt):
+                    best = c
+                    bc = cc
+                    bt = ct
+                c = nodes[c, NEXT]
+            if best < 0:
+                break
+            cn = nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, d)
+            if bc != cn:
+                prob = prob * bc / cn
+            if prob < min_prob:
+                break
+            t = bt
+            n = best
+            nd = depth_of(nodes, seqs, meta, n)
+        out_t[k] = t
+        out_p[k] = prob
+        out_c[k] = cn
+        score += prob
+        k += 1
+        d += 1
+    return k, score
+
+
+@_jit
+def append_rows(nodes, ht, seqs, toks, act, meta, slots_A, tokens_AxW, n_A, slot_sid,
+                ctx_pool, ctx_start, ctx_len, ctx_cap, out_len, row0, off0):
+    """Appends tokens_AxW[b, :n_A[b]] to the request in slot slots_A[b], for rows b = row0, ...
+    in order (rows with n_A[b] <= 0 skipped): indexes them into its live sequence slot_sid[s]
+    (none when -1) in chunks of CHUNK tokens, then adds them to its context and to out_len[s].
+
+    Resumes row row0 at token offset off0 (a previous call stopped there). Returns (row, offset,
+    rc): rc RC_DONE when every row is done; else nothing of row `row` from `offset` on was done
+    and rc says what the caller must grow before calling again with (row, offset): 1 the
+    forest's nodes / hash (for CHUNK-bounded min(n - offset, CHUNK) tokens), 2 the sequence's
+    token storage, 3 the sequence is not live (an error), RC_CONTEXT the slot's context
+    capacity (to ctx_len + n).
+    """
+    A = n_A.shape[0]
+    for b in range(row0, A):
+        n = n_A[b]
+        if n <= 0:
+            continue
+        s = slots_A[b]
+        off = off0 if b == row0 else 0
+        if off == 0 and ctx_len[s] + n > ctx_cap[s]:
+            return b, 0, RC_CONTEXT
+        sid = slot_sid[s]
+        if sid >= 0:
+            while off < n:
+                hi = min(off + CHUNK, n)
+                rc = append_tokens(nodes, ht, seqs, toks, act, meta, sid, tokens_AxW[b, off:hi])
+                if rc != 0:
+                    return b, off, rc
+                off = hi
+        base = ctx_start[s] + ctx_len[s]
+        for i in range(n):
+            ctx_pool[base + i] = tokens_AxW[b, i]
+        ctx_len[s] += n
+        out_len[s] += n
+    return A, 0, RC_DONE

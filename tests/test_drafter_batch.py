@@ -1,0 +1,260 @@
+"""SuffixDrafter.propose_batch / append_batch: equal, row by row, to the per-row calls of a
+reference drafter (per-problem history + full per-request contexts, driven one row at a time);
+LockedDrafter forwarding; edge cases."""
+import pickle
+
+import numpy as np
+import pytest
+
+from das_jax.drafter import (DraftBatch, NgramDrafter, ProblemHistory, RequestContext,
+                             SuffixDrafter, SuffixTreeConfig, append_batch, propose_batch)
+from das_jax.drafter import suffix_drafter
+from das_jax.rollout.multi_device import LockedDrafter
+
+CFG = SuffixTreeConfig(max_depth=8)
+
+
+class RowDrafter:
+    """The per-row reference: a ProblemHistory plus each request's full context."""
+
+    def __init__(self, config, window, prompt_tail=None, max_problems=None):
+        self.history = ProblemHistory(config, window, prompt_tail, max_problems)
+        self.requests = {}
+
+    def begin(self, rid, pid, prompt):
+        if rid in self.requests:
+            raise ValueError(rid)
+        self.requests[rid] = (pid, self.history.start_rollout(pid, prompt),
+                              RequestContext(prompt))
+
+    def propose(self, rid, k):
+        pid, handle, ctx = self.requests[rid]
+        return self.history.propose(pid, ctx.array, k, handle).draft
+
+    def append(self, rid, toks):
+        _, handle, ctx = self.requests[rid]
+        arr = np.asarray(toks, np.int32)
+        ctx.extend(arr)
+        self.history.extend_rollout(handle, arr)
+
+    def end(self, rid):
+        self.history.finish_rollout(self.requests.pop(rid)[1])
+
+    def advance_epoch(self):
+        self.history.advance_epoch()
+
+    def state_dict(self):
+        return {"kind": "suffix", "history": self.history.state_dict(),
+                "requests": [[rid, pid, h, ctx.array.copy()]
+                             for rid, (pid, h, ctx) in self.requests.items()]}
+
+    def load_state_dict(self, state):
+        self.history.load_state_dict(state["history"])
+        self.requests = {rid: (pid, h, RequestContext(ctx))
+                         for rid, pid, h, ctx in state["requests"]}
+
+
+def assert_same_state(a, b, where="state"):
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            assert_same_state(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b, err_msg=where)
+        assert a.dtype == np.asarray(b).dtype, where
+    else:
+        assert a == b, where
+
+
+def assert_batch_matches(batch, ref, ids, max_tokens_A):
+    K = int(max(max_tokens_A, default=0))
+    assert batch.tokens_AxK.shape == batch.probs_AxK.shape == batch.support_AxK.shape \
+        == (len(ids), K)
+    assert (batch.tokens_AxK.dtype, batch.probs_AxK.dtype, batch.support_AxK.dtype,
+            batch.lens_A.dtype, batch.has_support_A.dtype) == (
+        np.int32, np.float32, np.int32, np.int32, np.bool_)
+    for b, (rid, k) in enumerate(zip(ids, max_tokens_A)):
+        d = ref.propose(int(rid), int(k))
+        n = len(d)
+        assert batch.lens_A[b] == n, (b, rid)
+        np.testing.assert_array_equal(batch.tokens_AxK[b, :n], d.tokens)
+        np.testing.assert_array_equal(batch.probs_AxK[b, :n], d.probs)
+        assert batch.has_support_A[b] == (d.support is not None and n > 0)
+        if d.support is not None:
+            np.testing.assert_array_equal(batch.support_AxK[b, :n], d.support)
+        assert not batch.tokens_AxK[b, n:].any() and not batch.probs_AxK[b, n:].any()
+        assert not batch.support_AxK[b, n:].any()
+
+
+def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60, cfg=CFG,
+              prompt_tail=None):
+    """Random begin / propose / append / end / advance_epoch traffic on a batched drafter and
+    the per-row reference; every step's drafts and periodic states are compared."""
+    rng = np.random.default_rng(seed)
+    vocab, problems = 5, 6
+    d = SuffixDrafter(cfg, window=window, prompt_tail=prompt_tail, max_problems=max_problems,
+                      threads=threads)
+    ref = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems)
+    live, next_id = [], 0
+    stats = {"drafted": 0, "unindexed": 0}
+    for step in range(steps):
+        for _ in range(rng.integers(0, 4) if len(live) < 48 else 0):
+            rid = next_id if rng.random() < 0.8 else 10**9 + next_id   # outside the id table
+            next_id += 1
+            pid = int(rng.integers(problems))
+            prompt = rng.integers(0, vocab, size=int(rng.integers(0, 12))).tolist()
+            d.begin(rid, pid, prompt)
+            ref.begin(rid, pid, prompt)
+            live.append(rid)
+        if live:
+            ids = rng.permutation(live)[: int(rng.integers(1, len(live) + 1))]
+            max_tokens_A = rng.integers(0, 10, size=len(ids)).astype(np.int32)
+            batch = d.propose_batch(ids, max_tokens_A)
+            assert_batch_matches(batch, ref, ids, max_tokens_A)
+            stats["drafted"] += int(batch.lens_A.sum())
+            stats["unindexed"] += sum(ref.history.rollout(ref.requests[int(r)][1]).sid < 0
+                                      for r in ids)
+            rid = int(rng.choice(live))
+            a, r = d.propose(rid, 6), ref.propose(rid, 6)
+            assert a.tokens.tolist() == r.tokens.tolist()
+            np.testing.assert_array_equal(a.probs, r.probs)
+            assert (a.support is None) == (r.support is None)
+            # appends: batched (duplicate rows now and then, a long row past the chunk size)
+            ids = rng.permutation(live)[: int(rng.integers(1, len(live) + 1))]
+            if rng.random() < 0.2:
+                ids = np.concatenate([ids, ids[:2]])
+            W = 300 if rng.random() < 0.05 else int(rng.integers(1, 6))
+            toks = rng.integers(0, vocab, size=(len(ids), W)).astype(np.int32)
+            n_A = rng.integers(0, W + 1, size=len(ids)).astype(np.int32)
+            if rng.random() < 0.8:
+                d.append_batch(ids, toks, n_A)
+            else:
+                for rid, row, n in zip(ids, toks, n_A):
+                    d.append(int(rid), row[:n])
+            for rid, row, n in zip(ids, toks, n_A):
+                if n:
+                    ref.append(int(rid), row[:n])
+        for rid in list(live):
+            if rng.random() < 0.08:
+                d.end(rid)
+                ref.end(rid)
+                live.remove(rid)
+        if rng.random() < 0.1:
+            d.advance_epoch()
+            ref.advance_epoch()
+        if step % 20 == 0 or step == steps - 1:
+            assert_same_state(d.state_dict(), ref.state_dict())
+            for pid in range(problems):
+                assert d.lengths(pid) == ref.history.lengths(pid)
+        if step == reload_at:
+            d2 = SuffixDrafter(cfg, window=window, prompt_tail=prompt_tail,
+                               max_problems=max_problems, threads=threads)
+            d2.load_state_dict(pickle.loads(pickle.dumps(d.state_dict())))
+            ref2 = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems)
+            ref2.load_state_dict(pickle.loads(pickle.dumps(ref.state_dict())))
+            d, ref = d2, ref2       # (a loaded forest lays out its storage anew: reload both)
+    return stats
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed,window,max_problems", [(0, 1, None), (1, 0, None), (2, 2, 3)])
+def test_batch_equals_per_row_reference(monkeypatch, seed, threads, window, max_problems):
+    monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)   # split even small batches
+    stats = _scenario(seed, threads, window, max_problems)
+    assert stats["drafted"] > 500 and stats["unindexed"] > 50, stats
+
+
+@pytest.mark.parametrize("cfg,prompt_tail", [
+    (SuffixTreeConfig(max_depth=12, min_token_prob=0.0, max_spec_factor=2.0), 2),
+    (SuffixTreeConfig(max_depth=6, min_token_prob=0.3, max_spec_offset=1.5, min_match_len=2), 0),
+    (SuffixTreeConfig(max_depth=10, max_spec_factor=0.5, max_spec_offset=2.0), 20)])
+def test_batch_equals_per_row_reference_other_configs(cfg, prompt_tail):
+    """Draft limits, probability cut-offs and prompt tails shorter than a match (tails longer
+    than the own sequence are looked up from the root)."""
+    stats = _scenario(3, 1, 1, cfg=cfg, prompt_tail=prompt_tail, steps=80, reload_at=40)
+    assert stats["drafted"] > 200, stats
+
+
+def test_threaded_propose_matches_inline_on_many_rows():
+    rng = np.random.default_rng(5)
+    drafters = [SuffixDrafter(CFG, window=2, threads=t) for t in (1, 2, 3)]
+    for rid in range(100):
+        prompt = rng.integers(0, 6, size=5).tolist()
+        out = rng.integers(0, 6, size=40).astype(np.int32)
+        for d in drafters:
+            d.begin(rid, rid % 7, prompt)
+            d.append(rid, out)
+    ids = rng.permutation(100)
+    max_tokens_A = rng.integers(0, 8, size=100).astype(np.int32)
+    a, b, c = (d.propose_batch(ids, max_tokens_A) for d in drafters)
+    assert a.lens_A.sum() > 50
+    for x in (b, c):
+        for f in ("tokens_AxK", "probs_AxK", "support_AxK", "lens_A", "has_support_A"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(x, f))
+    d = pickle.loads(pickle.dumps(drafters[1]))      # the worker pool does not travel
+    np.testing.assert_array_equal(d.propose_batch(ids, max_tokens_A).tokens_AxK, a.tokens_AxK)
+
+
+def test_edge_cases():
+    d = SuffixDrafter(CFG, window=0)
+    empty = d.propose_batch(np.zeros(0, np.int64), np.zeros(0, np.int32))
+    assert empty.tokens_AxK.shape == (0, 0) and empty.lens_A.shape == (0,)
+    d.append_batch(np.zeros(0, np.int64), np.zeros((0, 0), np.int32), np.zeros(0, np.int32))
+    d.begin(3, "p", [1, 2, 1, 2])
+    d.begin(4, "p", [1, 2, 1, 2])
+    with pytest.raises(ValueError):
+        d.begin(3, "p", [1])
+    d.append_batch([3, 4], np.array([[1, 2, 0], [1, 2, 1]], np.int32), [2, 3])
+    zero = d.propose_batch([3, 4], [0, 0])
+    assert zero.tokens_AxK.shape == (2, 0) and not zero.lens_A.any()
+    assert not zero.has_support_A.any()
+    got = d.propose_batch([3, 4], [4, 0])
+    assert got.width == 4 and got.lens_A[0] > 0 and got.lens_A[1] == 0
+    assert got.has_support_A.tolist() == [True, False]
+    with pytest.raises(KeyError):
+        d.propose_batch([3, 5], [1, 1])
+    with pytest.raises(KeyError):
+        d.append_batch([5], np.ones((1, 1), np.int32), [1])
+    with pytest.raises(KeyError):
+        d.propose(5, 2)
+    d.advance_epoch()                       # window 0: the problem is dropped while 3, 4 live
+    assert d.history.root("p") < 0
+    got = d.propose_batch([3, 4], [4, 4])   # unknown problem: empty drafts
+    assert not got.lens_A.any() and got.width == 4
+    d.append_batch([3], np.array([[1, 2]], np.int32), [2])
+    d.begin(6, "p", [1, 2, 1, 2, 1])        # the problem comes back: 3 drafts from it again
+    d.append(6, [2, 1, 2, 1, 2])
+    assert d.propose_batch([3], [3]).lens_A[0] > 0
+    assert d.context(3).tolist() == [1, 2, 1, 2, 1, 2, 1, 2]
+
+
+def test_locked_drafter_forwards_batches_with_id_mapping():
+    d = SuffixDrafter(CFG, window=1)
+    ref = RowDrafter(CFG, 1)
+    view = LockedDrafter(d).view([5, 7, 9])
+    for local, rid in enumerate((5, 7, 9)):
+        view.begin(local, "p", [1, 2, 3])
+        ref.begin(rid, "p", [1, 2, 3])
+    toks = np.array([[1, 2, 3, 1], [2, 3, 1, 2], [3, 1, 2, 3]], np.int32)
+    view.append_batch(np.array([2, 0, 1]), toks, np.array([4, 3, 0], np.int32))
+    ref.append(9, toks[0])
+    ref.append(5, toks[1, :3])
+    assert_same_state(d.state_dict(), ref.state_dict())
+    got = propose_batch(view, [1, 2, 0], [3, 2, 4])
+    assert_batch_matches(got, ref, [7, 9, 5], [3, 2, 4])
+    assert got.lens_A.sum() > 0
+
+    ng = NgramDrafter()                     # no batch calls: the per-row fallback under the lock
+    nview = LockedDrafter(ng).view([10, 11])
+    nview.begin(0, "p", [1, 2, 3, 1, 2])
+    nview.begin(1, "p", [4, 5])
+    append_batch(nview, [0, 1], np.array([[3, 0], [4, 5]], np.int32), [1, 2])
+    assert ng._contexts[10].array.tolist() == [1, 2, 3, 1, 2, 3]
+    got = nview.propose_batch([0, 1], [2, 2])
+    assert isinstance(got, DraftBatch)
+    assert got.row(0).tokens.tolist() == ng.propose(10, 2).tokens.tolist()
+    assert got.row(1).tokens.tolist() == ng.propose(11, 2).tokens.tolist()
