@@ -32,6 +32,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
+from das_jax.drafter.base import append_batch, propose_batch
 from das_jax.engine import GenerateError, GenerateStats
 
 __all__ = [
@@ -193,14 +194,12 @@ class LockedDrafter:
     def propose_batch(self, request_ids, max_tokens_A):
         """`drafter.propose_batch` (or its per-row fallback) on the mapped ids, one lock;
         returns a `DraftBatch`."""
-        from das_jax.drafter.base import propose_batch   # deferred: the drafters load numba
         ids = self._ids_of(request_ids)
         with self.lock:
             return propose_batch(self.drafter, ids, max_tokens_A)
 
     def append_batch(self, request_ids, tokens_AxW, n_A) -> None:
         """`drafter.append_batch` (or its per-row fallback) on the mapped ids, one lock."""
-        from das_jax.drafter.base import append_batch    # deferred: the drafters load numba
         ids = self._ids_of(request_ids)
         with self.lock:
             append_batch(self.drafter, ids, tokens_AxW, n_A)
