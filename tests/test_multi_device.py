@@ -33,7 +33,7 @@ MESH_CHECK = textwrap.dedent('''
     import jax, numpy as np
     from das_jax.config import DASSection
     from das_jax.engine import programs as programs_lib
-    from das_jax.engine import VerifySpec
+    from das_jax.engine import DecodeSpec, VerifySpec
     from das_jax.engine import Engine, EngineConfig, Request
     from das_jax.speculation import CostModelConfig, DASConfig
     from das_jax.engine import SamplingParams
@@ -155,9 +155,10 @@ MESH_CHECK = textwrap.dedent('''
         report["tp_gap"] = same_as_base(out, exact_logprobs=False)
         groups_whole(st.assignment)
         assert all(st.assignment)
-        # The verify executables were compiled with the KV-head sharding at the jit boundary.
+        # The decode and verify executables were compiled with the KV-head sharding at the jit
+        # boundary.
         verify = [c for k, c in programs_lib.COMPILED.items()
-                  if isinstance(k[0], VerifySpec) and k[-1] == eng.placement.key]
+                  if isinstance(k[0], (VerifySpec, DecodeSpec)) and k[-1] == eng.placement.key]
         assert verify
         for c in verify:
             out_cache = c.output_shardings[0]

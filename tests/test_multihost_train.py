@@ -52,6 +52,15 @@ WORKER = textwrap.dedent('''
     except dist.DistributedError as e:
         print("ERROR " + str(e), flush=True)
         sys.exit(2)
+    batches = []      # each step's gathered rollouts: completions and the rows this process made
+    rollout = trainer.rollout
+    def recording_rollout(step):
+        rb = rollout(step)
+        mine = (len(rb.stats.assignment[jax.process_index()]) if trainer.split is not None
+                else len(rb.outputs))
+        batches.append({"tokens": [o.token_ids for o in rb.outputs], "mine": mine})
+        return rb
+    trainer.rollout = recording_rollout
     if mode == "kill" and pid == 1:  # dies; process 0 goes on into the run's collectives
         print("DYING", flush=True)
         os.kill(os.getpid(), 9)
@@ -61,7 +70,7 @@ WORKER = textwrap.dedent('''
     np.save(os.path.join(run_dir, f"params.p{pid}.npy"), flat)
     print("RESULT " + json.dumps({"losses": [r["loss"] for r in records],
                                   "steps": [r["step"] for r in records],
-                                  "mesh": dict(trainer.mesh.shape),
+                                  "mesh": dict(trainer.mesh.shape), "batches": batches,
                                   "processes": jax.process_count()}), flush=True)
 ''')
 
@@ -119,6 +128,11 @@ def test_two_processes_train_resume_as_one(tmp_path, reference):
     r0, r1 = (_result(o) for _, o, _ in first)
     assert r0["processes"] == 2 and r0["mesh"]["fsdp"] == 4
     assert r0["losses"] == r1["losses"]
+    # each process generated one of the step's two groups; the gathered batch is the
+    # one-process batch, token for token
+    assert [b["mine"] for b in r0["batches"]] == [b["mine"] for b in r1["batches"]] == [4]
+    assert r0["batches"][0]["tokens"] == r1["batches"][0]["tokens"] == \
+        ref["batches"][0]["tokens"]
     assert abs(ref["losses"][0]) > 1e-3  # a loss that could differ
     assert r0["losses"][0] == pytest.approx(ref["losses"][0], abs=1e-5)
     ckpt = tmp_path / "checkpoints" / "1" / "drafter"
@@ -131,6 +145,7 @@ def test_two_processes_train_resume_as_one(tmp_path, reference):
     s0, s1 = (_result(o) for _, o, _ in second)
     assert s0["steps"] == s1["steps"] == [2]
     assert s0["losses"][0] == pytest.approx(ref["losses"][1], abs=1e-5)
+    assert s0["batches"][0]["tokens"] == ref["batches"][1]["tokens"]
     p0, p1 = (np.load(tmp_path / f"params.p{i}.npy") for i in range(2))
     np.testing.assert_array_equal(p0, p1)
     assert np.max(np.abs(p0 - ref_params)) <= 1e-5

@@ -341,8 +341,11 @@ def part_train(ck: Check) -> dict:
 
 
 def part_generate(ck: Check) -> dict:
-    """`Engine.generate` with `none` and `das` (its policy's compile prior: the measured
-    verify compile seconds); host seconds per forward pass and the step counts."""
+    """`Engine.generate` with `none` (k plain decode steps per device call, the default), with
+    `none` one step per call (`decode_steps=1`: the same tokens, the host waiting every step),
+    and with `das` (its policy's compile prior: the measured verify compile seconds); host
+    seconds per forward pass (`host_s`, and all the wall time outside the device calls) and the
+    step counts."""
     # deferred import: jax (not loaded by importing this module)
     from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
 
@@ -353,20 +356,24 @@ def part_generate(ck: Check) -> dict:
     requests = [Request(p, problem_id=i, sample_index=g) for i, p in enumerate(prompts)
                 for g in range(sh.gen_samples)]
     sampling = SamplingParams(temperature=0.6, max_new_tokens=sh.gen_new)
-    engine = Engine(ck.config, ck.params, eos_token_ids=[], engine_config=EngineConfig(
-        max_slots=sh.gen_slots, max_cache_len=2048, draft_widths=sh.gen_widths))
+    engines = {k: Engine(ck.config, ck.params, eos_token_ids=[], engine_config=EngineConfig(
+        max_slots=sh.gen_slots, max_cache_len=2048, draft_widths=sh.gen_widths,
+        decode_steps=k)) for k in (1, EngineConfig.decode_steps)}
     done = ck.results.get("verify", {}).get("programs") or [{"compile_s": 1.0}]
     prior = float(np.mean([r["compile_s"] for r in done]))
     das = DASSection(cost_model=CostModelConfig(source=sh.cost_source, calibrate=False,
                                                 compile_s=prior))
     out, steps = {"requests": len(requests), "new_tokens": sh.gen_new}, [0, 0, 0]
     prefill = [0, 0, 0]
-    for name in ("none", "das"):
-        drafter, policy = build_speculation(name, das)
-        _, st = engine.generate(requests, sampling, drafter=drafter, policy=policy)
+    tokens = {}
+    for name, k in (("none", EngineConfig.decode_steps), ("none-1step", 1),
+                    ("das", EngineConfig.decode_steps)):
+        drafter, policy = build_speculation(name.split("-")[0], das)
+        outputs, st = engines[k].generate(requests, sampling, drafter=drafter, policy=policy)
+        tokens[name] = [o.token_ids for o in outputs]
         n = max(st.forward_passes, 1)
         host = st.wall_s - st.decode_s - st.prefill_s
-        out[name] = {**st.to_dict(), "host_s_per_step": host / n,
+        out[name] = {**st.to_dict(), "decode_steps": k, "host_s_per_step": host / n,
                      "draft_policy_s_per_step": (st.draft_s + st.policy_s) / n,
                      "decode_s_per_step": st.decode_s / n}
         steps[0] += sum(s.num_tokens or s.batch * s.width for s in st.steps)
@@ -376,6 +383,9 @@ def part_generate(ck: Check) -> dict:
         print(f"  generate {name}: {st.forward_passes} steps, host {host / n * 1e3:.2f} ms/step, "
               f"decode {st.decode_s / n * 1e3:.2f} ms/step, compile {st.compile_s:.1f}s, "
               f"accept len {st.acceptance_length:.2f}", flush=True)
+    # k steps per call vs one: the same tokens up to float rounding of the attended length
+    out["none_identical_rollouts"] = float(np.mean(
+        [a == b for a, b in zip(tokens["none"], tokens["none-1step"])]))
     ck.counts["generate"] = {"device_steps": [steps, prefill], "host_steps": steps[2]}
     return out
 
@@ -385,7 +395,7 @@ PARTS = {"env": part_env, "verify": part_verify, "hlo": part_hlo, "share": part_
 
 
 # The kind of a compiled function, by its name (`estimate_seconds` prices compiles by kind).
-KINDS = {"verify_packed": "engine", "prefill_packed": "engine", "share_prompt_rows": "copy",
+KINDS = {"verify_packed": "engine", "decode_steps": "engine", "prefill_packed": "engine", "share_prompt_rows": "copy",
          "gather_rows": "copy", "accumulate_grads": "train_kernel"}
 
 

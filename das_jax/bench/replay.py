@@ -286,6 +286,29 @@ class TraceExecutor:
                           ends)
 
 
+    def decode(self, st: StepInput, steps: int, budget_A: np.ndarray,
+               stop_ids: np.ndarray) -> StepOutput:
+        """Up to `steps` plain decode steps (the engine's `DeviceExecutor.decode`): row j emits
+        its recorded tokens until its recorded end, a stop token or budget_A[j]; every step the
+        call runs costs a width-1 step of the whole call's shape (stopped rows are computed
+        too)."""
+        ri_A, g_A = np.asarray(st.request_ids), np.asarray(st.generated)
+        col = np.arange(steps)[None, :]
+        pos_AxK = np.minimum(self.start_R[ri_A, None] + g_A[:, None] + col,
+                             len(self.tokens_T) - 1)
+        rec_AxK = self.tokens_T[pos_AxK]
+        n_A = np.minimum(np.minimum(self.len_R[ri_A] - g_A, budget_A), steps)
+        if len(stop_ids):
+            hit = np.isin(rec_AxK, stop_ids) & (col < n_A[:, None])
+            n_A = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, n_A)
+        done_A = g_A + n_A >= self.len_R[ri_A]
+        ends = np.where(done_A, self.reason_R[ri_A], "")
+        ran = int(n_A.max(initial=1))
+        step_s = float(self.cost_model.predict_step(st.num_tokens, st.attended_kv))
+        return StepOutput(rec_AxK, np.zeros(rec_AxK.shape, np.float32), n_A.astype(np.int32),
+                          ran * step_s, ends)
+
+
 def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_new_tokens: int,
              cost_model: CostModel, drafter=None, policy=None, min_prompt_bucket: int | None = None,
              progress=None) -> SimStats:

@@ -101,6 +101,9 @@ class RolloutSection:
     # Compile every packed verify program a rollout can reach before its first step
     # (das_jax.engine.Engine.precompile): the compile is one-off, never inside a later step.
     precompile: bool = False
+    # Without speculation (drafter none), up to this many decode steps run in one device call
+    # (rows stop on the device), so the host waits once per k steps; 1: one step per call.
+    decode_steps: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,13 +237,17 @@ class DistributedSection:
     process 0; num_processes; process_id: this process (0..num_processes-1; not saved with the
     run's config.yaml); initialization_timeout: seconds to wait for every process to connect;
     heartbeat_timeout: seconds after which a silent process counts as dead and every other
-    process exits with an error."""
+    process exits with an error; cluster_detection: with none of the three set, let JAX detect
+    the cluster (`jax.distributed.initialize()` without arguments: SLURM, Open MPI, Kubernetes
+    ...), which starts one process per task and binds each to its local GPU (one process per
+    GPU)."""
 
     coordinator_address: Optional[str] = None
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
     initialization_timeout: int = 300
     heartbeat_timeout: int = 100
+    cluster_detection: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

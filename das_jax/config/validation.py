@@ -36,6 +36,9 @@ def validate(cfg: Config) -> Config:
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     _check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 disables), got {r.top_k}")
     _check(r.max_slots >= 1, f"rollout.max_slots must be >= 1, got {r.max_slots}")
+    _check(r.decode_steps >= 1,
+           f"rollout.decode_steps must be >= 1 (1: one decode step per device call), got "
+           f"{r.decode_steps}")
     _check(r.replicas is None or r.replicas >= 1,
            f"rollout.replicas must be >= 1 (or unset: one per local device), got {r.replicas}")
     _check(r.max_cache_len > r.max_new_tokens,

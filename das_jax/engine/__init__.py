@@ -6,8 +6,8 @@ Public surface:
   DeviceExecutor (the engine's step executor)                                  (executor.py)
   Programs (the owner of every compiled program), register_program,           (programs.py)
     compiled_memory (a compiled program's bytes from XLA's memory analysis)
-  VerifySpec, VerifyBatch, PrefillSpec, PrefillBatch, ShareSpec, ShareBatch,
-    GatherSpec, GatherBatch, CacheSpec: the programs' typed inputs             (specs.py)
+  VerifySpec, VerifyBatch, DecodeSpec, DecodeBatch, PrefillSpec, PrefillBatch, ShareSpec,
+    ShareBatch, GatherSpec, GatherBatch, CacheSpec: the programs' typed inputs  (specs.py)
   time_verify_padded (the padded verify, timed as the benchmark's baseline)    (reference.py)
   run_schedule, StepExecutor, StepInput, StepOutput, Prefilled, Limits,
     prefill_layout: the host scheduler shared with the trace replay             (scheduler.py)
@@ -30,7 +30,8 @@ _EXPORTS = {
     "Engine": "generate", "EngineConfig": "engine_config", "Request": "engine_config",
     "RequestOutput": "generate", "GenerateStats": "generate", "GenerateError": "engine_config",
     "SamplingParams": "sampling", "SamplingError": "sampling", "request_seed": "sampling",
-    "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy", "RowBatch": "policy",
+    "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy",
+    "RowBatch": "policy",
     "StepRecord": "policy", "DraftPlan": "policy", "plan_step": "policy",
     "acceptance_length": "policy", "padded_step_shape": "policy", "packed_step_shape": "policy",
     "width_for": "policy",
@@ -41,7 +42,8 @@ _EXPORTS = {
     "precompile_token_buckets": "schedule", "PromptRows": "schedule",
     "DeviceExecutor": "executor", "Programs": "programs", "register_program": "programs",
     "compiled_memory": "programs",
-    "VerifySpec": "specs", "VerifyBatch": "specs", "PrefillSpec": "specs",
+    "VerifySpec": "specs", "VerifyBatch": "specs", "DecodeSpec": "specs",
+    "DecodeBatch": "specs", "PrefillSpec": "specs",
     "PrefillBatch": "specs", "ShareSpec": "specs", "ShareBatch": "specs", "GatherSpec": "specs",
     "GatherBatch": "specs", "CacheSpec": "specs", "StepShape": "schedule",
     "time_verify_padded": "reference",

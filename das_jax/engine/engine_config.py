@@ -59,6 +59,11 @@ class EngineConfig:
       prompt's stored last-position logits (`step.share_prompt_rows`), not by a prefill: GRPO's
       `num_generations` samples of a prompt admitted at different steps compute it once.
       Same first tokens (the same logits, seed and position).
+    decode_steps: without a drafter, up to this many plain decode steps run in one device call
+      (`step.decode_steps`: rows stop at a stop token or max_new_tokens on the device), so the
+      host waits for the device once per k steps, not every step; same tokens and log-probs as
+      single steps. A row that stops inside a call leaves its slot empty until the call ends
+      (at most k - 1 steps). 1: one step per call.
     """
 
     max_slots: int = 16
@@ -70,10 +75,13 @@ class EngineConfig:
     exact: bool = False
     precompile: bool = False
     share_prompts: bool = True
+    decode_steps: int = 8
 
     def __post_init__(self):
         if self.max_slots < 1:
             raise GenerateError(f"max_slots must be >= 1, got {self.max_slots}")
+        if self.decode_steps < 1:
+            raise GenerateError(f"decode_steps must be >= 1, got {self.decode_steps}")
         widths = tuple(sorted(set(int(w) for w in self.draft_widths)))
         if not widths or widths[0] != 1:
             raise GenerateError(f"draft_widths must include 1 (plain decoding), got "

@@ -8,6 +8,7 @@ typed batch (`das_jax.engine.specs`) run by the engine's `Programs`:
   `step.prefill_packed`), and with `EngineConfig.share_prompts`, `ShareBatch` for requests whose
   prompt a cache row already holds (`step.share_prompt_rows`, no forward pass);
 * `verify`: `VerifyBatch` (each live row's pending token and drafts, `step.verify_packed`);
+* `decode`: `DecodeBatch` (up to k plain decode steps in one call, `step.decode_steps`);
 * `compact`: `GatherBatch` (`step.gather_rows`).
 
 Steps are timed with the real clock; compilation is excluded (`Programs.compile_s` counts it).
@@ -24,8 +25,8 @@ from das_jax.engine import scheduler
 from das_jax.engine.engine_config import Request
 from das_jax.engine.sampling import SamplingParams, request_seed
 from das_jax.engine.schedule import PromptRows, compact_rows, prompt_bucket
-from das_jax.engine.specs import (GatherBatch, GatherSpec, PrefillBatch, ShareBatch, ShareSpec,
-                                  VerifyBatch, VerifySpec)
+from das_jax.engine.specs import (DecodeBatch, DecodeSpec, GatherBatch, GatherSpec, PrefillBatch,
+                                  ShareBatch, ShareSpec, VerifyBatch, VerifySpec)
 from das_jax.models.transformer import Params
 
 
@@ -155,4 +156,22 @@ class DeviceExecutor:
         n_A = n_emit_B[st.live]
         self.pending[st.live] = y_BxW[st.live, n_A - 1]
         return scheduler.StepOutput(y_BxW[st.live], logp_BxW[st.live], n_A, seconds,
+                                    compile_s=self.programs.compile_s - compiled_before)
+
+    def decode(self, st: scheduler.StepInput, steps: int, budget_A: np.ndarray,
+               stop_ids: np.ndarray) -> scheduler.StepOutput:
+        compiled_before = self.programs.compile_s
+        spec = DecodeSpec(self.config, self.skey, st.batch, st.num_tokens, int(steps), self.S,
+                          st.kv_len, tuple(int(t) for t in stop_ids), self.dtype)
+        batch = DecodeBatch.pack(spec, st.cache_len_B, self.pending, self.row_seed, st.live,
+                                 budget_A)
+        exe = self.programs.executable(spec, self.params, self.cache, batch)
+        t0 = time.perf_counter()
+        self.cache, y_BxK, logp_BxK, n_emit_B = exe(self.params, self.cache, batch)
+        y_BxK, logp_BxK, n_emit_B = (np.asarray(y_BxK), np.asarray(logp_BxK),
+                                     np.asarray(n_emit_B))
+        seconds = time.perf_counter() - t0
+        n_A = n_emit_B[st.live]
+        self.pending[st.live] = y_BxK[st.live, np.maximum(n_A - 1, 0)]
+        return scheduler.StepOutput(y_BxK[st.live], logp_BxK[st.live], n_A, seconds,
                                     compile_s=self.programs.compile_s - compiled_before)

@@ -27,13 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from das_jax.engine import step
-from das_jax.engine.specs import GatherSpec, PrefillSpec, ShareSpec, VerifySpec
+from das_jax.engine.specs import DecodeSpec, GatherSpec, PrefillSpec, ShareSpec, VerifySpec
 from das_jax.models.config import ModelConfig
 from das_jax.models.transformer import KVCache, Params
 
 # Spec type -> its jitted program `fn(params, cache, batch)`.
 PROGRAMS: dict[type, Callable] = {
     VerifySpec: step.verify_packed,
+    DecodeSpec: step.decode_steps,
     PrefillSpec: step.prefill_packed,
     ShareSpec: step.share_prompt_rows,
     GatherSpec: step.gather_rows,

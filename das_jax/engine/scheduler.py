@@ -220,6 +220,11 @@ class StepExecutor(Protocol):
     def verify(self, step: StepInput) -> StepOutput:
         """Verifies each live row's pending token and drafts."""
 
+    # Optional: decode(step, steps, budget_A, stop_ids) -> StepOutput: up to `steps` plain
+    # decode steps of the live rows in one call (`step` has no drafts; row j stops after a
+    # stop token or budget_A[j] tokens); n_A[j] tokens per row, `seconds` for the whole call.
+    # Without it, the scheduler runs one `verify` per step.
+
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
@@ -262,7 +267,8 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
             continue  # rows may have finished at once: refill before decoding
         live = np.flatnonzero(run.row_req >= 0)
         if len(live):
-            run.step(run.compact(live))
+            live = run.compact(live)
+            run.decode(live) if run.decode_k > 1 else run.step(live)
     run.collect()
     run.stats.host_s += time.perf_counter() - t_start - run.executor.seconds
     return run.outputs, run.stats
@@ -300,6 +306,9 @@ class _Run:
         self.drafter, self.policy, self.progress = drafter, policy, progress
         self.keep_tokens, self.stats = keep_tokens, stats
         self.widths = ec.draft_widths if drafter is not None else (1,)
+        # plain decoding: up to `decode_steps` steps per device call when the executor can
+        self.decode_k = (int(getattr(ec, "decode_steps", 1)) if drafter is None
+                         and hasattr(executor.executor, "decode") else 1)
         self.stop_ids = np.array(sorted(limits.stop_ids), np.int64)
         self.max_new = limits.max_new_tokens
         n = len(requests)
@@ -414,6 +423,41 @@ class _Run:
         self.row_req, self.cache_len = compact_rows(live, nb, self.row_req, -1, self.cache_len, 0)
         self.B = nb
         return np.arange(len(live))
+
+    def decode(self, live: np.ndarray) -> None:
+        """Up to `decode_k` plain decode steps of the live rows in one executor call (no
+        drafter): commit, and one `StepRecord` per device step (its rows: those still running;
+        each the call's seconds / steps)."""
+        stats, B, k = self.stats, self.B, self.decode_k
+        req_A = self.row_req[live]
+        gen_A = self.generated_R[req_A]
+        remaining_A = self.max_new - gen_A
+        kv_len = kv_len_bucket(self.cache_len[live] + k - 1, self.S)
+        n0_A = np.zeros(len(live), np.int32)
+        num_tokens, attended_kv = step_shape_fn(B, kv_len, (1,))(n0_A)
+        n0_B = np.zeros(B, np.int32)
+        out = self.executor.decode(StepInput(
+            batch=B, live=live, request_ids=req_A, generated=gen_A, cache_len_B=self.cache_len,
+            kv_len=kv_len, width=1, drafts_AxK=np.zeros((len(live), 0), np.int32),
+            n_draft_B=n0_B, num_tokens=num_tokens, attended_kv=attended_kv,
+            predicted_seconds=None), k, remaining_A, self.stop_ids)
+        n_A = np.asarray(out.n_A, np.int64)
+        steps = int(n_A.max(initial=1))
+        stats.decode_s += out.seconds
+        stats.forward_passes += steps
+        self.passes_R[req_A] += n_A
+        self.cache_len[live] += n_A.astype(np.int32)
+        committed_A = self.commit(live, out.tokens_AxW, out.logprobs_AxW, n_A, out.ends)
+        for i in range(steps):
+            active = int((n_A > i).sum())
+            emitted = int((committed_A > i).sum())
+            record = StepRecord(batch=B, active=active, width=1, kv_len=kv_len, drafted=0,
+                                accepted=0, emitted=emitted, seconds=out.seconds / steps,
+                                num_tokens=num_tokens, attended_kv=attended_kv,
+                                accepted_per_row=None,
+                                compile_s=out.compile_s if i == 0 else 0.0)
+            stats.steps.append(record)
+            self.policy.observe(record)
 
     def step(self, live: np.ndarray) -> None:
         """One verify step of the live rows: draft, verify, commit, record."""

@@ -8,12 +8,13 @@ is the compile key (`das_jax.engine.programs.Programs`), and `spec.abstract()` g
 as `jax.ShapeDtypeStruct`s for ahead-of-time lowering (`jax.jit(fn).lower(...)`).
 
 * `VerifySpec` / `VerifyBatch`: the packed speculative decode step (`step.verify_packed`).
+* `DecodeSpec` / `DecodeBatch`: up to k plain decode steps in one call (`step.decode_steps`).
 * `PrefillSpec` / `PrefillBatch`: the packed prefill and insert (`step.prefill_packed`).
 * `ShareSpec` / `ShareBatch`: admission by a cache-row copy (`step.share_prompt_rows`).
 * `GatherSpec` / `GatherBatch`: compaction into a smaller batch bucket (`step.gather_rows`).
 
-The host constructors (`VerifyBatch.pack`, `PrefillBatch.pack`, `ShareBatch.pack`,
-`VerifySpec.dummy`) build the arrays from the scheduler's plan; numpy only.
+The host constructors (`VerifyBatch.pack`, `DecodeBatch.pack`, `PrefillBatch.pack`,
+`ShareBatch.pack`, `VerifySpec.dummy`) build the arrays from the scheduler's plan; numpy only.
 """
 from __future__ import annotations
 
@@ -146,6 +147,70 @@ class VerifyBatch:
         row_N[:T] = live[j_T]
         offset_N[:T] = off_T
         return cls(spec, cache_len_B, tokens_N, row_N, offset_N, n_draft_B, seeds_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec(OnCache):
+    """Static shape of a multi-step decode call (`step.decode_steps`): up to `steps` plain
+    decode steps (no drafts) of the live rows, one token slot per row in `num_tokens` slots
+    (N, a slot bucket of the live rows), on `batch` cache rows (B) of `cache_len` positions,
+    each step attending `kv_len` positions (>= every live row's cache length + steps - 1);
+    `stop_ids`: the token ids that end a row (sorted); sampling key, model config, dtype."""
+
+    config: ModelConfig
+    sampling_key: tuple
+    batch: int
+    num_tokens: int
+    steps: int
+    cache_len: int
+    kv_len: int
+    stop_ids: tuple
+    dtype: str
+
+    def abstract(self, sharding=None) -> "DecodeBatch":
+        B, N = self.batch, self.num_tokens
+        return DecodeBatch(self, *(int32_abstract((n,), sharding) for n in (B, N, N, B, B)))
+
+    def dummy(self) -> "DecodeBatch":
+        """A timing batch: every row live (up to N), attending `kv_len - steps` positions,
+        token 7, a budget of `steps` tokens (no early stop unless a stop id is sampled)."""
+        B, N = self.batch, self.num_tokens
+        row_N = np.full(N, B, np.int32)
+        row_N[:min(B, N)] = np.arange(min(B, N))
+        return DecodeBatch(self, np.full((B,), max(self.kv_len - self.steps, 0), np.int32),
+                           np.full((N,), 7, np.int32), row_N, np.arange(B, dtype=np.int32),
+                           np.full((B,), self.steps, np.int32))
+
+
+@batch_pytree
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """The arrays of a multi-step decode call (int32): cache_len_B `[B]` tokens in each row's
+    cache; tokens_N / row_N `[N]` each live row's pending token and its cache row (>= B:
+    padding); seeds_B `[B]` request seeds; budget_B `[B]` tokens each row may still emit
+    (max_new_tokens left; 0 for rows without a slot)."""
+
+    spec: DecodeSpec
+    cache_len_B: Any
+    tokens_N: Any
+    row_N: Any
+    seeds_B: Any
+    budget_B: Any
+
+    @classmethod
+    def pack(cls, spec: DecodeSpec, cache_len_B, pending_B, seeds_B, live: np.ndarray,
+             budget_A: np.ndarray) -> "DecodeBatch":
+        """Live row j (cache row live[j]) in slot j; the rest of the N slots are padding."""
+        N, B = spec.num_tokens, spec.batch
+        live = np.asarray(live, np.int64)
+        tokens_N = np.zeros(N, np.int32)
+        row_N = np.full(N, B, np.int32)
+        tokens_N[:len(live)] = np.asarray(pending_B)[live]
+        row_N[:len(live)] = live
+        budget_B = np.zeros(B, np.int32)
+        budget_B[live] = np.minimum(budget_A, np.iinfo(np.int32).max)
+        return cls(spec, np.asarray(cache_len_B, np.int32), tokens_N, row_N,
+                   np.asarray(seeds_B, np.int32), budget_B)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,9 @@ input and a donation would go unused; the memory plan counts both caches).
 * verify_packed: N flat token slots, each live row's pending token and its own drafts
   (`das_jax.models.packed`); dense work on N = a bucket of sum_b (1 + n_draft_b) slots,
   attention per row over its cache.
+* decode_steps: up to k plain decode steps (no drafts) in one call, a `lax.while_loop` that
+  stops rows at a stop token or their budget on the device, so the host sees the tokens once
+  per k steps.
 * gather_rows: the compaction of the live rows into a smaller batch bucket.
 
 The padded variants (U prompts padded to T tokens; B x W verify rows) are the tests' oracle in
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from das_jax.engine import sampling as sampling_lib
-from das_jax.engine.specs import GatherBatch, PrefillBatch, ShareBatch, VerifyBatch
+from das_jax.engine.specs import DecodeBatch, GatherBatch, PrefillBatch, ShareBatch, VerifyBatch
 from das_jax.models.packed import (forward_packed_hidden, prefill_packed_hidden, slot_positions,
                                    to_rows)
 from das_jax.models.transformer import KVCache, Params, lm_head
@@ -133,6 +136,61 @@ def verify_packed(params: Params, cache: KVCache, batch: VerifyBatch):
     logp_BxW = to_rows(logp_N, row_N, offset_N, B, width)
     tokens_BxW = to_rows(batch.tokens_N, row_N, offset_N, B, width)
     return cache, y_BxW, logp_BxW, emitted(tokens_BxW, y_BxW, batch.n_draft_B)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def decode_steps(params: Params, cache: KVCache, batch: DecodeBatch):
+    """Up to `spec.steps` plain decode steps of the live rows in one call, each the verify step
+    of a row without drafts (`verify_packed` at width 1): feed the pending token, write its K/V,
+    sample the next token with the position-keyed rule. A row stops once it has emitted a stop
+    token (`spec.stop_ids`, included) or `budget_B` tokens; the loop ends when every row has
+    stopped or after `spec.steps` steps. A stopped row's slot is still computed (its outputs
+    dropped, its cache length frozen), so the tokens and log-probs are those of single steps.
+
+    Returns:
+      (cache, y_BxK int32, logprobs_BxK float32, n_emit_B int32): K = `spec.steps`; row b
+      emitted y_BxK[b, :n_emit_B[b]] (its last token is pending: sampled, not in the cache);
+      rows without a slot emit 0.
+    """
+    spec = batch.spec
+    config, B, K = spec.config, cache.batch, spec.steps
+    row_N = batch.row_N
+    real_N = row_N < B
+    row_c_N = jnp.minimum(row_N, B - 1)
+    offset_N = jnp.zeros_like(row_N)
+    stop = jnp.asarray(spec.stop_ids if spec.stop_ids else (-1,), jnp.int32)
+    seeds_N = batch.seeds_B[row_c_N]
+    budget_N = jnp.where(real_N, batch.budget_B[row_c_N], 0)
+
+    def body(carry):
+        i, cache, cache_len_B, tokens_N, n_N, done_N, y_BxK, logp_BxK = carry
+        pos_N = slot_positions(cache_len_B, row_N, offset_N)
+        hidden_NxD, cache = forward_packed_hidden(config, params, tokens_N, row_N, offset_N,
+                                                  cache, cache_len_B, width=1,
+                                                  kv_len=spec.kv_len)
+        logits_NxV = lm_head(config, params, hidden_NxD[None])[0]
+        y_N, logp_N = sampling_lib.sample(logits_NxV, seeds_N, pos_N + 1, spec.sampling_key,
+                                          config.contraction)
+        live_N = ~done_N
+        rows_N = jnp.where(live_N, row_N, B)          # stopped rows' outputs are dropped
+        y_BxK = y_BxK.at[rows_N, i].set(y_N, mode="drop")
+        logp_BxK = logp_BxK.at[rows_N, i].set(logp_N, mode="drop")
+        n_N = n_N + live_N.astype(jnp.int32)
+        cache_len_B = cache_len_B.at[rows_N].add(1, mode="drop")
+        done_N = done_N | jnp.isin(y_N, stop) | (n_N >= budget_N)
+        return i + 1, cache, cache_len_B, jnp.where(live_N, y_N, tokens_N), n_N, done_N, \
+            y_BxK, logp_BxK
+
+    def cond(carry):
+        return (carry[0] < K) & ~jnp.all(carry[5])
+
+    N = row_N.shape[0]
+    init = (jnp.int32(0), cache, batch.cache_len_B, batch.tokens_N, jnp.zeros((N,), jnp.int32),
+            ~real_N | (budget_N <= 0), jnp.zeros((B, K), jnp.int32),
+            jnp.zeros((B, K), jnp.float32))
+    _, cache, _, _, n_N, _, y_BxK, logp_BxK = jax.lax.while_loop(cond, body, init)
+    n_emit_B = jnp.zeros((B,), jnp.int32).at[row_N].set(n_N, mode="drop")
+    return cache, y_BxK, logp_BxK, n_emit_B
 
 
 @jax.jit

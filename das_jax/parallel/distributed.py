@@ -2,10 +2,10 @@
 and the few cross-process agreements the trainer needs.
 
 Every process runs the same program on the same data: the same config (checked:
-`check_same_config`), the same seeds and data order, the same rollouts (each process samples the
-whole batch on its first local device from a replicated copy of the params; process 0's batch is
-broadcast so that a rare float-rounding difference between processes' speculative steps cannot
-split them), then one SPMD train step over the global mesh. Process 0 writes the run directory's
+`check_same_config`), the same seeds and data order; each process generates its share of a
+step's GRPO groups on its local devices from a replicated copy of the params, and the shares are
+gathered into the same whole batch on every process (`das_jax.parallel.rollout_split`); then one
+SPMD train step over the global mesh. Process 0 writes the run directory's
 logs; every process writes its own shards of the orbax checkpoint and its own drafter / DAS state.
 
 A process that dies stops sending heartbeats; after `distributed.heartbeat_timeout` seconds the
@@ -101,6 +101,8 @@ def initialize_from_config(section) -> DistributedSpec | None:
         did not connect within `initialization_timeout`.
     """
     spec = resolve(section)
+    if spec is None and getattr(section, "cluster_detection", False):
+        return _initialize_detected(section)
     if spec is None:
         return None
     # deferred import: jax (not loaded by importing this module)
@@ -122,6 +124,31 @@ def initialize_from_config(section) -> DistributedSpec | None:
     log.info("process %d of %d (coordinator %s)", spec.process_id, spec.num_processes,
              spec.coordinator_address)
     return spec
+
+
+def _initialize_detected(section) -> DistributedSpec | None:
+    """`jax.distributed.initialize()` without arguments: JAX's cluster detection (SLURM, Open
+    MPI, Kubernetes, ...) sets the coordinator, the process count and id, and the local device
+    of each process. None when it finds a single process."""
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+    if not jax.distributed.is_initialized():
+        try:
+            jax.distributed.initialize(initialization_timeout=int(section.initialization_timeout),
+                                       heartbeat_timeout_seconds=int(section.heartbeat_timeout))
+        except (RuntimeError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DistributedError(
+                f"distributed.cluster_detection: jax.distributed.initialize() found no cluster "
+                f"to join ({first}); run under SLURM / Open MPI / Kubernetes, or set "
+                "distributed.coordinator_address, num_processes and process_id (or turn "
+                "cluster_detection off)") from None
+    n, pid = jax.process_count(), jax.process_index()
+    if n <= 1:
+        return None
+    log.info("process %d of %d (cluster detected by jax)", pid, n)
+    return DistributedSpec("detected", n, pid, int(section.initialization_timeout),
+                           int(section.heartbeat_timeout))
 
 
 def process_count() -> int:

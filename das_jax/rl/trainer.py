@@ -47,6 +47,7 @@ from das_jax.models.loading import load
 from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.parallel import distributed as dist
+from das_jax.parallel.rollout_split import GroupSplit
 from das_jax.parallel.sharding import (MESH_AXES, MeshError, TrainShardings, mesh_from_config,
                                        place, replicated, resolve_mesh_shape)
 from das_jax.rl import losses
@@ -56,26 +57,15 @@ from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.logprobs import cast_params, compute_logprobs
 from das_jax.rl.optimizer import Optimizer
 from das_jax.rl.rewards import combine_rewards, reward_fns_from_config, self_test_rewards
+from das_jax.rl.rollout_batch import RolloutBatch
 from das_jax.rl.run_log import sample_rows
+from das_jax.rl.split_rollout import split_rollout
 from das_jax.rl.train_error import TrainError
 from das_jax.rl.train_loop import run_training
 from das_jax.rl.train_step import TrainStep
 from das_jax.rl.trainer_checkpoint import (ROLLOUT_STATE_KEY,  # noqa: F401 - re-exported
                                           restore_trainer, save_trainer)
 from das_jax.rollout import rollout_from_config
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-    """What one step's rollouts produced (host-side)."""
-
-    problems: list[Problem]            # one per row (each problem repeated num_generations times)
-    prompt_ids: list[list[int]]
-    outputs: list[RequestOutput]
-    completions: list[str]
-    rewards: np.ndarray                # float32 [N]
-    reward_parts: dict[str, list[float]]
-    stats: Any                         # GenerateStats
 
 
 def _token_bucket(n: int, multiple: int = 64) -> int:
@@ -154,6 +144,9 @@ class GRPOTrainer:
         # compute dtype (`rollout_params`), so nothing stays alive across the update.
         self.rollouts = rollout_from_config(c, self.model_config, None,
                                             self.tokenizer.eos_token_ids)
+        # With several processes each generates its share of a step's groups
+        # (`das_jax.parallel.rollout_split`); the gathered batch is the same on every process.
+        self.split = (GroupSplit(dist.process_count()) if dist.process_count() > 1 else None)
         self._check_prompts_and_stop_ids()
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
         self.optimizer = Optimizer(c.grpo, c.train.steps)
@@ -206,12 +199,17 @@ class GRPOTrainer:
         requests = [Request(tuple(self.prompt_ids[p.problem_id]), problem_id=p.problem_id,
                             sample_index=g) for p in problems for g in range(G)]
         params = self.rollout_params()
-        outputs, stats = self.rollouts.generate(requests, params, sampling)
+        rows = [p for p in problems for _ in range(G)]
+        if self.split is not None:   # each process generates its groups; gathered
+            rb = split_rollout(self, self.split, requests, rows, G, params, sampling)
+        else:
+            outputs, stats = self.rollouts.generate(requests, params, sampling)
+            rb = None
         del params  # the compute-dtype copy is not kept across the update
         # the engine's freed buffers and the tracing caches of the programs it compiled, before
         # the update needs the room
         release_trace_caches() or release_free_memory()
-        return self.score([p for p in problems for _ in range(G)], outputs, stats)
+        return rb if rb is not None else self.score(rows, outputs, stats)
 
     def score(self, rows: Sequence[Problem], outputs: Sequence[RequestOutput],
               stats: Any = None) -> RolloutBatch:
@@ -256,11 +254,6 @@ class GRPOTrainer:
             tokens[b, :len(p)] = p
             tokens[b, len(p):len(p) + len(o.token_ids)] = o.token_ids
             old[b, len(p):len(p) + len(o.token_ids)] = o.logprobs
-        if dist.process_count() > 1:
-            # Every process rolled out the same batch; take process 0's, so that a rare
-            # rounding difference between processes' speculative steps cannot split the update.
-            tokens, old, lens_p, lens_c, advantages = dist.broadcast_from_primary(
-                (tokens, old, lens_p, lens_c, np.asarray(advantages, np.float32)))
         positions = np.broadcast_to(np.arange(T), tokens.shape)
         valid = positions < (lens_p + lens_c)[:, None]
 

@@ -17,6 +17,7 @@ from das_jax.rl.train_error import TrainError
 log = logging.getLogger("das_jax.train")
 
 ROLLOUT_STATE_KEY = "rollout_state"
+SPLIT_STATE_KEY = "rollout_split"     # the process split of groups (several processes only)
 
 
 def trainer_meta(trainer) -> dict:
@@ -33,8 +34,11 @@ def save_trainer(trainer, manager: CheckpointManager) -> None:
       TrainError: the disk is full (names the checkpoint directory and how to go on).
     """
     try:
+        state = {ROLLOUT_STATE_KEY: trainer.rollouts.state_dict()}
+        if getattr(trainer, "split", None) is not None:
+            state[SPLIT_STATE_KEY] = trainer.split.state_dict()
         manager.save(trainer.step, trainer.params, trainer.opt_state, trainer_meta(trainer),
-                     {ROLLOUT_STATE_KEY: trainer.rollouts.state_dict()})
+                     state)
         release_free_memory()  # tensorstore's write buffers
     except Exception as e:  # noqa: BLE001 - orbax / tensorstore wrap OSErrors in many types
         if not is_disk_full(e):
@@ -91,6 +95,8 @@ def restore_trainer(trainer, manager: CheckpointManager, max_step: int | None = 
         if isinstance(drafter_state, dict) and ROLLOUT_STATE_KEY in drafter_state:
             # this process's drafter and DAS policy state
             trainer.rollouts.load_state_dict(drafter_state[ROLLOUT_STATE_KEY])
+            if getattr(trainer, "split", None) is not None and SPLIT_STATE_KEY in drafter_state:
+                trainer.split.load_state_dict(drafter_state[SPLIT_STATE_KEY])
         else:  # a checkpoint written before per-process rollout state
             trainer.rollouts.load_state_dict({"drafter": drafter_state,
                                            "policy": meta.get("policy_state")})
