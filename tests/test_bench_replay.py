@@ -212,3 +212,14 @@ def test_das_budget_beats_unlimited_drafts_at_paper_scale_on_a_gpu_model():
     s = r["summary"]
     assert all(x >= 2.0 for x in s["per_epoch"]["das"]), s["per_epoch"]
     assert all(x >= 1.1 for x in s["subject_vs_best"]), s["subject_vs_best"]
+
+
+def test_host_loop_bench_prints_host_time_per_row(capsys):
+    import json
+    from das_jax.bench import host_loop
+    assert host_loop.main(["das", "8", "--problems", "2", "--max-tokens", "64",
+                           "--median", "40"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["drafter"] == "das" and out["slots"] == 8
+    assert out["host_us_per_row"] > out["draft_us_per_row"] > 0
+    assert out["forward_passes"] > 0 and 0 < out["mean_live_rows"] <= 8

@@ -96,6 +96,9 @@ def validate(cfg: Config) -> Config:
                f"choices: {', '.join(ARITHMETIC_TEMPLATES)}")
     _check(das.window >= 1, f"das.window must be >= 1, got {das.window}")
     _check(das.max_depth >= 1, f"das.max_depth must be >= 1, got {das.max_depth}")
+    _check(das.drafter_threads >= 1,
+           f"das.drafter_threads must be >= 1 (1: draft on the rollout's thread), got "
+           f"{das.drafter_threads}")
     _check(0 <= das.min_token_prob <= 1, f"das.min_token_prob must be in [0, 1], got "
            f"{das.min_token_prob}")
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")

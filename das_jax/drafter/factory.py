@@ -46,7 +46,7 @@ def make_drafter(name: str, **kwargs) -> Drafter | None:
 
     Names: "none" -> None; "ngram" (kwargs: NgramConfig fields); "suffix" and "das" (the
     per-problem `SuffixDrafter`; kwargs: SuffixTreeConfig fields, window, prompt_tail,
-    max_problems); "suffix-global" (`GlobalSuffixDrafter`; SuffixTreeConfig fields, window,
+    max_problems, threads); "suffix-global" (`GlobalSuffixDrafter`; SuffixTreeConfig fields, window,
     prompt_tail). A `config=` object may replace the config fields. A builder registered in
     `das_jax.registry.DRAFTERS` as `build(name, kwargs) -> Drafter | None` adds a name.
 

@@ -59,6 +59,9 @@ class DASSection:
     window: epochs of rollout history kept per problem (suffix drafters).
     max_depth: suffix-tree depth (longest match + draft), in tokens.
     min_token_prob: a suffix draft stops when its path probability drops below this.
+    drafter_threads: threads the per-problem suffix drafter drafts a step's rows on (1: the
+      rollout's own thread; its numba kernels release the GIL, so more threads draft rows in
+      parallel; appends to the tries stay serial).
     policy: the DAS length-aware policy (`das_jax.speculation.DASConfig`): short_quantile,
       long_quantile, short_threshold, long_threshold (length classes), weight_short,
       weight_medium, weight_long (class weights sharing the per-step cost), budget_short,
@@ -73,6 +76,7 @@ class DASSection:
     window: int = 16
     max_depth: int = 32
     min_token_prob: float = 0.1
+    drafter_threads: int = 1
     policy: DASConfig = dataclasses.field(default_factory=DASConfig)
     cost_model: CostModelConfig = dataclasses.field(default_factory=CostModelConfig)
 
@@ -178,7 +182,8 @@ def _ngram(das, cost_model):
 def _suffix(das, cost_model):
     # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixDrafter
-    return SuffixDrafter(_suffix_config(das), window=das.window), FixedPolicy()
+    return (SuffixDrafter(_suffix_config(das), window=das.window, threads=das.drafter_threads),
+            FixedPolicy())
 
 
 @register_speculation("suffix-global",
@@ -192,7 +197,7 @@ def _suffix_global(das, cost_model):
 def _das(das, cost_model, unlimited: bool):
     # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixDrafter
-    drafter = SuffixDrafter(_suffix_config(das), window=das.window)
+    drafter = SuffixDrafter(_suffix_config(das), window=das.window, threads=das.drafter_threads)
     config = dataclasses.replace(das.policy, unlimited=True) if unlimited else das.policy
     return drafter, DASPolicy(drafter.lengths, config, cost_model)
 
