@@ -6,35 +6,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das_jax.engine.generate import Engine, EngineConfig, GenerateError, Request
+from das_jax.engine.generate import EngineConfig, GenerateError
 from das_jax.engine.sampling import SamplingParams
-from das_jax.testing import tiny_model_config, tiny_params
+from das_jax.testing import random_requests, tiny_engine, tiny_params
 
-CFG = tiny_model_config()
-EOS = 1
+EOS = 1     # the tiny engine's eos id
 
 
 @pytest.fixture(scope="module")
 def params():
-    return tiny_params(CFG)
-
-
-def make_requests(n=7, seed=0):
-    rng = np.random.default_rng(seed)
-    return [Request(tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(3, 20)))),
-                    problem_id=f"p{i // 3}", sample_index=i % 3) for i in range(n)]
+    return tiny_params()
 
 
 def engine(params, **kw):
-    ec = dict(max_slots=4, max_cache_len=256, draft_widths=(1, 4))
-    ec.update(kw)
-    return Engine(CFG, params, eos_token_ids=[EOS], engine_config=EngineConfig(**ec))
+    return tiny_engine(params, eos_token_id=EOS, **kw)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
 def test_multi_step_decode_equals_single_steps(params, temperature, monkeypatch):
     from das_jax.engine.executor import DeviceExecutor
-    reqs = make_requests()
+    reqs = random_requests(problems=3, samples=3)
     first, _ = engine(params, decode_steps=1).generate(
         reqs, SamplingParams(temperature=temperature, top_p=0.9, max_new_tokens=37))
     # a token some rows sample (after a few tokens) and others never: those rows end early,

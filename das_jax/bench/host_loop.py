@@ -15,6 +15,9 @@ import json
 import time
 
 from das_jax.bench import replay as rp
+from das_jax.engine import EngineConfig
+from das_jax.rollout import build_speculation
+from das_jax.speculation import resolve_cost_model
 
 
 def _timed(fn, spent: list):
@@ -37,11 +40,6 @@ def main(argv=None) -> int:
     p.add_argument("--cost-model", default="h200-7b")
     p.add_argument("--trace", default="docs/traces/gsm8k-smollm2-135m.jsonl.gz")
     args = p.parse_args(argv)
-    # deferred imports: jax (the engine's config and the cost models)
-    from das_jax.engine import EngineConfig
-    from das_jax.rollout import build_speculation
-    from das_jax.speculation import resolve_cost_model
-
     spent = [0.0]
     for name in ("verify", "prefill", "compact", "start", "decode"):
         if hasattr(rp.TraceExecutor, name):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import (COUNT, FIRST, M_MAXD, NEXT, S_LEN, S_SLOT, _jit, _match, _self_count,
-                       append_tokens, depth_of, edge_tok)
+from ._kernels import (COUNT, M_MAXD, S_LEN, S_SLOT, _jit, _match, _self_count, _walk,
+                       append_tokens)
 
 CHUNK = 256   # tokens per append_tokens call (as SuffixForest.append; bounds the room reserved)
 
@@ -113,8 +113,8 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, m
             limit = md - m
         if limit <= 0 or limit <= best_score:
             continue
-        k, score = _walk_bounded(nodes, seqs, toks, act, meta, own, match_nodes[m], m, limit,
-                                 min_prob, best_score, tmp_t, tmp_p, tmp_c)
+        k, score = _walk(nodes, seqs, toks, act, meta, own, match_nodes[m], m, limit,
+                         min_prob, best_score, tmp_t, tmp_p, tmp_c)
         if k > 0 and score > best_score:
             best_score = score
             best_k = k
@@ -123,53 +123,6 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, m
                 out_p[i] = tmp_p[i]
                 out_c[i] = tmp_c[i]
     return best_k
-
-
-@_jit
-def _walk_bounded(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, bound, out_t, out_p,
-                  out_c):
-    """`_kernels._walk`, stopped (returning a score <= bound) once its score cannot exceed
-    `bound`: the tokens still allowed each add at most the current path probability."""
-    prob = 1.0
-    score = 0.0
-    k = 0
-    nd = depth_of(nodes, seqs, meta, n)
-    while k < limit:
-        if score + prob * (limit - k) < bound - 1e-9:
-            return k, score
-        if d < nd:
-            t = edge_tok(nodes, seqs, toks, n, d)     # inside an edge: ratio 1
-            cn = nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, d)
-        else:
-            best = -1
-            bc = -1
-            bt = 0
-            c = nodes[n, FIRST]
-            while c >= 0:
-                cc = nodes[c, COUNT]
-                ct = edge_tok(nodes, seqs, toks, c, d)
-                if cc > bc or (cc == bc and ct < bt):
-                    best = c
-                    bc = cc
-                    bt = ct
-                c = nodes[c, NEXT]
-            if best < 0:
-                break
-            cn = nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, d)
-            if bc != cn:
-                prob = prob * bc / cn
-            if prob < min_prob:
-                break
-            t = bt
-            n = best
-            nd = depth_of(nodes, seqs, meta, n)
-        out_t[k] = t
-        out_p[k] = prob
-        out_c[k] = cn
-        score += prob
-        k += 1
-        d += 1
-    return k, score
 
 
 @_jit

@@ -469,16 +469,21 @@ def _self_count(nodes, seqs, act, meta, own, n, d):
 
 
 @_jit
-def _walk(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, out_t, out_p, out_c):
+def _walk(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, bound, out_t, out_p,
+                  out_c):
     """Greedy highest-count walk from depth d inside node n. Returns (n_tokens, score).
 
     out_c[k]: the support of token k, the count of the context path it continues (less the
-    requester's own trailing occurrence)."""
+    requester's own trailing occurrence). Stops early (returning a score <= bound) once its
+    score cannot exceed `bound`: the tokens still allowed each add at most the current path
+    probability (bound 0: never)."""
     prob = 1.0
     score = 0.0
     k = 0
     nd = depth_of(nodes, seqs, meta, n)
     while k < limit:
+        if score + prob * (limit - k) < bound - 1e-9:
+            return k, score
         if d < nd:
             t = edge_tok(nodes, seqs, toks, n, d)     # inside an edge: ratio 1
             cn = nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, d)
@@ -581,7 +586,7 @@ def propose(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, min_pr
         if l_sel < best_score or (l_sel == best_score and m_sel < best_m):
             break               # no later length can win either: limits only decrease
         n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m_sel, m_sel)
-        k, score = _walk(nodes, seqs, toks, act, meta, own, n, m_sel, l_sel, min_prob,
+        k, score = _walk(nodes, seqs, toks, act, meta, own, n, m_sel, l_sel, min_prob, 0.0,
                          tmp_t, tmp_p, tmp_c)
         if k > 0 and (score > best_score or (score == best_score and m_sel > best_m)):
             best_score = score

@@ -6,6 +6,8 @@ Public surface:
   random_kv_cache(config, batch, cache_len, seed)  a float32 KV cache of random history
   kv_by_position(cache)                           its (k, v) as numpy `[L, B, KVH, S, K]`
   random_requests(problems, samples, seed)         random prompts, each sampled `samples` times
+  tiny_engine(params, config=None, eos_token_id=1, **engine_config)
+                                                   an `Engine` of the tiny model (4 slots)
   OracleDrafter, AdversaryDrafter                   drafters that test verification (drafters.py)
   CharTokenizer                                     a 62-character tokenizer (tokenizers.py)
 
@@ -18,7 +20,7 @@ from das_jax._lazy import lazy_exports
 _EXPORTS = {
     "tiny_model_config": "models", "tiny_params": "models", "random_kv_cache": "models",
     "kv_by_position": "models",
-    "random_requests": "models",
+    "random_requests": "models", "tiny_engine": "models",
     "OracleDrafter": "drafters", "AdversaryDrafter": "drafters",
     "CharTokenizer": "tokenizers",
 }

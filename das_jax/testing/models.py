@@ -65,3 +65,15 @@ def random_requests(problems: int = 3, samples: int = 3, seed: int = 0):
                for _ in range(problems)]
     return [Request(p, problem_id=f"p{i}", sample_index=g)
             for i, p in enumerate(prompts) for g in range(samples)]
+
+
+def tiny_engine(params, config: ModelConfig | None = None, eos_token_id: int = 1,
+                **engine_config):
+    """An `Engine` of `config` (default: `tiny_model_config()`) with `params`, one eos id,
+    and an `EngineConfig` of 4 slots, 256 cache positions and widths (1, 4), `engine_config`
+    replacing fields (e.g. `decode_steps=8`)."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.engine.generate import Engine, EngineConfig
+    ec = {"max_slots": 4, "max_cache_len": 256, "draft_widths": (1, 4), **engine_config}
+    return Engine(config or _TINY, params, eos_token_ids=[eos_token_id],
+                  engine_config=EngineConfig(**ec))
