@@ -13,7 +13,7 @@ import pytest
 from das_jax.engine import programs as programs_lib
 from das_jax.engine import step as step_lib
 from das_jax.engine.schedule import share_order
-from das_jax.engine.specs import PrefillSpec, ShareBatch, ShareSpec, VerifySpec
+from das_jax.engine.specs import DecodeSpec, PrefillSpec, ShareBatch, ShareSpec, VerifySpec
 from das_jax.speculation.cost_model import calibration_shapes
 from das_jax.engine.generate import Engine, EngineConfig
 from das_jax.engine.policy import FixedPolicy
@@ -38,7 +38,8 @@ def engine(params, **kw):
 
 
 def verify_keys():
-    return {k for k in programs_lib.COMPILED if isinstance(k[0], VerifySpec)}
+    """The compiled step programs: packed verify, and multi-step decode (plain decoding)."""
+    return {k for k in programs_lib.COMPILED if isinstance(k[0], (VerifySpec, DecodeSpec))}
 
 
 def test_verify_buckets():
@@ -68,7 +69,7 @@ def test_calibration_shapes_are_precompiled(params):
     assert plain == [(B, B, 1, 128) for B in (16, 8, 4, 2, 1)]
 
 
-@pytest.mark.parametrize("drafting", [True])
+@pytest.mark.parametrize("drafting", [True, False])
 def test_precompile_covers_generate(params, drafting):
     """After `precompile`, a generate call compiles no verify program (drafts of one token per
     row keep N <= 2B, within the precompiled slot buckets)."""

@@ -42,7 +42,7 @@ from das_jax.engine.schedule import (bucket, cache_len_for, kv_len_bucket,
                                      precompile_token_buckets, step_shape_fn)
 from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, validate_stop_ids
-from das_jax.engine.specs import PrefillSpec, VerifySpec
+from das_jax.engine.specs import DecodeSpec, PrefillSpec, VerifySpec
 from das_jax.models.config import ModelConfig
 from das_jax.models.contraction import EXACT
 from das_jax.models.transformer import KVCache, Params
@@ -209,8 +209,9 @@ class Engine:
     def precompile(self, requests: Sequence[Request], sampling: SamplingParams,
                    drafting: bool, params: Params | None = None,
                    max_programs: int = 64) -> int:
-        """Compiles (without running) the packed verify programs of `verify_shapes`, at most
-        `max_programs` of them (in that order), and the packed prefill of one prompt of each
+        """Compiles (without running) the packed verify programs of `verify_shapes` (without
+        drafting and with `decode_steps` > 1: the multi-step decode programs of those shapes), at
+        most `max_programs` of them (in that order), and the packed prefill of one prompt of each
         length among the requests (`refill_prefill_shapes`: the admissions of a running
         call), from abstract arguments (nothing is allocated). The time counts in `compile_s`
         of the running `generate` call. Does nothing for an engine on a mesh. Returns the
@@ -227,7 +228,14 @@ class Engine:
         if memo in self._precompiled:
             return 0
         logits = self.engine_config.share_prompts
-        specs = [VerifySpec(self.config, skey, B, N, W, S, kv, dtype) for B, N, W, kv in shapes]
+        k = self.engine_config.decode_steps
+        if not drafting and k > 1:   # plain decoding runs k steps per call (`step.decode_steps`)
+            stop = tuple(sorted(self.limits(sampling).stop_ids))
+            specs = [DecodeSpec(self.config, skey, B, N, k, S, kv, stop, dtype)
+                     for B, N, W, kv in shapes]
+        else:
+            specs = [VerifySpec(self.config, skey, B, N, W, S, kv, dtype)
+                     for B, N, W, kv in shapes]
         specs += [PrefillSpec(self.config, skey, B, N, 1, T, S, dtype, logits)
                   for B, N, T in refills]
         n = self.programs.precompile(specs, params)
