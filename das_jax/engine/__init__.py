@@ -9,8 +9,9 @@ Public surface:
   VerifySpec, VerifyBatch, DecodeSpec, DecodeBatch, PrefillSpec, PrefillBatch, ShareSpec,
     ShareBatch, GatherSpec, GatherBatch, CacheSpec: the programs' typed inputs  (specs.py)
   time_verify_padded (the padded verify, timed as the benchmark's baseline)    (reference.py)
-  run_schedule, StepExecutor, StepInput, StepOutput, Prefilled, Limits,
-    prefill_layout: the host scheduler shared with the trace replay             (scheduler.py)
+  run_schedule, prefill_layout: the host scheduler shared with the trace replay  (scheduler.py)
+  StepExecutor, StepInput, StepOutput, Prefilled, Limits: what it and an executor
+    exchange                                                                   (step_io.py)
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
   SpeculationPolicy, FixedPolicy, RowView, RowBatch, StepRecord, DraftPlan, plan_step,
     acceptance_length, padded_step_shape, packed_step_shape, width_for         (policy.py)
@@ -47,8 +48,8 @@ _EXPORTS = {
     "PrefillBatch": "specs", "ShareSpec": "specs", "ShareBatch": "specs", "GatherSpec": "specs",
     "GatherBatch": "specs", "CacheSpec": "specs", "StepShape": "schedule",
     "time_verify_padded": "reference",
-    "StepExecutor": "scheduler", "StepInput": "scheduler",
-    "StepOutput": "scheduler", "Prefilled": "scheduler", "Limits": "scheduler",
+    "StepExecutor": "step_io", "StepInput": "step_io",
+    "StepOutput": "step_io", "Prefilled": "step_io", "Limits": "step_io",
     "prefill_layout": "scheduler", "run_schedule": "scheduler",
 }
 
