@@ -114,6 +114,8 @@ class DraftBatch:
         """The drafts cut to n_A[b] <= lens_A[b] tokens each (columns past max(n_A) dropped)."""
         n_A = np.minimum(np.asarray(n_A, np.int32), self.lens_A)
         K = int(n_A.max(initial=0))
+        if K == self.width and (n_A == self.lens_A).all():
+            return self          # nothing to cut (the drafter kept to its budgets)
         keep_AxK = np.arange(K)[None, :] < n_A[:, None]
         return DraftBatch(np.where(keep_AxK, self.tokens_AxK[:, :K], 0).astype(np.int32),
                           np.where(keep_AxK, self.probs_AxK[:, :K], 0).astype(np.float32),
