@@ -104,6 +104,11 @@ class RolloutSection:
     # Without speculation (drafter none), up to this many decode steps run in one device call
     # (rows stop on the device), so the host waits once per k steps; 1: one step per call.
     decode_steps: int = 8
+    # dense: every row holds max_cache_len positions. paged: a pool of page_size-position pages
+    # and a page table per row (rows hold the pages their tokens fill, a GRPO group shares its
+    # prompt's pages, finished rows free theirs at once); same tokens. One device per engine.
+    kv_cache: str = "dense"
+    page_size: int = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Hashable
 import jax
 
 from das_jax.models.config import ModelConfig
+from das_jax.models.paged_kv_cache import pages_for
 from das_jax.models.transformer import KVCache
 
 
@@ -64,6 +65,12 @@ class EngineConfig:
       host waits for the device once per k steps, not every step; same tokens and log-probs as
       single steps. A row that stops inside a call leaves its slot empty until the call ends
       (at most k - 1 steps). 1: one step per call.
+    kv_cache: "dense" (every row holds `max_cache_len` positions, `KVCache`) or "paged" (a pool
+      of `page_size`-position pages and a page table per row, `PagedKVCache`: rows hold the
+      pages their tokens fill, a GRPO group's rows share their prompt's pages, finished rows
+      free theirs at once; same tokens and log-probs as dense). The pool has the dense cache's
+      positions (`slots x ceil(max_cache_len / page_size)` pages), so it never runs out.
+    page_size: positions per page of the paged cache.
     """
 
     max_slots: int = 16
@@ -76,8 +83,14 @@ class EngineConfig:
     precompile: bool = False
     share_prompts: bool = True
     decode_steps: int = 8
+    kv_cache: str = "dense"
+    page_size: int = 16
 
     def __post_init__(self):
+        if self.kv_cache not in ("dense", "paged"):
+            raise GenerateError(f"kv_cache must be 'dense' or 'paged', got {self.kv_cache!r}")
+        if self.page_size < 1:
+            raise GenerateError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_slots < 1:
             raise GenerateError(f"max_slots must be >= 1, got {self.max_slots}")
         if self.decode_steps < 1:
@@ -87,6 +100,14 @@ class EngineConfig:
             raise GenerateError(f"draft_widths must include 1 (plain decoding), got "
                                 f"{self.draft_widths}")
         object.__setattr__(self, "draft_widths", widths)
+
+    def paging(self, batch: int, cache_len: int) -> tuple:
+        """The `pages` of the programs of a call whose first batch is `batch` rows of
+        `cache_len` positions: () with the dense cache; (num_pages, page_size) of the paged
+        pool (`batch x ceil(cache_len / page_size)` pages, kept when the call compacts)."""
+        if self.kv_cache != "paged":
+            return ()
+        return (batch * int(pages_for(cache_len, self.page_size)), int(self.page_size))
 
     @functools.cached_property
     def batch_buckets(self) -> tuple[int, ...]:

@@ -55,9 +55,11 @@ class DeviceExecutor:
                                request_seed(sampling.seed, r.problem_id, r.sample_index)
                                for r in requests], np.int64).astype(np.int32)
 
+    pages: tuple = ()   # the dense cache (`PagedExecutor`: (num_pages, page_size))
+
     def start(self, batch: int, cache_len: int) -> None:
         self.S = cache_len
-        self.cache = self.programs.zeros_cache(batch, cache_len, self.dtype)
+        self.cache = self.programs.zeros_cache(batch, cache_len, self.dtype, self.pages)
         self.pending = np.zeros(batch, np.int32)       # sampled, not yet fed token per row
         self.row_seed = np.zeros(batch, np.int32)
         # Prompt sharing (EngineConfig.share_prompts): the prompt whose K/V each row holds in
@@ -104,7 +106,8 @@ class DeviceExecutor:
         tokens / log-probs at `where`; returns the token slots computed."""
         lay = self._layout(take, batch, packed=True)
         pb = PrefillBatch.pack(self.config, self.skey, self.S, self.dtype, lay.U, lay.T,
-                               lay.prompts, lay.src, rows, self.seeds[take], batch, with_logits)
+                               lay.prompts, lay.src, rows, self.seeds[take], batch, with_logits,
+                               self.pages)
         out = self.programs.run(self.params, self.cache, pb)
         self.cache, first_R, first_logp_R = out[:3]
         first[where] = np.asarray(first_R)[:len(take)]
@@ -141,7 +144,7 @@ class DeviceExecutor:
     def _verify_batch(self, st: scheduler.StepInput):
         """The typed batch of the step `st` plans (`VerifyBatch`)."""
         spec = VerifySpec(self.config, self.skey, st.batch, st.num_tokens, st.width, self.S,
-                          st.kv_len, self.dtype)
+                          st.kv_len, self.dtype, self.pages)
         return VerifyBatch.pack(spec, st.cache_len_B, self.pending, self.row_seed, st.live,
                                 st.drafts_AxK, st.n_draft_B)
 
@@ -162,7 +165,7 @@ class DeviceExecutor:
                stop_ids: np.ndarray) -> scheduler.StepOutput:
         compiled_before = self.programs.compile_s
         spec = DecodeSpec(self.config, self.skey, st.batch, st.num_tokens, int(steps), self.S,
-                          st.kv_len, tuple(int(t) for t in stop_ids), self.dtype)
+                          st.kv_len, tuple(int(t) for t in stop_ids), self.dtype, self.pages)
         batch = DecodeBatch.pack(spec, st.cache_len_B, self.pending, self.row_seed, st.live,
                                  budget_A)
         exe = self.programs.executable(spec, self.params, self.cache, batch)

@@ -35,6 +35,7 @@ from das_jax.engine import scheduler
 from das_jax.engine.engine_config import (EngineConfig, GenerateError, Request,  # noqa: F401
                                           size_slots)
 from das_jax.engine.executor import DeviceExecutor
+from das_jax.engine.paged_executor import PagedExecutor
 from das_jax.engine.placement import MeshPlacement
 from das_jax.engine.policy import SpeculationPolicy
 from das_jax.engine.programs import Programs
@@ -79,6 +80,10 @@ class Engine:
             config = dataclasses.replace(config, contraction=EXACT)
         if device is not None and mesh is not None:
             raise GenerateError("give an Engine a device or a mesh, not both")
+        if mesh is not None and engine_config.kv_cache == "paged":
+            raise GenerateError("rollout.kv_cache: paged runs an engine on one device (set "
+                                "rollout.replicas to the device count), or use "
+                                "rollout.kv_cache: dense on a tensor-parallel mesh")
         self.config = config
         self.device = device
         self.mesh = mesh
@@ -229,14 +234,17 @@ class Engine:
             return 0
         logits = self.engine_config.share_prompts
         k = self.engine_config.decode_steps
+        top = bucket(min(len(requests), self.engine_config.max_slots),
+                     self.engine_config.batch_buckets)
+        pages = self.engine_config.paging(top, S)
         if not drafting and k > 1:   # plain decoding runs k steps per call (`step.decode_steps`)
             stop = tuple(sorted(self.limits(sampling).stop_ids))
-            specs = [DecodeSpec(self.config, skey, B, N, k, S, kv, stop, dtype)
+            specs = [DecodeSpec(self.config, skey, B, N, k, S, kv, stop, dtype, pages)
                      for B, N, W, kv in shapes]
         else:
-            specs = [VerifySpec(self.config, skey, B, N, W, S, kv, dtype)
+            specs = [VerifySpec(self.config, skey, B, N, W, S, kv, dtype, pages)
                      for B, N, W, kv in shapes]
-        specs += [PrefillSpec(self.config, skey, B, N, 1, T, S, dtype, logits)
+        specs += [PrefillSpec(self.config, skey, B, N, 1, T, S, dtype, logits, pages)
                   for B, N, T in refills]
         n = self.programs.precompile(specs, params)
         self._precompiled.add(memo)
@@ -264,7 +272,8 @@ class Engine:
         params = self.place_params(self.params)
         N = batch * width if num_tokens is None else int(num_tokens)
         spec = VerifySpec(self.config, tuple(sampling_key), batch, N, width, cache_len, kv_len,
-                          jnp.dtype(params["embed"].dtype).name)
+                          jnp.dtype(params["embed"].dtype).name,
+                          self.engine_config.paging(batch, cache_len))
         return self.programs.time(spec, params, repeats)
 
     # ------------------------------------------------------------------ generate
@@ -320,6 +329,7 @@ class Engine:
                       params: Params | None = None) -> DeviceExecutor:
         """The `scheduler.StepExecutor` `generate` drives for these requests (for tools and tests
         that run `scheduler.run_schedule` themselves); params default to the engine's."""
-        return DeviceExecutor(self, requests, sampling,
-                              self.place_params(self.params if params is None else params))
+        cls = PagedExecutor if self.engine_config.kv_cache == "paged" else DeviceExecutor
+        return cls(self, requests, sampling,
+                   self.place_params(self.params if params is None else params))
 

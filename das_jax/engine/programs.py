@@ -27,8 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from das_jax.engine import step
-from das_jax.engine.specs import DecodeSpec, GatherSpec, PrefillSpec, ShareSpec, VerifySpec
+from das_jax.engine.specs import (DecodeSpec, GatherSpec, PrefillSpec, SharePagesSpec, ShareSpec,
+                                  VerifySpec)
 from das_jax.models.config import ModelConfig
+from das_jax.models.paged_kv_cache import PagedKVCache
 from das_jax.models.transformer import KVCache, Params
 
 # Spec type -> its jitted program `fn(params, cache, batch)`.
@@ -37,6 +39,7 @@ PROGRAMS: dict[type, Callable] = {
     DecodeSpec: step.decode_steps,
     PrefillSpec: step.prefill_packed,
     ShareSpec: step.share_prompt_rows,
+    SharePagesSpec: step.share_prompt_pages,
     GatherSpec: step.gather_rows,
 }
 
@@ -109,13 +112,28 @@ class Programs:
         return (jax.tree_util.tree_map(leaf, params), spec.cache.abstract(sh),
                 spec.abstract(sh))
 
-    def zeros_cache(self, batch: int, cache_len: int, dtype) -> KVCache:
-        """An empty KV cache where this engine computes."""
+    def zeros_cache(self, batch: int, cache_len: int, dtype, pages: tuple = ()):
+        """An empty KV cache where this engine computes: dense (`KVCache`), or with `pages` =
+        (num_pages, page_size) a paged pool (`PagedKVCache`, every table entry unallocated).
+
+        Raises:
+          ValueError: a paged cache on a mesh (not supported yet: `rollout.kv_cache: dense`).
+        """
         if self.placement is not None:
+            if pages:
+                raise ValueError("rollout.kv_cache: paged runs on one device per engine; use "
+                                 "rollout.kv_cache: dense with a tensor-parallel mesh")
             return self.placement.zeros_cache(self.config, batch, cache_len, dtype)
         with (jax.default_device(self.device) if self.device is not None
               else contextlib.nullcontext()):
+            if pages:
+                return PagedKVCache.zeros(self.config, batch, cache_len, *pages, dtype)
             return KVCache.zeros(self.config, batch, cache_len, dtype)
+
+    def put(self, x: np.ndarray) -> jax.Array:
+        """A host array placed where this engine's single-device programs read it (the paged
+        cache's page table)."""
+        return jax.device_put(x, self.device) if self.device is not None else jnp.asarray(x)
 
     # ------------------------------------------------------------------ compile and run
     def executable(self, spec, params, cache, batch):
@@ -153,7 +171,11 @@ class Programs:
     def time(self, spec, params: Params, repeats: int = 3) -> float:
         """Median seconds of `spec`'s program on its dummy batch (`spec.dummy()`) and an empty
         cache, over `repeats` calls after one discarded call; compiled first (not timed)."""
-        cache = self.zeros_cache(spec.batch, spec.cache_len, spec.dtype)
+        cache = self.zeros_cache(spec.batch, spec.cache_len, spec.dtype, spec.pages)
+        if spec.pages:   # every row on its own pages (while the pool has them)
+            P, mp = spec.pages[0], cache.table.shape[1]
+            cache = cache.with_table(self.put(np.minimum(
+                np.arange(spec.batch * mp, dtype=np.int32).reshape(spec.batch, mp), P)))
         batch = spec.dummy()
         exe = self.executable(spec, params, cache, batch)
         times = []

@@ -203,6 +203,8 @@ class _Run:
         # plain decoding: up to `decode_steps` steps per device call when the executor can
         self.decode_k = (int(getattr(ec, "decode_steps", 1)) if drafter is None
                          and hasattr(executor.executor, "decode") else 1)
+        # an executor that frees a finished row's memory at once (the paged KV cache)
+        self.releases = hasattr(executor.executor, "release")
         self.stop_ids = np.array(sorted(limits.stop_ids), np.int64)
         self.max_new = limits.max_new_tokens
         n = len(requests)
@@ -260,9 +262,12 @@ class _Run:
         end_A = stop_A | length_A
         if ends is not None:
             end_A = end_A | (np.asarray(ends) != "")
-        for j in np.flatnonzero(end_A):
+        ended = np.flatnonzero(end_A)
+        for j in ended:
             reason = "stop" if stop_A[j] else "length" if length_A[j] else ends[j]
             self.finish(int(rows_A[j]), reason)
+        if len(ended) and self.releases:
+            self.executor.release(rows_A[ended])
         return n_A
 
     def collect(self) -> None:

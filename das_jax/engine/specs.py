@@ -11,6 +11,8 @@ as `jax.ShapeDtypeStruct`s for ahead-of-time lowering (`jax.jit(fn).lower(...)`)
 * `DecodeSpec` / `DecodeBatch`: up to k plain decode steps in one call (`step.decode_steps`).
 * `PrefillSpec` / `PrefillBatch`: the packed prefill and insert (`step.prefill_packed`).
 * `ShareSpec` / `ShareBatch`: admission by a cache-row copy (`step.share_prompt_rows`).
+* `SharePagesSpec` / `SharePagesBatch`: admission by shared prompt pages, the paged cache's
+  `ShareSpec` (`step.share_prompt_pages`).
 * `GatherSpec` / `GatherBatch`: compaction into a smaller batch bucket (`step.gather_rows`).
 
 The host constructors (`VerifyBatch.pack`, `DecodeBatch.pack`, `PrefillBatch.pack`,
@@ -27,6 +29,7 @@ import numpy as np
 
 from das_jax.engine.schedule import pack_prompts
 from das_jax.models.config import ModelConfig
+from das_jax.models.paged_kv_cache import PagedKVCache
 from das_jax.models.transformer import KVCache
 
 
@@ -46,29 +49,35 @@ def int32_abstract(shape, sharding=None) -> jax.ShapeDtypeStruct:
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """The KV cache a program reads and writes: `batch` rows of `cache_len` positions of
-    `dtype` (a dtype name), for `config`."""
+    `dtype` (a dtype name), for `config`; `pages`: () for the dense cache, or (num_pages,
+    page_size) for the paged one (`PagedKVCache`)."""
 
     config: ModelConfig
     batch: int
     cache_len: int
     dtype: str
+    pages: tuple = ()
 
-    def abstract(self, sharding=None) -> KVCache:
+    def abstract(self, sharding=None):
         """The cache as `jax.ShapeDtypeStruct` leaves (on `sharding` when given)."""
+        dtype = jnp.dtype(self.dtype)
+        cache = (PagedKVCache.abstract(self.config, self.batch, self.cache_len, *self.pages,
+                                       dtype) if self.pages else
+                 KVCache.abstract(self.config, self.batch, self.cache_len, dtype))
         return jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-            KVCache.abstract(self.config, self.batch, self.cache_len, jnp.dtype(self.dtype)))
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), cache)
 
 
 class OnCache:
     """Base of the program specs: `cache`, the `CacheSpec` of the KV cache the program runs on
-    (the spec's `config`, `batch` rows of `cache_len` positions, `dtype`)."""
+    (the spec's `config`, `batch` rows of `cache_len` positions, `dtype`, and `pages`: () for
+    the dense cache, (num_pages, page_size) for the paged one)."""
 
     __slots__ = ()
 
     @property
     def cache(self) -> CacheSpec:
-        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype)
+        return CacheSpec(self.config, self.batch, self.cache_len, self.dtype, self.pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +95,7 @@ class VerifySpec(OnCache):
     cache_len: int
     kv_len: int
     dtype: str
+    pages: tuple = ()
 
     def abstract(self, sharding=None) -> "VerifyBatch":
         B, N = self.batch, self.num_tokens
@@ -166,6 +176,7 @@ class DecodeSpec(OnCache):
     kv_len: int
     stop_ids: tuple
     dtype: str
+    pages: tuple = ()
 
     def abstract(self, sharding=None) -> "DecodeBatch":
         B, N = self.batch, self.num_tokens
@@ -229,6 +240,7 @@ class PrefillSpec(OnCache):
     cache_len: int
     dtype: str
     with_logits: bool = False
+    pages: tuple = ()
 
     def abstract(self, sharding=None) -> "PrefillBatch":
         B, N = self.batch, self.num_tokens
@@ -257,12 +269,12 @@ class PrefillBatch:
     @classmethod
     def pack(cls, config: ModelConfig, sampling_key: tuple, cache_len: int, dtype: str,
              rows: int, width: int, prompts, src, cache_rows, seeds, batch: int,
-             with_logits: bool = False) -> "PrefillBatch":
+             with_logits: bool = False, pages: tuple = ()) -> "PrefillBatch":
         """The batch (and its spec) admitting `prompts[src[k]]` into cache row `cache_rows[k]`
         with seed `seeds[k]`; N is the slot bucket of the prompts' total length."""
         N, arrays = pack_prompts(prompts, src, cache_rows, seeds, batch, width)
         spec = PrefillSpec(config, sampling_key, batch, N, rows, width, cache_len, dtype,
-                           with_logits)
+                           with_logits, pages)
         return cls(spec, *arrays)
 
 
@@ -277,6 +289,7 @@ class ShareSpec(OnCache):
     width: int
     cache_len: int
     dtype: str
+    pages: tuple = ()
 
     def abstract(self, sharding=None) -> "ShareBatch":
         B, V = self.batch, self.config.vocab_size
@@ -329,6 +342,62 @@ class ShareBatch:
 
 
 @dataclasses.dataclass(frozen=True)
+class SharePagesSpec(OnCache):
+    """Static shape of admission by shared pages (the paged cache): `batch` entries (B, the
+    cache rows) on a pool of `pages` = (num_pages, page_size) for rows of `cache_len`
+    positions. The host has pointed each admitted row at its source row's full prompt pages
+    (`pages.PagePool.share`); the program copies each partial last page and samples."""
+
+    config: ModelConfig
+    sampling_key: tuple
+    batch: int
+    cache_len: int
+    dtype: str
+    pages: tuple
+
+    def abstract(self, sharding=None) -> "SharePagesBatch":
+        B, V = self.batch, self.config.vocab_size
+        return SharePagesBatch(self, int32_abstract((B,), sharding),
+                               int32_abstract((B,), sharding),
+                               jax.ShapeDtypeStruct((B, V), jnp.float32, sharding=sharding),
+                               int32_abstract((B,), sharding), int32_abstract((B,), sharding))
+
+
+@batch_pytree
+@dataclasses.dataclass(frozen=True)
+class SharePagesBatch:
+    """dst_pages_B / src_pages_B `[B]` int32 page copies (destination >= num_pages: none);
+    logits_BxV float32 each entry's prompt's last-position logits; seeds_B / lengths_B `[B]`
+    int32 (entries past the admitted ones are padding)."""
+
+    spec: SharePagesSpec
+    dst_pages_B: Any
+    src_pages_B: Any
+    logits_BxV: Any
+    seeds_B: Any
+    lengths_B: Any
+
+    @classmethod
+    def pack(cls, spec: SharePagesSpec, copies: Sequence[tuple[int, int] | None],
+             logits: Sequence[np.ndarray], seeds, lengths) -> "SharePagesBatch":
+        """Entry j copies page copies[j] = (src, dst) (None: nothing to copy) and samples from
+        logits[j] at absolute index lengths[j] with seeds[j]."""
+        B, k, P = spec.batch, len(logits), spec.pages[0]
+        dst = np.full(B, P, np.int32)
+        src = np.zeros(B, np.int32)
+        for j, c in enumerate(copies):
+            if c is not None:
+                src[j], dst[j] = c
+        logits_BxV = np.zeros((B, spec.config.vocab_size), np.float32)
+        for j, v in enumerate(logits):
+            logits_BxV[j] = v
+        seeds_B = np.zeros(B, np.int32)
+        lengths_B = np.ones(B, np.int32)
+        seeds_B[:k], lengths_B[:k] = seeds, lengths
+        return cls(spec, dst, src, logits_BxV, seeds_B, lengths_B)
+
+
+@dataclasses.dataclass(frozen=True)
 class GatherSpec(OnCache):
     """Static shape of compaction: `batch` cache rows gathered into `new_batch` rows."""
 
@@ -337,6 +406,7 @@ class GatherSpec(OnCache):
     new_batch: int
     cache_len: int
     dtype: str
+    pages: tuple = ()
 
     def abstract(self, sharding=None) -> "GatherBatch":
         return GatherBatch(self, int32_abstract((self.new_batch,), sharding))
@@ -351,4 +421,4 @@ class GatherBatch:
     rows: Any
 
 
-Spec = VerifySpec | PrefillSpec | ShareSpec | GatherSpec
+Spec = VerifySpec | DecodeSpec | PrefillSpec | ShareSpec | SharePagesSpec | GatherSpec

@@ -15,6 +15,8 @@ input and a donation would go unused; the memory plan counts both caches).
 * verify_packed: N flat token slots, each live row's pending token and its own drafts
   (`das_jax.models.packed`); dense work on N = a bucket of sum_b (1 + n_draft_b) slots,
   attention per row over its cache.
+* share_prompt_pages: the same admission on the paged cache: the host shares the source row's
+  full prompt pages, the program copies each partial last page and samples.
 * decode_steps: up to k plain decode steps (no drafts) in one call, a `lax.while_loop` that
   stops rows at a stop token or their budget on the device, so the host sees the tokens once
   per k steps.
@@ -31,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from das_jax.engine import sampling as sampling_lib
-from das_jax.engine.specs import DecodeBatch, GatherBatch, PrefillBatch, ShareBatch, VerifyBatch
+from das_jax.engine.specs import (DecodeBatch, GatherBatch, PrefillBatch, ShareBatch,
+                                  SharePagesBatch, VerifyBatch)
 from das_jax.models.packed import (forward_packed_hidden, prefill_packed_hidden, slot_positions,
                                    to_rows)
 from das_jax.models.transformer import KVCache, Params, lm_head
@@ -85,6 +88,25 @@ def share_prompt_rows(params: Params, cache: KVCache, batch: ShareBatch):
     spec = batch.spec
     new_cache = cache.copy_prefix(batch.dst_B, batch.src_B, batch.save_B, batch.from_stash_B,
                                   spec.width)
+    tokens_B, logprobs_B = sampling_lib.sample(batch.logits_BxV, batch.seeds_B, batch.lengths_B,
+                                               spec.sampling_key, spec.config.contraction)
+    return new_cache, tokens_B, logprobs_B
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def share_prompt_pages(params: Params, cache, batch: SharePagesBatch):
+    """`share_prompt_rows` on the paged cache (`PagedKVCache`): the host has already pointed each
+    admitted row at its source's full prompt pages (`pages.PagePool.share`); this copies each
+    entry's partial last page (`src_pages_B[j]` onto `dst_pages_B[j]`; a destination >= the
+    pool's pages: none) and samples each entry's first token from its prompt's last-position
+    logits, as `share_prompt_rows` does. `params` is not read.
+
+    Returns:
+      (cache, first_tokens_B int32, first_logprobs_B float32).
+    """
+    del params
+    spec = batch.spec
+    new_cache = cache.copy_pages(batch.dst_pages_B, batch.src_pages_B)
     tokens_B, logprobs_B = sampling_lib.sample(batch.logits_BxV, batch.seeds_B, batch.lengths_B,
                                                spec.sampling_key, spec.config.contraction)
     return new_cache, tokens_B, logprobs_B

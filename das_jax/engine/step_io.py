@@ -107,6 +107,9 @@ class StepExecutor(Protocol):
     # decode steps of the live rows in one call (`step` has no drafts; row j stops after a
     # stop token or budget_A[j] tokens); n_A[j] tokens per row, `seconds` for the whole call.
     # Without it, the scheduler runs one `verify` per step.
+    # Optional: release(rows): the requests of cache rows `rows` finished (called once per
+    # commit with every row that finished in it); an executor that frees a row's memory then
+    # (the paged KV cache) has it.
 
 
 @dataclasses.dataclass(frozen=True)

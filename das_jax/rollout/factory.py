@@ -49,7 +49,9 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
                                                kv_memory_fraction=r.kv_memory_fraction,
                                                exact=r.exact,
                                                precompile=r.precompile,
-                                               decode_steps=r.decode_steps))
+                                               decode_steps=r.decode_steps,
+                                               kv_cache=r.kv_cache,
+                                               page_size=r.page_size))
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens,
                               stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)

@@ -1,0 +1,240 @@
+"""The paged KV cache (`rollout.kv_cache: paged`): the page pool's bookkeeping, the cache's
+operations against the dense cache's, and whole rollouts equal to the dense cache's (tokens
+identical, log-probs within 1e-5, bitwise in exact mode) with drafts, prompt sharing and
+compaction. Tiny random models, float32, fixed seeds."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from das_jax.config import ConfigError, config_from_dict
+from das_jax.engine.generate import EngineConfig, GenerateError, Request
+from das_jax.engine.pages import PagePool, PoolExhausted
+from das_jax.engine.paged_executor import PagedExecutor
+from das_jax.engine.sampling import SamplingParams
+from das_jax.models.kv_cache import DenseKVCache
+from das_jax.models.paged_kv_cache import PagedKVCache
+from das_jax.testing import (AdversaryDrafter, OracleDrafter, random_kv_cache, random_requests,
+                             tiny_engine, tiny_model_config, tiny_params)
+
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tiny_params()
+
+
+def engine(params, **kw):
+    return tiny_engine(params, eos_token_id=EOS, **kw)
+
+
+# ---------------------------------------------------------------------- the pool
+def test_pool_allocates_shares_and_frees():
+    pool = PagePool(num_pages=12, page_size=4, batch=3, max_len=16)
+    pool.ensure([0, 1], [5, 4])                  # 2 pages + 1 page
+    assert pool.used_pages == 3 and list(pool.held) == [2, 1, 0]
+    assert sorted(pool.refs[pool.row_pages(0)]) == [1, 1]
+    copy, = pool.share([2], [0], [6])            # one full page shared, a fresh partial one
+    assert copy == (int(pool.table[0, 1]), int(pool.table[2, 1]))
+    assert pool.table[2, 0] == pool.table[0, 0] and pool.refs[pool.table[0, 0]] == 2
+    assert pool.share([1], [0], [4]) == [None]   # ends on a page boundary: nothing to copy
+    assert pool.used_pages == 3                  # row 1's own page went back to the pool
+    pool.ensure([0], [9])                        # grows by one page; nothing already held moves
+    assert pool.held[0] == 3 and pool.used_pages == 4
+    v = pool.version
+    pool.release([0])
+    assert pool.version > v and pool.held[0] == 0
+    assert pool.refs[pool.table[2, 0]] == 2      # still held by rows 1 and 2
+    assert pool.used_pages == 2
+    pool.release([1, 2])
+    assert pool.used_pages == 0 and pool.free_pages == 12
+    assert (pool.table == 12).all()
+
+
+def test_pool_compaction_permutes_the_table_and_frees_dropped_rows():
+    pool = PagePool(num_pages=8, page_size=2, batch=4, max_len=8)
+    pool.ensure([0, 1, 2, 3], [2, 4, 2, 6])
+    pages_3 = pool.row_pages(3)
+    pool.compact(np.array([3, 1]), 2)
+    assert pool.batch == 2
+    np.testing.assert_array_equal(pool.row_pages(0), pages_3)
+    assert pool.used_pages == 3 + 2
+
+
+def test_pool_exhaustion_is_an_error_and_allocates_nothing():
+    pool = PagePool(num_pages=3, page_size=4, batch=2, max_len=16)
+    pool.ensure([0], [8])
+    with pytest.raises(PoolExhausted, match="1 free pages of 3, a step needs 2"):
+        pool.ensure([0, 1], [12, 4])
+    assert pool.used_pages == 2 and pool.held[1] == 0
+
+
+# ---------------------------------------------------------------------- the cache's operations
+def paged_like(dense: DenseKVCache, page: int, seed: int) -> PagedKVCache:
+    """A paged cache holding the dense cache's positions on randomly permuted pages (plus spare
+    pages of noise, so a wrong page id shows)."""
+    L, B, KVH, K, S = dense.k.shape
+    mp = -(-S // page)
+    num_pages = B * mp + 3
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(num_pages)[:B * mp].reshape(B, mp).astype(np.int32)
+    k = rng.standard_normal((L, num_pages, KVH, K, page)).astype(np.float32)
+    v = rng.standard_normal((L, num_pages, KVH, page, K)).astype(np.float32)
+    dk = np.pad(np.asarray(dense.k), [(0, 0)] * 4 + [(0, mp * page - S)])
+    dv = np.pad(np.asarray(dense.v), [(0, 0)] * 3 + [(0, mp * page - S), (0, 0)])
+    for b in range(B):
+        for j in range(mp):
+            k[:, ids[b, j]] = dk[:, b, :, :, j * page:(j + 1) * page]
+            v[:, ids[b, j]] = dv[:, b, :, j * page:(j + 1) * page]
+    return PagedKVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(ids))
+
+
+def attended_np(cache, kv_len):
+    """Every layer's attended keys and values as numpy arrays."""
+    return [np.asarray(x) for l in range(cache.k.shape[0])
+            for x in cache.attended((cache.k[l], cache.v[l]), kv_len)]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_paged_operations_equal_the_dense_ones(jit):
+    config = tiny_model_config()
+    dense = random_kv_cache(config, batch=3, cache_len=20, seed=0)
+    paged = paged_like(dense, page=8, seed=1)
+    wrap = jax.jit if jit else (lambda f: f)
+    for kv_len in (1, 8, 13, 20):
+        for a, b in zip(attended_np(dense, kv_len), attended_np(paged, kv_len)):
+            np.testing.assert_array_equal(a, b)
+    rng = np.random.default_rng(2)
+    L, KVH, K = config.num_layers, config.num_kv_heads, config.head_dim
+    k_new = jnp.asarray(rng.standard_normal((L, 6, KVH, K)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((L, 6, KVH, K)), jnp.float32)
+    rows = jnp.asarray([0, 0, 2, 1, 3, 2], jnp.int32)       # 3: a padding slot (dropped)
+    pos = jnp.asarray([7, 8, 19, 0, 5, 16], jnp.int32)
+    d2 = wrap(lambda c: c.write_slots(k_new, v_new, rows, pos))(dense)
+    p2 = wrap(lambda c: c.write_slots(k_new, v_new, rows, pos))(paged)
+    for a, b in zip(attended_np(d2, 20), attended_np(p2, 20)):
+        np.testing.assert_array_equal(a, b)
+    scratch = random_kv_cache(config, batch=2, cache_len=16, seed=3)
+    slots, src = jnp.asarray([2, 0, 3], jnp.int32), jnp.asarray([1, 0, 0], jnp.int32)
+    d3 = wrap(lambda c: c.insert_rows(slots, scratch, src))(dense)
+    p3 = wrap(lambda c: c.insert_rows(slots, scratch, src))(paged)
+    for a, b in zip(attended_np(d3, 20), attended_np(p3, 20)):
+        np.testing.assert_array_equal(a, b)
+    # compaction: a table permutation
+    d4, p4 = dense.gather_rows(jnp.asarray([2, 0])), paged.gather_rows(jnp.asarray([2, 0]))
+    for a, b in zip(attended_np(d4, 20), attended_np(p4, 20)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unallocated_pages_drop_writes():
+    config = tiny_model_config()
+    cache = PagedKVCache.zeros(config, batch=2, max_len=16, num_pages=4, page_size=4)
+    cache = cache.with_table(jnp.asarray([[2, 4, 4, 4], [4, 4, 4, 4]], jnp.int32))
+    L, KVH, K = config.num_layers, config.num_kv_heads, config.head_dim
+    ones = jnp.ones((L, 3, KVH, K), jnp.float32)
+    out = cache.write_slots(ones, ones, jnp.asarray([0, 0, 1]), jnp.asarray([1, 5, 0]))
+    written = np.asarray(out.v).sum(axis=(0, 2, 4))          # [P, page]
+    assert written[2, 1] > 0 and written.sum() == written[2, 1]
+
+
+# ---------------------------------------------------------------------- whole rollouts
+def check_same(dense, paged, atol=1e-5):
+    for a, b in zip(dense, paged):
+        assert a.token_ids == b.token_ids
+        assert a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_paged_rollouts_equal_dense_plain_decoding(params, decode_steps, monkeypatch):
+    reqs = random_requests(problems=3, samples=3)        # 9 rollouts in 4 slots: refills
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=40)
+    dense, _ = engine(params, decode_steps=decode_steps).generate(reqs, sampling)
+    shared, compacted = [], []
+    real_share, real_compact = PagedExecutor._share, PagedExecutor.compact
+    monkeypatch.setattr(PagedExecutor, "_share",
+                        lambda self, *a: shared.append(1) or real_share(self, *a))
+    monkeypatch.setattr(PagedExecutor, "compact",
+                        lambda self, *a: compacted.append(1) or real_compact(self, *a))
+    paged, _ = engine(params, decode_steps=decode_steps, kv_cache="paged",
+                      page_size=8).generate(reqs, sampling)
+    check_same(dense, paged)
+    assert shared and compacted      # a later sibling shared pages; the tail was compacted
+
+
+@pytest.mark.parametrize("make_drafter", ["oracle", "adversary"])
+def test_paged_rollouts_equal_dense_with_drafts(params, make_drafter):
+    reqs = random_requests(problems=3, samples=3, seed=1)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=40)
+    dense, _ = engine(params).generate(reqs, sampling)
+    drafter = (OracleDrafter({i: o.token_ids for i, o in enumerate(dense)})
+               if make_drafter == "oracle" else AdversaryDrafter(64, seed=0))
+    paged, stats = engine(params, kv_cache="paged", page_size=4).generate(
+        reqs, sampling, drafter=drafter)
+    check_same(dense, paged)
+    assert stats.drafted_tokens > 0
+    if make_drafter == "oracle":
+        assert stats.acceptance_length > 2
+
+
+def test_paged_rollouts_are_bitwise_dense_in_exact_mode(params):
+    reqs = random_requests(problems=2, samples=3, seed=2)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=30)
+    dense, _ = engine(params, exact=True).generate(reqs, sampling)
+    paged, _ = engine(params, exact=True, kv_cache="paged", page_size=8).generate(
+        reqs, sampling, drafter=OracleDrafter({i: o.token_ids for i, o in enumerate(dense)}))
+    check_same(dense, paged, atol=0)
+
+
+def test_a_group_holds_its_prompt_pages_once(params, monkeypatch):
+    """16 siblings of one 1,000-token prompt: the prompt's 62 full pages are held once (16
+    references each), plus each row's own partial last page; all freed at the end."""
+    prompt = tuple(int(t) for t in np.random.default_rng(0).integers(2, 64, size=1000))
+    reqs = [Request(prompt, problem_id="p", sample_index=g) for g in range(16)]
+    seen = []
+    real = PagedExecutor.decode
+
+    def decode(self, st, *a):
+        if not seen:
+            seen.append((self.pool.used_pages, self.pool.refs.copy(), self.pool.table.copy()))
+        out = real(self, st, *a)
+        seen.append(self)
+        return out
+    monkeypatch.setattr(PagedExecutor, "decode", decode)
+    outs, _ = engine(params, kv_cache="paged", page_size=16, max_slots=16,
+                     max_cache_len=1040).generate(
+        reqs, SamplingParams(temperature=1.0, max_new_tokens=8))
+    used, refs, table = seen[0]
+    full = 1000 // 16
+    assert used == full + 16
+    np.testing.assert_array_equal(refs[table[0, :full]], 16)
+    assert len({int(table[b, full]) for b in range(16)}) == 16     # own partial pages
+    # every finished row freed its completion's pages; the prompt's stay (for later siblings)
+    assert seen[-1].pool.used_pages == full + 16
+    assert all(len(o.token_ids) >= 1 for o in outs)
+
+
+def test_paged_precompile_compiles_the_programs_generate_runs(params):
+    reqs = random_requests(problems=2, samples=2, seed=3)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    eng = engine(params, kv_cache="paged", page_size=8, decode_steps=1)
+    eng.precompile(reqs, sampling, drafting=False)
+    before = eng.programs.compiled_count()
+    _, stats = eng.generate(reqs, sampling)
+    assert sum(s.compile_s for s in stats.steps) == 0.0
+    assert eng.programs.compiled_count() >= before
+
+
+def test_kv_cache_settings_are_checked():
+    with pytest.raises(GenerateError, match="kv_cache must be 'dense' or 'paged'"):
+        EngineConfig(kv_cache="pages")
+    with pytest.raises(GenerateError, match="page_size must be >= 1"):
+        EngineConfig(page_size=0)
+    with pytest.raises(ConfigError, match="rollout.kv_cache must be 'dense' or 'paged'"):
+        config_from_dict({"rollout": {"kv_cache": "ragged"}})
+    with pytest.raises(ConfigError, match="rollout.page_size must be >= 1"):
+        config_from_dict({"rollout": {"page_size": 0}})
+    assert config_from_dict({"rollout": {"kv_cache": "paged"}}).rollout.kv_cache == "paged"
