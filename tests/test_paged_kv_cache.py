@@ -181,8 +181,8 @@ def test_paged_rollouts_equal_dense_with_drafts(params, make_drafter):
 
 
 def test_paged_rollouts_are_bitwise_dense_in_exact_mode(params):
-    reqs = random_requests(problems=2, samples=3, seed=2)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=30)
+    reqs = random_requests(problems=2, samples=2, seed=2)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=20)
     dense, _ = engine(params, exact=True).generate(reqs, sampling)
     paged, _ = engine(params, exact=True, kv_cache="paged", page_size=8).generate(
         reqs, sampling, drafter=OracleDrafter({i: o.token_ids for i, o in enumerate(dense)}))
@@ -238,3 +238,36 @@ def test_kv_cache_settings_are_checked():
     with pytest.raises(ConfigError, match="rollout.page_size must be >= 1"):
         config_from_dict({"rollout": {"page_size": 0}})
     assert config_from_dict({"rollout": {"kv_cache": "paged"}}).rollout.kv_cache == "paged"
+
+
+# ---------------------------------------------------------------------- admission and preemption
+PAGE_BYTES = 4 * 256          # the tiny model: 256 bytes per position (f32), pages of 4
+
+
+@pytest.mark.parametrize("exact,decode_steps,drafts", [(False, 1, True), (True, 8, False)],
+                         ids=["fast-drafts", "exact-decode8"])
+def test_preempted_rows_resume_with_the_same_tokens(params, exact, decode_steps, drafts):
+    """A pool of 24 pages for 4 slots of up to ~60 positions: requests are admitted by free
+    pages, rows are preempted when it runs short and resumed by a prefill of their tokens; the
+    rollouts equal the dense cache's (bitwise in exact mode)."""
+    reqs = random_requests(problems=3, samples=3)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=40)
+    common = dict(decode_steps=decode_steps, max_cache_len=64, exact=exact)
+    dense, _ = engine(params, **common).generate(reqs, sampling)
+    eng = engine(params, kv_cache="paged", page_size=4, kv_memory_gb=24 * PAGE_BYTES / 1e9,
+                 **common)
+    assert eng.engine_config.kv_pages == 24 and eng.engine_config.max_slots == 4
+    drafter = AdversaryDrafter(64, seed=0) if drafts else None
+    paged, stats = eng.generate(reqs, sampling, drafter=drafter)
+    assert stats.preemptions > 0
+    check_same(dense, paged, atol=0 if exact else 1e-4)
+
+
+def test_paged_budget_sizes_the_pool_not_the_slots(params):
+    eng = engine(params, kv_cache="paged", page_size=16, max_slots=64,
+                 kv_memory_gb=1000 * 16 * 256 / 1e9)
+    assert eng.engine_config.max_slots == 64 and eng.engine_config.kv_pages == 1000
+    dense = engine(params, max_slots=64, kv_memory_gb=1000 * 16 * 256 / 1e9)
+    assert dense.engine_config.max_slots == 1000 * 16 // 256        # rows of 256 positions
+    with pytest.raises(GenerateError, match=r"needs 16 pages .* one row of max_cache_len=256"):
+        engine(params, kv_cache="paged", page_size=16, kv_memory_gb=15 * 16 * 256 / 1e9)

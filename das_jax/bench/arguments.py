@@ -23,6 +23,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact", action="store_true",
                    help="exact mode: shape-invariant contractions (README 'Exact mode')")
     p.add_argument("--threads", type=positive_int, default=2, help="torch threads for the HF run")
+    p.add_argument("--paged", action="store_true",
+                   help="also compare the paged KV cache with the dense one, side by side: the "
+                        "verify step and Engine.generate at B=16 (rollout.kv_cache)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
 

@@ -19,6 +19,8 @@ memory-bandwidth floor, measured side by side in one process.
 5. A ragged B = 16 step (one row drafting 7 tokens) packed vs padded, and the KV term
    (step time slope per cached position-row between 128 and 1024 attended positions) against
    bytes per position / bandwidth (`packed_and_kv_terms`).
+6. With `--paged`: the paged KV cache against the dense one, side by side (`paged_vs_dense`):
+   the verify step at B = 16 and `Engine.generate` at B = 16, with the tokens compared.
 
 Targets printed next to the numbers: plain decoding >= 2x HF tok/s at B = 1 and B = 16; the B = 1
 W = 1 step within 1.5x of the floor; the W = 8 step at B = 1 <= 1.5x the W = 1 step.
@@ -123,6 +125,57 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
           f"{per_pos * 1e6:.2f} us per cached position-row; {nbytes / 1e3:.1f} KB / "
           f"{bandwidth / 1e9:.1f} GB/s = {floor * 1e6:.2f} us ({per_pos / floor:.2f}x the floor)",
           flush=True)
+    return out
+
+
+def paged_vs_dense(config, params, eos_ids, prompts, max_new: int, repeats: int,
+                   exact: bool = False, page_size: int = 16) -> dict:
+    """The paged KV cache against the dense one, side by side (`--paged`), printed and returned.
+
+    * The verify step at B = 16, W in {1, 8}, attending 128 and 1024 positions per row: median
+      seconds of each (dense and paged timed alternately, `repeats` calls each) and paged / dense.
+    * `Engine.generate` at B = 16 (greedy, plain decoding, `max_new` tokens): tok/s of each
+      (median of 3 alternating rounds after a warm-up) and whether the tokens are identical.
+    """
+
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
+
+    engines = {kind: Engine(config, params, eos_token_ids=eos_ids,
+                            engine_config=EngineConfig(max_slots=16, max_cache_len=2048,
+                                                       draft_widths=(1, 8), exact=exact,
+                                                       kv_cache=kind, page_size=page_size))
+               for kind in ("dense", "paged")}
+    out: dict = {"page_size": page_size, "step_s": {}, "generate": {}}
+    for W in (1, 8):
+        for kv in (128, 1024):
+            t = {k: [] for k in engines}
+            for _ in range(3):
+                for k, e in engines.items():
+                    t[k].append(e.time_verify_step(16, W, kv, 2048, repeats, (0.0, 0, 1.0)))
+            med = {k: float(np.median(v)) for k, v in t.items()}
+            out["step_s"][f"W{W}_kv{kv}"] = {**med, "paged_over_dense": med["paged"] /
+                                             med["dense"]}
+            print(f"verify step B=16 W={W} kv={kv:4d}: dense {med['dense'] * 1e3:6.1f} ms, "
+                  f"paged {med['paged'] * 1e3:6.1f} ms ({med['paged'] / med['dense']:.2f}x)",
+                  flush=True)
+    reqs = [Request(tuple(p), problem_id=i) for i, p in enumerate(prompts[:16])]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    runs: dict = {k: [] for k in engines}
+    tokens = {}
+    for e in engines.values():
+        e.generate(reqs, sampling)                      # warm-up (compiles)
+    for _ in range(3):
+        for k, e in engines.items():
+            outs, st = e.generate(reqs, sampling)
+            runs[k].append(st.generated_tokens / st.wall_s)
+            tokens[k] = [o.token_ids for o in outs]
+    med = {k: float(np.median(v)) for k, v in runs.items()}
+    same = tokens["dense"] == tokens["paged"]
+    out["generate"] = {"tok_s": med, "rounds_tok_s": runs, "identical_tokens": same,
+                       "paged_over_dense": med["paged"] / med["dense"]}
+    print(f"Engine.generate B=16: dense {med['dense']:.1f} tok/s, paged {med['paged']:.1f} "
+          f"tok/s ({med['paged'] / med['dense']:.2f}x); identical tokens: {same}", flush=True)
     return out
 
 
@@ -258,6 +311,9 @@ def main(args: argparse.Namespace) -> int:
     res.update(packed_and_kv_terms(engine, config, params, bw, args.prompt_len, repeats))
 
     prompts = _prompts(tokenizer, texts, 16, args.prompt_len)
+    if getattr(args, "paged", False):
+        res["paged_vs_dense"] = paged_vs_dense(config, params, tokenizer.eos_token_ids, prompts,
+                                               max_new, repeats, exact=args.exact)
     res["prompt_lens"] = [len(p) for p in prompts]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
 

@@ -71,6 +71,11 @@ class EngineConfig:
       free theirs at once; same tokens and log-probs as dense). The pool has the dense cache's
       positions (`slots x ceil(max_cache_len / page_size)` pages), so it never runs out.
     page_size: positions per page of the paged cache.
+    kv_pages: pages of the paged pool (set by `size_slots` from the KV budget; None: the dense
+      cache's positions, `batch x ceil(cache_len / page_size)`, which never run short). With a
+      budget the slots stay `max_slots`: requests are admitted by free pages and rows are
+      preempted (and resumed, the same tokens) when the pool runs short
+      (`paged_executor.PagedExecutor`).
     """
 
     max_slots: int = 16
@@ -85,6 +90,7 @@ class EngineConfig:
     decode_steps: int = 8
     kv_cache: str = "dense"
     page_size: int = 16
+    kv_pages: int | None = None
 
     def __post_init__(self):
         if self.kv_cache not in ("dense", "paged"):
@@ -107,7 +113,8 @@ class EngineConfig:
         pool (`batch x ceil(cache_len / page_size)` pages, kept when the call compacts)."""
         if self.kv_cache != "paged":
             return ()
-        return (batch * int(pages_for(cache_len, self.page_size)), int(self.page_size))
+        pages = batch * int(pages_for(cache_len, self.page_size))
+        return (min(pages, self.kv_pages or pages), int(self.page_size))
 
     @functools.cached_property
     def batch_buckets(self) -> tuple[int, ...]:
@@ -140,7 +147,8 @@ def device_free_bytes(device: jax.Device | None = None) -> int | None:
 def size_slots(config: ModelConfig, ec: "EngineConfig", dtype, device=None,
                kv_shards: int = 1) -> "EngineConfig":
     """`ec` with `max_slots` lowered to the rows of `max_cache_len` positions that fit the KV
-    budget (`EngineConfig.kv_memory_gb`, else `kv_memory_fraction` of the free device memory).
+    budget (`EngineConfig.kv_memory_gb`, else `kv_memory_fraction` of the free device memory);
+    with the paged cache, `kv_pages` set to the pages that fit (the slots stay).
     `kv_shards`: devices one row's KV is split over (tensor parallelism over KV heads), so a
     row takes 1/kv_shards of its bytes on each device.
 
@@ -158,6 +166,16 @@ def size_slots(config: ModelConfig, ec: "EngineConfig", dtype, device=None,
                   "free device memory")
     else:
         return ec
+    if ec.kv_cache == "paged":
+        per_page = -(-KVCache.nbytes_for(config, 1, ec.page_size, dtype) // kv_shards)
+        pages, row = budget // per_page, int(pages_for(ec.max_cache_len, ec.page_size))
+        if pages < row:
+            raise GenerateError(
+                f"the paged KV cache needs {row} pages ({row * per_page / 1e9:.3f} GB) for one "
+                f"row of max_cache_len={ec.max_cache_len} positions but the budget is "
+                f"{budget / 1e9:.3f} GB ({source}); raise rollout.kv_memory_gb or lower "
+                "rollout.max_cache_len")
+        return dataclasses.replace(ec, kv_pages=int(pages))
     per_row = -(-KVCache.nbytes_for(config, 1, ec.max_cache_len, dtype) // kv_shards)
     rows = budget // per_row
     if rows < 1:

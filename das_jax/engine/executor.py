@@ -71,7 +71,7 @@ class DeviceExecutor:
                 batch: int) -> scheduler.Prefilled:
         t0, compiled_before = time.perf_counter(), self.programs.compile_s
         take, rows = list(request_ids), np.asarray(rows)
-        prompts = [tuple(int(t) for t in self.requests[i].prompt_ids) for i in take]
+        prompts = [self.prompt_of(i) for i in take]
         first = np.zeros(len(take), np.int32)
         first_logp = np.zeros(len(take), np.float32)
         share = self.engine_config.share_prompts and self.share_prompts_supported
@@ -95,9 +95,13 @@ class DeviceExecutor:
         seconds = time.perf_counter() - t0 - (self.programs.compile_s - compiled_before)
         return scheduler.Prefilled(first, first_logp, seconds, tokens)
 
+    def prompt_of(self, request_id: int) -> tuple[int, ...]:
+        """The token ids an admission of `request_id` prefills (its prompt)."""
+        return tuple(int(t) for t in self.requests[request_id].prompt_ids)
+
     def _layout(self, take, batch: int, packed: bool) -> scheduler.PrefillLayout:
         ec = self.engine_config
-        return scheduler.prefill_layout([self.requests[i].prompt_ids for i in take],
+        return scheduler.prefill_layout([self.prompt_of(i) for i in take],
                                         ec.batch_buckets, ec.min_prompt_bucket, self.S,
                                         packed_batch=batch if packed else None)
 

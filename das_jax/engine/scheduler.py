@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from typing import Any, Callable, Sequence
 
@@ -60,7 +61,9 @@ class GenerateStats:
     prefill_calls admissions. In the replay, decode_s is the cost model's prediction.
     host_s: the host work between the executor's calls (scheduler bookkeeping, drafter and
     policy; draft_s and policy_s are part of it): `run_schedule`'s wall time less the wall
-    time of its executor calls (the device steps, or the replay's recorded ones)."""
+    time of its executor calls (the device steps, or the replay's recorded ones).
+    preemptions: rows taken off the device when the paged KV cache ran short of pages (each
+    resumed later by a prefill of its prompt and tokens, `StepExecutor.make_room`)."""
 
     forward_passes: int = 0
     generated_tokens: int = 0
@@ -75,6 +78,7 @@ class GenerateStats:
     compile_s: float = 0.0
     prefill_tokens: int = 0
     prefill_calls: int = 0
+    preemptions: int = 0
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
 
     @property
@@ -157,11 +161,14 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
     while run.queue or (run.row_req >= 0).any():
         free = np.flatnonzero(run.row_req < 0)
         if run.queue and len(free):
-            run.admit(free)
-            continue  # rows may have finished at once: refill before decoding
+            n = run.admissible(free)
+            if n:
+                run.admit(free, n)
+                continue  # rows may have finished at once: refill before decoding
         live = np.flatnonzero(run.row_req >= 0)
         if len(live):
             live = run.compact(live)
+            live = run.make_room(live)
             run.decode(live) if run.decode_k > 1 else run.step(live)
     run.collect()
     run.stats.host_s += time.perf_counter() - t_start - run.executor.seconds
@@ -203,8 +210,11 @@ class _Run:
         # plain decoding: up to `decode_steps` steps per device call when the executor can
         self.decode_k = (int(getattr(ec, "decode_steps", 1)) if drafter is None
                          and hasattr(executor.executor, "decode") else 1)
-        # an executor that frees a finished row's memory at once (the paged KV cache)
+        # an executor that frees a finished row's memory at once (the paged KV cache), and one
+        # that admits by free memory and preempts rows when it runs short
         self.releases = hasattr(executor.executor, "release")
+        self.pages = hasattr(executor.executor, "make_room")
+        self.resume: dict[int, np.ndarray] = {}       # preempted request -> its tokens so far
         self.stop_ids = np.array(sorted(limits.stop_ids), np.int64)
         self.max_new = limits.max_new_tokens
         n = len(requests)
@@ -221,6 +231,8 @@ class _Run:
         executor.start(self.B, self.S)
         self.row_req = np.full(self.B, -1, np.int64)      # request index in each row, -1 = free
         self.cache_len = np.zeros(self.B, np.int32)       # tokens in the cache per row
+        self.admitted = np.zeros(self.B, np.int64)        # admission sequence number per row
+        self.seq = 0
         self.finished = 0
 
     def finish(self, row: int, reason: str) -> None:
@@ -249,7 +261,7 @@ class _Run:
             stop_A = hit_AxW.any(axis=1)
             n_A = np.where(stop_A, hit_AxW.argmax(axis=1) + 1, n_A)
             valid_AxW &= np.arange(tokens_AxW.shape[1])[None, :] < n_A[:, None]
-        if self.keep_tokens:
+        if self.keep_tokens or self.pages:     # a preempted request resumes from its tokens
             self.log.append((np.broadcast_to(req_A[:, None], valid_AxW.shape)[valid_AxW],
                              tokens_AxW[valid_AxW], logprobs_AxW[valid_AxW]))
         self.generated_R[req_A] = gen_A + n_A
@@ -288,18 +300,74 @@ class _Run:
             o.drafted_tokens = int(self.drafted_R[ri])
             o.accepted_draft_tokens = int(self.accepted_R[ri])
 
-    def admit(self, free: np.ndarray) -> None:
-        """Admits queued requests into the free rows (prefill) and commits their first tokens."""
+    def admissible(self, free: np.ndarray) -> int:
+        """How many queued requests to admit into the free rows now: all that fit, or with a
+        paged executor those whose pages fit (`StepExecutor.admissible`), at least one when no
+        row is live."""
+        n = min(len(free), len(self.queue))
+        if not self.pages:
+            return n
+        head = list(itertools.islice(self.queue, n))
+        lengths = [self.resumed_length(ri) for ri in head]
+        live = int((self.row_req >= 0).sum())
+        k = int(self.executor.admissible(head, lengths, live))
+        return max(k, 1) if live == 0 else k
+
+    def resumed_length(self, ri: int) -> int:
+        """Positions a request's admission writes: its prompt, plus for a preempted request the
+        tokens it had committed but the last (pending)."""
+        extra = len(self.resume[ri]) - 1 if ri in self.resume else 0
+        return len(self.requests[ri].prompt_ids) + extra
+
+    def tokens_of(self, ri: int) -> np.ndarray:
+        """int32 the tokens request `ri` committed so far (from the run's log)."""
+        return np.concatenate([c[1][c[0] == ri] for c in self.log] or
+                              [np.zeros(0, np.int32)]).astype(np.int32)
+
+    def make_room(self, live: np.ndarray) -> np.ndarray:
+        """With a paged executor: pages for every position the next call may write; when the
+        pool runs short, the most recently admitted rows are preempted (their pages freed, their
+        requests back at the front of the queue, resumed later from their tokens: the same
+        tokens as without preemption). Returns the live rows that stay."""
+        if not self.pages:
+            return live
+        reach = self.decode_k if self.decode_k > 1 else max(self.widths)
+        req_A = self.row_req[live]
+        reach_A = np.minimum(reach, self.max_new - self.generated_R[req_A])
+        victims = np.asarray(self.executor.make_room(
+            live, self.cache_len[live].astype(np.int64) + reach_A, self.admitted[live]),
+            np.int64)
+        if not len(victims):
+            return live
+        for row in victims[np.argsort(self.admitted[victims])[::-1]]:
+            ri = int(self.row_req[row])
+            self.resume[ri] = self.tokens_of(ri)
+            self.queue.appendleft(ri)
+            self.row_req[row] = -1
+        self.stats.preemptions += len(victims)
+        return live[~np.isin(live, victims)]
+
+    def admit(self, free: np.ndarray, n: int) -> None:
+        """Admits `n` queued requests into the free rows (prefill) and commits their first
+        tokens; a preempted request resumes (its tokens prefilled, nothing committed)."""
         stats, drafter, queue = self.stats, self.drafter, self.queue
-        take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+        take = [queue.popleft() for _ in range(n)]
         rows = free[:len(take)]
-        pre = self.executor.prefill(take, rows, self.B)
+        resumed = {ri: self.resume.pop(ri) for ri in take if ri in self.resume}
+        pre = (self.executor.prefill(take, rows, self.B, resumed) if resumed
+               else self.executor.prefill(take, rows, self.B))
         stats.prefill_s += pre.seconds
         stats.prefill_tokens += pre.tokens
         stats.prefill_calls += 1
+        new = np.array([ri not in resumed for ri in take], bool)
         for ri, row in zip(take, rows):
             req = self.requests[ri]
             self.row_req[row] = ri
+            self.seq += 1
+            self.admitted[row] = self.seq
+            if ri in resumed:
+                self.cache_len[row] = len(req.prompt_ids) + len(resumed[ri]) - 1
+                continue
             self.cache_len[row] = len(req.prompt_ids)
             t0 = time.perf_counter()
             self.policy.begin(int(ri), req.problem_id, len(req.prompt_ids))
@@ -308,9 +376,11 @@ class _Run:
                 drafter.begin(int(ri), req.problem_id, list(req.prompt_ids))
             stats.policy_s += t1 - t0
             stats.draft_s += time.perf_counter() - t1
-        self.commit(rows, np.asarray(pre.first_tokens, np.int32).reshape(-1, 1),
-                    np.asarray(pre.first_logprobs, np.float32).reshape(-1, 1),
-                    np.ones(len(rows), np.int64), pre.ends)
+        if new.any():
+            ends = None if pre.ends is None else np.asarray(pre.ends, object)[new]
+            self.commit(rows[new], np.asarray(pre.first_tokens, np.int32).reshape(-1, 1)[new],
+                        np.asarray(pre.first_logprobs, np.float32).reshape(-1, 1)[new],
+                        np.ones(int(new.sum()), np.int64), ends)
 
     def compact(self, live: np.ndarray) -> np.ndarray:
         """Compacts the live rows into a smaller bucket for the tail (once the queue is empty
@@ -320,6 +390,7 @@ class _Run:
             return live
         self.executor.compact(live, nb)
         self.row_req, self.cache_len = compact_rows(live, nb, self.row_req, -1, self.cache_len, 0)
+        self.admitted = compact_rows(live, nb, self.admitted, 0)[0]
         self.B = nb
         return np.arange(len(live))
 

@@ -27,27 +27,9 @@ whether rows are short or long, which is what makes
 long-tail RL rollouts (a few 16K-token rows among many short ones) expensive:
 `2 * L * KVH * K * bytes` per position (Qwen2-7B bf16: 57 KB; 256 rows x 17,408: 256 GB).
 
-Paged design (not built yet; the operations above are its interface):
-
-* Page pool: `k_pages: [L, P, KVH, K, page]`, `v_pages: [L, P, KVH, page, K]` (page = 16..128
-  positions), P sized from
-  the memory budget (`rollout.kv_memory_gb`) rather than from `slots x max_len`; a host-side free
-  list hands out pages.
-* Page table: int32 `[B, max_pages]` per row (page ids; -1 unused), and the row's length. `write`
-  scatters token t of row b into page `table[b, (len+t) // page]` at offset `(len+t) % page`;
-  the host allocates a page before a row crosses a page boundary (a verify step of width W needs
-  `ceil(W / page) + 1` free pages per row) and frees a finished row's pages at once, so memory
-  follows the *live* tokens, and `gather_rows` is a permutation of the small page table, not a
-  copy of the cache. GRPO's `num_generations` samples of one prompt can share the prompt's
-  pages (copy-on-write of the last partial page) instead of `insert_rows` copying them.
-* `attended(layer, kv_len)`: on GPU, a paged-attention kernel reading pages through the table
-  (Pallas `jax.experimental.pallas.ops.gpu` paged attention, or a cuDNN / FlashInfer paged
-  decode kernel through an FFI call); on TPU, Pallas `ops.tpu.paged_attention`; on CPU (tests,
-  small models), a gather of the row's pages into the dense views (as `attended`) followed
-  by the dense attention, which keeps the paged cache exact against the dense one.
-* Admission: the scheduler admits a request only when the pool has pages for its prompt plus
-  a reserve, and preempts (recomputes) the youngest row when the pool runs dry, instead of
-  sizing every slot for `max_len`.
+The paged cache (`das_jax.models.paged_kv_cache.PagedKVCache`, `rollout.kv_cache: paged`) has the
+same operations over a pool of pages and a page table per row; the host side (free list,
+reference counts, shared prompt pages) is `das_jax.engine.pages.PagePool`.
 """
 from __future__ import annotations
 
