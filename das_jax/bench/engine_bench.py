@@ -176,6 +176,50 @@ def paged_vs_dense(config, params, eos_ids, prompts, max_new: int, repeats: int,
                        "paged_over_dense": med["paged"] / med["dense"]}
     print(f"Engine.generate B=16: dense {med['dense']:.1f} tok/s, paged {med['paged']:.1f} "
           f"tok/s ({med['paged'] / med['dense']:.2f}x); identical tokens: {same}", flush=True)
+    out["same_budget"] = same_budget(config, params, eos_ids, prompts, max_new, exact, page_size)
+    return out
+
+
+def same_budget(config, params, eos_ids, prompts, max_new: int, exact: bool = False,
+                page_size: int = 16, rows: int = 4, max_cache_len: int = 1024) -> dict:
+    """The dense and the paged cache under one KV budget (`rows` rows of `max_cache_len`
+    positions), side by side: `Engine.generate` of the prompts (greedy, `max_new` tokens) with
+    the dense cache (`rows` slots: what the budget holds) and the paged one (up to 4x the slots,
+    admitted by free pages, preempted when short): mean live rows per step, preemptions, tok/s,
+    identical tokens. Printed and returned."""
+
+    # deferred import: jax (not loaded by importing this module)
+    import jax.numpy as jnp
+
+    from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
+    from das_jax.models.kv_cache import DenseKVCache
+
+    gb = DenseKVCache.nbytes_for(config, rows, max_cache_len, params["embed"].dtype) / 1e9
+    reqs = [Request(tuple(p), problem_id=i) for i, p in enumerate(prompts)]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+    out: dict = {"kv_memory_gb": gb, "max_cache_len": max_cache_len}
+    tokens = {}
+    for kind, slots in (("dense", 4 * rows), ("paged", 4 * rows)):
+        eng = Engine(config, params, eos_token_ids=eos_ids, dtype=jnp.dtype(params["embed"].dtype),
+                     engine_config=EngineConfig(max_slots=slots, max_cache_len=max_cache_len,
+                                                draft_widths=(1,), exact=exact, kv_cache=kind,
+                                                page_size=page_size, kv_memory_gb=gb))
+        eng.generate(reqs[:2], SamplingParams(temperature=0.0, max_new_tokens=4))   # warm-up
+        outs, st = eng.generate(reqs, sampling)
+        live = float(np.mean([s.active for s in st.steps]))
+        out[kind] = {"slots": eng.engine_config.max_slots, "mean_live_rows": live,
+                     "preemptions": st.preemptions, "tok_s": st.generated_tokens / st.wall_s,
+                     "wall_s": st.wall_s, "compile_s": st.compile_s}
+        tokens[kind] = [o.token_ids for o in outs]
+        print(f"same KV budget ({gb:.3f} GB = {rows} rows of {max_cache_len}), {kind}: "
+              f"{out[kind]['slots']} slots, {live:.1f} live rows per step, "
+              f"{st.preemptions} preemptions, {out[kind]['tok_s']:.1f} tok/s "
+              f"(compile {st.compile_s:.0f} s excluded)", flush=True)
+    out["identical_tokens"] = tokens["dense"] == tokens["paged"]
+    out["live_rows_ratio"] = out["paged"]["mean_live_rows"] / out["dense"]["mean_live_rows"]
+    print(f"paged / dense at the same budget: {out['live_rows_ratio']:.2f}x live rows, "
+          f"{out['paged']['tok_s'] / out['dense']['tok_s']:.2f}x tok/s; identical tokens: "
+          f"{out['identical_tokens']}", flush=True)
     return out
 
 
