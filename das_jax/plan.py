@@ -18,7 +18,9 @@ Per-device bytes (printed table):
   gradients     float32 accumulator, sharded (0 with the fused update: one layer's at a time)
   activations   the gradient kernel's scratch (XLA temp: remat'd layer inputs, attention chunks,
                 logits chunks, gathered weights); with the fused update its forward program's
-  kv_cache      slots x max_cache_len positions
+  kv_cache      slots x max_cache_len positions (paged, `rollout.kv_cache: paged`: the pool's
+                pages, from rollout.kv_memory_gb; the shapes give its pages, the rows it holds at
+                max_cache_len each, and with `--lengths` the rows it holds at those lengths)
   logits        verify-step logits [slots, W, V] f32 + one train logits chunk (both included in
                 the phases' scratch; shown for reference)
   rollout scratch / update scratch   XLA temp of the verify / prefill and optimizer executables
@@ -240,14 +242,16 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
             p_shard, o_shard, c_shard)))
 
     # ---- rollout: one engine per device, full compute-dtype params ----
-    slots, S, W, rdtype, engine_programs = _rollout_memory(mc, r, g, params_shape, compute)
+    slots, S, W, rdtype, engine_programs, pages = _rollout_memory(mc, r, g, params_shape,
+                                                                  compute)
 
     n = devices
     master_b = _shard_bytes(params_abs)
     opt_b = _shard_bytes(opt_abs)
     grads_b = _shard_bytes(carry_abs[1])
     cparams_b = _tree_bytes(params_shape) * compute.itemsize // master.itemsize
-    kv_b = DenseKVCache.nbytes_for(mc, slots, S, compute)
+    kv_b = (DenseKVCache.nbytes_for(mc, pages[0], pages[1], compute) if pages
+            else DenseKVCache.nbytes_for(mc, slots, S, compute))
     ref_b = master_b * compute.itemsize // master.itemsize if g.beta > 0 else 0
     train_rows, train_phases = _update_rows(update_programs, fused_peak, grads_b, opt_b, ref_b)
     rows = {
@@ -274,6 +278,9 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
               "update": "unfused" if fused_peak is None else "fused",
               "rollout_analysis": rdtype.name,
               "mesh": "x".join(f"{a}{k}" for a, k in mesh.shape.items() if k > 1) or "1"}
+    if pages:   # the paged pool, and the rows it holds when every row is max_cache_len long
+        shapes.update(kv_cache="paged", kv_pages=pages[0], page_size=pages[1],
+                      rows_worst_case=pages[0] // -(-S // pages[1]))
     all_programs = {**update_programs, **engine_programs}
     return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
                       {k: int(v) for k, v in phases.items()}, shapes, float(mem_fraction),
@@ -386,6 +393,7 @@ def _rollout_memory(mc, r, g, params_shape, compute):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from das_jax.engine import GatherSpec, PrefillSpec, Programs, ShareSpec, VerifySpec
+    from das_jax.engine.specs import SharePagesSpec
     from das_jax.engine.engine_config import EngineConfig
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.parallel import sharding as shard_lib
@@ -403,10 +411,18 @@ def _rollout_memory(mc, r, g, params_shape, compute):
     W = max(r.draft_widths)
     S = r.max_cache_len
     slots = r.max_slots
-    if r.kv_memory_gb is not None:
+    paged = getattr(r, "kv_cache", "dense") == "paged"
+    if r.kv_memory_gb is not None and not paged:
         slots = max(0, min(slots, int(r.kv_memory_gb * GB) //
                            DenseKVCache.nbytes_for(mc, 1, S, compute)))
     slots = max(slots, 1)
+    # The paged pool: pages of the KV budget (at most every slot's max_cache_len), else the
+    # dense cache's positions.
+    pages = EngineConfig(max_slots=slots, max_cache_len=S, kv_cache="paged",
+                         page_size=r.page_size,
+                         kv_pages=(int(r.kv_memory_gb * GB) // DenseKVCache.nbytes_for(
+                             mc, 1, r.page_size, compute)) if r.kv_memory_gb is not None
+                         else None).paging(slots, S) if paged else ()
     # The engine's programs at their largest shapes: the verify step with every row drafting
     # the widest width, and the prefill of a step's prompts at the longest prompt bucket.
     programs = Programs(mc, device=one)
@@ -419,17 +435,21 @@ def _rollout_memory(mc, r, g, params_shape, compute):
     # (The trainer's engine always shares prompts: EngineConfig.share_prompts.)
     out = {
         "verify_packed": programs.memory(
-            VerifySpec(mc, skey, slots, slots * W, W, S, S, rdtype.name), cparams_abs),
+            VerifySpec(mc, skey, slots, slots * W, W, S, S, rdtype.name, pages), cparams_abs),
         "prefill_packed": programs.memory(
-            PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name, True), cparams_abs),
-        "share_prompt_rows": programs.memory(
-            ShareSpec(mc, skey, slots, Tp, S, rdtype.name), cparams_abs),
+            PrefillSpec(mc, skey, slots, Np, U, Tp, S, rdtype.name, True, pages), cparams_abs),
     }
+    if paged:   # admission by shared pages; compaction is a table permutation (no program)
+        out["share_prompt_pages"] = programs.memory(
+            SharePagesSpec(mc, skey, slots, S, rdtype.name, pages), cparams_abs)
+        return slots, S, W, rdtype, out, pages
+    out["share_prompt_rows"] = programs.memory(
+        ShareSpec(mc, skey, slots, Tp, S, rdtype.name), cparams_abs)
     smaller = [b for b in EngineConfig(max_slots=slots).batch_buckets if b < slots]
     if smaller:
         out["gather_rows"] = programs.memory(GatherSpec(mc, slots, max(smaller), S, rdtype.name),
                                              cparams_abs)
-    return slots, S, W, rdtype, out
+    return slots, S, W, rdtype, out, pages
 
 
 def device_memory_bytes(config, device_memory_gb: float | None) -> int:
@@ -451,9 +471,33 @@ def device_memory_bytes(config, device_memory_gb: float | None) -> int:
     return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def plan(config, devices: int = 1, device_memory_gb: float | None = None) -> MemoryPlan:
+def plan(config, devices: int = 1, device_memory_gb: float | None = None,
+         lengths: tuple | None = None) -> MemoryPlan:
     """`plan_in_process`, in a subprocess with `devices` forced host devices when this process
-    has fewer devices (or JAX is already initialised on a different platform)."""
+    has fewer devices (or JAX is already initialised on a different platform). With the paged
+    KV cache and `lengths` = (prompt lengths, completion lengths) of a rollout workload, the
+    plan's shapes also give `rows_expected` (the rows the pool holds at once under continuous
+    batching, `pages.expected_rows`; a GRPO group shares its prompt's pages) and
+    `dense_rows_same_memory` (the rows of max_cache_len the same bytes hold densely)."""
+    p = _plan(config, devices, device_memory_gb)
+    return with_rows_expected(p, config, lengths) if lengths is not None else p
+
+
+def with_rows_expected(p: MemoryPlan, config, lengths: tuple) -> MemoryPlan:
+    """`p` with `rows_expected` and `dense_rows_same_memory` in its shapes (a paged plan; any
+    other is returned as it is); `lengths` = (prompt lengths, completion lengths)."""
+    if p.shapes.get("kv_cache") != "paged":
+        return p
+    # deferred import: the engine's page math
+    from das_jax.engine.pages import expected_rows
+    P, page = p.shapes["kv_pages"], p.shapes["page_size"]
+    p.shapes["rows_expected"] = round(expected_rows(
+        P, page, lengths[0], lengths[1], group=config.grpo.num_generations), 1)
+    p.shapes["dense_rows_same_memory"] = P * page // config.rollout.max_cache_len
+    return p
+
+
+def _plan(config, devices: int, device_memory_gb: float | None) -> MemoryPlan:
     device_bytes = device_memory_bytes(config, device_memory_gb)
     fraction = (mem_fraction(config) if (device_memory_gb if device_memory_gb is not None
                                          else config.train.device_memory_gb) is not None else 1.0)

@@ -271,3 +271,37 @@ def test_paged_budget_sizes_the_pool_not_the_slots(params):
     assert dense.engine_config.max_slots == 1000 * 16 // 256        # rows of 256 positions
     with pytest.raises(GenerateError, match=r"needs 16 pages .* one row of max_cache_len=256"):
         engine(params, kv_cache="paged", page_size=16, kv_memory_gb=15 * 16 * 256 / 1e9)
+
+
+# ---------------------------------------------------------------------- sizing and the plan
+def test_expected_rows_counts_held_pages_length_biased():
+    from das_jax.engine.pages import expected_rows
+    # every rollout: a 16-token prompt (one full page) and 64 tokens (2 pages held on average),
+    # + half a page of rounding: 3.5 pages per row; a group of 4 shares the prompt page
+    assert expected_rows(700, 16, [16] * 8, [64] * 8) == pytest.approx(200.0)
+    assert expected_rows(700, 16, [16] * 8, [64] * 8, group=4) == pytest.approx(700 / 2.75)
+    # a long tail (the DAS paper's shape: median 4K, up to 16K) against dense rows of 17,408
+    rng = np.random.default_rng(0)
+    L = np.clip(np.exp(rng.normal(np.log(4000), 0.85, size=4096)), 32, 16384).astype(int)
+    pages = 30 * 17408 // 16
+    assert expected_rows(pages, 16, [200] * len(L), L, group=16) >= 3 * 30
+
+
+def test_plan_reports_the_paged_pool():
+    from das_jax.config import config_from_dict
+    from das_jax.plan import plan_in_process, with_rows_expected
+    config = config_from_dict({
+        "rollout": {"max_new_tokens": 16, "max_slots": 8, "max_cache_len": 64,
+                    "draft_widths": [1, 4], "kv_cache": "paged", "page_size": 8,
+                    "kv_memory_gb": 40 * 8 * 256 / 1e9},
+        "grpo": {"num_generations": 2, "prompts_per_step": 2, "micro_batch_size": 2}})
+    cfg = tiny_model_config()
+    p = plan_in_process(config, 1, int(1e9), model_config=cfg)
+    assert p.shapes["kv_cache"] == "paged" and p.shapes["slots"] == 8
+    assert p.shapes["kv_pages"] == 40 and p.rows["kv_cache"] == 40 * 8 * 256
+    assert p.shapes["rows_worst_case"] == 5              # 40 pages / 8 pages per row of 64
+    assert "share_prompt_pages" in p.programs and "gather_rows" not in p.programs
+    p = with_rows_expected(p, config, ([8] * 4, [16] * 4))
+    # 1/2 shared prompt page + 1 page of completion + 1/2 of rounding = 2 pages per row
+    assert p.shapes["rows_expected"] == pytest.approx(20.0)
+    assert p.shapes["dense_rows_same_memory"] == 5

@@ -39,6 +39,10 @@ def register(subparsers) -> None:
                    help="compiled verify widths W = 1 + draft tokens, comma separated")
     p.add_argument("--max-slots", type=positive_int, default=16, help="most concurrent sequences")
     p.add_argument("--max-cache-len", type=positive_int, default=4096)
+    p.add_argument("--kv-cache", default="dense", choices=("dense", "paged"),
+                   help="KV cache layout (rollout.kv_cache): paged holds each row's tokens in "
+                        "pages of --page-size positions, a prompt's samples share its pages")
+    p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--exact", action="store_true",
                    help="exact mode: shape-invariant contractions, so the tokens are identical "
                         "with and without speculation (slower; see README 'Exact mode')")
@@ -138,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(config, params, eos_token_ids=tokenizer.eos_token_ids,
                         engine_config=EngineConfig(max_slots=args.max_slots,
                                                    max_cache_len=args.max_cache_len,
-                                                   draft_widths=widths, exact=args.exact))
+                                                   draft_widths=widths, exact=args.exact,
+                                                   kv_cache=args.kv_cache,
+                                                   page_size=args.page_size))
         prompt_ids = [tokenizer.chat_prompt_ids(p) if args.chat else tokenizer.encode_prompt(p)
                       for p in prompts]
         requests = [Request(tuple(ids), problem_id=i, sample_index=g)

@@ -23,8 +23,33 @@ def register(subparsers) -> None:
     p.add_argument("--devices", type=int, default=1, help="devices to shard over (FSDP)")
     p.add_argument("--device-memory-gb", type=float, default=None,
                    help="per-device memory (default: train.device_memory_gb or the local device)")
+    p.add_argument("--lengths", default=None, metavar="TRACE",
+                   help="with rollout.kv_cache: paged, also the rows the page pool holds at once "
+                        "at the rollout lengths of this trace (a `bench rollout` trace.jsonl)")
+    p.add_argument("--paper-scale", action="store_true",
+                   help="with --lengths: stretch the trace's rollouts to the DAS paper's long "
+                        "tail up to rollout.max_new_tokens (`bench replay --scale paper`)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
+
+
+def trace_lengths(path: str, paper_scale: bool, max_tokens: int) -> tuple[list, list]:
+    """(prompt lengths, completion lengths) of the rollouts of a trace (every rollout; with
+    `paper_scale` those of the first recorded temperature, every epoch), stretched to the paper's long tail up to `max_tokens` with
+    `paper_scale`.
+
+    Raises:
+      OSError / ValueError: the trace is missing or unreadable (one line).
+    """
+    # deferred import: the bench's trace reader (numpy only)
+    from das_jax.bench.replay import paper_workload, read_trace
+    trace = read_trace(path)
+    if paper_scale:
+        rolls = [r for epoch in paper_workload(trace, max_tokens=max_tokens).values()
+                 for r in epoch]
+    else:
+        rolls = list(trace.rollouts)
+    return [len(r.prompt_ids) for r in rolls], [len(r.token_ids) for r in rolls]
 
 
 def run(args) -> int:
@@ -39,7 +64,9 @@ def run(args) -> int:
     setup_console_logging()
     model_loading.fetch_named_source(config)   # its config is read from the file: not silently
     try:
-        p = plan(config, args.devices, args.device_memory_gb)
+        lengths = (trace_lengths(args.lengths, args.paper_scale, config.rollout.max_new_tokens)
+                   if args.lengths else None)
+        p = plan(config, args.devices, args.device_memory_gb, lengths)
     except (PlanError, ValueError, OSError) as e:
         print(f"das-jax plan: {e}", file=sys.stderr)
         return 2

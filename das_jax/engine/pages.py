@@ -170,3 +170,22 @@ class PagePool:
     def row_pages(self, row: int) -> np.ndarray:
         """The page ids row `row` holds, in position order."""
         return self.table[row, :int(self.held[row])].copy()
+
+
+def expected_rows(num_pages: int, page_size: int, prompt_lens, completion_lens,
+                  group: int = 1) -> float:
+    """Rows a pool of `num_pages` pages holds at once, in expectation, under continuous batching
+    of rollouts with these lengths (int arrays `[R]`, tokens): a row sampled at a random step is
+    length-biased (a rollout of L tokens is live L steps) and holds its prompt's pages (the full
+    ones shared by the `group` rows of a GRPO group, its own partial last page) plus the pages of
+    a uniformly random share of its completion:
+
+        E[pages per live row] = sum_r L_r * (prompt_r + L_r / 2) / sum_r L_r   (in pages)
+
+    Returns num_pages / that (a float; the dense cache's rows are `num_pages / pages of
+    max_cache_len`)."""
+    p = np.asarray(prompt_lens, np.float64)
+    L = np.maximum(np.asarray(completion_lens, np.float64), 1.0)
+    prompt_pages = np.floor(p / page_size) / max(int(group), 1) + (p % page_size > 0)
+    held = prompt_pages + (L / 2.0) / page_size + 0.5      # + half a page of rounding
+    return float(num_pages / (np.sum(L * held) / np.sum(L)))

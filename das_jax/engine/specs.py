@@ -74,6 +74,7 @@ class OnCache:
     the dense cache, (num_pages, page_size) for the paged one)."""
 
     __slots__ = ()
+    pages = ()      # the dense cache, for specs without a `pages` field
 
     @property
     def cache(self) -> CacheSpec:
