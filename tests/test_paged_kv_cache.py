@@ -305,3 +305,17 @@ def test_plan_reports_the_paged_pool():
     # 1/2 shared prompt page + 1 page of completion + 1/2 of rounding = 2 pages per row
     assert p.shapes["rows_expected"] == pytest.approx(20.0)
     assert p.shapes["dense_rows_same_memory"] == 5
+
+
+def test_odd_pages_without_sharing_under_a_tight_budget(params):
+    """Pages of 3 positions (not a power of two, smaller than every bucket), prompt sharing off,
+    a pool of 1.5 rows: admissions wait for pages, rows are preempted, and every rollout is the
+    dense cache's, bitwise (exact mode)."""
+    reqs = random_requests(problems=4, samples=2, seed=5)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=30)
+    common = dict(decode_steps=4, max_slots=4, max_cache_len=48, share_prompts=False, exact=True)
+    dense, _ = engine(params, **common).generate(reqs, sampling)
+    eng = engine(params, kv_cache="paged", page_size=3, kv_memory_gb=24 * 3 * 256 / 1e9, **common)
+    paged, stats = eng.generate(reqs, sampling)
+    assert stats.preemptions > 0
+    check_same(dense, paged, atol=0)
