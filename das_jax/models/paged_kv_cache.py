@@ -28,9 +28,9 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from das_jax.models.config import ModelConfig
+from das_jax.models.kv_cache import DenseKVCache
 
 # Logical axes of each leaf (the sharding rules' names, `das_jax.parallel`): pages are not
 # split (a row's pages may be anywhere in the pool); KV heads follow the dense cache's rule.
@@ -85,11 +85,8 @@ class PagedKVCache:
                    v=jax.ShapeDtypeStruct(vs, jnp.dtype(dtype)),
                    table=jax.ShapeDtypeStruct(ts, jnp.int32))
 
-    @staticmethod
-    def bytes_per_position(config: ModelConfig, dtype) -> int:
-        """Bytes of K and V for one position, all layers (as the dense cache)."""
-        return (2 * config.num_layers * config.num_kv_heads * config.head_dim
-                * np.dtype(jnp.dtype(dtype)).itemsize)
+    # Bytes of K and V for one position, all layers: the dense cache's.
+    bytes_per_position = staticmethod(DenseKVCache.bytes_per_position)
 
     @classmethod
     def nbytes_for(cls, config: ModelConfig, num_pages: int, page_size: int, dtype) -> int:
