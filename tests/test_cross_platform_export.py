@@ -45,7 +45,8 @@ import das_jax.engine.reference  # noqa: F401 - registers the padded programs in
 from das_jax.config import GRPOSection
 from das_jax.engine.programs import PROGRAMS, Programs
 from das_jax.engine.reference import PaddedPrefillSpec, PaddedVerifySpec
-from das_jax.engine.specs import DecodeSpec, GatherSpec, PrefillSpec, ShareSpec, VerifySpec
+from das_jax.engine.specs import (DecodeSpec, GatherSpec, PrefillSpec, SharePagesSpec, ShareSpec,
+                                  VerifySpec)
 from das_jax.models import contraction as cx
 from das_jax.models.transformer import ActivationConfig
 from das_jax.rl.batches import PaddedMicroBatch, make_batch
@@ -118,15 +119,17 @@ def test_a_program_without_a_lowering_fails(platform):
 # ---------------------------------------------------------------------------------- engine
 def _engine_examples(config, dtype) -> dict[type, list]:
     """Example specs of each engine program: B=4 cache rows of 64 positions; verify with and
-    without drafts, 8 decode steps in one call, prefill with and without the sharing logits,
+    without drafts and on the paged cache, 8 decode steps in one call, prefill with and without the sharing logits,
     compaction 4 -> 2 rows."""
     return {
         VerifySpec: [VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype),
-                     VerifySpec(config, GREEDY, 4, 4, 1, 64, 64, dtype)],
+                     VerifySpec(config, GREEDY, 4, 4, 1, 64, 64, dtype),
+                     VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype, (16, 16))],   # paged
         DecodeSpec: [DecodeSpec(config, TOP_P, 4, 4, 8, 64, 64, (1, 2), dtype)],
         PrefillSpec: [PrefillSpec(config, TOP_P, 4, 32, 2, 16, 64, dtype),
                       PrefillSpec(config, GREEDY, 4, 32, 2, 16, 64, dtype, with_logits=True)],
         ShareSpec: [ShareSpec(config, TOP_P, 4, 16, 64, dtype)],
+        SharePagesSpec: [SharePagesSpec(config, TOP_P, 4, 64, dtype, (16, 16))],
         GatherSpec: [GatherSpec(config, 4, 2, 64, dtype)],
         # the padded programs (the tests' oracle, run by `PaddedExecutor`)
         PaddedVerifySpec: [PaddedVerifySpec(config, TOP_P, 4, 4, 64, 32, dtype)],

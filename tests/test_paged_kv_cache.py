@@ -70,6 +70,14 @@ def test_pool_exhaustion_is_an_error_and_allocates_nothing():
     with pytest.raises(PoolExhausted, match="1 free pages of 3, a step needs 2"):
         pool.ensure([0, 1], [12, 4])
     assert pool.used_pages == 2 and pool.held[1] == 0
+    # sharing that runs out of pages part way shares nothing
+    pool = PagePool(4, 4, 3, 16)
+    pool.ensure([0], [6])
+    pool.ensure([1], [8])
+    with pytest.raises(PoolExhausted, match="sharing needs 1"):
+        pool.share([2, 2], [1, 0], [8, 6])
+    pool.release([0, 1, 2])
+    assert pool.free_pages == 4 and not pool.refs.any()
 
 
 # ---------------------------------------------------------------------- the cache's operations
@@ -231,8 +239,13 @@ def test_paged_precompile_compiles_the_programs_generate_runs(params):
 def test_kv_cache_settings_are_checked():
     with pytest.raises(GenerateError, match="kv_cache must be 'dense' or 'paged'"):
         EngineConfig(kv_cache="pages")
-    with pytest.raises(GenerateError, match="page_size must be >= 1"):
+    with pytest.raises(GenerateError, match="page_size must be an integer >= 1"):
         EngineConfig(page_size=0)
+    with pytest.raises(GenerateError, match="page_size must be an integer >= 1"):
+        EngineConfig(page_size=2.5)
+    for bad in (0, -3):
+        with pytest.raises(GenerateError, match="kv_pages must be an integer >= 1"):
+            EngineConfig(kv_cache="paged", kv_pages=bad)
     with pytest.raises(ConfigError, match="rollout.kv_cache must be 'dense' or 'paged'"):
         config_from_dict({"rollout": {"kv_cache": "ragged"}})
     with pytest.raises(ConfigError, match="rollout.page_size must be >= 1"):
@@ -317,5 +330,21 @@ def test_odd_pages_without_sharing_under_a_tight_budget(params):
     dense, _ = engine(params, **common).generate(reqs, sampling)
     eng = engine(params, kv_cache="paged", page_size=3, kv_memory_gb=24 * 3 * 256 / 1e9, **common)
     paged, stats = eng.generate(reqs, sampling)
+    assert stats.preemptions > 0
+    check_same(dense, paged, atol=0)
+
+
+def test_a_resumed_request_and_its_fresh_sibling_are_admitted_by_their_real_pages(params):
+    """A preempted request (prompt + its tokens) and a fresh sibling of the same prompt queued
+    together: the sibling cannot share the resumed row's pages (they hold more than the
+    prompt), so admission counts its own prompt pages; no pool overcommit, the dense tokens."""
+    A, B = tuple(range(2, 6)), tuple(range(10, 40))
+    reqs = [Request(A, problem_id="a", sample_index=0), Request(B, problem_id="b"),
+            Request(B, problem_id="b", sample_index=1)]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=30)
+    common = dict(max_slots=2, max_cache_len=64, decode_steps=1, exact=True)
+    dense, _ = engine(params, **common).generate(reqs, sampling)
+    paged, stats = engine(params, kv_cache="paged", page_size=1,
+                          kv_memory_gb=64 * 256 / 1e9, **common).generate(reqs, sampling)
     assert stats.preemptions > 0
     check_same(dense, paged, atol=0)

@@ -95,8 +95,13 @@ class EngineConfig:
     def __post_init__(self):
         if self.kv_cache not in ("dense", "paged"):
             raise GenerateError(f"kv_cache must be 'dense' or 'paged', got {self.kv_cache!r}")
-        if self.page_size < 1:
-            raise GenerateError(f"page_size must be >= 1, got {self.page_size}")
+        if isinstance(self.page_size, bool) or int(self.page_size) != self.page_size \
+                or self.page_size < 1:
+            raise GenerateError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        if self.kv_pages is not None and (int(self.kv_pages) != self.kv_pages
+                                          or self.kv_pages < 1):
+            raise GenerateError(f"kv_pages must be an integer >= 1 or None, got "
+                                f"{self.kv_pages!r}")
         if self.max_slots < 1:
             raise GenerateError(f"max_slots must be >= 1, got {self.max_slots}")
         if self.decode_steps < 1:
@@ -114,7 +119,8 @@ class EngineConfig:
         if self.kv_cache != "paged":
             return ()
         pages = batch * int(pages_for(cache_len, self.page_size))
-        return (min(pages, self.kv_pages or pages), int(self.page_size))
+        return (min(pages, self.kv_pages) if self.kv_pages is not None else pages,
+                int(self.page_size))
 
     @functools.cached_property
     def batch_buckets(self) -> tuple[int, ...]:

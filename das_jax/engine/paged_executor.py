@@ -101,11 +101,13 @@ class PagedExecutor(DeviceExecutor):
         seen: set = set()
         for k, (ri, n) in enumerate(zip(request_ids, lengths)):
             p = super().prompt_of(ri)
-            shared = int(n) == len(p) and (p in held or p in seen)
+            fresh = int(n) == len(p)      # not a resumed request (that prefills more than p)
+            shared = fresh and (p in held or p in seen)
             budget -= (1 if shared else int(pages_for(int(n), self.pool.page_size))) + 1
             if budget < 0:
                 return k
-            seen.add(p)
+            if fresh:
+                seen.add(p)
         return len(request_ids)
 
     def make_room(self, live: np.ndarray, lengths_A: np.ndarray, order_A: np.ndarray

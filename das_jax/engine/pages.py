@@ -110,10 +110,18 @@ class PagePool:
         pages `dst[j]` held before are released after every source was read, so a row may be
         both a destination and (for an earlier or later entry) a source. Returns per entry
         (source page, fresh page) of the partial last page, which the caller copies or writes
-        before allocating again, or None when the length ends on a page boundary."""
+        before allocating again, or None when the length ends on a page boundary.
+
+        Raises:
+          PoolExhausted: fewer free pages than partial last pages (nothing changes then).
+        """
         dst = [int(r) for r in np.asarray(dst).reshape(-1)]
         src = [int(r) for r in np.asarray(src).reshape(-1)]
         lengths = [int(n) for n in np.asarray(lengths).reshape(-1)]
+        partial = sum(n % self.page_size > 0 for n in lengths)
+        if partial > self._top:      # checked first: nothing is shared or allocated then
+            raise PoolExhausted(f"the KV page pool has {self._top} free pages of "
+                                f"{self.num_pages}, sharing needs {partial}")
         rows, copies = [], []
         for d, s_, n in zip(dst, src, lengths):
             full, partial = divmod(n, self.page_size)
