@@ -488,7 +488,7 @@ def with_rows_expected(p: MemoryPlan, config, lengths: tuple) -> MemoryPlan:
     other is returned as it is); `lengths` = (prompt lengths, completion lengths)."""
     if p.shapes.get("kv_cache") != "paged":
         return p
-    # deferred import: the engine's page math
+    # deferred import: jax (engine.pages loads it through the paged cache)
     from das_jax.engine.pages import expected_rows
     P, page = p.shapes["kv_pages"], p.shapes["page_size"]
     p.shapes["rows_expected"] = round(expected_rows(

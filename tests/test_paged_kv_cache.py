@@ -334,7 +334,9 @@ def test_odd_pages_without_sharing_under_a_tight_budget(params):
     check_same(dense, paged, atol=0)
 
 
-def test_a_resumed_request_and_its_fresh_sibling_are_admitted_by_their_real_pages(params):
+@pytest.mark.parametrize("page_size,budget", [(1, 64), (4, 17)])
+def test_a_resumed_request_and_its_fresh_sibling_are_admitted_by_their_real_pages(
+        params, page_size, budget):
     """A preempted request (prompt + its tokens) and a fresh sibling of the same prompt queued
     together: the sibling cannot share the resumed row's pages (they hold more than the
     prompt), so admission counts its own prompt pages; no pool overcommit, the dense tokens."""
@@ -344,7 +346,8 @@ def test_a_resumed_request_and_its_fresh_sibling_are_admitted_by_their_real_page
     sampling = SamplingParams(temperature=0.0, max_new_tokens=30)
     common = dict(max_slots=2, max_cache_len=64, decode_steps=1, exact=True)
     dense, _ = engine(params, **common).generate(reqs, sampling)
-    paged, stats = engine(params, kv_cache="paged", page_size=1,
-                          kv_memory_gb=64 * 256 / 1e9, **common).generate(reqs, sampling)
+    paged, stats = engine(params, kv_cache="paged", page_size=page_size,
+                          kv_memory_gb=budget * page_size * 256 / 1e9,
+                          **common).generate(reqs, sampling)
     assert stats.preemptions > 0
     check_same(dense, paged, atol=0)

@@ -41,7 +41,7 @@ def trace_lengths(path: str, paper_scale: bool, max_tokens: int) -> tuple[list, 
     Raises:
       OSError / ValueError: the trace is missing or unreadable (one line).
     """
-    # deferred import: the bench's trace reader (numpy only)
+    # deferred import: jax (the bench's trace reader loads the engine; `das-jax --help` does not)
     from das_jax.bench.replay import paper_workload, read_trace
     trace = read_trace(path)
     if paper_scale:
