@@ -15,6 +15,7 @@ from das_jax.engine.pages import PagePool, PoolExhausted
 from das_jax.engine.paged_executor import PagedExecutor
 from das_jax.engine.sampling import SamplingParams
 from das_jax.models.kv_cache import DenseKVCache
+from das_jax.models.paged_attention import PagedView
 from das_jax.models.paged_kv_cache import PagedKVCache
 from das_jax.testing import (AdversaryDrafter, OracleDrafter, random_kv_cache, random_requests,
                              tiny_engine, tiny_model_config, tiny_params)
@@ -102,8 +103,9 @@ def paged_like(dense: DenseKVCache, page: int, seed: int) -> PagedKVCache:
 
 def attended_np(cache, kv_len):
     """Every layer's attended keys and values as numpy arrays."""
-    return [np.asarray(x) for l in range(cache.k.shape[0])
-            for x in cache.attended((cache.k[l], cache.v[l]), kv_len)]
+    views = [cache.attended((cache.k[l], cache.v[l]), kv_len) for l in range(cache.k.shape[0])]
+    return [np.asarray(x) for view in views
+            for x in (view.dense() if isinstance(view, PagedView) else view)]
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

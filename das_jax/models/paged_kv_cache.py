@@ -15,13 +15,14 @@ leaf between programs; the programs only read it. So memory follows the pages ro
 `B * max_len`; a GRPO group's rows point at the same prompt pages; a compaction is a permutation
 of the table's rows, not a copy of the cache.
 
-Reads (`attended`) gather a row's first `ceil(kv_len / page)` pages into the dense attended
-view, the reference kernel on every backend (an XLA gather): the attention then runs exactly as
-on the dense cache, so a paged step gives the dense step's tokens and log-probs (bitwise in
-exact mode: a page boundary is not a reduction boundary, the view's valid positions hold the
-same values, and positions at or past a row's length are masked as in the dense cache).
-Unallocated entries read page `P - 1` (finite values, never attended); writes to them are
-dropped.
+Reads (`attended`) hand attention a `PagedView` (`das_jax.models.paged_attention`), read by
+the cache's `kernel`: "auto" is a Pallas kernel over each row's own pages when the program is
+lowered for TPU or CUDA, and elsewhere (CPU) the gather of a row's first `ceil(kv_len / page)`
+pages into the dense attended view, after which attention runs exactly as on the dense cache:
+a paged step gives the dense step's tokens and log-probs (bitwise in exact mode, which always
+gathers: a page boundary is not a reduction boundary, the view's valid positions hold the same
+values, and positions at or past a row's length are masked as in the dense cache). Unallocated
+entries read page `P - 1` (finite values, never attended); writes to them are dropped.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 
 from das_jax.models.config import ModelConfig
 from das_jax.models.kv_cache import DenseKVCache
+from das_jax.models.paged_attention import PagedView
 
 # Logical axes of each leaf (the sharding rules' names, `das_jax.parallel`): pages are not
 # split (a row's pages may be anywhere in the pool); KV heads follow the dense cache's rule.
@@ -52,6 +54,11 @@ class PagedKVCache:
     k: jax.Array
     v: jax.Array
     table: jax.Array
+    # Static (part of a program's compile key): which implementation reads the pages
+    # (`paged_attention.KERNELS`; "auto": the lowering platform's kernel) and whether a Pallas
+    # kernel runs in interpret mode (tests on CPU).
+    kernel: str = flax.struct.field(pytree_node=False, default="auto")
+    interpret: bool = flax.struct.field(pytree_node=False, default=False)
 
     # ------------------------------------------------------------------ construction and size
     @staticmethod
@@ -120,19 +127,12 @@ class PagedKVCache:
         v_l `[P, KVH, page, K]`)."""
         return (self.k, self.v)
 
-    def attended(self, layer, kv_len: int):
-        """The first `kv_len` positions of every row in one layer, gathered from its pages:
-        (k `[B, KVH, K, kv_len]`, v `[B, KVH, kv_len, K]`), the dense cache's view."""
+    def attended(self, layer, kv_len: int) -> PagedView:
+        """One layer's pages as attention reads them (`das_jax.models.paged_attention`): a
+        `PagedView` of the pages, the table, `kv_len` and this cache's kernel; its `dense()` is
+        the dense cache's view `(k [B, KVH, K, kv_len], v [B, KVH, kv_len, K])`."""
         k_l, v_l = layer
-        B, page = self.batch, self.page_size
-        KVH, K = k_l.shape[1], k_l.shape[2]
-        n = pages_for(kv_len, page)
-        if n == 0:
-            return (jnp.zeros((B, KVH, K, 0), k_l.dtype), jnp.zeros((B, KVH, 0, K), v_l.dtype))
-        ids_BxN = jnp.minimum(self.table[:, :n], self.num_pages - 1)
-        k = k_l[ids_BxN].transpose(0, 2, 3, 1, 4).reshape(B, KVH, K, n * page)
-        v = v_l[ids_BxN].transpose(0, 2, 1, 3, 4).reshape(B, KVH, n * page, K)
-        return k[..., :kv_len], v[:, :, :kv_len]
+        return PagedView(k_l, v_l, self.table, kv_len, self.kernel, self.interpret)
 
     def page_at(self, rows_N, positions_N):
         """int32 `[N]` page id holding (row, position); P (dropped on write) for a row >= B, a
