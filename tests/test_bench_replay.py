@@ -23,8 +23,9 @@ def params():
     return tiny_params(CFG)
 
 
-def _run_real_and_replay(params, name, temperature, epochs=2, max_slots=4, das_config=None):
-    ec = EngineConfig(max_slots=max_slots, max_cache_len=256, draft_widths=(1, 4, 8))
+def _run_real_and_replay(params, name, temperature, epochs=2, max_slots=4, das_config=None,
+                         **engine):
+    ec = EngineConfig(max_slots=max_slots, max_cache_len=256, draft_widths=(1, 4, 8), **engine)
     eng = Engine(CFG, params, eos_token_ids=[EOS], engine_config=ec)
     reqs = random_requests()
     das = DASSection(policy=das_config or DASConfig())
@@ -79,6 +80,51 @@ def test_replay_matches_engine_das_frozen_cost_model(params):
     cfg = DASConfig(short_threshold=5, long_threshold=20)
     real, sims, _ = _run_real_and_replay(params, "das", 0.0, das_config=cfg)
     _assert_same(real, sims)
+
+
+@pytest.mark.parametrize("name", ["none", "das"])
+def test_replay_prices_a_paged_cache_by_the_pages_rows_read(params, name):
+    """A paged cache is priced as the GPU/TPU kernel reads it: each step's KV term is the pages
+    its live rows hold (a multiple of the page, at most the bucket's B x kv_len), so the same
+    rollouts take less predicted decode time than on the dense cache; the engine on this CPU
+    (which gathers the bucket) records none."""
+    from das_jax.engine import pages_read_kv
+    real, _, rollouts = _run_real_and_replay(params, "none", 1.0, epochs=1)
+    cfg = DASConfig(short_threshold=5, long_threshold=20)
+    das = DASSection(policy=cfg)
+    sims = {}
+    for kind in ("dense", "paged"):
+        ec = EngineConfig(max_slots=4, max_cache_len=256, draft_widths=(1, 4, 8),
+                          kv_cache=kind, page_size=8)
+        drafter, policy = build_speculation(name, das, rp.FrozenCostModel.of(COEF))
+        sims[kind] = rp.simulate(rollouts[0], ec, 40, rp.FrozenCostModel.of(COEF), drafter,
+                                 policy)
+    dense, paged = sims["dense"], sims["paged"]
+    assert paged.generated_tokens == dense.generated_tokens
+    assert all(s.read_kv is None for s in dense.steps)
+    assert all(s.read_kv % 8 == 0 and 0 < s.read_kv <= s.attended_kv for s in paged.steps)
+    assert any(s.read_kv < s.attended_kv for s in paged.steps)
+    assert paged.decode_s < dense.decode_s
+    assert pages_read_kv([3, 8, 9], 8) == 8 * 4
+    eng = Engine(CFG, params, eos_token_ids=[EOS], engine_config=EngineConfig(
+        max_slots=4, max_cache_len=256, kv_cache="paged", page_size=8))
+    _, st = eng.generate(random_requests(problems=1, samples=2),
+                         SamplingParams(temperature=1.0, max_new_tokens=8))
+    assert all(s.read_kv is None for s in st.steps)    # the CPU gathers: the bucket is read
+
+
+@pytest.mark.parametrize("name", ["none", "suffix"])
+def test_replay_of_a_paged_pool_matches_the_engine(params, name):
+    """A pool too small for every row (`kv_pages`): the replay admits by free pages, shares
+    prompt pages and preempts as the engine's `PagedExecutor` does (the same bookkeeping),
+    so steps, preemptions and prefill tokens match."""
+    real, sims, _ = _run_real_and_replay(params, name, 1.0, epochs=2, max_slots=8,
+                                         kv_cache="paged", page_size=4, kv_pages=24)
+    _assert_same(real, sims)
+    for st, sim in zip(real, sims):
+        assert sim.preemptions == st.preemptions
+        assert sim.prefill_tokens == st.prefill_tokens
+    assert sum(st.preemptions for st in real) > 0
 
 
 def test_trace_roundtrip_and_replay_epochs(params, tmp_path):
@@ -185,6 +231,14 @@ def test_replay_cli_cost_model_flag(params, tmp_path, capsys):
     import json
     res = json.loads(out_json.read_text())["results"][0]
     assert res["cost_model"]["c_kv"] == pytest.approx(57344 / (0.9 * 4.8e12))
+    # a paged pool with the memory of 2 dense rows of 256 positions, pages of 16
+    assert replay_cli.main(p.parse_args([str(trace), "--drafters", "none", "--kv-cache",
+                                         "paged", "--kv-rows", "2", "--json",
+                                         str(out_json)])) == 0
+    res = json.loads(out_json.read_text())["results"][0]
+    assert (res["kv_cache"], res["page_size"], res["kv_pages"]) == ("paged", 16, 2 * 16)
+    assert res["predicted"]["none"][0]["generated_tokens"] == sum(
+        len(r.token_ids) for r in rollouts[0])
 
 
 def test_das_budget_beats_unlimited_drafts_at_paper_scale_on_a_gpu_model():

@@ -195,3 +195,48 @@ def test_the_compile_time_is_learned_from_the_steps_that_compiled():
     assert fitted.compile_s == pytest.approx(2.5) and fitted.c_tok == cm.c_tok
     with pytest.raises(ValueError, match="compile_s must be >= 0"):
         CostModelConfig(compile_s=-1.0)
+
+
+# ---------------------------------------------------------------------- a paged cache's KV term
+def test_pages_read_counts_each_rows_own_pages():
+    from das_jax.engine.schedule import pages_read_kv
+    assert pages_read_kv([0, 1, 16, 17], 16) == 16 * (0 + 1 + 1 + 2)
+    assert pages_read_kv([], 16) == 0
+    assert pages_read_kv(np.array([5, 5, 5], np.int32), 4) == 4 * 6
+    shape = step_shape_fn(4, 128, (1, 4), read_kv=96)
+    s = shape(np.array([3, 0]))
+    assert s == (8, 512) and s.width == 4 and s.read_kv == 96 and shape.read_kv == 96
+    assert step_shape_fn(4, 128, (1,))(np.zeros(4)).read_kv == 512    # default: the bucket
+
+
+def test_cost_model_prices_a_paged_step_by_the_positions_it_reads():
+    cm = CostModel(c_base=0.01, c_tok=1e-3, c_kv=1e-5)
+    # the linear fit: the KV term of the positions read, not of the bucket
+    assert cm.predict_step(8, 4096, read_kv=1024) == pytest.approx(0.01 + 8e-3 + 1024e-5)
+    assert cm.predict_step(8, 4096) == pytest.approx(0.01 + 8e-3 + 4096e-5)
+    # a measured program (keyed by its bucket) read 1,000 positions: the median is shifted by
+    # c_kv per position read more or less
+    for _ in range(2):
+        cm.observe_step(8, 4096, 0.05, width=4, read_kv=1000)
+    assert cm.seen(8, 4096, 4)
+    assert cm.predict_step(8, 4096, width=4, read_kv=1000) == pytest.approx(0.05)
+    assert cm.predict_step(8, 4096, width=4, read_kv=3000) == pytest.approx(
+        0.05 + cm.c_kv * 2000)
+    assert cm.predict_step(8, 4096, width=4) == pytest.approx(0.05)   # not paged: no shift
+    # the fit sees the positions read
+    assert {k for _, k, _ in cm.observations} == {1000}
+
+
+def test_das_budget_prices_rows_by_the_pages_they_read():
+    """The fixed cost a row bears (its share of the step's KV reads) follows the pages the
+    live rows hold: with the bucket's reads priced, a row's tokens are worth more and the
+    budget drafts where it would not at the rows' real reads."""
+    rows = [RowView(i, "p", 5, 50) for i in range(4)]
+    probs = [np.array([0.3])] * 4
+    cm = CostModel(c_base=1e-3, c_tok=2e-3, c_kv=1e-5)
+    bucket = step_shape_fn(4, 1024, (1, 4))
+    paged = step_shape_fn(4, 1024, (1, 4), read_kv=4 * 16)
+    assert _policy(cm).choose(rows, probs, bucket)[0].tolist() == [1] * 4
+    n, t = _policy(cm).choose(rows, probs, paged)
+    assert n.tolist() == [0] * 4
+    assert t == pytest.approx(cm.predict_step(4, 4096, read_kv=64))

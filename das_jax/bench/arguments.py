@@ -67,4 +67,14 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    help="epochs of the paper-scale workload (default: the trace's)")
     p.add_argument("--temperature", type=float, default=None,
                    help="which recorded temperature to replay (default: all)")
+    p.add_argument("--kv-cache", choices=("dense", "paged"), default="dense",
+                   help="the simulated engine's KV cache: dense (every slot holds max_cache_len "
+                        "positions) or paged (a page pool: admission by free pages, prompt pages "
+                        "shared by a group, preemption when it runs short; steps priced by the "
+                        "pages their rows read, as the GPU/TPU kernels read them)")
+    p.add_argument("--page-size", type=positive_int, default=16,
+                   help="positions per page of the paged cache")
+    p.add_argument("--kv-rows", type=positive_int, default=None,
+                   help="paged: a pool with the memory of this many dense rows (each "
+                        "max_cache_len positions); default: one per slot (never runs short)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")

@@ -37,12 +37,14 @@ def _summary(st, steps_nk, coef) -> dict:
 
 
 def step_shapes(stats) -> list[tuple[int, int]]:
-    """(N token slots, K attended positions) of every step of a `SimStats` (padded defaults when
-    a record leaves them None: batch*width and batch*kv_len)."""
+    """(N token slots, K cached positions read) of every step of a `SimStats`: K is the pages
+    the rows held on a paged cache (`read_kv`), else the attended positions (padded defaults
+    when a record leaves them None: batch*width and batch*kv_len)."""
     out = []
     for s in stats.steps:
         n = s.num_tokens if s.num_tokens is not None else s.batch * s.width
-        k = s.attended_kv if s.attended_kv is not None else s.batch * s.kv_len
+        k = (s.read_kv if s.read_kv is not None else
+             s.attended_kv if s.attended_kv is not None else s.batch * s.kv_len)
         out.append((int(n), int(k)))
     return out
 

@@ -64,6 +64,7 @@ import numpy as np
 from das_jax.config import config_from_dict
 from das_jax.engine import (EngineConfig, GenerateStats, Limits, Prefilled, PromptRows, StepInput,
                             StepOutput, prefill_layout, run_schedule)
+from das_jax.engine.paged_rows import PagedRows
 from das_jax.rollout import build_speculation
 from das_jax.speculation import CostModel
 
@@ -71,7 +72,8 @@ from das_jax.speculation import CostModel
 class FrozenCostModel(CostModel):
     """A cost model that ignores observations (the replay plans with fixed coefficients)."""
 
-    def observe_step(self, num_tokens, attended_kv, seconds, refit=True, width=None):
+    def observe_step(self, num_tokens, attended_kv, seconds, refit=True, width=None,
+                     read_kv=None):
         pass
 
     def observe_compile(self, seconds):
@@ -202,6 +204,7 @@ class SimStats(GenerateStats):
                 "acceptance_length": self.acceptance_length, "decode_s": self.decode_s,
                 "draft_s": self.draft_s, "policy_s": self.policy_s,
                 "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
+                "preemptions": self.preemptions,
                 "mean_live_rows": rows / max(self.forward_passes, 1),
                 "device_s": self.device_s(overheads), "host_s": self.host_s,
                 "exposed_host_s": self.host_s,
@@ -218,7 +221,9 @@ class TraceExecutor:
     continuation (and never past the recorded end, where the row ends with its recorded
     finish reason). A verify step takes `cost_model.predict_step(num_tokens, attended_kv)`
     seconds; a prefill takes 0 here (its padded tokens are counted, `SimStats.predicted_s`
-    prices them). Log-probs are 0.
+    prices them). Log-probs are 0. On a paged cache (`engine_config.kv_cache: paged`) a step's
+    KV term is the pages its rows hold (`kv_read_page`, `schedule.pages_read_kv`), as the GPU
+    and TPU kernels read them (the device the cost model describes), not the bucket.
     """
 
     def __init__(self, rollouts: Sequence[TraceRollout], engine_config: EngineConfig,
@@ -227,6 +232,8 @@ class TraceExecutor:
         self.ec = engine_config
         self.cost_model = cost_model
         self.min_prompt_bucket = min_prompt_bucket or engine_config.min_prompt_bucket
+        self.kv_read_page = (int(engine_config.page_size)
+                             if getattr(engine_config, "kv_cache", "dense") == "paged" else None)
         for i, r in enumerate(rollouts):
             if not r.token_ids:
                 raise ValueError(f"trace rollout {i} (problem {r.problem_id!r}) has no tokens; "
@@ -245,11 +252,22 @@ class TraceExecutor:
         self.S = cache_len
         self.prompt_rows = PromptRows(batch)   # the engine's prompt sharing, same decisions
 
+    def prompt_of(self, request_id: int) -> tuple[int, ...]:
+        """The token ids an admission of `request_id` prefills (its recorded prompt)."""
+        return tuple(self.rollouts[request_id].prompt_ids)
+
     def prefill(self, request_ids, rows, batch) -> Prefilled:
-        prompts = [self.rollouts[i].prompt_ids for i in request_ids]
+        rows = np.asarray(rows)
+        prompts = [self.prompt_of(i) for i in request_ids]
         computed = list(range(len(prompts)))
-        if getattr(self.ec, "share_prompts", False):
-            computed = self.prompt_rows.split(prompts, rows)[2]
+        share = getattr(self.ec, "share_prompts", False)
+        if share:   # the engine's order: row copies, then the prefill, then the bookkeeping
+            shared, sources, computed, _ = self.prompt_rows.split(prompts, rows)
+            if shared:
+                self._share(rows[shared], sources, [prompts[k] for k in shared])
+        if computed:
+            self._place(rows[computed], [prompts[k] for k in computed])
+        if share:
             self.prompt_rows.admit(rows, prompts)
         tokens = 0
         if computed:
@@ -259,6 +277,12 @@ class TraceExecutor:
         return Prefilled([self.rollouts[i].token_ids[0] for i in request_ids],
                          [0.0] * len(request_ids), 0.0, tokens,
                          [self._end(i, 1) for i in request_ids])
+
+    def _share(self, rows, src_rows, prompts) -> None:
+        """Rows `rows` take the prompts rows `src_rows` hold (the engine's row copy)."""
+
+    def _place(self, rows, prompts) -> None:
+        """Rows `rows` are prefilled with `prompts`."""
 
     def compact(self, live, new_batch) -> None:
         self.prompt_rows.compact(live, new_batch)
@@ -282,7 +306,8 @@ class TraceExecutor:
         done_A = g_A + n_A >= self.len_R[ri_A]
         ends = np.where(done_A, self.reason_R[ri_A], "")
         return StepOutput(rec_AxK1, np.zeros(rec_AxK1.shape, np.float32), n_A.astype(np.int32),
-                          float(self.cost_model.predict_step(st.num_tokens, st.attended_kv)),
+                          float(self.cost_model.predict_step(st.num_tokens, st.attended_kv,
+                                                            read_kv=st.read_kv)),
                           ends)
 
 
@@ -304,9 +329,55 @@ class TraceExecutor:
         done_A = g_A + n_A >= self.len_R[ri_A]
         ends = np.where(done_A, self.reason_R[ri_A], "")
         ran = int(n_A.max(initial=1))
-        step_s = float(self.cost_model.predict_step(st.num_tokens, st.attended_kv))
+        step_s = float(self.cost_model.predict_step(st.num_tokens, st.attended_kv,
+                                                    read_kv=st.read_kv))
         return StepOutput(rec_AxK, np.zeros(rec_AxK.shape, np.float32), n_A.astype(np.int32),
                           ran * step_s, ends)
+
+
+class PagedTraceExecutor(PagedRows, TraceExecutor):
+    """`TraceExecutor` on a paged KV cache (`engine_config.kv_cache: paged`): the engine's
+    page pool bookkeeping (`engine.paged_rows.PagedRows`, as `PagedExecutor`) admits requests
+    by free pages, shares a group's prompt pages, frees a finished row's pages and preempts
+    the row admitted last when the pool (`kv_pages`, from `rollout.kv_memory_gb`) runs short;
+    a preempted request is resumed by prefilling its prompt and the tokens it had committed
+    (counted as prefill tokens). Steps are priced by the pages their rows read."""
+
+    def start(self, batch: int, cache_len: int) -> None:
+        super().start(batch, cache_len)
+        self.start_pool(self.ec.paging(batch, cache_len), batch, cache_len)
+
+    def request_prompt(self, request_id: int) -> tuple[int, ...]:
+        return TraceExecutor.prompt_of(self, request_id)
+
+    def shares_prompts(self) -> bool:
+        return bool(getattr(self.ec, "share_prompts", False))
+
+    def prefill(self, request_ids, rows, batch, resumed: dict | None = None) -> Prefilled:
+        self.begin_admission(rows, resumed)
+        try:
+            return super().prefill(request_ids, rows, batch)
+        finally:
+            self.end_admission(request_ids, rows, resumed)
+
+    def _share(self, rows, src_rows, prompts) -> None:
+        self.share_prompts(rows, src_rows, prompts)
+
+    def _place(self, rows, prompts) -> None:
+        self.place_prompts(rows, prompts)
+
+    def compact(self, live, new_batch) -> None:
+        self.compact_pool(live, new_batch)
+        super().compact(live, new_batch)
+
+    def verify(self, st: StepInput) -> StepOutput:
+        self.pool.ensure(st.live, st.cache_len_B[st.live] + 1 + st.n_draft_B[st.live])
+        return super().verify(st)
+
+    def decode(self, st: StepInput, steps: int, budget_A: np.ndarray,
+               stop_ids: np.ndarray) -> StepOutput:
+        self.pool.ensure(st.live, st.cache_len_B[st.live] + np.minimum(int(steps), budget_A))
+        return super().decode(st, steps, budget_A, stop_ids)
 
 
 def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_new_tokens: int,
@@ -320,7 +391,9 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
     Raises:
       ValueError: a rollout without tokens.
     """
-    executor = TraceExecutor(rollouts, engine_config, cost_model, min_prompt_bucket)
+    paged = getattr(engine_config, "kv_cache", "dense") == "paged"
+    executor = (PagedTraceExecutor if paged else TraceExecutor)(rollouts, engine_config,
+                                                                cost_model, min_prompt_bucket)
     _, stats = run_schedule(rollouts, executor, engine_config, Limits(max_new_tokens), drafter,
                             policy, progress, keep_tokens=False, stats=SimStats())
     return stats

@@ -73,17 +73,18 @@ def main(args: argparse.Namespace) -> int:
               f"p50 {np.median(lens):.0f}, p90 {np.percentile(lens, 90):.0f}, max {max(lens)}",
               flush=True)
         for ms in slots:
-            ec = EngineConfig(max_slots=ms, max_cache_len=max(
+            ec = engine_config(args, ms, widths, max(
                 int(eng.get("max_cache_len", 2048)),
                 cache_len_for(EngineConfig().max_cache_len, widths, max(
-                    len(r.prompt_ids) for rs in epochs.values() for r in rs), max_new)),
-                draft_widths=widths)
+                    len(r.prompt_ids) for rs in epochs.values() for r in rs), max_new)))
             t0 = time.perf_counter()
             pred = rp.replay_epochs(epochs, names, ec, max_new, coef, das, overheads,
                                     log=lambda s: print(s, flush=True))
             sim_s = time.perf_counter() - t0
             results.append({"temperature": temp, "max_slots": ms, "widths": list(widths),
-                            "cost_model": coef, "predicted": pred, "sim_s": sim_s})
+                            "kv_cache": ec.kv_cache, "kv_pages": ec.kv_pages,
+                            "page_size": ec.page_size, "cost_model": coef, "predicted": pred,
+                            "sim_s": sim_s})
             print(table(pred, temp, ms))
             print(f"(simulated in {sim_s:.1f}s)", flush=True)
     if args.json:
@@ -91,6 +92,19 @@ def main(args: argparse.Namespace) -> int:
             json.dump({"trace": args.trace, "scale": args.scale, "results": results}, f, indent=1,
                       default=str)
     return 0
+
+
+def engine_config(args, max_slots: int, widths, max_cache_len: int) -> EngineConfig:
+    """The simulated engine: `max_slots` rows of `max_cache_len`; with `--kv-cache paged` a
+    pool of `--page-size` pages with the memory of `--kv-rows` dense rows (default: one per
+    slot, which never runs short)."""
+    if args.kv_cache != "paged":
+        return EngineConfig(max_slots=max_slots, max_cache_len=max_cache_len,
+                            draft_widths=widths)
+    per_row = -(-max_cache_len // args.page_size)
+    return EngineConfig(max_slots=max_slots, max_cache_len=max_cache_len, draft_widths=widths,
+                        kv_cache="paged", page_size=args.page_size,
+                        kv_pages=None if args.kv_rows is None else args.kv_rows * per_row)
 
 
 def paper_groups(trace, args):

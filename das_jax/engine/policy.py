@@ -90,7 +90,9 @@ class StepRecord:
     cost model); classes: per-class live row counts (policy-defined, e.g.
     {"long": 3, "medium": 5, "short": 0}); num_tokens / attended_kv: the token slots the step
     computed and the cached positions it attended, summed over rows (what the cost model
-    observes; None: batch * width and batch * kv_len); accepted_per_row: committed accepted draft
+    observes; None: batch * width and batch * kv_len); read_kv: the cached positions the step
+    read when not attended_kv (a paged cache read by a kernel; None: attended_kv);
+    accepted_per_row: committed accepted draft
     tokens of each live row, in the order of the rows the policy was shown (None: unknown);
     compile_s: seconds spent compiling the step's program, when the step was the first of its
     shape (0.0 otherwise; not part of `seconds`, and not compared: a program compiled by an
@@ -110,6 +112,7 @@ class StepRecord:
     num_tokens: int | None = None
     attended_kv: int | None = None
     accepted_per_row: tuple[int, ...] | None = None
+    read_kv: int | None = None
     compile_s: float = dataclasses.field(default=0.0, compare=False)
 
     def step_shape(self) -> tuple[int, int]:

@@ -238,29 +238,43 @@ def _slot_bucket(n_draft_B: Sequence[int], buckets: Sequence[int]) -> int:
 
 class StepShape(tuple):
     """(num_tokens, attended_kv), plus the query-block width W the step runs at as `.width`
-    (compares and unpacks as the plain pair)."""
+    and the cached positions it actually reads as `.read_kv` (attended_kv, but on a paged
+    cache read by a kernel: `pages_read_kv`) (compares and unpacks as the plain pair)."""
 
     width: int
+    read_kv: int
 
-    def __new__(cls, num_tokens: int, attended_kv: int, width: int):
+    def __new__(cls, num_tokens: int, attended_kv: int, width: int, read_kv: int | None = None):
         out = super().__new__(cls, (num_tokens, attended_kv))
         out.width = int(width)
+        out.read_kv = int(attended_kv if read_kv is None else read_kv)
         return out
+
+
+def pages_read_kv(cache_len_A, page_size: int) -> int:
+    """Cached positions a paged attention kernel reads for rows holding `cache_len_A` cached
+    tokens: the positions of every page that holds one, `page * sum_a ceil(len_a / page)`
+    (each row reads its own pages, not the longest row's bucket)."""
+    n = np.asarray(cache_len_A, np.int64)
+    return int(page_size * ((n + page_size - 1) // page_size).sum())
 
 
 class PackedStepShape:
     """`step_shape(n_draft_A) -> StepShape` of the packed verify step (`step_shape_fn`), plus
     `many(n_CxA)`: the shapes of C choices at once (arrays), for a policy that prices many."""
 
-    def __init__(self, batch: int, kv_len: int, widths: Sequence[int]):
+    def __init__(self, batch: int, kv_len: int, widths: Sequence[int],
+                 read_kv: int | None = None):
         self.widths = np.array(sorted(int(w) for w in widths), np.int64)
         # once: the policy prices many choices
         self.buckets = np.array(verify_token_buckets(batch, int(self.widths[-1])), np.int64)
         self.attended = batch * kv_len
+        # the cached positions the step reads, whatever the drafts (`StepShape.read_kv`)
+        self.read_kv = int(self.attended if read_kv is None else read_kv)
 
     def __call__(self, n_draft_A) -> "StepShape":
         return StepShape(int(_slot_bucket(n_draft_A, self.buckets)), int(self.attended),
-                         int(packed_width(n_draft_A, self.widths)))
+                         int(packed_width(n_draft_A, self.widths)), self.read_kv)
 
     def many(self, n_CxA: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int64 `[C]` each (num_tokens, attended_kv, width) of choices `n_CxA` (row c: one
@@ -273,16 +287,19 @@ class PackedStepShape:
         return self.buckets[i], np.full(len(n_CxA), self.attended, np.int64), self.widths[w]
 
 
-def step_shape_fn(batch: int, kv_len: int, widths: Sequence[int]) -> PackedStepShape:
-    """`step_shape(n_draft_B) -> StepShape (num_tokens, attended_kv; .width W)` of the packed
-    verify step at batch bucket `batch` and attended length `kv_len`, for per-row draft lengths
-    of the live rows: num_tokens is the slot bucket of sum_b (1 + n_b) (`verify_token_buckets`:
-    B, then slot buckets up to batch x the widest width), attended_kv = `batch * kv_len` (every
-    cache row of the batch bucket attends the step's `kv_len`), W is `packed_width` (the
-    smallest compiled width holding the longest row). Shared by the engine and the trace
-    replay, so both price a choice of drafts the same way (`PackedStepShape.many` prices many
-    choices at once)."""
-    return PackedStepShape(batch, kv_len, widths)
+def step_shape_fn(batch: int, kv_len: int, widths: Sequence[int],
+                  read_kv: int | None = None) -> PackedStepShape:
+    """`step_shape(n_draft_B) -> StepShape (num_tokens, attended_kv; .width W, .read_kv)` of
+    the packed verify step at batch bucket `batch` and attended length `kv_len`, for per-row
+    draft lengths of the live rows: num_tokens is the slot bucket of sum_b (1 + n_b)
+    (`verify_token_buckets`: B, then slot buckets up to batch x the widest width), attended_kv
+    = `batch * kv_len` (every cache row of the batch bucket attends the step's `kv_len`: the
+    compiled program), W is `packed_width` (the smallest compiled width holding the longest
+    row), read_kv the cached positions the step reads (`read_kv`; default attended_kv; a paged
+    cache read by a kernel: `pages_read_kv`). Shared by the engine and the trace replay, so
+    both price a choice of drafts the same way (`PackedStepShape.many` prices many choices at
+    once)."""
+    return PackedStepShape(batch, kv_len, widths, read_kv)
 
 
 def tail_bucket(num_live: int, batch: int, batch_buckets: Sequence[int],

@@ -31,7 +31,8 @@ from das_jax.drafter.base import append_batch
 from das_jax.engine.policy import (FixedPolicy, RowBatch, SpeculationPolicy, StepRecord,
                                    acceptance_length, plan_step)
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
-                                     prompt_bucket, step_shape_fn, tail_bucket, token_buckets)
+                                     pages_read_kv, prompt_bucket, step_shape_fn, tail_bucket,
+                                     token_buckets)
 from das_jax.engine.step_io import (Limits, Prefilled,  # noqa: F401 - re-exported
                                     StepExecutor, StepInput, StepOutput)
 
@@ -394,6 +395,13 @@ class _Run:
         self.B = nb
         return np.arange(len(live))
 
+    def read_kv(self, cache_len_A) -> int | None:
+        """The cached positions a step of rows holding `cache_len_A` tokens reads, when the
+        executor's attention reads each row's own pages (`StepExecutor.kv_read_page`:
+        `pages_read_kv`); None (the bucket's `batch * kv_len`) otherwise."""
+        page = getattr(self.executor, "kv_read_page", None)
+        return None if page is None else pages_read_kv(cache_len_A, page)
+
     def decode(self, live: np.ndarray) -> None:
         """Up to `decode_k` plain decode steps of the live rows in one executor call (no
         drafter): commit, and one `StepRecord` per device step (its rows: those still running;
@@ -404,13 +412,14 @@ class _Run:
         remaining_A = self.max_new - gen_A
         kv_len = kv_len_bucket(self.cache_len[live] + k - 1, self.S)
         n0_A = np.zeros(len(live), np.int32)
-        num_tokens, attended_kv = step_shape_fn(B, kv_len, (1,))(n0_A)
+        read_kv = self.read_kv(self.cache_len[live] + (k - 1) // 2)   # the call's mean step
+        num_tokens, attended_kv = step_shape_fn(B, kv_len, (1,), read_kv)(n0_A)
         n0_B = np.zeros(B, np.int32)
         out = self.executor.decode(StepInput(
             batch=B, live=live, request_ids=req_A, generated=gen_A, cache_len_B=self.cache_len,
             kv_len=kv_len, width=1, drafts_AxK=np.zeros((len(live), 0), np.int32),
             n_draft_B=n0_B, num_tokens=num_tokens, attended_kv=attended_kv,
-            predicted_seconds=None), k, remaining_A, self.stop_ids)
+            predicted_seconds=None, read_kv=read_kv), k, remaining_A, self.stop_ids)
         n_A = np.asarray(out.n_A, np.int64)
         steps = int(n_A.max(initial=1))
         stats.decode_s += out.seconds
@@ -424,7 +433,7 @@ class _Run:
             record = StepRecord(batch=B, active=active, width=1, kv_len=kv_len, drafted=0,
                                 accepted=0, emitted=emitted, seconds=out.seconds / steps,
                                 num_tokens=num_tokens, attended_kv=attended_kv,
-                                accepted_per_row=None,
+                                accepted_per_row=None, read_kv=read_kv,
                                 compile_s=out.compile_s if i == 0 else 0.0)
             stats.steps.append(record)
             self.policy.observe(record)
@@ -436,7 +445,8 @@ class _Run:
         req_A = self.row_req[live]
         gen_A = self.generated_R[req_A]
         rows = RowBatch(req_A, gen_A, self.max_new - gen_A)
-        step_shape = step_shape_fn(B, kv_len, self.widths)
+        read_kv = self.read_kv(self.cache_len[live])
+        step_shape = step_shape_fn(B, kv_len, self.widths, read_kv)
         plan = plan_step(self.drafter, policy, rows, B, self.widths, kv_len, step_shape)
         stats.draft_s += plan.draft_s
         stats.policy_s += plan.policy_s
@@ -449,7 +459,8 @@ class _Run:
             batch=B, live=live, request_ids=req_A, generated=gen_A,
             cache_len_B=self.cache_len, kv_len=kv_len, width=plan.width,
             drafts_AxK=plan.drafts.tokens_AxK, n_draft_B=n_draft_B, num_tokens=num_tokens,
-            attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds))
+            attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds,
+            read_kv=read_kv))
         stats.decode_s += out.seconds
         stats.forward_passes += 1
         drafted = int(n_draft_A.sum())
@@ -469,7 +480,7 @@ class _Run:
                             seconds=out.seconds,
                             predicted_seconds=plan.predicted_seconds, classes=classes,
                             num_tokens=num_tokens, attended_kv=attended_kv,
-                            accepted_per_row=tuple(accepted_A.tolist()),
+                            accepted_per_row=tuple(accepted_A.tolist()), read_kv=read_kv,
                             compile_s=out.compile_s)
         stats.steps.append(record)
         t0 = time.perf_counter()

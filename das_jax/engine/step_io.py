@@ -33,7 +33,8 @@ class StepInput:
     block); drafts_AxK: int32 `[A, K]` draft tokens per live row (row j's are
     drafts_AxK[j, :n_draft_B[live[j]]], K <= W - 1); n_draft_B: int32 `[B]` (0 for free rows);
     num_tokens / attended_kv: the step shape (`step_shape_fn`); predicted_seconds: the
-    policy's prediction.
+    policy's prediction; read_kv: the cached positions the step reads when not attended_kv
+    (a paged cache read by a kernel, `schedule.pages_read_kv`; None: attended_kv).
     """
 
     batch: int
@@ -48,6 +49,7 @@ class StepInput:
     num_tokens: int
     attended_kv: int
     predicted_seconds: float | None
+    read_kv: int | None = None
 
     def draft(self, j: int) -> np.ndarray:
         """int32 `[n]`: the draft tokens of live row j."""
@@ -110,6 +112,9 @@ class StepExecutor(Protocol):
     # Optional: release(rows): the requests of cache rows `rows` finished (called once per
     # commit with every row that finished in it); an executor that frees a row's memory then
     # (the paged KV cache) has it.
+    # Optional: kv_read_page: int | None, the page size when attention reads each row's own
+    # pages (a paged cache read by a kernel): the scheduler then prices a step's KV reads by
+    # the pages its live rows hold (`schedule.pages_read_kv`), not by the bucket.
 
 
 @dataclasses.dataclass(frozen=True)

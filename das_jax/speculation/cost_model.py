@@ -24,6 +24,13 @@ query-block width W, the recent measured seconds (`table_window` of them), and
 otherwise, and whenever no width is given). `seen(N, K, W)` says whether a shape has been
 measured, i.e. whether its program is compiled (the DAS policy prefers compiled shapes).
 
+A paged cache read by a kernel (`models.paged_attention`: the TPU and CUDA lowerings) reads
+each row's own pages, not the bucket: its K is the positions of the pages the live rows hold
+(`read_kv`, `schedule.pages_read_kv`), while the compiled program, and so the table's key, is
+still the bucket's (B * kv_len). `predict_step(..., read_kv=R)` prices such a step: the linear
+fit at K = R, or the program's measured median shifted by c_kv * (R - the median R of its
+measured steps); `observe_step(..., read_kv=R)` fits the KV term on R.
+
 `predict(batch, width, kv_len)` / `observe(batch, width, kv_len, seconds)` are the padded-engine
 spelling of `predict_step(batch * width, batch * kv_len)` / `observe_step(...)`.
 
@@ -112,6 +119,8 @@ class CostModel:
       table_window / table_min: measured seconds kept per shape (N, K, W), and how many are
         needed before `predict_step` with a width returns their median instead of the fit.
       table: {(num_tokens, attended_kv, width): deque of recent seconds}.
+      table_read: {the same keys: deque of the cached positions those steps read} (their
+        `read_kv`; the key's attended_kv when not given).
       compile_s: seconds to compile one new verify-step shape: the prior, replaced by the mean of
         the `compile_count` compiles measured so far (`observe_compile`).
     """
@@ -124,6 +133,7 @@ class CostModel:
     table_window: int = 16
     table_min: int = 2
     table: dict = dataclasses.field(default_factory=dict)
+    table_read: dict = dataclasses.field(default_factory=dict)
     compile_s: float = _PRIOR.compile_s
     compile_count: int = 0
 
@@ -142,31 +152,45 @@ class CostModel:
                    history=config.history, compile_s=config.compile_s)
 
     # ----- the step-shape interface (shared contract with the packed engine) -------------------
-    def predict_step(self, num_tokens: int, attended_kv: int, width: int | None = None) -> float:
+    def predict_step(self, num_tokens: int, attended_kv: int, width: int | None = None,
+                     read_kv: int | None = None) -> float:
         """Predicted seconds of a verify step computing `num_tokens` token slots that attend
         `attended_kv` cached positions in total (summed over rows), with query-block `width`
         W when known: the median of the shape's recent measured times once `table_min` are
-        there, else (and without a width) the linear fit."""
+        there, else (and without a width) the linear fit. `read_kv`: the cached positions the
+        step actually reads when that is not `attended_kv` (a paged cache read by a kernel,
+        module docstring): the fit's KV term, and the median shifted by c_kv times its
+        difference from the measured steps' median read."""
+        read = attended_kv if read_kv is None else read_kv
         if width is not None:
-            ts = self.table.get((int(num_tokens), int(attended_kv), int(width)))
+            key = (int(num_tokens), int(attended_kv), int(width))
+            ts = self.table.get(key)
             if ts is not None and len(ts) >= self.table_min:
-                return float(np.median(ts))
-        return self.c_base + self.c_tok * num_tokens + self.c_kv * attended_kv
+                shift = 0.0
+                if read_kv is not None:
+                    shift = max(self.c_kv, 0.0) * (read - float(np.median(self.table_read[key])))
+                return max(float(np.median(ts)) + shift, 0.0)
+        return self.c_base + self.c_tok * num_tokens + self.c_kv * read
 
     def seen(self, num_tokens: int, attended_kv: int, width: int) -> bool:
         """Whether a step of this shape has been measured (so its program is compiled)."""
         return (int(num_tokens), int(attended_kv), int(width)) in self.table
 
     def observe_step(self, num_tokens: int, attended_kv: int, seconds: float,
-                     refit: bool = True, width: int | None = None) -> None:
+                     refit: bool = True, width: int | None = None,
+                     read_kv: int | None = None) -> None:
         """Adds one measured step to the window (dropping the oldest beyond `history`) and, with
         `refit`, refits the coefficients; with its query-block `width`, also to the shape's
-        entry of `table`."""
+        entry of `table`. `read_kv`: the cached positions the step read, when not
+        `attended_kv` (the fit's KV term; see `predict_step`)."""
+        read = int(attended_kv if read_kv is None else read_kv)
         if width is not None:
             key = (int(num_tokens), int(attended_kv), int(width))
             self.table.setdefault(key, collections.deque(maxlen=self.table_window)).append(
                 float(seconds))
-        self.observations.append((int(num_tokens), int(attended_kv), float(seconds)))
+            self.table_read.setdefault(key, collections.deque(maxlen=self.table_window)).append(
+                read)
+        self.observations.append((int(num_tokens), read, float(seconds)))
         while len(self.observations) > self.history:
             self.observations.popleft()
         if refit:

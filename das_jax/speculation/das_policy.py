@@ -335,7 +335,8 @@ class DASPolicy:
         cost model has one for the shape's width, else the linear fit
         (`CostModel.predict_step`)."""
         return float(self.cost_model.predict_step(shape[0], shape[1],
-                                                  width=getattr(shape, "width", None)))
+                                                  width=getattr(shape, "width", None),
+                                                  read_kv=getattr(shape, "read_kv", None)))
 
     def _seen(self, shape) -> bool:
         """Whether the cost model has measured this shape (its program is compiled). True when
@@ -344,9 +345,11 @@ class DASPolicy:
         return width is None or not self.cost_model.table or self.cost_model.seen(
             shape[0], shape[1], width)
 
-    def _predict_key(self, key: tuple) -> float:
-        """`_predict` of a shape key (num_tokens, attended_kv, width or None)."""
-        return float(self.cost_model.predict_step(key[0], key[1], width=key[2]))
+    def _predict_key(self, key: tuple, read_kv: int | None = None) -> float:
+        """`_predict` of a shape key (num_tokens, attended_kv, width or None) whose step reads
+        `read_kv` cached positions (None: attended_kv)."""
+        return float(self.cost_model.predict_step(key[0], key[1], width=key[2],
+                                                  read_kv=read_kv))
 
     def _seen_key(self, key: tuple) -> bool:
         """`_seen` of a shape key (num_tokens, attended_kv, width or None)."""
@@ -441,8 +444,10 @@ class DASPolicy:
             return lens, self._predict(step_shape(lens))
         q_BxD = self.calibrated(db)
         cum = np.concatenate([np.zeros((len(lens), 1)), np.cumsum(q_BxD, axis=1)], axis=1)
+        base = step_shape(np.zeros_like(lens))
+        read_kv = getattr(base, "read_kv", None)   # the same for every choice of drafts
         f = self.row_fixed_costs(rows, self.row_weights(rows),
-                                 step_shape(np.zeros_like(lens))[1])
+                                 base[1] if read_kv is None else read_kv)
         c_tok = max(self.cost_model.c_tok, 0.0)
         lam, n_opt = self.token_values(f, c_tok, cum, lens)
         value_BxD = lam[:, None] * q_BxD
@@ -453,7 +458,7 @@ class DASPolicy:
         sums_C = n_CxA.sum(axis=1)
         priced: dict = {}      # shape -> (predicted seconds, measured); few distinct per step
         for sh in set(shapes):
-            priced[sh] = (self._predict_key(sh), self._seen_key(sh))
+            priced[sh] = (self._predict_key(sh, read_kv), self._seen_key(sh))
         scored = [(priced[sh][0] - float(sv), priced[sh][0], int(k), n,
                    k == 0 or priced[sh][1], sh)
                   for sh, sv, k, n in zip(shapes, saved_C, sums_C, n_CxA)]
@@ -488,7 +493,8 @@ class DASPolicy:
         return n.astype(np.int32), best[1]
 
     def observe(self, record: StepRecord) -> None:
-        self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width)
+        self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width,
+                                     read_kv=record.read_kv)
         self._regret.pop((*record.step_shape(), record.width), None)
         if record.compile_s > 0:
             self.cost_model.observe_compile(record.compile_s)
