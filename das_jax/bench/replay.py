@@ -62,9 +62,8 @@ import numpy as np
 # The engine's own host scheduler and result types: the simulation runs the engine's loop.
 # Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
 from das_jax.config import config_from_dict
-from das_jax.engine import (EngineConfig, GenerateStats, Limits, Prefilled, PromptRows, StepInput,
-                            StepOutput, prefill_layout, run_schedule)
-from das_jax.engine.paged_rows import PagedRows
+from das_jax.engine import (EngineConfig, GenerateStats, Limits, PagedRows, Prefilled, PromptRows,
+                            StepInput, StepOutput, prefill_layout, run_schedule)
 from das_jax.rollout import build_speculation
 from das_jax.speculation import CostModel
 

@@ -10,6 +10,8 @@ Public surface:
     ShareBatch, GatherSpec, GatherBatch, CacheSpec: the programs' typed inputs  (specs.py)
   time_verify_padded (the padded verify, timed as the benchmark's baseline)    (reference.py)
   run_schedule, prefill_layout: the host scheduler shared with the trace replay  (scheduler.py)
+  PagedRows: a page pool's admission, placement, preemption and release, shared
+    by the paged executor and the trace replay                                 (paged_rows.py)
   StepExecutor, StepInput, StepOutput, Prefilled, Limits: what it and an executor
     exchange                                                                   (step_io.py)
   SamplingParams, SamplingError, request_seed                                  (sampling.py)
@@ -48,7 +50,7 @@ _EXPORTS = {
     "DecodeBatch": "specs", "PrefillSpec": "specs",
     "PrefillBatch": "specs", "ShareSpec": "specs", "ShareBatch": "specs", "GatherSpec": "specs",
     "GatherBatch": "specs", "CacheSpec": "specs", "StepShape": "schedule",
-    "pages_read_kv": "schedule",
+    "pages_read_kv": "schedule", "PagedRows": "paged_rows",
     "time_verify_padded": "reference",
     "StepExecutor": "step_io", "StepInput": "step_io",
     "StepOutput": "step_io", "Prefilled": "step_io", "Limits": "step_io",
