@@ -95,7 +95,66 @@ def pytest_xdist_make_scheduler(config, log):
     return _Scheduling(config, log)
 
 
+# The heaviest tests that do not load the real model, marked `slow` here (each took >= ~20 s of
+# one worker's time in a `--durations=0` run on the 2-core machine): several processes or 4-8
+# forced devices, eager twins of jitted tests, and a second temperature, loss or variant of a
+# test whose other variants stay in the fast suite. `python -m pytest -q` deselects every `slow`
+# test (`addopts` in pyproject.toml) so that it stays under 15 minutes there; `.ci/run` runs them
+# after it (`python -m pytest -q -m slow`). Entries are node ids (a name without a parameter id
+# covers all its parameters); one that matches no collected test of its file is an error.
+_SLOW_TESTS = (
+    "tests/test_paged_kv_cache.py::test_paged_operations_equal_the_dense_ones[eager]",
+    "tests/test_paged_kv_cache.py::test_preempted_rows_resume_with_the_same_tokens[fast-drafts]",
+    "tests/test_paged_kv_cache.py::test_odd_pages_without_sharing_under_a_tight_budget",
+    "tests/test_sharding_train.py::test_sharded_train_step_equals_one_device",
+    "tests/test_sharding_train.py::test_per_device_train_state_is_an_eighth",
+    "tests/test_sharding_cli.py::test_four_devices_with_a_mesh_log_the_same_metrics",
+    "tests/test_evaluate.py::test_trainer_evaluates_at_start_every_and_end",
+    "tests/test_gpu_lease_check.py::test_smoke_runs_every_part",
+    "tests/test_gpu_lease_check.py::test_smoke_counts_give_a_full_run_within_the_budget",
+    "tests/test_packed_prefill.py::test_packed_prefill_without_jit_matches_jit",
+    "tests/test_advantages_equal_groups.py::test_equal_groups_zero_others_match_reference",
+    "tests/test_bench_rollout.py::test_bench_rollout_core",
+    "tests/test_trainer.py::test_training_is_lossless_with_das",
+    "tests/test_multi_device.py::test_two_replicas_on_one_device_in_threads_are_token_identical",
+    "tests/test_bench_replay.py::test_replay_of_a_paged_pool_matches_the_engine[suffix]",
+    "tests/test_sampling_numerics.py::test_tiny_temperature_equals_greedy[1e-10]",
+    "tests/test_exact_mode.py::"
+    "test_generate_exact_tokens_and_logprobs_identical_with_speculation[0.6]",
+    "tests/test_memory.py::test_mixed_precision_master_weights",
+    "tests/test_memory.py::test_kv_cache_layout_ops",
+    "tests/test_fused_update.py::test_fused_update_mixed_precision_tracks_unfused",
+    "tests/test_fused_update.py::test_fused_update_equals_unfused[dapo_clipped]",
+    "tests/test_engine.py::test_speculation_never_changes_tokens[t0.6]",
+    "tests/test_grpo_train_step.py::test_skip_zero_advantage_rows_same_loss_and_gradient[dr_grpo]",
+    "tests/test_decode_steps.py::test_multi_step_decode_equals_single_steps[t1]",
+    "tests/test_rewards_sandbox.py::test_trainer_reports_reward_timeouts",
+    "tests/test_paged_attention.py::test_kernels_equal_the_reference[2-2-1-1-8-16-5-pallas_gpu]",
+)
+
+
+def _mark_slow_tests(config, items) -> None:
+    """Adds the `slow` mark to the tests named in `_SLOW_TESTS`.
+
+    Raises:
+      pytest.UsageError: an entry matches no collected test although its whole file was
+        collected (a test renamed or removed: update the list).
+    """
+    matched, files = set(), set()
+    for item in items:
+        files.add(item.nodeid.split("::", 1)[0])
+        for entry in (item.nodeid, item.nodeid.split("[", 1)[0]):
+            if entry in _SLOW_TESTS:
+                item.add_marker(pytest.mark.slow)
+                matched.add(entry)
+    stale = [e for e in _SLOW_TESTS if e not in matched and e.split("::", 1)[0] in files]
+    if stale and not any("::" in str(a) for a in config.args):   # whole files collected
+        raise pytest.UsageError(f"conftest._SLOW_TESTS names no collected test: {stale}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks added here
 def pytest_collection_modifyitems(config, items):
+    _mark_slow_tests(config, items)
     rank = {name: i for i, name in enumerate(_LONG_FILES_FIRST)}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[id(item)]))
