@@ -12,9 +12,9 @@ import pytest
 
 from das_jax.models import paged_attention as pa
 from das_jax.models.decode_attention import attend_cache
-from das_jax.models.paged_kv_cache import PagedKVCache
 from das_jax.models.transformer import forward_hidden
-from das_jax.testing import random_kv_cache, tiny_model_config, tiny_params
+from das_jax.testing import (paged_kv_cache_like, random_kv_cache, tiny_model_config,
+                             tiny_params)
 
 KERNELS = {"pallas_tpu": pa.prefix_partials_tpu, "pallas_gpu": pa.prefix_partials_gpu}
 
@@ -118,20 +118,7 @@ CFG = tiny_model_config()   # H=4 over KVH=2 (G=2), K=8
 def dense_and_paged(seed, B, S, page):
     """A random dense cache and a paged one holding the same positions on permuted pages."""
     dense = random_kv_cache(CFG, batch=B, cache_len=S, seed=seed)
-    L, _, KVH, K, _ = dense.k.shape
-    mp = -(-S // page)
-    rng = np.random.default_rng(seed + 1)
-    P = B * mp + 2
-    ids = rng.permutation(P)[: B * mp].reshape(B, mp).astype(np.int32)
-    k = rng.standard_normal((L, P, KVH, K, page)).astype(np.float32)
-    v = rng.standard_normal((L, P, KVH, page, K)).astype(np.float32)
-    dk = np.pad(np.asarray(dense.k), [(0, 0)] * 4 + [(0, mp * page - S)])
-    dv = np.pad(np.asarray(dense.v), [(0, 0)] * 3 + [(0, mp * page - S), (0, 0)])
-    for b in range(B):
-        for j in range(mp):
-            k[:, ids[b, j]] = dk[:, b, :, :, j * page:(j + 1) * page]
-            v[:, ids[b, j]] = dv[:, b, :, j * page:(j + 1) * page]
-    return dense, PagedKVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(ids))
+    return dense, paged_kv_cache_like(dense, page, seed + 1)
 
 
 @pytest.mark.parametrize("kernel", ["gather", "pallas_tpu", "pallas_gpu"])

@@ -17,8 +17,9 @@ from das_jax.engine.sampling import SamplingParams
 from das_jax.models.kv_cache import DenseKVCache
 from das_jax.models.paged_attention import PagedView
 from das_jax.models.paged_kv_cache import PagedKVCache
-from das_jax.testing import (AdversaryDrafter, OracleDrafter, random_kv_cache, random_requests,
-                             tiny_engine, tiny_model_config, tiny_params)
+from das_jax.testing import (AdversaryDrafter, OracleDrafter, paged_kv_cache_like,
+                             random_kv_cache, random_requests, tiny_engine, tiny_model_config,
+                             tiny_params)
 
 EOS = 1
 
@@ -85,20 +86,7 @@ def test_pool_exhaustion_is_an_error_and_allocates_nothing():
 def paged_like(dense: DenseKVCache, page: int, seed: int) -> PagedKVCache:
     """A paged cache holding the dense cache's positions on randomly permuted pages (plus spare
     pages of noise, so a wrong page id shows)."""
-    L, B, KVH, K, S = dense.k.shape
-    mp = -(-S // page)
-    num_pages = B * mp + 3
-    rng = np.random.default_rng(seed)
-    ids = rng.permutation(num_pages)[:B * mp].reshape(B, mp).astype(np.int32)
-    k = rng.standard_normal((L, num_pages, KVH, K, page)).astype(np.float32)
-    v = rng.standard_normal((L, num_pages, KVH, page, K)).astype(np.float32)
-    dk = np.pad(np.asarray(dense.k), [(0, 0)] * 4 + [(0, mp * page - S)])
-    dv = np.pad(np.asarray(dense.v), [(0, 0)] * 3 + [(0, mp * page - S), (0, 0)])
-    for b in range(B):
-        for j in range(mp):
-            k[:, ids[b, j]] = dk[:, b, :, :, j * page:(j + 1) * page]
-            v[:, ids[b, j]] = dv[:, b, :, j * page:(j + 1) * page]
-    return PagedKVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(ids))
+    return paged_kv_cache_like(dense, page, seed)
 
 
 def attended_np(cache, kv_len):

@@ -101,6 +101,13 @@ def prefix_partials_reference(q_BxNxMxK, k_PxNxKxS, v_PxNxSxK, table_BxMP, cache
     return o, m, e.sum(-1)
 
 
+def _no_pages(q_BxNxMxK):
+    """The contract's partial state of an empty cached block (kv_len 0): o 0, m MASK, l 0."""
+    B, N, M, K = q_BxNxMxK.shape
+    return (jnp.zeros((B, N, M, K), jnp.float32), jnp.full((B, N, M), MASK_VALUE, jnp.float32),
+            jnp.zeros((B, N, M), jnp.float32))
+
+
 def gather_pages(k_PxNxKxS, v_PxNxSxK, table_BxMP, kv_len: int):
     """The first `kv_len` positions of every row gathered from its pages (an XLA gather):
     (k `[B, KVH, K, kv_len]`, v `[B, KVH, kv_len, K]`), the dense cache's view. Unallocated
@@ -160,8 +167,7 @@ def prefix_partials_tpu(q_BxNxMxK, k_PxNxKxS, v_PxNxSxK, table_BxMP, cache_len_B
                                  kv_len)
     n = _pages_read(kv_len, page)
     if n == 0:
-        return prefix_partials_reference(q_BxNxMxK, k_PxNxKxS, v_PxNxSxK, table_BxMP,
-                                          cache_len_B, 0)
+        return _no_pages(q_BxNxMxK)
 
     def page_block(b, h, j, table_ref, len_ref):
         # Past the row's last page: that page again (the pipeline skips a repeated block).
@@ -227,8 +233,7 @@ def prefix_partials_gpu(q_BxNxMxK, k_PxNxKxS, v_PxNxSxK, table_BxMP, cache_len_B
                                  kv_len)
     n = _pages_read(kv_len, page)
     if n == 0:
-        return prefix_partials_reference(q_BxNxMxK, k_PxNxKxS, v_PxNxSxK, table_BxMP,
-                                          cache_len_B, 0)
+        return _no_pages(q_BxNxMxK)
     Mp = max(16, 1 << (M - 1).bit_length())  # Triton: power-of-two blocks, dot dims >= 16
     q = jnp.pad(q_BxNxMxK, ((0, 0), (0, 0), (0, Mp - M), (0, 0)))
     table = table_BxMP[:, :n].astype(jnp.int32)

@@ -77,3 +77,27 @@ def tiny_engine(params, config: ModelConfig | None = None, eos_token_id: int = 1
     ec = {"max_slots": 4, "max_cache_len": 256, "draft_widths": (1, 4), **engine_config}
     return Engine(config or _TINY, params, eos_token_ids=[eos_token_id],
                   engine_config=EngineConfig(**ec))
+
+
+def paged_kv_cache_like(dense, page: int, seed: int):
+    """A float32 `PagedKVCache` holding a dense cache's positions (`random_kv_cache`) on
+    randomly permuted pages of `page` positions, plus 3 spare pages of noise (so a wrong page id
+    shows), from `numpy.random.default_rng(seed)`. Its attended views equal the dense cache's."""
+    # deferred import: jax (not loaded by importing this module)
+    import jax.numpy as jnp
+
+    from das_jax.models.paged_kv_cache import PagedKVCache
+    L, B, KVH, K, S = dense.k.shape
+    mp = -(-S // page)
+    num_pages = B * mp + 3
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(num_pages)[:B * mp].reshape(B, mp).astype(np.int32)
+    k = rng.standard_normal((L, num_pages, KVH, K, page)).astype(np.float32)
+    v = rng.standard_normal((L, num_pages, KVH, page, K)).astype(np.float32)
+    dk = np.pad(np.asarray(dense.k), [(0, 0)] * 4 + [(0, mp * page - S)])
+    dv = np.pad(np.asarray(dense.v), [(0, 0)] * 3 + [(0, mp * page - S), (0, 0)])
+    for b in range(B):
+        for j in range(mp):
+            k[:, ids[b, j]] = dk[:, b, :, :, j * page:(j + 1) * page]
+            v[:, ids[b, j]] = dv[:, b, :, j * page:(j + 1) * page]
+    return PagedKVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(ids))
