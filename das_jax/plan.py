@@ -43,7 +43,7 @@ import numpy as np
 
 from das_jax.config import config_from_dict, config_to_dict
 from das_jax.engine.schedule import bucket as size_bucket
-from das_jax.engine.schedule import pow2_at_least, token_buckets
+from das_jax.engine.schedule import pow2_at_least, prefill_rows, token_buckets
 from das_jax.errors import UserError
 from das_jax.models.config import ModelConfig
 from das_jax.models.loaders.gguf_file import config_from_gguf_metadata
@@ -187,6 +187,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     import jax
     import jax.numpy as jnp
 
+    from das_jax.engine.engine_config import kv_cache_for
     from das_jax.models.kv_cache import DenseKVCache
     from das_jax.models.transformer import ActivationConfig, init_params
     from das_jax.parallel import sharding as shard_lib
@@ -242,8 +243,11 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
             p_shard, o_shard, c_shard)))
 
     # ---- rollout: one engine per device, full compute-dtype params ----
+    # (rollout.kv_cache: auto is paged on GPU / TPU with one device per replica)
+    kv_cache = kv_cache_for(r.kv_cache, run_platform(config) or "cpu",
+                            devices // max(1, r.replicas or devices))
     slots, S, W, rdtype, engine_programs, pages = _rollout_memory(mc, r, g, params_shape,
-                                                                  compute)
+                                                                  compute, kv_cache)
 
     n = devices
     master_b = _shard_bytes(params_abs)
@@ -376,17 +380,23 @@ def mem_fraction(config) -> float:
             raise PlanError(f"{name}={raw!r} is not a fraction in (0, 1]; set it to e.g. 0.9 or "
                             "unset it")
         return f
+    return 0.75 if run_platform(config) in ("gpu", "cuda", "rocm") else 1.0
+
+
+def run_platform(config) -> str | None:
+    """The platform the run computes on: `config.platform`, else JAX's default backend (when
+    JAX is loaded; None otherwise)."""
     platform = config.platform
     if platform is None and "jax" in sys.modules:
         platform = sys.modules["jax"].default_backend()
-    return 0.75 if platform in ("gpu", "cuda", "rocm") else 1.0
+    return platform
 
 
-def _rollout_memory(mc, r, g, params_shape, compute):
+def _rollout_memory(mc, r, g, params_shape, compute, kv_cache: str):
     """The engine's side of `plan_in_process`: (slots, cache_len, widest draft, the dtype the
     rollout programs are analysed in, {program name: memory analysis} of every engine program the
     run executes at its largest shapes), for one engine on the first local device holding the
-    full compute-dtype params."""
+    full compute-dtype params; `kv_cache`: the cache the run resolves ("dense" or "paged")."""
     # deferred import: jax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
@@ -411,7 +421,7 @@ def _rollout_memory(mc, r, g, params_shape, compute):
     W = max(r.draft_widths)
     S = r.max_cache_len
     slots = r.max_slots
-    paged = getattr(r, "kv_cache", "dense") == "paged"
+    paged = kv_cache == "paged"
     if r.kv_memory_gb is not None and not paged:
         slots = max(0, min(slots, int(r.kv_memory_gb * GB) //
                            DenseKVCache.nbytes_for(mc, 1, S, compute)))
@@ -419,7 +429,7 @@ def _rollout_memory(mc, r, g, params_shape, compute):
     # The paged pool: pages of the KV budget (at most every slot's max_cache_len), else the
     # dense cache's positions.
     pages = EngineConfig(max_slots=slots, max_cache_len=S, kv_cache="paged",
-                         page_size=r.page_size,
+                         page_size=r.page_size, paged_attention=r.paged_attention,
                          kv_pages=(int(r.kv_memory_gb * GB) // DenseKVCache.nbytes_for(
                              mc, 1, r.page_size, compute)) if r.kv_memory_gb is not None
                          else None).paging(slots, S) if paged else ()
@@ -427,8 +437,12 @@ def _rollout_memory(mc, r, g, params_shape, compute):
     # the widest width, and the prefill of a step's prompts at the longest prompt bucket.
     programs = Programs(mc, device=one)
     skey = (float(r.temperature), int(r.top_k), float(r.top_p))
-    U = min(slots, g.prompts_per_step)
-    Tp = min(S, pow2_at_least(max(1, S - r.max_new_tokens - W), 16))
+    # (a step's prompts in prefill calls of at most rollout.max_prefill_tokens block slots)
+    prompt_len = max(1, S - r.max_new_tokens - W)
+    ec = EngineConfig(max_slots=slots)
+    Tp = min(S, pow2_at_least(prompt_len, ec.min_prompt_bucket))
+    U = prefill_rows(prompt_len, min(slots, g.prompts_per_step), ec.batch_buckets,
+                     ec.min_prompt_bucket, S, r.max_prefill_tokens)
     Np = size_bucket(U * Tp, token_buckets(slots * Tp))
     # Prompt sharing copies the prompt positions of every slot; compaction gathers the live rows
     # into the next smaller batch bucket (a second, smaller cache while it runs).
@@ -445,7 +459,7 @@ def _rollout_memory(mc, r, g, params_shape, compute):
         return slots, S, W, rdtype, out, pages
     out["share_prompt_rows"] = programs.memory(
         ShareSpec(mc, skey, slots, Tp, S, rdtype.name), cparams_abs)
-    smaller = [b for b in EngineConfig(max_slots=slots).batch_buckets if b < slots]
+    smaller = [b for b in ec.batch_buckets if b < slots]
     if smaller:
         out["gather_rows"] = programs.memory(GatherSpec(mc, slots, max(smaller), S, rdtype.name),
                                              cparams_abs)

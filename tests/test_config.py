@@ -120,6 +120,7 @@ def test_enum_errors(override, fragment):
     (["grpo.max_completion_length=10"], "differs from rollout.max_new_tokens"),
     (["grpo.reward_weights=[1, 2]"], "reward_weights has 2 entries"),
     (["rollout.max_cache_len=100"], "max_cache_len=100 must exceed"),
+    (["rollout.max_prefill_tokens=0"], "rollout.max_prefill_tokens must be >= 1"),
 ])
 def test_cross_field_validation(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):

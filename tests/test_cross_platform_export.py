@@ -130,7 +130,9 @@ def _engine_examples(config, dtype) -> dict[type, list]:
     return {
         VerifySpec: [VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype),
                      VerifySpec(config, GREEDY, 4, 4, 1, 64, 64, dtype),
-                     VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype, (16, 16))],   # paged
+                     VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype, (16, 16)),   # paged
+                     # paged, rollout.paged_attention: gather (no kernel on any platform)
+                     VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype, (16, 16, "gather"))],
         DecodeSpec: [DecodeSpec(config, TOP_P, 4, 4, 8, 64, 64, (1, 2), dtype)],
         PrefillSpec: [PrefillSpec(config, TOP_P, 4, 32, 2, 16, 64, dtype),
                       PrefillSpec(config, GREEDY, 4, 32, 2, 16, 64, dtype, with_logits=True)],
@@ -171,10 +173,12 @@ def test_engine_program_exports(spec, platform):
     if type(spec) is not GatherSpec:  # the cache is donated and updated in place
         cache = program.args[1]
         assert _aliases(exported.mlir_module()) == len(jax.tree_util.tree_leaves(cache))
-    if type(spec) is VerifySpec and spec.pages and not spec.config.contraction.exact:
-        # the paged verify reads each row's pages by the platform's Pallas kernel
+    if type(spec) is VerifySpec and spec.pages:
+        # the paged verify reads each row's pages by the platform's Pallas kernel, unless
+        # exact or told to gather (`rollout.paged_attention: gather`)
         kernel = {"cuda": TRITON_CUSTOM_CALL, "tpu": "tpu_custom_call"}[platform]
-        assert kernel in exported.mlir_module()
+        gathers = spec.config.contraction.exact or spec.pages[2:] == ("gather",)
+        assert (kernel in exported.mlir_module()) is not gathers
 
 
 @functools.lru_cache(maxsize=None)

@@ -236,8 +236,12 @@ def test_kv_cache_settings_are_checked():
     for bad in (0, -3):
         with pytest.raises(GenerateError, match="kv_pages must be an integer >= 1"):
             EngineConfig(kv_cache="paged", kv_pages=bad)
-    with pytest.raises(ConfigError, match="rollout.kv_cache must be 'dense' or 'paged'"):
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache: invalid value 'ragged' \(did you "
+                       r"mean 'paged'\?\); choices: auto, dense, paged"):
         config_from_dict({"rollout": {"kv_cache": "ragged"}})
+    with pytest.raises(ConfigError, match="rollout.paged_attention: invalid value 'triton'"):
+        config_from_dict({"rollout": {"paged_attention": "triton"}})
+    assert config_from_dict({}).rollout.kv_cache == "auto"
     with pytest.raises(ConfigError, match="rollout.page_size must be >= 1"):
         config_from_dict({"rollout": {"page_size": 0}})
     assert config_from_dict({"rollout": {"kv_cache": "paged"}}).rollout.kv_cache == "paged"

@@ -107,8 +107,17 @@ class RolloutSection:
     # dense: every row holds max_cache_len positions. paged: a pool of page_size-position pages
     # and a page table per row (rows hold the pages their tokens fill, a GRPO group shares its
     # prompt's pages, finished rows free theirs at once); same tokens. One device per engine.
-    kv_cache: str = "dense"
+    # auto: paged on GPU and TPU with one device per rollout replica, else dense.
+    kv_cache: str = _choices("auto", "dense", "paged", default="auto")
     page_size: int = 16
+    # How attention reads the paged cache: auto (a Pallas kernel over each row's pages on TPU
+    # and CUDA, an XLA gather elsewhere) or gather (the XLA gather everywhere: the fallback).
+    paged_attention: str = _choices("auto", "gather", default="auto")
+    # Block slots of one prefill call (distinct prompts' batch bucket x longest prompt's length
+    # bucket): a larger admission runs as several calls, so the prefill's activations stay a
+    # small share of the KV cache (a longer prompt is prefilled alone); null: one call. Same
+    # tokens.
+    max_prefill_tokens: Optional[int] = 4096
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,9 +36,10 @@ def validate(cfg: Config) -> Config:
     _check(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     _check(r.top_k >= 0, f"rollout.top_k must be >= 0 (0 disables), got {r.top_k}")
     _check(r.max_slots >= 1, f"rollout.max_slots must be >= 1, got {r.max_slots}")
-    _check(r.kv_cache in ("dense", "paged"),
-           f"rollout.kv_cache must be 'dense' or 'paged', got {r.kv_cache!r}")
     _check(r.page_size >= 1, f"rollout.page_size must be >= 1, got {r.page_size}")
+    _check(r.max_prefill_tokens is None or r.max_prefill_tokens >= 1,
+           f"rollout.max_prefill_tokens must be >= 1 (or null: one prefill call per "
+           f"admission), got {r.max_prefill_tokens}")
     _check(r.decode_steps >= 1,
            f"rollout.decode_steps must be >= 1 (1: one decode step per device call), got "
            f"{r.decode_steps}")

@@ -18,6 +18,29 @@ class GenerateError(ValueError):
     """Bad generation input, raised before anything is compiled (names the request and the fix)."""
 
 
+#: `EngineConfig.paged_attention` values (`PagedKVCache.kernel` "auto" / "gather").
+PAGED_ATTENTION = ("auto", "gather")
+#: `rollout.kv_cache` values: "auto" resolves by `kv_cache_for`.
+KV_CACHES = ("auto", "dense", "paged")
+
+
+def kv_cache_for(kind: str, platform: str, devices_per_engine: int) -> str:
+    """The KV cache `rollout.kv_cache: kind` runs: "dense" or "paged" as given; "auto" is
+    "paged" on GPU and TPU where each engine (rollout replica) has one device (the paged cache
+    runs one device per engine), "dense" on CPU (where the two measure the same for the same
+    work, docs/results/paged-kv-cache.md) and on a tensor-parallel replica.
+
+    Raises:
+      GenerateError: an unknown kind.
+    """
+    if kind not in KV_CACHES:
+        raise GenerateError(f"rollout.kv_cache must be one of {KV_CACHES}, got {kind!r}")
+    if kind != "auto":
+        return kind
+    return "paged" if platform in ("gpu", "cuda", "rocm", "tpu") and devices_per_engine == 1 \
+        else "dense"
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One rollout to generate.
@@ -71,6 +94,15 @@ class EngineConfig:
       free theirs at once; same tokens and log-probs as dense). The pool has the dense cache's
       positions (`slots x ceil(max_cache_len / page_size)` pages), so it never runs out.
     page_size: positions per page of the paged cache.
+    paged_attention: how attention reads the paged cache: "auto" (a Pallas kernel over each
+      row's own pages on TPU and CUDA outside exact mode, an XLA gather of the pages elsewhere,
+      `models.paged_attention`) or "gather" (the XLA gather everywhere: the fallback if a
+      platform's kernel misbehaves).
+    max_prefill_tokens: the block slots (distinct prompts' batch bucket x longest prompt's
+      bucket) of one prefill call: an admission of more is split into several calls
+      (`schedule.prefill_chunks`), so the prefill's activations stay a small share of the KV
+      cache; a prompt longer than this is prefilled alone. None: one call per admission.
+      Same tokens (each row's prefill is independent of the others in its call).
     kv_pages: pages of the paged pool (set by `size_slots` from the KV budget; None: the dense
       cache's positions, `batch x ceil(cache_len / page_size)`, which never run short). With a
       budget the slots stay `max_slots`: requests are admitted by free pages and rows are
@@ -91,8 +123,19 @@ class EngineConfig:
     kv_cache: str = "dense"
     page_size: int = 16
     kv_pages: int | None = None
+    max_prefill_tokens: int | None = 4096
+    paged_attention: str = "auto"
 
     def __post_init__(self):
+        if self.paged_attention not in PAGED_ATTENTION:
+            raise GenerateError(f"paged_attention must be one of {PAGED_ATTENTION}, got "
+                                f"{self.paged_attention!r}")
+        if self.max_prefill_tokens is not None and (
+                isinstance(self.max_prefill_tokens, bool)
+                or int(self.max_prefill_tokens) != self.max_prefill_tokens
+                or self.max_prefill_tokens < 1):
+            raise GenerateError(f"max_prefill_tokens must be an integer >= 1 or None, got "
+                                f"{self.max_prefill_tokens!r}")
         if self.kv_cache not in ("dense", "paged"):
             raise GenerateError(f"kv_cache must be 'dense' or 'paged', got {self.kv_cache!r}")
         if isinstance(self.page_size, bool) or int(self.page_size) != self.page_size \
@@ -114,13 +157,14 @@ class EngineConfig:
 
     def paging(self, batch: int, cache_len: int) -> tuple:
         """The `pages` of the programs of a call whose first batch is `batch` rows of
-        `cache_len` positions: () with the dense cache; (num_pages, page_size) of the paged
-        pool (`batch x ceil(cache_len / page_size)` pages, kept when the call compacts)."""
+        `cache_len` positions: () with the dense cache; (num_pages, page_size, kernel) of the
+        paged pool (`batch x ceil(cache_len / page_size)` pages, kept when the call compacts;
+        kernel: `PagedKVCache.kernel`, from `paged_attention`)."""
         if self.kv_cache != "paged":
             return ()
         pages = batch * int(pages_for(cache_len, self.page_size))
         return (min(pages, self.kv_pages) if self.kv_pages is not None else pages,
-                int(self.page_size))
+                int(self.page_size), self.paged_attention)
 
     @functools.cached_property
     def batch_buckets(self) -> tuple[int, ...]:

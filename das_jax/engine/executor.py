@@ -24,7 +24,7 @@ import numpy as np
 from das_jax.engine import scheduler
 from das_jax.engine.engine_config import Request
 from das_jax.engine.sampling import SamplingParams, request_seed
-from das_jax.engine.schedule import PromptRows, compact_rows, prompt_bucket
+from das_jax.engine.schedule import PromptRows, compact_rows, prefill_chunks, prompt_bucket
 from das_jax.engine.specs import (DecodeBatch, DecodeSpec, GatherBatch, GatherSpec, PrefillBatch,
                                   ShareBatch, ShareSpec, VerifyBatch, VerifySpec)
 from das_jax.models.transformer import Params
@@ -106,8 +106,18 @@ class DeviceExecutor:
                                         packed_batch=batch if packed else None)
 
     def _compute(self, batch, take, rows, first, first_logp, where, with_logits) -> int:
-        """Prefills requests `take` into `rows` (`step.prefill_packed`); writes their first
+        """Prefills requests `take` into `rows` (`step.prefill_packed`, one call per chunk of
+        `schedule.prefill_chunks` under `EngineConfig.max_prefill_tokens`); writes their first
         tokens / log-probs at `where`; returns the token slots computed."""
+        ec = self.engine_config
+        calls = prefill_chunks([self.prompt_of(i) for i in take], ec.batch_buckets,
+                               ec.min_prompt_bucket, self.S, ec.max_prefill_tokens)
+        where = np.asarray(where)
+        return sum(self._compute_call(batch, [take[k] for k in ks], rows[ks], first,
+                                      first_logp, where[ks], with_logits) for ks in calls)
+
+    def _compute_call(self, batch, take, rows, first, first_logp, where, with_logits) -> int:
+        """One packed prefill call of `_compute`."""
         lay = self._layout(take, batch, packed=True)
         pb = PrefillBatch.pack(self.config, self.skey, self.S, self.dtype, lay.U, lay.T,
                                lay.prompts, lay.src, rows, self.seeds[take], batch, with_logits,

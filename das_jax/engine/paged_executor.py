@@ -53,7 +53,10 @@ class PagedExecutor(PagedRows, DeviceExecutor):
         """Whether attention reads each row's own pages (a Pallas kernel: the programs are
         lowered for TPU or CUDA, not in exact mode, `models.paged_attention`), so the scheduler
         prices a step by the pages its rows hold (`kv_read_page`); not where the pages are
-        gathered into the bucket's dense view (CPU, ROCm, exact mode)."""
+        gathered into the bucket's dense view (CPU, ROCm, exact mode, `paged_attention:
+        gather`)."""
+        if self.engine_config.paged_attention == "gather":
+            return False
         device = self.programs.device or jax.devices()[0]
         cuda = device.platform == "gpu" and "rocm" not in str(
             getattr(device.client, "platform_version", "")).lower()

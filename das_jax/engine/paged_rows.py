@@ -23,9 +23,10 @@ class PagedRows:
 
     pool: PagePool
 
-    def start_pool(self, pages: tuple[int, int], batch: int, cache_len: int) -> None:
-        """A pool of `pages` = (num_pages, page_size) for `batch` rows of `cache_len`."""
-        self.pool = PagePool(*pages, batch, cache_len)
+    def start_pool(self, pages: tuple, batch: int, cache_len: int) -> None:
+        """A pool of `pages` = (num_pages, page_size[, kernel]) for `batch` rows of
+        `cache_len`."""
+        self.pool = PagePool(*pages[:2], batch, cache_len)
         self.resumed: dict[int, tuple] = {}     # resumed request -> the tokens it prefills
         self.row_live = np.zeros(batch, bool)   # rows with a running request
 

@@ -127,7 +127,8 @@ class Programs:
         with (jax.default_device(self.device) if self.device is not None
               else contextlib.nullcontext()):
             if pages:
-                return PagedKVCache.zeros(self.config, batch, cache_len, *pages, dtype)
+                return PagedKVCache.zeros(self.config, batch, cache_len, *pages[:2], dtype,
+                                          *pages[2:])
             return KVCache.zeros(self.config, batch, cache_len, dtype)
 
     def put(self, x: np.ndarray) -> jax.Array:

@@ -182,6 +182,56 @@ def prompt_bucket(max_prompt: int, floor: int, cache_len: int) -> int:
     return min(pow2_at_least(max_prompt, floor), cache_len)
 
 
+def prefill_chunks(prompts: Sequence[Sequence[int]], batch_buckets: Sequence[int],
+                   min_prompt_bucket: int, cache_len: int,
+                   max_tokens: int | None) -> list[list[int]]:
+    """Splits one admission into prefill calls of at most `max_tokens` block slots each.
+
+    A call's attention block is U x T (U: the batch bucket of its distinct prompts, T: the
+    prompt bucket of its longest), and its activations and scratch K/V grow with U x T, so
+    a call holds the distinct prompts (in first-seen order, every request of a prompt in the
+    call that computes it) while U x T <= max_tokens; a prompt whose own bucket exceeds
+    `max_tokens` is prefilled alone. The chunked-prefill budget of vLLM's
+    `max_num_batched_tokens`, without splitting one prompt.
+
+    Args:
+      prompts: the prompt (token ids) of each admitted request, in order.
+      batch_buckets, min_prompt_bucket, cache_len: the engine's buckets (`prefill_layout`).
+      max_tokens: the block-slot budget of one call (None: one call).
+
+    Returns:
+      the request indices of each call (every index once, calls in order).
+    """
+    groups: dict[tuple, list[int]] = {}
+    for k, p in enumerate(prompts):
+        groups.setdefault(tuple(p), []).append(k)
+    if max_tokens is None:
+        return [list(range(len(prompts)))] if len(prompts) else []
+    calls: list[list[int]] = []
+    n, longest = 0, 0
+    for p, ks in groups.items():
+        grown = (bucket(n + 1, batch_buckets)
+                 * prompt_bucket(max(longest, len(p)), min_prompt_bucket, cache_len))
+        if n and grown > max_tokens:
+            n, longest = 0, 0
+        if not n:
+            calls.append([])
+        calls[-1].extend(ks)
+        n, longest = n + 1, max(longest, len(p))
+    return calls
+
+
+def prefill_rows(prompt_len: int, rows: int, batch_buckets: Sequence[int],
+                 min_prompt_bucket: int, cache_len: int, max_tokens: int | None) -> int:
+    """The largest U (a batch bucket <= `rows`, at least 1) of a prefill call whose prompts
+    are up to `prompt_len` long under `prefill_chunks`' budget: the block rows a memory plan
+    sizes."""
+    T = prompt_bucket(prompt_len, min_prompt_bucket, cache_len)
+    fits = [b for b in batch_buckets if b <= max(rows, 1)
+            and (max_tokens is None or b * T <= max_tokens)]
+    return max(fits, default=1)
+
+
 def pack_prompts(prompts: Sequence[Sequence[int]], src: Sequence[int], rows: Sequence[int],
                  seeds: Sequence[int], batch: int, width: int) -> tuple[int, tuple]:
     """Host arguments of the packed prefill (`step.prefill_packed`).

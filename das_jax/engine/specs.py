@@ -61,8 +61,8 @@ class CacheSpec:
     def abstract(self, sharding=None):
         """The cache as `jax.ShapeDtypeStruct` leaves (on `sharding` when given)."""
         dtype = jnp.dtype(self.dtype)
-        cache = (PagedKVCache.abstract(self.config, self.batch, self.cache_len, *self.pages,
-                                       dtype) if self.pages else
+        cache = (PagedKVCache.abstract(self.config, self.batch, self.cache_len,
+                                       *self.pages[:2], dtype, *self.pages[2:]) if self.pages else
                  KVCache.abstract(self.config, self.batch, self.cache_len, dtype))
         return jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), cache)

@@ -143,10 +143,29 @@ class DenseKVCache:
 
     def insert_rows(self, slots_R, src: "DenseKVCache", src_R) -> "DenseKVCache":
         """Copies rows `src_R` of `src` (positions `[0, src.max_len)`) into rows `slots_R`; a slot
-        index >= B is dropped (padding of the R bucket)."""
+        index >= B is dropped (padding of the R bucket). Entry by entry, in place: the scratch
+        is one row of `src`, never the R rows gathered (`[L, R, KVH, K, T]`: R x T positions,
+        a quarter of the cache at the 7B config's prefill)."""
+        L, B, KVH, K, _ = self.k.shape
         T = src.max_len
-        return DenseKVCache(k=self.k.at[:, slots_R, :, :, :T].set(src.k[:, src_R], mode="drop"),
-                            v=self.v.at[:, slots_R, :, :T].set(src.v[:, src_R], mode="drop"))
+        ks, vs = (L, 1, KVH, K, T), (L, 1, KVH, T, K)
+
+        def body(j, kv):
+            k, v = kv
+            ok = slots_R[j] < B
+            d = jnp.where(ok, slots_R[j], 0)   # padding: row 0's prefix onto itself
+            new_k = jax.lax.dynamic_slice(src.k, (0, src_R[j], 0, 0, 0), ks).astype(k.dtype)
+            new_v = jax.lax.dynamic_slice(src.v, (0, src_R[j], 0, 0, 0), vs).astype(v.dtype)
+            k = jax.lax.dynamic_update_slice(
+                k, jnp.where(ok, new_k, jax.lax.dynamic_slice(k, (0, d, 0, 0, 0), ks)),
+                (0, d, 0, 0, 0))
+            v = jax.lax.dynamic_update_slice(
+                v, jnp.where(ok, new_v, jax.lax.dynamic_slice(v, (0, d, 0, 0, 0), vs)),
+                (0, d, 0, 0, 0))
+            return k, v
+
+        k, v = jax.lax.fori_loop(0, slots_R.shape[0], body, (self.k, self.v))
+        return DenseKVCache(k=k, v=v)
 
     def copy_prefix(self, dst_R, src_R, save_R, from_stash_R, width: int) -> "DenseKVCache":
         """Copies positions `[0, width)` of row `src_R[j]` into row `dst_R[j]`, entry by entry in

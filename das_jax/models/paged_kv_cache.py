@@ -77,20 +77,20 @@ class PagedKVCache:
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, num_pages: int,
-              page_size: int, dtype=jnp.float32) -> "PagedKVCache":
-        """An empty pool with every table entry unallocated."""
+              page_size: int, dtype=jnp.float32, kernel: str = "auto") -> "PagedKVCache":
+        """An empty pool with every table entry unallocated, read by `kernel`."""
         ks, vs, ts = cls.shapes(config, batch, max_len, num_pages, page_size)
         return cls(k=jnp.zeros(ks, dtype), v=jnp.zeros(vs, dtype),
-                   table=jnp.full(ts, num_pages, jnp.int32))
+                   table=jnp.full(ts, num_pages, jnp.int32), kernel=kernel)
 
     @classmethod
     def abstract(cls, config: ModelConfig, batch: int, max_len: int, num_pages: int,
-                 page_size: int, dtype=jnp.float32) -> "PagedKVCache":
+                 page_size: int, dtype=jnp.float32, kernel: str = "auto") -> "PagedKVCache":
         """`jax.ShapeDtypeStruct` leaves of the same layout (for lowering without allocating)."""
         ks, vs, ts = cls.shapes(config, batch, max_len, num_pages, page_size)
         return cls(k=jax.ShapeDtypeStruct(ks, jnp.dtype(dtype)),
                    v=jax.ShapeDtypeStruct(vs, jnp.dtype(dtype)),
-                   table=jax.ShapeDtypeStruct(ts, jnp.int32))
+                   table=jax.ShapeDtypeStruct(ts, jnp.int32), kernel=kernel)
 
     # Bytes of K and V for one position, all layers: the dense cache's.
     bytes_per_position = staticmethod(DenseKVCache.bytes_per_position)
@@ -170,14 +170,18 @@ class PagedKVCache:
     def insert_rows(self, slots_R, src, src_R) -> "PagedKVCache":
         """Writes positions `[0, src.max_len)` of rows `src_R` of a dense (prefill scratch) cache
         into rows `slots_R` through their pages; a slot >= B is dropped (padding), as are
-        positions on unallocated pages."""
+        positions on unallocated pages. Entry by entry: the scratch is one row of `src`, never
+        the R rows gathered."""
         L, _, KVH, K, T = src.k.shape
-        R = slots_R.shape[0]
-        k = src.k[:, src_R].transpose(0, 1, 4, 2, 3).reshape(L, R * T, KVH, K)
-        v = src.v[:, src_R].transpose(0, 1, 3, 2, 4).reshape(L, R * T, KVH, K)
-        rows = jnp.repeat(jnp.asarray(slots_R, jnp.int32), T)
-        pos = jnp.tile(jnp.arange(T, dtype=jnp.int32), R)
-        return self.write_slots(k, v, rows, pos)
+        pos = jnp.arange(T, dtype=jnp.int32)
+
+        def body(j, cache):
+            k = jax.lax.dynamic_index_in_dim(src.k, src_R[j], 1, keepdims=False)
+            v = jax.lax.dynamic_index_in_dim(src.v, src_R[j], 1, keepdims=False)
+            rows = jnp.full((T,), slots_R[j], jnp.int32)
+            return cache.write_slots(k.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3), rows, pos)
+
+        return jax.lax.fori_loop(0, slots_R.shape[0], body, self)
 
     def copy_pages(self, dst_R, src_R) -> "PagedKVCache":
         """Copies page `src_R[j]` onto page `dst_R[j]` (all layers; a destination >= P is

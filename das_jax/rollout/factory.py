@@ -9,6 +9,7 @@ from typing import Sequence
 import jax
 
 from das_jax.engine import Engine, EngineConfig, SamplingParams
+from das_jax.engine.engine_config import kv_cache_for
 from das_jax.rollout.rollout import Rollout
 from das_jax.rollout.sharded import ShardedRollout
 
@@ -40,6 +41,10 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
       SpeculationError: an unknown speculation name.
     """
     r = config.rollout
+    devices = list(devices) if devices is not None else jax.local_devices()
+    replicas = getattr(r, "replicas", None)
+    per_engine = 1 if device is not None else len(devices) // max(1, replicas or len(devices))
+    platform = (device or devices[0]).platform
     engine = Engine(model_config, params, eos_token_ids=eos_token_ids, device=device,
                     dtype=config.model.dtype,
                     engine_config=EngineConfig(max_slots=r.max_slots,
@@ -50,15 +55,17 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
                                                exact=r.exact,
                                                precompile=r.precompile,
                                                decode_steps=r.decode_steps,
-                                               kv_cache=r.kv_cache,
-                                               page_size=r.page_size))
+                                               kv_cache=kv_cache_for(r.kv_cache, platform,
+                                                                     per_engine),
+                                               page_size=r.page_size,
+                                               paged_attention=r.paged_attention,
+                                               max_prefill_tokens=r.max_prefill_tokens))
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens,
                               stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
     rollout = Rollout(engine, speculation or config.drafter, config.das, sampling)
     if device is not None:
         return rollout
-    devices = list(devices) if devices is not None else jax.local_devices()
-    if len(devices) == 1 and getattr(r, "replicas", None) in (None, 1):
+    if len(devices) == 1 and replicas in (None, 1):
         return rollout
-    return ShardedRollout.from_rollout(rollout, devices, getattr(r, "replicas", None))
+    return ShardedRollout.from_rollout(rollout, devices, replicas)
