@@ -239,6 +239,13 @@ def test_replay_cli_cost_model_flag(params, tmp_path, capsys):
     assert (res["kv_cache"], res["page_size"], res["kv_pages"]) == ("paged", 16, 2 * 16)
     assert res["predicted"]["none"][0]["generated_tokens"] == sum(
         len(r.token_ids) for r in rollouts[0])
+    assert (res["overlap_host"], res["realtime"]) == (True, False)
+    # the flags reach the simulated engine: appends completed before each draft, steps slept
+    assert replay_cli.main(p.parse_args([str(trace), "--drafters", "suffix", "--no-overlap",
+                                         "--realtime", "--json", str(out_json)])) == 0
+    res = json.loads(out_json.read_text())["results"][0]
+    assert (res["overlap_host"], res["realtime"]) == (False, True)
+    assert res["predicted"]["suffix"][0]["overlapped_host_s"] == 0.0
 
 
 def test_das_budget_beats_unlimited_drafts_at_paper_scale_on_a_gpu_model():
@@ -277,3 +284,36 @@ def test_host_loop_bench_prints_host_time_per_row(capsys):
     assert out["drafter"] == "das" and out["slots"] == 8
     assert out["host_us_per_row"] > out["draft_us_per_row"] > 0
     assert out["forward_passes"] > 0 and 0 < out["mean_live_rows"] <= 8
+    # the trie's appends overlap the device steps: all host work = between + overlapped
+    assert out["overlap"] and out["overlap_us_per_row"] > 0
+    assert 0 < out["exposed_us_per_row"] < out["host_us_per_row"]
+
+
+def test_replay_prices_or_lives_the_overlapped_host_work(params):
+    """The suffix drafter's appends run while a step computes (`overlap_s`): the replay counts
+    them exposed only past the step's predicted time, and with `realtime` sleeps each step on
+    another thread and measures what the wait lasts past it; the decisions are the same, and
+    the summary's host time holds both parts."""
+    import time
+    _, _, rollouts = _run_real_and_replay(params, "none", 1.0, epochs=2)
+    fast = rp.FrozenCostModel.of({"c_base": 1e-3, "c_tok": 1e-4, "c_kv": 1e-7})
+    ec = EngineConfig(max_slots=4, max_cache_len=256, draft_widths=(1, 4, 8))
+    runs = {}
+    for realtime in (False, True):
+        drafter, policy = build_speculation("suffix", DASSection(), fast)
+        for e in (0, 1):
+            t0 = time.perf_counter()
+            st = rp.simulate(rollouts[e], ec, 40, fast, drafter, policy, realtime=realtime)
+            runs[realtime] = (st, time.perf_counter() - t0)
+            drafter.advance_epoch()
+    (priced, _), (lived, wall) = runs[False], runs[True]
+    assert (priced.forward_passes, priced.accepted_draft_tokens) == \
+        (lived.forward_passes, lived.accepted_draft_tokens)
+    assert priced.accepted_draft_tokens > 0 and priced.overlap_s > 0 and lived.overlap_s > 0
+    assert 0.0 <= priced.exposed_overlap_s <= priced.overlap_s
+    assert lived.exposed_overlap_s > 0.0           # a thread's start and join, at least
+    assert wall >= lived.decode_s                   # every step was slept
+    s = priced.summary()
+    assert s["host_s"] == pytest.approx(priced.host_s + priced.overlap_s)
+    assert s["exposed_host_s"] == pytest.approx(priced.host_s + priced.exposed_overlap_s)
+    assert s["total_s"] == pytest.approx(priced.device_s() + s["exposed_host_s"])

@@ -20,10 +20,27 @@ class RowDrafter:
     def __init__(self, config, window, prompt_tail=None, max_problems=None):
         self.history = ProblemHistory(config, window, prompt_tail, max_problems)
         self.requests = {}
+        self.pending = []        # (rid, tokens) in the context, not yet in the history
+
+    def append_context(self, rid, toks):
+        """`append_batch(..., index_later=True)`: the context now, the history at `flush`."""
+        self.requests[rid][2].extend(np.asarray(toks, np.int32))
+        self.pending.append((rid, np.asarray(toks, np.int32)))
+
+    def flush(self, rid=None):
+        keep = []
+        for r, toks in self.pending:
+            if rid is None or r == rid:
+                self.history.extend_rollout(self.requests[r][1], toks)
+            else:
+                keep.append((r, toks))
+        self.pending = keep
 
     def begin(self, rid, pid, prompt):
         if rid in self.requests:
             raise ValueError(rid)
+        if self.history.root(pid) < 0:
+            self.flush()
         self.requests[rid] = (pid, self.history.start_rollout(pid, prompt),
                               RequestContext(prompt))
 
@@ -32,18 +49,22 @@ class RowDrafter:
         return self.history.propose(pid, ctx.array, k, handle).draft
 
     def append(self, rid, toks):
+        self.flush()
         _, handle, ctx = self.requests[rid]
         arr = np.asarray(toks, np.int32)
         ctx.extend(arr)
         self.history.extend_rollout(handle, arr)
 
     def end(self, rid):
+        self.flush(rid)
         self.history.finish_rollout(self.requests.pop(rid)[1])
 
     def advance_epoch(self):
+        self.flush()
         self.history.advance_epoch()
 
     def state_dict(self):
+        self.flush()
         return {"kind": "suffix", "history": self.history.state_dict(),
                 "requests": [[rid, pid, h, ctx.array.copy()]
                              for rid, (pid, h, ctx) in self.requests.items()]}
@@ -91,17 +112,23 @@ def assert_batch_matches(batch, ref, ids, max_tokens_A):
 
 
 def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60, cfg=CFG,
-              prompt_tail=None):
+              prompt_tail=None, deferred=False):
     """Random begin / propose / append / end / advance_epoch traffic on a batched drafter and
-    the per-row reference; every step's drafts and periodic states are compared."""
+    the per-row reference; every step's drafts and periodic states are compared. `deferred`:
+    batched appends mostly index their tokens later (`index_later`, flushed at random points,
+    as the scheduler does while the device computes), the reference's history lagging the
+    same way."""
     rng = np.random.default_rng(seed)
     vocab, problems = 5, 6
     d = SuffixDrafter(cfg, window=window, prompt_tail=prompt_tail, max_problems=max_problems,
                       threads=threads)
     ref = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems)
     live, next_id = [], 0
-    stats = {"drafted": 0, "unindexed": 0}
+    stats = {"drafted": 0, "unindexed": 0, "lagging": 0}
     for step in range(steps):
+        if deferred and rng.random() < 0.5:
+            d.flush_appends()
+            ref.flush()
         for _ in range(rng.integers(0, 4) if len(live) < 48 else 0):
             rid = next_id if rng.random() < 0.8 else 10**9 + next_id   # outside the id table
             next_id += 1
@@ -115,6 +142,7 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60,
             max_tokens_A = rng.integers(0, 10, size=len(ids)).astype(np.int32)
             batch = d.propose_batch(ids, max_tokens_A)
             assert_batch_matches(batch, ref, ids, max_tokens_A)
+            stats["lagging"] += sum(r in {p for p, _ in ref.pending} for r in ids.tolist())
             stats["drafted"] += int(batch.lens_A.sum())
             stats["unindexed"] += sum(ref.history.rollout(ref.requests[int(r)][1]).sid < 0
                                       for r in ids)
@@ -130,14 +158,21 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60,
             W = 300 if rng.random() < 0.05 else int(rng.integers(1, 6))
             toks = rng.integers(0, vocab, size=(len(ids), W)).astype(np.int32)
             n_A = rng.integers(0, W + 1, size=len(ids)).astype(np.int32)
-            if rng.random() < 0.8:
-                d.append_batch(ids, toks, n_A)
-            else:
+            if deferred and rng.random() < 0.8:
+                d.append_batch(ids, toks, n_A, index_later=True)
                 for rid, row, n in zip(ids, toks, n_A):
-                    d.append(int(rid), row[:n])
-            for rid, row, n in zip(ids, toks, n_A):
-                if n:
-                    ref.append(int(rid), row[:n])
+                    if n:
+                        ref.append_context(int(rid), row[:n])
+            else:
+                if rng.random() < 0.8:
+                    d.append_batch(ids, toks, n_A)
+                else:
+                    for rid, row, n in zip(ids, toks, n_A):
+                        d.append(int(rid), row[:n])
+                ref.flush()
+                for rid, row, n in zip(ids, toks, n_A):
+                    if n:
+                        ref.append(int(rid), row[:n])
         for rid in list(live):
             if rng.random() < 0.08:
                 d.end(rid)
@@ -166,6 +201,19 @@ def test_batch_equals_per_row_reference(monkeypatch, seed, threads, window, max_
     monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)   # split even small batches
     stats = _scenario(seed, threads, window, max_problems)
     assert stats["drafted"] > 500 and stats["unindexed"] > 50, stats
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed,window,max_problems", [(4, 1, None), (5, 2, 3)])
+def test_deferred_appends_draft_from_the_trie_one_flush_behind(monkeypatch, seed, threads,
+                                                               window, max_problems):
+    """`append_batch(..., index_later=True)`: contexts take the tokens at once, the trie at
+    `flush_appends` (or at any call that needs it: `end` its request's, `append`, a new
+    problem, `advance_epoch`, `state_dict`); drafts meanwhile equal the reference's from its
+    full context on a history without the deferred tokens; states equal after each flush."""
+    monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)
+    stats = _scenario(seed, threads, window, max_problems, deferred=True)
+    assert stats["drafted"] > 500 and stats["lagging"] > 50, stats
 
 
 @pytest.mark.parametrize("cfg,prompt_tail", [

@@ -116,3 +116,29 @@ def test_paged_attention_gather_reaches_the_cache(params):
                                          paged_attention=kernel).generate(reqs, sampling)
     assert seen == [("auto", None), ("gather", None)]
     assert [o.token_ids for o in out["auto"]] == [o.token_ids for o in out["gather"]]
+
+
+def test_overlapped_appends_change_no_token(params):
+    """`overlap_host`: the das drafter's trie indexing runs while the device computes the next
+    step (`StepInput.overlap`, in `overlap_s`, not in `host_s`); the tokens and log-probs are
+    those of appends completed before every draft (exact mode, bit for bit), over two epochs
+    so the second drafts from the first's history."""
+    from das_jax.drafter import SuffixDrafter, SuffixTreeConfig
+    from das_jax.engine.policy import FixedPolicy
+    from das_jax.testing import random_requests
+    reqs = random_requests(problems=2, samples=4, seed=3)
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=24, seed=5)
+    res = {}
+    for overlap in (True, False):
+        drafter = SuffixDrafter(SuffixTreeConfig(max_depth=8), window=2)
+        eng = tiny_engine(params, exact=True, overlap_host=overlap)
+        res[overlap] = []
+        for _ in range(2):
+            res[overlap].append(eng.generate(reqs, sampling, drafter=drafter,
+                                             policy=FixedPolicy(max_draft=3)))
+            drafter.advance_epoch()
+    for (a, sa), (b, sb) in zip(res[True], res[False]):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [o.logprobs for o in a] == [o.logprobs for o in b]
+        assert sa.overlap_s > 0 and sb.overlap_s == 0
+    assert res[True][1][1].accepted_draft_tokens > 0

@@ -77,4 +77,11 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-rows", type=positive_int, default=None,
                    help="paged: a pool with the memory of this many dense rows (each "
                         "max_cache_len positions); default: one per slot (never runs short)")
+    p.add_argument("--realtime", action="store_true",
+                   help="sleep each device step's predicted time on another thread while the "
+                        "host runs the work it overlaps, so the exposed host time is measured "
+                        "(the replay then takes the predicted wall time)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="complete the drafter's appends before every draft (rollout.overlap_host:"
+                        " false); default: index them while the device computes the next step")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")

@@ -36,7 +36,9 @@ Modelling assumptions (what the prediction leaves out or approximates):
    work (packing a step's arrays, dispatch) as `host_s_per_step` per forward pass; both are
    fitted from the measured plain (`none`) run of the first epoch. The scheduler's, drafter's
    and policy's host work is measured: the replay runs the engine's own host code on this
-   machine (`GenerateStats.host_s`), and counts all of it as exposed (no overlap).
+   machine: the work between steps (`GenerateStats.host_s`) counts as exposed, the work the
+   engine runs during a step (`overlap_s`: the drafter's deferred appends) only beyond the
+   step's predicted time (`exposed_overlap_s`).
 3. Tokens past a recorded stop token are unknown, so a draft that runs past the end of a rollout
    is accepted only up to the end; the engine counts the same (only committed tokens). A
    rollout ends at its recorded end with its recorded finish reason, or at max_new_tokens.
@@ -55,6 +57,8 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import threading
+import time
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
@@ -191,9 +195,9 @@ class SimStats(GenerateStats):
                 + float(o.get("host_s_per_step", 0.0)) * self.forward_passes)
 
     def predicted_s(self, overheads: dict | None = None) -> float:
-        """Predicted wall time: device time plus the exposed host time (all of the measured
-        host time: the replay does not overlap host work with the device)."""
-        return self.device_s(overheads) + self.host_s
+        """Predicted wall time: device time plus the exposed host time (the host work between
+        steps, and the work overlapped with a step beyond the step's predicted time)."""
+        return self.device_s(overheads) + self.host_s + self.exposed_overlap_s
 
     def summary(self, overheads: dict | None = None) -> dict:
         rows = sum(s.active for s in self.steps)
@@ -205,9 +209,10 @@ class SimStats(GenerateStats):
                 "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
                 "preemptions": self.preemptions,
                 "mean_live_rows": rows / max(self.forward_passes, 1),
-                "device_s": self.device_s(overheads), "host_s": self.host_s,
-                "exposed_host_s": self.host_s,
-                "host_us_per_row": 1e6 * self.host_s / max(rows, 1),
+                "device_s": self.device_s(overheads), "host_s": self.host_s + self.overlap_s,
+                "overlapped_host_s": self.overlap_s,
+                "exposed_host_s": self.host_s + self.exposed_overlap_s,
+                "host_us_per_row": 1e6 * (self.host_s + self.overlap_s) / max(rows, 1),
                 "total_s": self.predicted_s(overheads),
                 "predicted_s": self.predicted_s(overheads)}
 
@@ -226,10 +231,13 @@ class TraceExecutor:
     """
 
     def __init__(self, rollouts: Sequence[TraceRollout], engine_config: EngineConfig,
-                 cost_model: CostModel, min_prompt_bucket: int | None = None):
+                 cost_model: CostModel, min_prompt_bucket: int | None = None,
+                 realtime: bool = False):
         self.rollouts = rollouts
         self.ec = engine_config
         self.cost_model = cost_model
+        self.realtime = realtime
+        self.exposed_overlap_s = 0.0   # overlapped host work past its steps' predicted ends
         self.min_prompt_bucket = min_prompt_bucket or engine_config.min_prompt_bucket
         self.kv_read_page = (int(engine_config.page_size)
                              if getattr(engine_config, "kv_cache", "dense") == "paged" else None)
@@ -304,11 +312,29 @@ class TraceExecutor:
         n_A = acc_A + 1
         done_A = g_A + n_A >= self.len_R[ri_A]
         ends = np.where(done_A, self.reason_R[ri_A], "")
+        seconds = float(self.cost_model.predict_step(st.num_tokens, st.attended_kv,
+                                                     read_kv=st.read_kv))
+        self._run_step(seconds, st.overlap)
         return StepOutput(rec_AxK1, np.zeros(rec_AxK1.shape, np.float32), n_A.astype(np.int32),
-                          float(self.cost_model.predict_step(st.num_tokens, st.attended_kv,
-                                                            read_kv=st.read_kv)),
-                          ends)
+                          seconds, ends)
 
+
+    def _run_step(self, seconds: float, overlap) -> None:
+        """The device's time for a step of `seconds` and the host work `overlap` runs during
+        it: priced (overlap past `seconds` is exposed), or with `realtime` lived: a thread
+        sleeps the step's seconds while this one runs the overlap, and whatever the wait lasts
+        past them (the overlap's excess, the threads' start and join) is exposed."""
+        if not self.realtime:
+            if overlap is not None:
+                self.exposed_overlap_s += max(0.0, overlap() - seconds)
+            return
+        t0 = time.perf_counter()
+        device = threading.Thread(target=time.sleep, args=(seconds,))
+        device.start()
+        if overlap is not None:
+            overlap()
+        device.join()
+        self.exposed_overlap_s += max(0.0, time.perf_counter() - t0 - seconds)
 
     def decode(self, st: StepInput, steps: int, budget_A: np.ndarray,
                stop_ids: np.ndarray) -> StepOutput:
@@ -330,6 +356,7 @@ class TraceExecutor:
         ran = int(n_A.max(initial=1))
         step_s = float(self.cost_model.predict_step(st.num_tokens, st.attended_kv,
                                                     read_kv=st.read_kv))
+        self._run_step(ran * step_s, st.overlap)
         return StepOutput(rec_AxK, np.zeros(rec_AxK.shape, np.float32), n_A.astype(np.int32),
                           ran * step_s, ends)
 
@@ -381,20 +408,25 @@ class PagedTraceExecutor(PagedRows, TraceExecutor):
 
 def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_new_tokens: int,
              cost_model: CostModel, drafter=None, policy=None, min_prompt_bucket: int | None = None,
-             progress=None) -> SimStats:
+             progress=None, realtime: bool = False) -> SimStats:
     """Replays one `Engine.generate` call over recorded rollouts (see the module docstring):
     the engine's own host scheduler (`das_jax.engine.run_schedule`) driving a `TraceExecutor`, so
     the admission, emission, compaction, buckets and the calls on `drafter` and `policy` are the
     engine's by construction. Request ids are the indices into `rollouts`, as in the engine.
+    `realtime`: each device step is slept on another thread for its predicted seconds while
+    the host runs the step's overlapped work, so the exposed host time is measured (the call
+    takes the predicted wall time); otherwise it is priced.
 
     Raises:
       ValueError: a rollout without tokens.
     """
     paged = getattr(engine_config, "kv_cache", "dense") == "paged"
     executor = (PagedTraceExecutor if paged else TraceExecutor)(rollouts, engine_config,
-                                                                cost_model, min_prompt_bucket)
+                                                                cost_model, min_prompt_bucket,
+                                                                realtime)
     _, stats = run_schedule(rollouts, executor, engine_config, Limits(max_new_tokens), drafter,
                             policy, progress, keep_tokens=False, stats=SimStats())
+    stats.exposed_overlap_s = executor.exposed_overlap_s
     return stats
 
 
@@ -408,7 +440,7 @@ def das_from_header(header: dict):
 def replay_epochs(epochs: dict[int, list[TraceRollout]], names: Sequence[str],
                   engine_config: EngineConfig, max_new_tokens: int, coef: dict,
                   das=None, overheads: dict | None = None,
-                  log=None) -> dict[str, list[dict]]:
+                  log=None, realtime: bool = False) -> dict[str, list[dict]]:
     """Replays every epoch for every speculation name (each keeps its drafter/policy across
     epochs), built from the `das:` settings `das` (`DASSection`; default: its defaults) with a
     DAS policy planning on the frozen cost model `coef`.
@@ -421,7 +453,8 @@ def replay_epochs(epochs: dict[int, list[TraceRollout]], names: Sequence[str],
         drafter, policy = build_speculation(name, das, cm)
         rows = []
         for e, rolls in epochs.items():
-            st = simulate(rolls, engine_config, max_new_tokens, cm, drafter, policy)
+            st = simulate(rolls, engine_config, max_new_tokens, cm, drafter, policy,
+                          realtime=realtime)
             if drafter is not None:
                 drafter.advance_epoch()
             s = st.summary(overheads)

@@ -118,6 +118,10 @@ class RolloutSection:
     # small share of the KV cache (a longer prompt is prefilled alone); null: one call. Same
     # tokens.
     max_prefill_tokens: Optional[int] = 4096
+    # With the das / suffix drafters, each step's tokens are indexed into the drafter's trie
+    # while the device computes the next step (drafts from a trie one step behind; the sampled
+    # tokens never change); false: every append completes before the next draft.
+    overlap_host: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,14 +24,19 @@ CHUNK = 256   # tokens per append_tokens call (as SuffixForest.append; bounds th
 RC_DONE = 0
 RC_CONTEXT = 4
 
+# append_rows modes: bits of what it does (both: an append; CONTEXT then INDEX: the same, split)
+INDEX = 1      # index the tokens into the request's live sequence (the trie)
+CONTEXT = 2    # add them to its context and out_len
+
 
 @_jit
 def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_root, slot_sid,
-                 ctx_pool, ctx_start, ctx_len, min_prob, spec_factor, spec_offset, min_match,
-                 lo, hi, tokens_AxK, probs_AxK, support_AxK, lens_A):
+                 slot_lag, ctx_pool, ctx_start, ctx_len, min_prob, spec_factor, spec_offset,
+                 min_match, lo, hi, tokens_AxK, probs_AxK, support_AxK, lens_A):
     """Drafts rows lo..hi-1: row b drafts up to max_tokens_A[b] tokens for the request in slot
     slots_A[b] (`_kernels.propose` on the last max_depth - 1 tokens of its context, its own
-    sequence's trailing occurrences left out). Writes tokens_AxK[b, :k] (int32), probs_AxK[b, :k]
+    sequence's trailing occurrences left out; slot_lag[s]: context tokens not yet indexed into
+    its own sequence, `append_rows` mode CONTEXT). Writes tokens_AxK[b, :k] (int32), probs_AxK[b, :k]
     (float32), support_AxK[b, :k] (int32) and lens_A[b] = k (int32); entries past k are left as
     they are (zeros from the caller). Rows with max_tokens <= 0, no trie or an empty context get
     k = 0. K >= max_tokens_A[b] for every row.
@@ -57,8 +62,8 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
             tail = md - 1
         end = ctx_start[s] + n
         k = propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx_pool[end - tail: end],
-                         slot_sid[s], kmax, min_prob, spec_factor, spec_offset, min_match,
-                         match_nodes, out_t, out_p, out_c, tmp_t, tmp_p, tmp_c)
+                         slot_sid[s], slot_lag[s], kmax, min_prob, spec_factor, spec_offset,
+                         min_match, match_nodes, out_t, out_p, out_c, tmp_t, tmp_p, tmp_c)
         for i in range(k):
             tokens_AxK[b, i] = out_t[i]
             probs_AxK[b, i] = out_p[i]
@@ -67,14 +72,17 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
 
 
 @_jit
-def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, min_prob,
-                 spec_factor, spec_offset, min_match, match_nodes, out_t, out_p, out_c, tmp_t,
-                 tmp_p, tmp_c):
+def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_tokens,
+                 min_prob, spec_factor, spec_offset, min_match, match_nodes, out_t, out_p,
+                 out_c, tmp_t, tmp_p, tmp_c):
     """`_kernels.propose` (same arguments and draft; returns its k), faster:
 
     - Matches: a tail of length m <= len(own) of the context is the path of the own live
       sequence's window that ends at its end, and that window sits at a node end, which is
       act[slot(own), (len(own) - m) % max_depth]; only longer tails are looked up from the root.
+      Unless `own_lag` > 0 (the context's last own_lag tokens are not indexed yet): then every
+      tail is looked up from the root (the own sequence's trailing occurrences, which have no
+      continuation, are still left out).
     - Walks that cannot win are skipped or cut: a walk's score is a sum of at most `limit`
       path probabilities, each <= the current one, and must exceed the best score so far.
     """
@@ -89,6 +97,8 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, m
         own_len = seqs[own, S_LEN]
         slot = seqs[own, S_SLOT]
     big_m = 0
+    if own_lag > 0:
+        own_len = 0          # the own sequence does not end where the context does
     for m in range(1, mmax + 1):
         if m <= own_len:
             n = np.int64(act[slot, (own_len - m) % md])
@@ -127,10 +137,11 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, max_tokens, m
 
 @_jit
 def append_rows(nodes, ht, seqs, toks, act, meta, slots_A, tokens_AxW, n_A, slot_sid,
-                ctx_pool, ctx_start, ctx_len, ctx_cap, out_len, row0, off0):
+                ctx_pool, ctx_start, ctx_len, ctx_cap, out_len, row0, off0, mode):
     """Appends tokens_AxW[b, :n_A[b]] to the request in slot slots_A[b], for rows b = row0, ...
-    in order (rows with n_A[b] <= 0 skipped): indexes them into its live sequence slot_sid[s]
-    (none when -1) in chunks of CHUNK tokens, then adds them to its context and to out_len[s].
+    in order (rows with n_A[b] <= 0 skipped): with mode bit INDEX, indexes them into its live
+    sequence slot_sid[s] (none when -1) in chunks of CHUNK tokens; with bit CONTEXT, adds them
+    to its context and to out_len[s].
 
     Resumes row row0 at token offset off0 (a previous call stopped there). Returns (row, offset,
     rc): rc RC_DONE when every row is done; else nothing of row `row` from `offset` on was done
@@ -146,16 +157,18 @@ def append_rows(nodes, ht, seqs, toks, act, meta, slots_A, tokens_AxW, n_A, slot
             continue
         s = slots_A[b]
         off = off0 if b == row0 else 0
-        if off == 0 and ctx_len[s] + n > ctx_cap[s]:
+        if (mode & CONTEXT) and off == 0 and ctx_len[s] + n > ctx_cap[s]:
             return b, 0, RC_CONTEXT
         sid = slot_sid[s]
-        if sid >= 0:
+        if (mode & INDEX) and sid >= 0:
             while off < n:
                 hi = min(off + CHUNK, n)
                 rc = append_tokens(nodes, ht, seqs, toks, act, meta, sid, tokens_AxW[b, off:hi])
                 if rc != 0:
                     return b, off, rc
                 off = hi
+        if not mode & CONTEXT:
+            continue
         base = ctx_start[s] + ctx_len[s]
         for i in range(n):
             ctx_pool[base + i] = tokens_AxW[b, i]

@@ -140,21 +140,36 @@ def propose_batch(drafter, request_ids: np.ndarray, max_tokens_A: np.ndarray) ->
 
 
 def append_batch(drafter, request_ids: np.ndarray, tokens_AxW: np.ndarray,
-                 n_A: np.ndarray) -> None:
+                 n_A: np.ndarray, index_later: bool = False) -> None:
     """Appends tokens_AxW[b, :n_A[b]] to request request_ids[b], for every row with n_A[b] > 0
     (`drafter.append_batch` when the drafter has it, else one `append` per such row).
 
     Args:
       request_ids: int [A]; tokens_AxW: int32 [A, W]; n_A: int [A], each <= W.
+      index_later: a drafter with `flush_appends` may defer the expensive part of the append
+        (`SuffixDrafter`: indexing into the trie) until `flush_appends(drafter)`; others
+        append at once.
     """
     fn = getattr(drafter, "append_batch", None)
     if fn is not None:
-        fn(np.asarray(request_ids, np.int64), np.asarray(tokens_AxW, np.int32),
-           np.asarray(n_A, np.int32))
+        args = (np.asarray(request_ids, np.int64), np.asarray(tokens_AxW, np.int32),
+                np.asarray(n_A, np.int32))
+        if index_later and hasattr(drafter, "flush_appends"):
+            fn(*args, index_later=True)
+        else:
+            fn(*args)
         return
     for r, toks, n in zip(request_ids, tokens_AxW, n_A):
         if n > 0:
             drafter.append(int(r), toks[:int(n)])
+
+
+def flush_appends(drafter) -> None:
+    """Completes the appends `append_batch(..., index_later=True)` deferred (a no-op for a
+    drafter that defers nothing)."""
+    fn = getattr(drafter, "flush_appends", None)
+    if fn is not None:
+        fn()
 
 
 @runtime_checkable

@@ -49,6 +49,7 @@ class RequestSlots:
         grow("ctx_start", 0, np.int64)
         grow("ctx_len", 0, np.int64)
         grow("ctx_cap", 0, np.int64)
+        grow("lag", 0, np.int64)       # context tokens not yet indexed into the own sequence
         grow("live", False, bool)
 
     # ------------------------------------------------------------------ ids
@@ -103,6 +104,7 @@ class RequestSlots:
             self._far[r] = s
         arr = np.asarray(prompt, np.int32).reshape(-1)
         self.live[s] = True
+        self.lag[s] = 0
         self.root[s], self.sid[s], self.out_len[s] = -1, -1, 0
         self.ctx_len[s], self.ctx_cap[s] = 0, 0
         self.reserve(s, max(64, 2 * arr.size))
@@ -119,6 +121,7 @@ class RequestSlots:
         else:
             del self._far[r]
         self.live[s] = False
+        self.lag[s] = 0
         self.root[s], self.sid[s], self.out_len[s] = -1, -1, 0
         self.ctx_len[s], self.ctx_cap[s] = 0, 0
         self._free.append(s)

@@ -73,11 +73,16 @@ class SuffixDrafter:
         self._slots = RequestSlots()
         self._executor = None
         self._local = threading.local()      # per-thread scratch of `propose`
+        # appends whose indexing into the trie waits for `flush_appends` (append_batch with
+        # index_later): (slots int64 [A], tokens int32 [A, W], n int32 [A]) in order
+        self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     # ------------------------------------------------------------------ protocol
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id} already active")
+        if self.history.root(problem_id) < 0:
+            self.flush_appends()        # a new problem may drop an old one (its live sequences)
         new_problem = self.history.root(problem_id) < 0
         handle = self.history.start_rollout(problem_id, prompt_ids)
         sl = self._slots
@@ -102,7 +107,8 @@ class SuffixDrafter:
         end = int(sl.ctx_start[s]) + n
         f, cfg = self.history.forest, self.config
         k = BK.propose_tail(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, root,
-                            sl.pool[end - min(n, md - 1): end], int(sl.sid[s]), int(max_tokens),
+                            sl.pool[end - min(n, md - 1): end], int(sl.sid[s]),
+                            int(sl.lag[s]), int(max_tokens),
                             float(cfg.min_token_prob), float(cfg.max_spec_factor),
                             float(cfg.max_spec_offset), int(cfg.min_match_len), *scratch)
         if k == 0:
@@ -110,6 +116,7 @@ class SuffixDrafter:
         return Draft(scratch[1][:k].copy(), scratch[2][:k].copy(), scratch[3][:k].copy())
 
     def append(self, request_id: int, token_ids: Sequence[int]) -> None:
+        self.flush_appends()
         s, sl = self._requests[request_id].slot, self._slots
         arr = np.asarray(token_ids, np.int32).reshape(-1)
         n = arr.size
@@ -140,13 +147,20 @@ class SuffixDrafter:
         return self._propose_slots(self._slots.lookup(ids), max_tokens_A)
 
     def append_batch(self, request_ids: np.ndarray, tokens_AxW: np.ndarray,
-                     n_A: np.ndarray) -> None:
+                     n_A: np.ndarray, index_later: bool = False) -> None:
         """`append(request_ids[b], tokens_AxW[b, :n_A[b]])` for every row with n_A[b] > 0, in
         row order, in one kernel call.
+
+        With `index_later`, only the contexts take the tokens now (microseconds); indexing
+        them into the trie, most of an append's time, waits for `flush_appends` (the scheduler
+        runs it while the device computes the next step). Until then `propose` drafts from
+        the full context on a trie without those tokens (the drafts may differ; the tokens
+        sampled never do), and every other call flushes first (`end` only its request's).
 
         Args:
           request_ids: int64 [A] active request ids (KeyError for an unknown one).
           tokens_AxW: int32 [A, W]. n_A: int32 [A], each <= W.
+          index_later: defer the trie indexing (above).
         """
         ids = np.asarray(request_ids, np.int64).reshape(-1)
         tokens_AxW = np.ascontiguousarray(tokens_AxW, np.int32)
@@ -156,15 +170,46 @@ class SuffixDrafter:
                              f"got {tokens_AxW.shape} and {n_A.shape}")
         if ids.shape[0] and n_A.max() > tokens_AxW.shape[1]:
             raise ValueError(f"n_A exceeds W = {tokens_AxW.shape[1]}")
-        self._append_slots(self._slots.lookup(ids), tokens_AxW, n_A)
+        slots = self._slots.lookup(ids)
+        if not index_later:
+            self.flush_appends()
+            self._append_slots(slots, tokens_AxW, n_A)
+            return
+        self._append_slots(slots, tokens_AxW, n_A, BK.CONTEXT)
+        indexed = self._slots.sid[slots] >= 0
+        if indexed.any():
+            keep = indexed & (n_A > 0)
+            self._deferred.append((slots[keep], tokens_AxW[keep], n_A[keep]))
+            np.add.at(self._slots.lag, slots[keep], n_A[keep].astype(np.int64))
+
+    def flush_appends(self, slot: int | None = None) -> None:
+        """Indexes the deferred appends (`append_batch(..., index_later=True)`) into the trie,
+        in their order: all of them, or only slot `slot`'s."""
+        if not self._deferred:
+            return
+        sl = self._slots
+        if slot is None:
+            for slots, tokens_AxW, n_A in self._deferred:
+                self._append_slots(slots, tokens_AxW, n_A, BK.INDEX)
+                sl.lag[slots] = 0
+            self._deferred = []
+            return
+        for slots, tokens_AxW, n_A in self._deferred:
+            mine = slots == slot
+            if mine.any():
+                self._append_slots(slots[mine], tokens_AxW[mine], n_A[mine], BK.INDEX)
+                n_A[mine] = 0
+        sl.lag[slot] = 0
 
     def end(self, request_id: int) -> None:
+        self.flush_appends(self._requests[request_id].slot)
         req = self._requests.pop(request_id)
         self.history.rollout(req.handle).out_len = int(self._slots.out_len[req.slot])
         self.history.finish_rollout(req.handle)
         self._slots.remove(request_id)
 
     def advance_epoch(self) -> None:
+        self.flush_appends()
         self.history.advance_epoch()
         self._sync_slots()
 
@@ -184,7 +229,7 @@ class SuffixDrafter:
             return out
         f, cfg, sl = self.history.forest, self.config, self._slots
         args = (f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, slots, max_tokens_A, sl.root,
-                sl.sid, sl.pool, sl.ctx_start, sl.ctx_len, float(cfg.min_token_prob),
+                sl.sid, sl.lag, sl.pool, sl.ctx_start, sl.ctx_len, float(cfg.min_token_prob),
                 float(cfg.max_spec_factor), float(cfg.max_spec_offset), int(cfg.min_match_len))
         outs = (out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A)
         parts = min(self.threads, A // _MIN_ROWS_PER_THREAD)
@@ -203,13 +248,14 @@ class SuffixDrafter:
         np.greater(out.lens_A, 0, out=out.has_support_A)
         return out
 
-    def _append_slots(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray) -> None:
+    def _append_slots(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
+                      mode: int = BK.INDEX | BK.CONTEXT) -> None:
         f, sl = self.history.forest, self._slots
         row, off = 0, 0
         while True:
             row, off, rc = BK.append_rows(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, slots,
                                           tokens_AxW, n_A, sl.sid, sl.pool, sl.ctx_start,
-                                          sl.ctx_len, sl.ctx_cap, sl.out_len, row, off)
+                                          sl.ctx_len, sl.ctx_cap, sl.out_len, row, off, mode)
             if rc == BK.RC_DONE:
                 break
             s = int(slots[row])
@@ -217,7 +263,7 @@ class SuffixDrafter:
                 sl.reserve(s, int(sl.ctx_len[s]) + int(n_A[row]))
             else:
                 f.make_room(int(rc), int(sl.sid[s]), min(int(n_A[row]) - int(off), BK.CHUNK))
-        if slots.shape[0]:
+        if slots.shape[0] and mode & BK.INDEX:
             f.count_indexed(n_A[(n_A > 0) & (sl.sid[slots] >= 0)].sum())
 
     def _sync_slots(self):
@@ -229,6 +275,7 @@ class SuffixDrafter:
             sl.sid[req.slot] = self.history.rollout(req.handle).sid
 
     def __getstate__(self):
+        self.flush_appends()
         state = self.__dict__.copy()
         state["_executor"] = None       # threads do not pickle; a new pool starts on demand
         del state["_local"]
@@ -236,10 +283,12 @@ class SuffixDrafter:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("_deferred", [])
         self._local = threading.local()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
+        self.flush_appends()
         for req in self._requests.values():        # live output lengths back to the history
             self.history.rollout(req.handle).out_len = int(self._slots.out_len[req.slot])
         return {"kind": "suffix", "history": self.history.state_dict(),
@@ -251,7 +300,7 @@ class SuffixDrafter:
             raise ValueError(f"not a suffix drafter state: {state.get('kind')!r}")
         self.history.load_state_dict(state["history"])
         self.config = self.history.config
-        self._requests, self._slots = {}, RequestSlots()
+        self._requests, self._slots, self._deferred = {}, RequestSlots(), []
         for rid, pid, handle, ctx in state["requests"]:
             s = self._slots.add(rid, ctx)
             self._slots.out_len[s] = self.history.rollout(handle).out_len

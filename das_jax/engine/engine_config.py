@@ -98,6 +98,12 @@ class EngineConfig:
       row's own pages on TPU and CUDA outside exact mode, an XLA gather of the pages elsewhere,
       `models.paged_attention`) or "gather" (the XLA gather everywhere: the fallback if a
       platform's kernel misbehaves).
+    overlap_host: with a drafter that defers its appends (`SuffixDrafter`: `das`, `suffix`),
+      each step's tokens go into the request contexts at once and into the trie while the
+      device computes the next step (`StepInput.overlap`), so the trie's indexing, most of the
+      host's work per step, is hidden behind the device; drafts come from a trie one step
+      behind (the sampled tokens never change). False: every append completes before the
+      next draft.
     max_prefill_tokens: the block slots (distinct prompts' batch bucket x longest prompt's
       bucket) of one prefill call: an admission of more is split into several calls
       (`schedule.prefill_chunks`), so the prefill's activations stay a small share of the KV
@@ -125,6 +131,7 @@ class EngineConfig:
     kv_pages: int | None = None
     max_prefill_tokens: int | None = 4096
     paged_attention: str = "auto"
+    overlap_host: bool = True
 
     def __post_init__(self):
         if self.paged_attention not in PAGED_ATTENTION:

@@ -168,6 +168,8 @@ class DeviceExecutor:
         exe = self.programs.executable(batch.spec, self.params, self.cache, batch)
         t0 = time.perf_counter()
         self.cache, y_BxW, logp_BxW, n_emit_B = exe(self.params, self.cache, batch)
+        if st.overlap is not None:      # dispatched: host work while the device computes
+            st.overlap()
         y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)
         seconds = time.perf_counter() - t0
         n_A = n_emit_B[st.live]

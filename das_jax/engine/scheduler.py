@@ -27,72 +27,15 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from das_jax.drafter.base import append_batch
+from das_jax.drafter.base import append_batch, flush_appends
+from das_jax.engine.outputs import GenerateStats, RequestOutput  # noqa: F401 - re-exported
 from das_jax.engine.policy import (FixedPolicy, RowBatch, SpeculationPolicy, StepRecord,
-                                   acceptance_length, plan_step)
+                                   plan_step)
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
                                      pages_read_kv, prompt_bucket, step_shape_fn, tail_bucket,
                                      token_buckets)
 from das_jax.engine.step_io import (Limits, Prefilled,  # noqa: F401 - re-exported
                                     StepExecutor, StepInput, StepOutput)
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """token_ids / logprobs: generated tokens and their log-probs under the policy (the
-    temperature-scaled full softmax, also with top-k / top-p on; see `sampling.sample`);
-    finish_reason: "stop" (a stop token, included) or "length" (max_new_tokens).
-    request: the `Request` (a `TraceRollout` in the replay, which keeps no tokens)."""
-
-    request: Any
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    forward_passes: int = 0
-    drafted_tokens: int = 0
-    accepted_draft_tokens: int = 0
-
-
-@dataclasses.dataclass
-class GenerateStats:
-    """Counters and timers of one `generate` call (seconds of wall time; compile time excluded
-    from the phase timers and reported as `compile_s`). accepted_draft_tokens counts accepted
-    draft tokens that were committed (not those past a stop token or max_new_tokens);
-    prefill_tokens: token slots the prefill calls computed (padding included), over
-    prefill_calls admissions. In the replay, decode_s is the cost model's prediction.
-    host_s: the host work between the executor's calls (scheduler bookkeeping, drafter and
-    policy; draft_s and policy_s are part of it): `run_schedule`'s wall time less the wall
-    time of its executor calls (the device steps, or the replay's recorded ones).
-    preemptions: rows taken off the device when the paged KV cache ran short of pages (each
-    resumed later by a prefill of its prompt and tokens, `StepExecutor.make_room`)."""
-
-    forward_passes: int = 0
-    generated_tokens: int = 0
-    drafted_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    draft_s: float = 0.0
-    policy_s: float = 0.0
-    host_s: float = 0.0
-    wall_s: float = 0.0
-    compile_s: float = 0.0
-    prefill_tokens: int = 0
-    prefill_calls: int = 0
-    preemptions: int = 0
-    steps: list[StepRecord] = dataclasses.field(default_factory=list)
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens emitted per verify step per row (1.0 without speculation)."""
-        return acceptance_length(self.steps)
-
-    def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
-        d["acceptance_length"] = self.acceptance_length
-        if with_steps:
-            d["steps"] = [dataclasses.asdict(s) for s in self.steps]
-        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +160,10 @@ class _Run:
         self.pages = hasattr(executor.executor, "make_room")
         self.resume: dict[int, np.ndarray] = {}       # preempted request -> its tokens so far
         self.stop_ids = np.array(sorted(limits.stop_ids), np.int64)
+        # a drafter's appends indexed while the device computes the next step
+        self.overlap = (drafter is not None and bool(getattr(ec, "overlap_host", False))
+                        and hasattr(drafter, "flush_appends"))
+        self.flushed = True
         self.max_new = limits.max_new_tokens
         n = len(requests)
         self.outputs = [RequestOutput(r, [], [], "") for r in requests]
@@ -269,8 +216,9 @@ class _Run:
         self.stats.generated_tokens += int(n_A.sum())
         if self.drafter is not None:
             t0 = time.perf_counter()
-            append_batch(self.drafter, req_A, tokens_AxW, n_A.astype(np.int32))
+            append_batch(self.drafter, req_A, tokens_AxW, n_A.astype(np.int32), self.overlap)
             self.stats.draft_s += time.perf_counter() - t0
+            self.flushed = not self.overlap
         length_A = ~stop_A & (gen_A + n_A >= self.max_new)
         end_A = stop_A | length_A
         if ends is not None:
@@ -282,6 +230,15 @@ class _Run:
         if len(ended) and self.releases:
             self.executor.release(rows_A[ended])
         return n_A
+
+    def flush(self) -> float:
+        """The drafter's deferred appends (`StepInput.overlap`); returns their seconds."""
+        t0 = time.perf_counter()
+        flush_appends(self.drafter)
+        self.flushed = True
+        seconds = time.perf_counter() - t0
+        self.stats.overlap_s += seconds
+        return seconds
 
     def collect(self) -> None:
         """Fills the outputs' tokens, log-probs and counters from the run's arrays."""
@@ -460,7 +417,9 @@ class _Run:
             cache_len_B=self.cache_len, kv_len=kv_len, width=plan.width,
             drafts_AxK=plan.drafts.tokens_AxK, n_draft_B=n_draft_B, num_tokens=num_tokens,
             attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds,
-            read_kv=read_kv))
+            read_kv=read_kv, overlap=None if self.flushed else self.flush))
+        if not self.flushed:            # an executor that does not overlap
+            self.flush()
         stats.decode_s += out.seconds
         stats.forward_passes += 1
         drafted = int(n_draft_A.sum())

@@ -4,7 +4,7 @@ live rows, an admission's result (`Prefilled`), and where a request ends (`Limit
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -34,7 +34,10 @@ class StepInput:
     drafts_AxK[j, :n_draft_B[live[j]]], K <= W - 1); n_draft_B: int32 `[B]` (0 for free rows);
     num_tokens / attended_kv: the step shape (`step_shape_fn`); predicted_seconds: the
     policy's prediction; read_kv: the cached positions the step reads when not attended_kv
-    (a paged cache read by a kernel, `schedule.pages_read_kv`; None: attended_kv).
+    (a paged cache read by a kernel, `schedule.pages_read_kv`; None: attended_kv); overlap:
+    host work that does not need this step's outputs (the drafter's deferred appends): the
+    executor calls it once, after dispatching the step and before waiting for its outputs, so
+    it runs while the device computes; it returns its seconds (None: nothing to run).
     """
 
     batch: int
@@ -50,6 +53,7 @@ class StepInput:
     attended_kv: int
     predicted_seconds: float | None
     read_kv: int | None = None
+    overlap: Callable[[], float] | None = None
 
     def draft(self, j: int) -> np.ndarray:
         """int32 `[n]`: the draft tokens of live row j."""

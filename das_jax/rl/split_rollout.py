@@ -16,8 +16,8 @@ from das_jax.rollout import DataParallelStats
 FINISH = ("", "stop", "length")
 # GenerateStats counters gathered from every process (the rest are per process)
 _STAT_FIELDS = ("forward_passes", "generated_tokens", "drafted_tokens", "accepted_draft_tokens",
-                "prefill_s", "decode_s", "draft_s", "policy_s", "host_s", "wall_s", "compile_s",
-                "prefill_tokens", "prefill_calls")
+                "prefill_s", "decode_s", "draft_s", "policy_s", "host_s", "overlap_s", "wall_s",
+                "compile_s", "prefill_tokens", "prefill_calls")
 
 
 def _stats_vector(st: GenerateStats) -> np.ndarray:

@@ -336,6 +336,7 @@ class GRPOTrainer:
             "draft_s": st.draft_s,
             "policy_s": st.policy_s,
             "host_s": st.host_s,
+            "overlap_s": st.overlap_s,
             "train_s": train_s,
             "rollout_logprob_gap": self.last_logprob_gap,
             # code samples that used up their CPU time (logged by the code reward, once a step)

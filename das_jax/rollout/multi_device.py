@@ -32,7 +32,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from das_jax.drafter.base import append_batch, propose_batch
+from das_jax.drafter.base import append_batch, flush_appends, propose_batch
 from das_jax.engine import GenerateError, GenerateStats
 
 __all__ = [
@@ -198,11 +198,16 @@ class LockedDrafter:
         with self.lock:
             return propose_batch(self.drafter, ids, max_tokens_A)
 
-    def append_batch(self, request_ids, tokens_AxW, n_A) -> None:
+    def append_batch(self, request_ids, tokens_AxW, n_A, index_later: bool = False) -> None:
         """`drafter.append_batch` (or its per-row fallback) on the mapped ids, one lock."""
         ids = self._ids_of(request_ids)
         with self.lock:
-            append_batch(self.drafter, ids, tokens_AxW, n_A)
+            append_batch(self.drafter, ids, tokens_AxW, n_A, index_later)
+
+    def flush_appends(self) -> None:
+        """`drafter.flush_appends` (every replica's deferred appends), one lock."""
+        with self.lock:
+            flush_appends(self.drafter)
 
     def end(self, request_id: int) -> None:
         with self.lock:
@@ -256,7 +261,7 @@ class DataParallelStats(GenerateStats):
         stats = [s for s in per_device if s is not None]
         for f in ("forward_passes", "generated_tokens", "drafted_tokens",
                   "accepted_draft_tokens", "prefill_s", "decode_s", "draft_s", "policy_s",
-                  "host_s", "prefill_tokens", "prefill_calls"):
+                  "host_s", "overlap_s", "prefill_tokens", "prefill_calls"):
             setattr(out, f, sum(getattr(s, f) for s in stats))
         out.wall_s = max((s.wall_s for s in stats), default=0.0)
         out.compile_s = max((s.compile_s for s in stats), default=0.0)
