@@ -103,6 +103,11 @@ def pytest_xdist_make_scheduler(config, log):
 # after it (`python -m pytest -q -m slow`). Entries are node ids (a name without a parameter id
 # covers all its parameters); one that matches no collected test of its file is an error.
 _SLOW_TESTS = (
+    "tests/test_engine_settings.py::test_chunked_prefill_changes_no_bit[paged]",
+    "tests/test_cross_platform_export.py::test_engine_program_exports[VerifySpec3-fast-bfloat16-cuda]",
+    "tests/test_cross_platform_export.py::test_engine_program_exports[VerifySpec3-fast-bfloat16-tpu]",
+    "tests/test_cross_platform_export.py::test_engine_program_exports[VerifySpec3-exact-float32-cuda]",
+    "tests/test_cross_platform_export.py::test_engine_program_exports[VerifySpec3-exact-float32-tpu]",
     "tests/test_paged_kv_cache.py::test_paged_operations_equal_the_dense_ones[eager]",
     "tests/test_paged_kv_cache.py::test_preempted_rows_resume_with_the_same_tokens[fast-drafts]",
     "tests/test_paged_kv_cache.py::test_odd_pages_without_sharing_under_a_tight_budget",
