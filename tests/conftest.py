@@ -156,6 +156,20 @@ _SLOW_TESTS = (
     "tests/test_trainer_run_dir.py::test_save_every_zero_disables_saving",
     "tests/test_leafwise_update.py::test_leafwise_apply_matches_optax[1.0]",
     "tests/test_old_logprobs.py::test_on_policy_step_top_p_no_clipping_and_gap_reported[rollout]",
+    "tests/test_trainer.py::test_resume_equals_uninterrupted",
+    "tests/test_multi_device.py::test_tensor_parallel_replicas_match_one_device",
+    "tests/test_bench_rollout.py::test_bench_rollout_report_with_reference_and_paper_replay",
+    "tests/test_paged_kv_cache.py::test_preempted_rows_resume_with_the_same_tokens[exact-decode8]",
+    "tests/test_models_hf.py::test_kv_cache_chunks_equal_one_shot[qwen2]",
+    "tests/test_paged_attention.py::test_kernels_equal_the_reference[4-2-2-1-8-4-13-pallas_tpu]",
+    "tests/test_paged_attention.py::test_kernels_equal_the_reference[2-2-1-1-8-16-5-pallas_tpu]",
+    "tests/test_head_logprobs.py::test_values_and_gradients_equal_full_logits[False-100-32]",
+    "tests/test_head_logprobs.py::test_grad_stats_reduce_the_gradient_it_never_builds[100-32]",
+    "tests/test_engine.py::test_speculation_never_changes_tokens[greedy]",
+    "tests/test_fused_update.py::test_fused_update_equals_unfused[grpo_kl_unclipped]",
+    "tests/test_train_window.py::test_windowed_head_matches_full_reference[dr_grpo-0.04-2]",
+    "tests/test_train_window.py::test_shared_prompt_packing_matches_full_reference[grpo-0.04-3]",
+    "tests/test_bench_replay.py::test_replay_matches_engine_suffix[greedy]",
 )
 
 

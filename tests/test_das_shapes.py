@@ -39,6 +39,15 @@ def test_cost_model_prices_measured_shapes_by_their_times():
     for t in (0.6, 0.6, 0.6):
         cm.observe_step(24, 2048, t, width=4)
     assert cm.predict_step(24, 2048, width=4) == pytest.approx(0.6)
+    # Each shape's median is its own (kept between observations of that shape).
+    for t in (0.9, 0.7):
+        cm.observe_step(24, 2048, t, width=16)
+    assert cm.predict_step(24, 2048, width=16) == pytest.approx(0.8)
+    assert cm.predict_step(24, 2048, width=4) == pytest.approx(0.6)
+    cm.observe_step(24, 2048, 0.2, width=4)
+    assert cm.predict_step(24, 2048, width=4) == pytest.approx(0.6)   # 0.5 fell out, 0.2 in
+    cm.observe_step(24, 2048, 0.2, width=4)
+    assert cm.predict_step(24, 2048, width=4) == pytest.approx(0.4)
     # Without a width, or at another width, the linear fit prices the shape.
     assert cm.predict_step(24, 2048) == pytest.approx(cm.c_base + cm.c_tok * 24)
     assert cm.predict_step(24, 2048, width=8) == cm.predict_step(24, 2048)

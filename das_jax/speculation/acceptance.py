@@ -12,11 +12,12 @@ calibrated chance q_b,d that row b's first d + 1 draft tokens are accepted is
 
 Both factor sets are exponential moving averages of accepted over predicted tokens
 (`update_support_scale`, `update_depth_scale`). Every function takes `[A, K]` arrays of the A
-live rows (`DraftBatch` layout) and has no per-row Python loop.
+live rows (`DraftBatch` layout); the per-row loops are compiled (`_budget_kernels`).
 """
 from __future__ import annotations
 
 import numpy as np
+
 
 SUPPORT_BUCKETS = 6         # support buckets 1, 2-3, 4-7, 8-15, 16-31, 32+ occurrences
 SCALE_RANGE = (0.02, 4.0)   # bounds of every calibration factor
@@ -61,20 +62,15 @@ def calibrated_paths(probs_AxK: np.ndarray, lens_A: np.ndarray, support_AxK: np.
                      support_scale: np.ndarray) -> np.ndarray:
     """float64 `[A, D]` (D = max(lens_A)): q_b,d, the calibrated chance that row b's first
     d + 1 draft tokens are accepted (module docstring; 0 past a row's draft, nonincreasing
-    along d). depth_scale: float64 `[>= D]`; support_scale: float64 `[SUPPORT_BUCKETS]`."""
+    along d). depth_scale: float64 `[>= D]`; support_scale: float64 `[SUPPORT_BUCKETS]`.
+    One compiled pass over the rows (`_budget_kernels.calibrate`)."""
+    from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
     lens_A = np.asarray(lens_A, np.int64)
-    D = int(lens_A.max(initial=0))
-    A = len(lens_A)
-    if D == 0:
-        return np.zeros((A, 0))
-    valid_AxD = np.arange(D)[None, :] < lens_A[:, None]
-    P = np.where(valid_AxD, np.asarray(probs_AxK, np.float64)[:, :D], 0.0)
-    q = np.minimum.accumulate(np.clip(P * depth_scale[None, :D], 0.0, 1.0), axis=1)
-    if np.any(has_support_A):
-        sup = support_scale[support_bucket(np.asarray(support_AxK)[:, :D])]
-        q_sup = np.cumprod(np.clip(step_ratios(P) * sup, 0.0, 1.0), axis=1)
-        q = np.where(np.asarray(has_support_A, bool)[:, None], q_sup, q)
-    return np.where(valid_AxD, q, 0.0)
+    return _bk.calibrate(np.asarray(probs_AxK, np.float64), lens_A,
+                         np.asarray(support_AxK, np.int64), np.asarray(has_support_A, bool),
+                         grow_depth_scale(np.asarray(depth_scale, np.float64),
+                                          int(lens_A.max(initial=0))),
+                         np.asarray(support_scale, np.float64))
 
 
 def update_support_scale(support_scale: np.ndarray, n_A: np.ndarray, accepted_A: np.ndarray,
@@ -86,19 +82,14 @@ def update_support_scale(support_scale: np.ndarray, n_A: np.ndarray, accepted_A:
     n drafted tokens) is one trial of its own ratio P_i / P_{i-1}: per bucket, the factor's EMA
     (weight `ema`) moves toward accepted trials / predicted ones. rows_A: bool `[A]`, the rows
     that count (drafted, with support); accepted_A: committed accepted draft tokens per row."""
-    n_A = np.asarray(n_A, np.int64)
-    acc_A = np.minimum(np.asarray(accepted_A, np.int64), n_A)
-    K = int(n_A.max(initial=0))
-    col = np.arange(K)[None, :]
-    tried_AxK = (col < np.minimum(acc_A + 1, n_A)[:, None]) & np.asarray(rows_A, bool)[:, None]
-    if not tried_AxK.any():
-        return
-    bk = support_bucket(np.asarray(support_AxK)[:, :K])[tried_AxK]
-    ratio = step_ratios(np.asarray(probs_AxK, np.float64)[:, :K])[tried_AxK]
-    hit = np.broadcast_to(col < acc_A[:, None], tried_AxK.shape)[tried_AxK]
-    expected = np.bincount(bk, weights=ratio, minlength=SUPPORT_BUCKETS)
-    accepted = np.bincount(bk, weights=hit.astype(np.float64), minlength=SUPPORT_BUCKETS)
+    from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+    expected, accepted = _bk.support_trials(
+        np.asarray(n_A, np.int64), np.asarray(accepted_A, np.int64),
+        np.asarray(probs_AxK, np.float64), np.asarray(support_AxK, np.int64),
+        np.asarray(rows_A, bool), len(support_scale))
     seen = expected > 0
+    if not seen.any():
+        return
     g = support_scale
     g[seen] = (1 - ema) * g[seen] + ema * accepted[seen] / expected[seen]
     np.clip(g, *SCALE_RANGE, out=g)
@@ -112,17 +103,17 @@ def update_depth_scale(depth_scale: np.ndarray, n_A: np.ndarray,
     predicted chance summed over rows drafting >= d + 1 (accepted_A: committed accepted draft
     tokens per row); with only the step's total `step_accepted` known (accepted_A None), every
     depth moves toward it over the total predicted. Returns the (grown) factors."""
+    from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
     n_A = np.asarray(n_A, np.int64)
     D = int(n_A.max(initial=0))
     if D == 0:
         return depth_scale
     scale = grow_depth_scale(depth_scale, D)
-    drafted_AxD = np.arange(D)[None, :] < n_A[:, None]
-    expected = np.where(drafted_AxD, np.asarray(probs_AxK, np.float64)[:, :D], 0.0).sum(axis=0)
+    acc_A = (np.zeros(0, np.int64) if accepted_A is None
+             else np.asarray(accepted_A, np.int64))
+    expected, accepted = _bk.depth_trials(n_A, acc_A, np.asarray(probs_AxK, np.float64), D)
     part = scale[:D]
     if accepted_A is not None:
-        acc_A = np.minimum(np.asarray(accepted_A, np.int64), n_A)
-        accepted = (acc_A[:, None] >= np.arange(1, D + 1)[None, :]).sum(axis=0)
         seen = expected > 0
         ratio = np.where(seen, accepted / np.maximum(expected, 1e-12), 1.0)
         part[seen] = (1 - ema) * part[seen] + ema * ratio[seen]

@@ -136,6 +136,9 @@ class CostModel:
     table_read: dict = dataclasses.field(default_factory=dict)
     compile_s: float = _PRIOR.compile_s
     compile_count: int = 0
+    # (median seconds, median read_kv) per shape, dropped whenever the shape is observed
+    _medians: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                       compare=False)
 
     @classmethod
     def from_config(cls, config: CostModelConfig) -> "CostModel":
@@ -166,10 +169,14 @@ class CostModel:
             key = (int(num_tokens), int(attended_kv), int(width))
             ts = self.table.get(key)
             if ts is not None and len(ts) >= self.table_min:
+                med = self._medians.get(key)
+                if med is None:   # recomputed only after the shape's window changed
+                    med = self._medians[key] = (float(np.median(ts)),
+                                                float(np.median(self.table_read[key])))
                 shift = 0.0
                 if read_kv is not None:
-                    shift = max(self.c_kv, 0.0) * (read - float(np.median(self.table_read[key])))
-                return max(float(np.median(ts)) + shift, 0.0)
+                    shift = max(self.c_kv, 0.0) * (read - med[1])
+                return max(med[0] + shift, 0.0)
         return self.c_base + self.c_tok * num_tokens + self.c_kv * read
 
     def seen(self, num_tokens: int, attended_kv: int, width: int) -> bool:
@@ -186,6 +193,7 @@ class CostModel:
         read = int(attended_kv if read_kv is None else read_kv)
         if width is not None:
             key = (int(num_tokens), int(attended_kv), int(width))
+            self._medians.pop(key, None)
             self.table.setdefault(key, collections.deque(maxlen=self.table_window)).append(
                 float(seconds))
             self.table_read.setdefault(key, collections.deque(maxlen=self.table_window)).append(

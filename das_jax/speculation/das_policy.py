@@ -154,6 +154,24 @@ class DASConfig:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Scored:
+    """A step's C candidate choices, priced: F float64 `[C]` (the objective, seconds), t
+    float64 `[C]` (predicted step seconds), k int64 `[C]` (draft tokens), measured bool `[C]`
+    (the shape's program has run, or the choice drafts nothing), shapes (C shape keys)."""
+
+    F: np.ndarray
+    t: np.ndarray
+    k: np.ndarray
+    measured: np.ndarray
+    shapes: list
+
+    def best(self, idx: np.ndarray) -> int:
+        """The index among `idx` (nonempty) of the smallest (F, t, k), the first on ties."""
+        order = np.lexsort((self.k[idx], self.t[idx], self.F[idx]))
+        return int(idx[order[0]])
+
+
 class DASPolicy:
     """Implements `das_jax.engine.SpeculationPolicy`.
 
@@ -181,6 +199,7 @@ class DASPolicy:
         self._finished_count = 0           # finished rollouts seen (invalidates _th_cache)
         self._th_cache = None
         self._waiting = 0                  # requests of this generate call not yet in a slot
+        self._step_classes = None          # (rows, class codes) of the step being planned
 
     # ----- classes ------------------------------------------------------------------------------
     def thresholds(self) -> tuple[float, float] | None:
@@ -251,6 +270,16 @@ class DASPolicy:
         self._class_R[request_id] = _ORDER[self.initial_class(problem_id)]
         self._waiting = max(self._waiting - 1, 0)
 
+    def _classes_of(self, rows: RowBatch) -> np.ndarray:
+        """`current_classes` of this step's rows, computed once per step: `draft_budgets` and
+        `choose` see the same `RowBatch` object (`engine.policy.plan_step`)."""
+        cached = self._step_classes
+        if cached is not None and cached[0] is rows:
+            return cached[1]
+        cls = self.current_classes(rows, self.thresholds())
+        self._step_classes = (rows, cls)
+        return cls
+
     def current_classes(self, rows: RowBatch, th) -> np.ndarray:
         """int8 `[A]` each row's class code, promoting (and recording) rows whose generated
         length outgrew their class."""
@@ -271,7 +300,7 @@ class DASPolicy:
         rows = RowBatch.of(rows)
         c = self.config
         w = np.array([c.weight_short, c.weight_medium, c.weight_long], np.float64)
-        return w[self.current_classes(rows, self.thresholds())]
+        return w[self._classes_of(rows)]
 
     def draft_budgets(self, rows, batch: int, max_width: int) -> np.ndarray:
         rows = RowBatch.of(rows)
@@ -281,7 +310,7 @@ class DASPolicy:
             big = np.iinfo(np.int64).max
             caps = np.array([big if x is None else x for x in
                              (c.budget_short, c.budget_medium, c.budget_long)], np.int64)
-            k = np.minimum(k, caps[self.current_classes(rows, self.thresholds())])
+            k = np.minimum(k, caps[self._classes_of(rows)])
         return k.astype(np.int32)
 
     def calibrated(self, drafts, draft_support=None) -> np.ndarray:
@@ -306,21 +335,12 @@ class DASPolicy:
         no drafts, every depth cap 1..longest of all drafts (the last is all drafts) and of
         `n_opt` (each row's own best draft length), and up to `MAX_VALUE_CUTS` cut-offs of the
         greedy marginal-value order."""
-        lens = np.asarray(lens, np.int32)
-        D = value_BxD.shape[1]
-        caps = np.arange(0, D + 1, dtype=np.int32)[:, None]
-        out = [np.minimum(lens[None, :], caps)]
-        if n_opt is not None:
-            top = int(n_opt.max(initial=0))
-            out.append(np.minimum(np.asarray(n_opt, np.int32)[None, :], caps[1:top + 1]))
-        pos = value_BxD[value_BxD > 0]
-        if pos.size:
-            cuts = np.unique(pos)[::-1]
-            if len(cuts) > MAX_VALUE_CUTS:
-                cuts = cuts[np.linspace(0, len(cuts) - 1, MAX_VALUE_CUTS).round().astype(int)]
-            ge_CxA = (value_BxD[None, :, :] >= cuts[:, None, None]).sum(axis=2)
-            out.append(np.minimum(ge_CxA, lens[None, :]))
-        return np.concatenate(out).astype(np.int32)
+        from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+        lens = np.asarray(lens, np.int64)
+        return _bk.candidates(lens, np.asarray(value_BxD, np.float64),
+                              np.zeros(len(lens), np.int32) if n_opt is None
+                              else np.asarray(n_opt, np.int32), MAX_VALUE_CUTS,
+                              n_opt is not None)
 
     def _shapes(self, step_shape, n_CxA: np.ndarray) -> list[tuple]:
         """The step shape (num_tokens, attended_kv, width or None) of each choice: through
@@ -364,26 +384,31 @@ class DASPolicy:
         """Whether the cost model has measured any step shape with drafts (width > 1)."""
         return any(k[2] > 1 for k in self.cost_model.table)
 
-    def _buy_unmeasured(self, scored: list, best: tuple) -> tuple | None:
+    def _buy_unmeasured(self, sc: "_Scored", best: int) -> int | None:
         """Ski rental over unmeasured shapes (the break-even rule of Karlin, Manasse, Rudolph &
         Sleator 1988, "Competitive snoopy caching", Algorithmica 3: rent until the rent paid
         equals the price, then buy; never more than twice the cost of the best choice made with
         hindsight). Each unmeasured shape among this step's drafting candidates that beats the
-        measured `best` (smaller F, seconds) adds best F - its best F to `_regret[shape]`, the
-        time the rollouts would have saved so far had it been compiled. Returns the best such
-        candidate whose shape's regret reached the cost model's `compile_s` (that account is
-        then closed), else None: a shape that would pay only once is never compiled."""
-        winners = [x for x in scored if not x[4] and x[2] > 0 and x[0] < best[0]]
+        measured choice `best` (smaller F, seconds) adds best F - its best F to
+        `_regret[shape]`, the time the rollouts would have saved so far had it been compiled.
+        Returns the best such candidate (an index into `sc`) whose shape's regret reached the
+        cost model's `compile_s` (that account is then closed), else None: a shape that would
+        pay only once is never compiled."""
+        win = np.flatnonzero(~sc.measured & (sc.k > 0) & (sc.F < sc.F[best]))
+        if not len(win):
+            return None
         gains: dict = {}
-        for x in winners:
-            gains[x[5]] = max(gains.get(x[5], 0.0), best[0] - x[0])
+        for i in win.tolist():
+            sh = sc.shapes[i]
+            gains[sh] = max(gains.get(sh, 0.0), float(sc.F[best] - sc.F[i]))
         for k, g in gains.items():
             self._regret[k] = self._regret.get(k, 0.0) + g
-        ripe = [x for x in winners if self._regret[x[5]] >= self.cost_model.compile_s]
-        if not ripe:
+        ripe = np.array([i for i in win.tolist()
+                         if self._regret[sc.shapes[i]] >= self.cost_model.compile_s], np.int64)
+        if not len(ripe):
             return None
-        top = min(ripe, key=lambda x: (x[0], x[1], x[2]))
-        del self._regret[top[5]]
+        top = sc.best(ripe)
+        del self._regret[sc.shapes[top]]
         return top
 
     def base_shares(self, rows, weights: np.ndarray) -> np.ndarray:
@@ -418,12 +443,9 @@ class DASPolicy:
         attaining it (the smallest on ties); Q_b(n) = cum_q_BxD1[b, n], the expected accepted
         tokens of a draft of n. lambda_b is what a token of row b is worth: the decoding time
         the row would spend to emit it on a later step."""
-        D1 = cum_q_BxD1.shape[1]
-        n = np.arange(D1)
-        g = (f_B[:, None] + c_tok * n[None, :]) / (1.0 + cum_q_BxD1)
-        g = np.where(n[None, :] <= lens[:, None], g, np.inf)
-        best = np.argmin(g, axis=1)
-        return g[np.arange(len(f_B)), best], best.astype(np.int32)
+        from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+        return _bk.token_values(np.asarray(f_B, np.float64), float(c_tok),
+                                np.asarray(cum_q_BxD1, np.float64), np.asarray(lens, np.int64))
 
     def objective(self, n: np.ndarray, lam_B: np.ndarray, cum_q_BxD1: np.ndarray,
                   shape) -> tuple[float, float]:
@@ -442,55 +464,59 @@ class DASPolicy:
         self._pending = None
         if self.config.unlimited or lens.max(initial=0) == 0:
             return lens, self._predict(step_shape(lens))
+        from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
         q_BxD = self.calibrated(db)
-        cum = np.concatenate([np.zeros((len(lens), 1)), np.cumsum(q_BxD, axis=1)], axis=1)
-        base = step_shape(np.zeros_like(lens))
-        read_kv = getattr(base, "read_kv", None)   # the same for every choice of drafts
-        f = self.row_fixed_costs(rows, self.row_weights(rows),
-                                 base[1] if read_kv is None else read_kv)
+        cum = _bk.prefix_sums(q_BxD)
+        read_kv = getattr(step_shape, "read_kv", None)   # the same for every choice of drafts
+        if read_kv is None:
+            base = step_shape(np.zeros_like(lens))
+            read_kv = getattr(base, "read_kv", None)
+            kv = base[1] if read_kv is None else read_kv
+        else:
+            kv = read_kv
+        f = self.row_fixed_costs(rows, self.row_weights(rows), kv)
+        self._step_classes = None
         c_tok = max(self.cost_model.c_tok, 0.0)
-        lam, n_opt = self.token_values(f, c_tok, cum, lens)
-        value_BxD = lam[:, None] * q_BxD
-        n_CxA = self.candidates(lens, value_BxD, n_opt)
-        shapes = self._shapes(step_shape, n_CxA)
+        lens64 = lens.astype(np.int64)
+        lam, n_opt = _bk.token_values(np.asarray(f, np.float64), c_tok, cum, lens64)
+        n_CxA = _bk.candidates(lens64, lam[:, None] * q_BxD, n_opt, MAX_VALUE_CUTS, True)
         # the decoding time each choice's expected emitted tokens save (`objective`)
-        saved_C = (lam[None, :] * (1.0 + cum[np.arange(len(lens))[None, :], n_CxA])).sum(axis=1)
-        sums_C = n_CxA.sum(axis=1)
+        saved_C, sums_C = _bk.expected_savings(n_CxA, lam, cum)
+        shapes = self._shapes(step_shape, n_CxA)
         priced: dict = {}      # shape -> (predicted seconds, measured); few distinct per step
         for sh in set(shapes):
             priced[sh] = (self._predict_key(sh, read_kv), self._seen_key(sh))
-        scored = [(priced[sh][0] - float(sv), priced[sh][0], int(k), n,
-                   k == 0 or priced[sh][1], sh)
-                  for sh, sv, k, n in zip(shapes, saved_C, sums_C, n_CxA)]
-        key = lambda x: (x[0], x[1], x[2])   # noqa: E731
+        t_C = np.array([priced[sh][0] for sh in shapes])
+        sc = _Scored(t_C - saved_C, t_C, sums_C, (sums_C == 0) | np.array(
+            [priced[sh][1] for sh in shapes]), shapes)
         # Shapes already measured (compiled) are priced by their own times. A shape never run is
         # priced by the linear fit and costs a compile (`CostModel.compile_s`; ~1.5-2.5 s for
         # SmolLM2-135M on 2 CPU cores, 30-50 plain steps), so it is bought like skis in the
         # ski-rental problem: each step it would have beaten the best measured choice adds the
         # predicted seconds it would have saved to its account, and it is compiled once its
         # account reaches the compile time (`_buy_unmeasured`).
-        best = min((x for x in scored if x[4]), key=key)
+        best = sc.best(np.flatnonzero(sc.measured))
         self._steps += 1
-        bought = self._buy_unmeasured(scored, best)
+        bought = self._buy_unmeasured(sc, best)
         if bought is not None:
             best = bought
-        elif best[2] == 0 and self.config.explore_every and \
+        elif sc.k[best] == 0 and self.config.explore_every and \
                 self._steps % self.config.explore_every == 0:
             # Exploration (calibration keeps learning): a measured drafting candidate; when the
             # cost model has measured no drafting shape at all, the best drafting one, at most
             # once per UNSEEN_EVERY * explore_every steps.
-            seen_spec = [x for x in scored if x[2] > 0 and x[4]]
+            seen_spec = np.flatnonzero((sc.k > 0) & sc.measured)
             new_ok = (self._last_unseen is None or self._steps - self._last_unseen
                       >= UNSEEN_EVERY * self.config.explore_every)
-            if seen_spec:
-                best = min(seen_spec, key=key)
+            if len(seen_spec):
+                best = sc.best(seen_spec)
             elif new_ok and not self._measured_drafting():
-                best = min((x for x in scored if x[2] > 0), key=key)
+                best = sc.best(np.flatnonzero(sc.k > 0))
                 self._last_unseen = self._steps
-        n = best[3]
+        n = n_CxA[best]
         if n.sum():
             self._pending = (n.copy(), db)
-        return n.astype(np.int32), best[1]
+        return n.astype(np.int32), float(sc.t[best])
 
     def observe(self, record: StepRecord) -> None:
         self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width,

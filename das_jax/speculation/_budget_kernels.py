@@ -1,0 +1,196 @@
+"""Numba kernels of the DAS policy's per-step work over all live rows (internal; the API is
+`acceptance.calibrated_paths`, `acceptance.update_support_scale`,
+`acceptance.update_depth_scale` and `DASPolicy.choose`).
+
+A step's policy work is a few passes over `[A, D]` arrays (A live rows, D <= 15 draft depths);
+as numpy it is ~40 small array operations, each paying numpy's call overhead (~1 ms a step
+whatever A), which at GPU step times is what the device waits for when a step holds few rows.
+Here each is one compiled loop. The arithmetic is the numpy formulation's, in the same order
+(cumulative products and sums run left to right as numpy's do), so the choices are the same;
+`tests/test_budget_kernels.py` checks them against that formulation on random inputs. Every
+kernel is plain Python when numba's JIT is disabled (`NUMBA_DISABLE_JIT=1`).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_jit = njit(cache=True, nogil=True)
+
+
+@_jit
+def _bucket(support, buckets):
+    """floor(log2(max(support, 1))) capped at buckets - 1 (`acceptance.support_bucket`)."""
+    s = max(support, 1)
+    b = 0
+    while s > 1 and b < buckets - 1:
+        s >>= 1
+        b += 1
+    return b
+
+
+@_jit
+def calibrate(probs_AxK, lens_A, support_AxK, has_support_A, depth_scale, support_scale):
+    """float64 `[A, D]`, D = max(lens_A): q_b,d (`acceptance.calibrated_paths`). probs_AxK
+    float64, lens_A int64, support_AxK int64, has_support_A bool, depth_scale float64 `[>= D]`,
+    support_scale float64 `[buckets]` (one factor per support bucket)."""
+    A = lens_A.shape[0]
+    nb = support_scale.shape[0]
+    D = 0
+    for b in range(A):
+        D = max(D, lens_A[b])
+    q = np.zeros((A, D))
+    for b in range(A):
+        n = lens_A[b]
+        if has_support_A[b]:
+            prev = 1.0
+            acc = 1.0
+            for d in range(n):
+                p = probs_AxK[b, d]
+                r = p / prev if prev > 0 else 0.0
+                x = min(max(r * support_scale[_bucket(support_AxK[b, d], nb)], 0.0), 1.0)
+                acc *= x
+                q[b, d] = acc
+                prev = p
+        else:
+            run = np.inf
+            for d in range(n):
+                x = min(max(probs_AxK[b, d] * depth_scale[d], 0.0), 1.0)
+                run = min(run, x)
+                q[b, d] = run
+    return q
+
+
+@_jit
+def prefix_sums(q_AxD):
+    """float64 `[A, D + 1]`: [0, cumsum(q_b)] per row (Q_b(n), the expected accepted tokens of
+    a draft of n)."""
+    A, D = q_AxD.shape
+    cum = np.zeros((A, D + 1))
+    for b in range(A):
+        s = 0.0
+        for d in range(D):
+            s += q_AxD[b, d]
+            cum[b, d + 1] = s
+    return cum
+
+
+@_jit
+def token_values(f_A, c_tok, cum_AxD1, lens_A):
+    """(lambda_A float64, n_A int32): `DASPolicy.token_values` (the first n on ties)."""
+    A = f_A.shape[0]
+    D1 = cum_AxD1.shape[1]
+    lam = np.empty(A)
+    n_opt = np.zeros(A, np.int32)
+    for b in range(A):
+        best = np.inf
+        arg = 0
+        for n in range(min(lens_A[b], D1 - 1) + 1):
+            g = (f_A[b] + c_tok * n) / (1.0 + cum_AxD1[b, n])
+            if g < best:
+                best = g
+                arg = n
+        lam[b] = best
+        n_opt[b] = arg
+    return lam, n_opt
+
+
+@_jit
+def candidates(lens_A, value_AxD, n_opt_A, max_cuts, with_opt):
+    """int32 `[C, A]` (`DASPolicy.candidates`): the depth caps 0..D of all drafts, of n_opt_A
+    (1..max n_opt, when with_opt) and up to max_cuts cut-offs of the marginal values
+    value_AxD (distinct positive values, largest first, evenly subsampled)."""
+    A, D = value_AxD.shape
+    top = 0
+    if with_opt:
+        for b in range(A):
+            top = max(top, n_opt_A[b])
+    pos = np.empty(A * D)
+    m = 0
+    for b in range(A):
+        for d in range(D):
+            if value_AxD[b, d] > 0:
+                pos[m] = value_AxD[b, d]
+                m += 1
+    cuts = np.unique(pos[:m])[::-1]
+    if len(cuts) > max_cuts:
+        idx = np.rint(np.linspace(0, len(cuts) - 1, max_cuts)).astype(np.int64)
+        cuts = cuts[idx]
+    C = D + 1 + top + len(cuts)
+    out = np.empty((C, A), np.int32)
+    for cap in range(D + 1):
+        for b in range(A):
+            out[cap, b] = min(lens_A[b], cap)
+    for cap in range(1, top + 1):
+        for b in range(A):
+            out[D + cap, b] = min(n_opt_A[b], cap)
+    for i in range(len(cuts)):
+        for b in range(A):
+            k = 0
+            for d in range(D):
+                if value_AxD[b, d] >= cuts[i]:
+                    k += 1
+            out[D + 1 + top + i, b] = min(k, lens_A[b])
+    return out
+
+
+@_jit
+def expected_savings(n_CxA, lam_A, cum_AxD1):
+    """float64 `[C]`: sum_b lam_b * (1 + Q_b(n_c,b)) per choice (what `DASPolicy.objective`
+    subtracts) and int64 `[C]` the draft tokens of each choice."""
+    C, A = n_CxA.shape
+    saved = np.zeros(C)
+    sums = np.zeros(C, np.int64)
+    for c in range(C):
+        s = 0.0
+        k = 0
+        for b in range(A):
+            s += lam_A[b] * (1.0 + cum_AxD1[b, n_CxA[c, b]])
+            k += n_CxA[c, b]
+        saved[c] = s
+        sums[c] = k
+    return saved, sums
+
+
+@_jit
+def support_trials(n_A, accepted_A, probs_AxK, support_AxK, rows_A, buckets):
+    """(expected, accepted) float64 `[buckets]` of one step
+    (`acceptance.update_support_scale`): per bucket, the predicted ratios P_i / P_{i-1} and the
+    accepted ones among the tokens each counted row verified after an accepted prefix."""
+    expected = np.zeros(buckets)
+    accepted = np.zeros(buckets)
+    for b in range(n_A.shape[0]):
+        if not rows_A[b]:
+            continue
+        n = n_A[b]
+        acc = min(accepted_A[b], n)
+        prev = 1.0
+        for i in range(min(acc + 1, n)):
+            p = probs_AxK[b, i]
+            r = p / prev if prev > 0 else 0.0
+            prev = p
+            k = _bucket(support_AxK[b, i], buckets)
+            expected[k] += r
+            if i < acc:
+                accepted[k] += 1.0
+    return expected, accepted
+
+
+@_jit
+def depth_trials(n_A, accepted_A, probs_AxK, D):
+    """(expected, accepted) float64 `[D]` of one step (`acceptance.update_depth_scale`): at
+    depth d, the predicted path probabilities summed over rows drafting > d, and the rows whose
+    committed accepted tokens (capped at n_A) reach d + 1 (accepted_A int64; empty: not known,
+    accepted left 0)."""
+    expected = np.zeros(D)
+    accepted = np.zeros(D)
+    known = accepted_A.shape[0] == n_A.shape[0]
+    for b in range(n_A.shape[0]):
+        n = n_A[b]
+        for d in range(min(n, D)):
+            expected[d] += probs_AxK[b, d]
+        if known:
+            acc = min(accepted_A[b], n)
+            for d in range(min(acc, D)):
+                accepted[d] += 1.0
+    return expected, accepted

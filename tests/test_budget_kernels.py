@@ -1,0 +1,170 @@
+"""The DAS policy's compiled per-step kernels (`das_jax.speculation._budget_kernels`) against the
+numpy formulation of the same arithmetic, written out here, on random drafts: calibration,
+token values, candidates, savings and the calibration updates, compiled and as plain Python
+(`py_func`)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from das_jax.speculation import _budget_kernels as bk
+from das_jax.speculation.acceptance import (SCALE_RANGE, calibrated_paths, support_bucket,
+                                            support_prior, update_depth_scale,
+                                            update_support_scale)
+from das_jax.speculation.das_policy import MAX_VALUE_CUTS, DASPolicy
+
+
+def _ratios(P):
+    prev = np.concatenate([np.ones(P.shape[:-1] + (1,)), P[..., :-1]], axis=-1)
+    return np.divide(P, prev, out=np.zeros_like(P), where=prev > 0)
+
+
+def _ref_calibrated(probs, lens, support, has_support, depth_scale, support_scale):
+    D = int(lens.max(initial=0))
+    if D == 0:
+        return np.zeros((len(lens), 0))
+    valid = np.arange(D)[None, :] < lens[:, None]
+    P = np.where(valid, probs.astype(np.float64)[:, :D], 0.0)
+    q = np.minimum.accumulate(np.clip(P * depth_scale[None, :D], 0.0, 1.0), axis=1)
+    sup = support_scale[support_bucket(support[:, :D])]
+    q_sup = np.cumprod(np.clip(_ratios(P) * sup, 0.0, 1.0), axis=1)
+    q = np.where(has_support[:, None], q_sup, q)
+    return np.where(valid, q, 0.0)
+
+
+def _ref_token_values(f, c_tok, cum, lens):
+    n = np.arange(cum.shape[1])
+    g = (f[:, None] + c_tok * n[None, :]) / (1.0 + cum)
+    g = np.where(n[None, :] <= lens[:, None], g, np.inf)
+    best = np.argmin(g, axis=1)
+    return g[np.arange(len(f)), best], best
+
+
+def _ref_candidates(lens, value, n_opt):
+    D = value.shape[1]
+    caps = np.arange(0, D + 1)[:, None]
+    out = [np.minimum(lens[None, :], caps)]
+    top = int(n_opt.max(initial=0))
+    out.append(np.minimum(n_opt[None, :], caps[1:top + 1]))
+    pos = value[value > 0]
+    if pos.size:
+        cuts = np.unique(pos)[::-1]
+        if len(cuts) > MAX_VALUE_CUTS:
+            cuts = cuts[np.linspace(0, len(cuts) - 1, MAX_VALUE_CUTS).round().astype(int)]
+        ge = (value[None, :, :] >= cuts[:, None, None]).sum(axis=2)
+        out.append(np.minimum(ge, lens[None, :]))
+    return np.concatenate(out)
+
+
+def _ref_support_update(g, n, acc, probs, support, rows, ema):
+    acc = np.minimum(acc, n)
+    K = int(n.max(initial=0))
+    col = np.arange(K)[None, :]
+    tried = (col < np.minimum(acc + 1, n)[:, None]) & rows[:, None]
+    if not tried.any():
+        return
+    bkt = support_bucket(support[:, :K])[tried]
+    ratio = _ratios(probs.astype(np.float64)[:, :K])[tried]
+    hit = np.broadcast_to(col < acc[:, None], tried.shape)[tried]
+    expected = np.bincount(bkt, weights=ratio, minlength=len(g))
+    accepted = np.bincount(bkt, weights=hit.astype(np.float64), minlength=len(g))
+    seen = expected > 0
+    g[seen] = (1 - ema) * g[seen] + ema * accepted[seen] / expected[seen]
+    np.clip(g, *SCALE_RANGE, out=g)
+
+
+def _random_drafts(rng, A, K):
+    lens = rng.integers(0, K + 1, A)
+    probs = np.zeros((A, K), np.float32)
+    support = np.zeros((A, K), np.int32)
+    for b in range(A):
+        p = np.cumprod(rng.choice([1.0, 0.9, 0.5, 0.25, 0.0], lens[b], p=[.4, .2, .2, .15, .05]))
+        probs[b, :lens[b]] = p
+        support[b, :lens[b]] = rng.integers(0, 80, lens[b])
+    has = rng.random(A) < 0.6
+    return probs, lens, support, has
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "python"])
+@pytest.mark.parametrize("seed", range(6))
+def test_kernels_equal_the_numpy_formulation(seed, jit):
+    rng = np.random.default_rng(seed)
+    A, K = int(rng.integers(1, 40)), int(rng.integers(1, 16))
+    probs, lens, support, has = _random_drafts(rng, A, K)
+    depth_scale = rng.uniform(0.3, 1.6, K)
+    support_scale = rng.uniform(0.3, 1.6, 6)
+    call = (lambda k: k) if jit else (lambda k: k.py_func)
+
+    q = call(bk.calibrate)(probs.astype(np.float64), lens.astype(np.int64),
+                           support.astype(np.int64), has, depth_scale, support_scale)
+    q_ref = _ref_calibrated(probs, lens, support, has, depth_scale, support_scale)
+    np.testing.assert_array_equal(q, q_ref)
+    assert np.all(np.diff(q, axis=1) <= 0)
+
+    cum = call(bk.prefix_sums)(q)
+    np.testing.assert_array_equal(cum, np.concatenate([np.zeros((A, 1)), np.cumsum(q, 1)], 1))
+    f = rng.uniform(1e-4, 1e-2, A)
+    lam, n_opt = call(bk.token_values)(f, 3e-5, cum, lens.astype(np.int64))
+    lam_ref, n_ref = _ref_token_values(f, 3e-5, cum, lens)
+    np.testing.assert_array_equal(lam, lam_ref)
+    np.testing.assert_array_equal(n_opt, n_ref)
+
+    value = lam[:, None] * q
+    n_CxA = call(bk.candidates)(lens.astype(np.int64), value, n_opt, MAX_VALUE_CUTS, True)
+    np.testing.assert_array_equal(n_CxA, _ref_candidates(lens, value, n_opt))
+    assert np.all(n_CxA <= lens[None, :])
+
+    saved, sums = call(bk.expected_savings)(n_CxA, lam, cum)
+    saved_ref = (lam[None, :] * (1.0 + cum[np.arange(A)[None, :], n_CxA])).sum(axis=1)
+    np.testing.assert_allclose(saved, saved_ref, rtol=1e-13)
+    np.testing.assert_array_equal(sums, n_CxA.sum(axis=1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_calibration_updates_equal_the_numpy_formulation(seed):
+    rng = np.random.default_rng(seed)
+    A, K = int(rng.integers(1, 40)), int(rng.integers(1, 16))
+    probs, lens, support, has = _random_drafts(rng, A, K)
+    n = np.minimum(lens, rng.integers(0, K + 1, A))
+    acc = rng.integers(0, K + 2, A)
+    rows = has & (n > 0)
+
+    g, g_ref = support_prior(), support_prior()
+    update_support_scale(g, n, acc, probs, support, rows, 0.1)
+    _ref_support_update(g_ref, n.astype(np.int64), acc.astype(np.int64), probs, support, rows, 0.1)
+    np.testing.assert_array_equal(g, g_ref)
+
+    D = int(n.max(initial=0))
+    s = update_depth_scale(np.ones(2), n, acc, int(acc.sum()), probs, 0.1)
+    if D:
+        drafted = np.arange(D)[None, :] < n[:, None]
+        expected = np.where(drafted, probs.astype(np.float64)[:, :D], 0.0).sum(axis=0)
+        accepted = (np.minimum(acc, n)[:, None] >= np.arange(1, D + 1)[None, :]).sum(axis=0)
+        ref = np.ones(max(D, 2))
+        seen = expected > 0
+        ref[:D][seen] = 0.9 + 0.1 * accepted[seen] / expected[seen]
+        np.testing.assert_allclose(s, np.clip(ref, *SCALE_RANGE), rtol=1e-15)
+    # the step's total only (no per-row counts): every depth moves toward it
+    s_tot = update_depth_scale(np.ones(1), n, None, 3, probs, 0.5)
+    if D:
+        tot = np.where(np.arange(D)[None, :] < n[:, None], probs[:, :D], 0.0).sum()
+        np.testing.assert_allclose(s_tot, np.clip(0.5 + 0.5 * 3 / max(tot, 1e-12),
+                                                  *SCALE_RANGE), rtol=1e-6)
+
+
+def test_public_methods_are_the_kernels():
+    """`DASPolicy.token_values` / `candidates` / `calibrated` give the numpy formulation's
+    values on a hand-made batch (and `calibrated_paths` of no draft is `[A, 0]`)."""
+    pol = DASPolicy()
+    probs = [np.array([1.0, 0.5, 0.5]), np.array([0.9]), np.zeros(0)]
+    q = pol.calibrated(probs)
+    np.testing.assert_allclose(q, [[1.0, 0.5, 0.5], [0.9, 0, 0], [0, 0, 0]])
+    cum = np.concatenate([np.zeros((3, 1)), np.cumsum(q, 1)], 1)
+    lam, n = DASPolicy.token_values(np.array([1.0, 1.0, 1.0]), 0.25, cum, np.array([3, 1, 0]))
+    # row 0: g = 1, 1.25/2, 1.5/2.5, 1.75/3 -> n = 3; row 1: 1, 1.25/1.9 -> 1; row 2: 1
+    np.testing.assert_allclose(lam, [1.75 / 3, 1.25 / 1.9, 1.0])
+    assert n.tolist() == [3, 1, 0]
+    cand = pol.candidates(np.array([3, 1, 0]), lam[:, None] * q, n)
+    np.testing.assert_array_equal(cand, _ref_candidates(np.array([3, 1, 0]), lam[:, None] * q, n))
+    assert calibrated_paths(np.zeros((2, 4)), np.zeros(2, np.int64), np.zeros((2, 4)),
+                            np.zeros(2, bool), np.ones(1), support_prior()).shape == (2, 0)
