@@ -69,14 +69,20 @@ def pytest_unconfigure(config):
 _REAL_MODEL_FILES = ("test_exact_mode.py", "test_engine_smollm2.py", "test_models_smollm2.py")
 
 
-# The files that take longest, first: under `-n 2 --dist loadfile` (pyproject's addopts) each
-# worker takes whole files in collection order, so a long file left for the end would run alone
-# on one worker while the other idles. The rest keep pytest's order. (A file missing here only
-# costs balance, never a test.)
+# The files that take longest, first (ranked by their fast tests' time in a `--durations` run):
+# under `-n 2 --dist loadfile` (pyproject's addopts) each worker takes whole files in collection
+# order, so a long file left for the end would run alone on one worker while the other idles.
+# The rest keep pytest's order. (A file missing here only costs balance, never a test.)
 _LONG_FILES_FIRST = (
-    "test_multihost_train.py", *_REAL_MODEL_FILES, "test_engine.py", "test_bench_rollout.py",
-    "test_sharding_train.py", "test_multi_device.py", "test_sharding_cli.py", "test_run_log.py",
-    "test_trainer.py", "test_grpo_train_step.py", "test_packed_prefill.py", "test_packed_verify.py",
+    "test_paged_kv_cache.py", "test_paged_attention.py", "test_engine.py", "test_run_log.py",
+    "test_head_logprobs.py", "test_bench_replay.py", "test_export.py", "test_train_window.py",
+    "test_grpo_losses.py", *_REAL_MODEL_FILES, "test_models_hf.py", "test_trainer_run_dir.py",
+    "test_grpo_train_step.py", "test_fused_update.py", "test_decode_attention.py",
+    "test_das_policy.py", "test_engine_settings.py", "test_memory.py", "test_multihost_train.py",
+    "test_old_logprobs.py", "test_evaluate.py", "test_sampling_numerics.py", "test_trainer.py",
+    "test_precompile_share.py", "test_packed_verify.py", "test_rewards_sandbox.py",
+    "test_packed_prefill.py", "test_sharding_cli.py", "test_bench_rollout.py",
+    "test_sharding_train.py", "test_multi_device.py",
 )
 
 
