@@ -40,7 +40,9 @@ class _Request:
     local_sid: int = -1
 
 
-_MIN_ROWS_PER_THREAD = 16    # propose_batch splits over threads only rows this many per thread
+_MIN_ROWS_PER_THREAD = 64    # propose_batch splits over threads only rows this many per thread
+# (below ~64 rows per thread, waking a worker costs more than its share of the drafting saves)
+
 
 class SuffixDrafter:
     """Per-problem suffix-trie drafter (DAS).

@@ -61,7 +61,7 @@ class DASSection:
     min_token_prob: a suffix draft stops when its path probability drops below this.
     drafter_threads: threads the per-problem suffix drafter drafts a step's rows on (1: the
       rollout's own thread; its numba kernels release the GIL, so more threads draft rows in
-      parallel; appends to the tries stay serial).
+      parallel, 64 or more rows per thread; appends to the tries stay serial).
     policy: the DAS length-aware policy (`das_jax.speculation.DASConfig`): short_quantile,
       long_quantile, short_threshold, long_threshold (length classes), weight_short,
       weight_medium, weight_long (class weights sharing the per-step cost), budget_short,
