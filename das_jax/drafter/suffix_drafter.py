@@ -40,8 +40,9 @@ class _Request:
     local_sid: int = -1
 
 
-_MIN_ROWS_PER_THREAD = 64    # propose_batch splits over threads only rows this many per thread
-# (below ~64 rows per thread, waking a worker costs more than its share of the drafting saves)
+# `propose_batch` splits a step's rows over its threads only at this many rows per thread: below
+# it, waking a worker costs more than its share of the drafting saves.
+_MIN_ROWS_PER_THREAD = 64
 
 
 class SuffixDrafter:
