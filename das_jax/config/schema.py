@@ -164,6 +164,12 @@ class GRPOSection:
     # tokens, under the same distribution the trainer scores: the temperature-scaled full softmax,
     # whatever top_k / top_p). rollout_logprob_gap is reported in both modes.
     old_logprobs: str = _choices("recompute", "rollout", default="recompute")
+    # With train.async_steps > 0 and old_logprobs: recompute, each completion token's loss is
+    # weighted by the truncated importance weight min(pi_old / pi_behaviour, cap): pi_old the
+    # pre-update params the trainer recomputes with, pi_behaviour the (older) params the rollout
+    # sampled with (truncated importance sampling, Yao et al. 2025, "Your Efficient RL Framework
+    # Secretly Brings You Off-Policy RL Training"; TRL's vllm_importance_sampling_cap).
+    importance_sampling_cap: float = 2.0
     # A registered advantage estimator (`das_jax.rl.advantages.register_advantage`).
     advantage_estimator: str = "grpo"
 
@@ -208,6 +214,11 @@ class TrainSection:
     # exact for the grpo / dr_grpo / dapo losses at beta 0 (ignored otherwise); the entropy and
     # clip metrics are then over the rows trained on.
     skip_zero_advantage: bool = False
+    # Asynchronous GRPO (das_jax.rl.async_rollouts): the rollouts of step t + async_steps are
+    # generated from the params of step t while step t's update runs (0: the synchronous loop,
+    # rollout then update). A step's rollouts are at most async_steps policy versions old;
+    # grpo.importance_sampling_cap bounds the off-policy correction.
+    async_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

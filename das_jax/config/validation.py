@@ -114,6 +114,12 @@ def validate(cfg: Config) -> Config:
            f"eval.max_new_tokens must be null or in [1, rollout.max_cache_len={r.max_cache_len}), "
            f"got {e.max_new_tokens}")
     _check(t.save_every >= 0, f"train.save_every must be >= 0 (0 disables), got {t.save_every}")
+    _check(t.async_steps >= 0,
+           f"train.async_steps must be >= 0 (0: synchronous rollout then update), got "
+           f"{t.async_steps}")
+    _check(g.importance_sampling_cap >= 1,
+           f"grpo.importance_sampling_cap must be >= 1 (the truncated importance weight's upper "
+           f"bound), got {g.importance_sampling_cap}")
     _check(t.log_samples >= 0, f"train.log_samples must be >= 0 (0 disables), got {t.log_samples}")
     _check(r.kv_memory_gb is None or r.kv_memory_gb > 0,
            f"rollout.kv_memory_gb must be > 0 or null, got {r.kv_memory_gb}")

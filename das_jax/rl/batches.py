@@ -39,6 +39,8 @@ class TrainBatch:
       policy (0 where not completion).
     ref_logprobs_BxT: float32, same alignment, frozen reference policy (read only when beta > 0).
     advantages_B: float32 `[N]`, one advantage per sequence (`advantages.group_advantages`).
+    is_weights_BxT: optional float32, a per-token factor on the loss (None: 1 everywhere): the
+      truncated importance weights of asynchronous GRPO (`das_jax.rl.async_rollouts`).
     """
 
     tokens_BxT: jax.Array
@@ -48,6 +50,7 @@ class TrainBatch:
     old_logprobs_BxT: jax.Array
     ref_logprobs_BxT: jax.Array
     advantages_B: jax.Array
+    is_weights_BxT: jax.Array | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -55,11 +58,12 @@ class TrainBatch:
 
 
 def make_batch(tokens_BxT, prompt_lens_B, completion_lens_B, *, old_logprobs_BxT=None,
-               ref_logprobs_BxT=None, advantages_B=None) -> TrainBatch:
+               ref_logprobs_BxT=None, advantages_B=None, is_weights_BxT=None) -> TrainBatch:
     """Host-side helper: a `TrainBatch` from right-padded token rows where row b holds
     `prompt_lens_B[b]` prompt tokens followed by `completion_lens_B[b]` completion tokens.
 
-    Positions are 0..len-1; missing log-prob arrays are zeros, missing advantages zeros.
+    Positions are 0..len-1; missing log-prob arrays are zeros, missing advantages zeros,
+    missing importance weights None (a factor of 1).
 
     Raises:
       ValueError: a row has no prompt token.
@@ -81,7 +85,9 @@ def make_batch(tokens_BxT, prompt_lens_B, completion_lens_B, *, old_logprobs_BxT
     return TrainBatch(tokens_BxT=jnp.asarray(tokens), positions_BxT=jnp.asarray(positions),
                       valid_BxT=jnp.asarray(valid), completion_mask_BxT=jnp.asarray(cmask),
                       old_logprobs_BxT=jnp.asarray(old), ref_logprobs_BxT=jnp.asarray(ref),
-                      advantages_B=jnp.asarray(adv))
+                      advantages_B=jnp.asarray(adv),
+                      is_weights_BxT=(None if is_weights_BxT is None else
+                                      jnp.asarray(np.asarray(is_weights_BxT, np.float32) * cmask)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,6 +182,8 @@ class LossAndGrad:
         cmask = np.asarray(batch.completion_mask_BxT).astype(bool) & valid & (np.arange(T) > 0)
         w = np.asarray(self.loss_fn.weights(jnp.asarray(cmask), self.loss_config,
                                             num_sequences=N), np.float32)
+        if batch.is_weights_BxT is not None:   # asynchronous GRPO's truncated IS weights
+            w = w * np.asarray(batch.is_weights_BxT, np.float32)
         cols = HostColumns(np.asarray(batch.tokens_BxT, np.int32),
                            np.asarray(batch.positions_BxT, np.int32), valid, cmask,
                            np.asarray(batch.old_logprobs_BxT, np.float32),

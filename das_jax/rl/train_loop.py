@@ -55,7 +55,7 @@ def run_training(trainer, resume: bool = False, progress: bool = True,
                 logger = _SilentLogger()
             records = []
             evaluator = Evaluator.for_trainer(trainer)
-            with _closing(logger):
+            with _closing(logger), _stopping_rollouts(trainer):
                 if evaluator is not None and trainer.step == 0 < c.train.steps:
                     with logger.between_steps():
                         logger.log_eval(evaluator.run(trainer, 0))
@@ -73,6 +73,7 @@ def run_training(trainer, resume: bool = False, progress: bool = True,
                         trainer.release_optimizer_state()
                     if evaluator is not None and eval_due(trainer.step, c.train.steps,
                                                           c.eval.every):
+                        trainer.quiesce()   # the engine is idle during the evaluation
                         with logger.between_steps():
                             logger.log_eval(evaluator.run(trainer, trainer.step))
     # process 0 closes the logs (plots) last: the others wait, so that none reaches jax's
@@ -96,6 +97,17 @@ class _SilentLogger:
 
     def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _stopping_rollouts(trainer):
+    """Stops an asynchronous run's rollout worker when the loop ends (also on an error)."""
+    try:
+        yield
+    finally:
+        close = getattr(trainer, "close", None)
+        if close is not None:
+            close()
 
 
 @contextlib.contextmanager

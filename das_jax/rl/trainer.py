@@ -52,6 +52,7 @@ from das_jax.parallel.sharding import (MESH_AXES, MeshError, TrainShardings, mes
                                        place, replicated, resolve_mesh_shape)
 from das_jax.rl import losses
 from das_jax.rl.advantages import advantage_metrics, get_advantage
+from das_jax.rl.async_rollouts import AsyncRollouts
 from das_jax.rl.batches import make_batch
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.logprobs import cast_params, compute_logprobs
@@ -174,6 +175,17 @@ class GRPOTrainer:
         self.step = 0
         self.run_dir = Path(c.output_dir)
         self.last_logprob_gap: float | None = None
+        self.last_is_metrics: dict[str, float] = {}
+        # Asynchronous GRPO: the rollouts of the next train.async_steps steps are generated while
+        # this step updates (das_jax.rl.async_rollouts); None is the synchronous loop.
+        self.async_rollouts = None
+        if c.train.async_steps > 0:
+            if self.split is not None:
+                raise TrainError(
+                    f"train.async_steps={c.train.async_steps} runs in one process, but this run "
+                    f"has {dist.process_count()}; set train.async_steps: 0 for a multi-process "
+                    "run")
+            self.async_rollouts = AsyncRollouts(self, c.train.async_steps, c.train.steps)
 
     # ------------------------------------------------------------------ data order
     def steps_per_epoch(self) -> int:
@@ -190,7 +202,9 @@ class GRPOTrainer:
         return [self.problems[i] for i in picked]
 
     # ------------------------------------------------------------------ rollout
-    def rollout(self, step: int) -> RolloutBatch:
+    def rollout(self, step: int, params=None) -> RolloutBatch:
+        """The rollouts of (0-based) `step`, sampled from `params` (default: the current params,
+        `rollout_params()`), decoded and rewarded."""
         c = self.config
         G = c.grpo.num_generations
         problems = self.problems_for_step(step)
@@ -198,7 +212,8 @@ class GRPOTrainer:
             self.rollouts.sampling, seed=request_seed(c.train.seed, f"step-{step}", 0))
         requests = [Request(tuple(self.prompt_ids[p.problem_id]), problem_id=p.problem_id,
                             sample_index=g) for p in problems for g in range(G)]
-        params = self.rollout_params()
+        if params is None:
+            params = self.rollout_params()
         rows = [p for p in problems for _ in range(G)]
         if self.split is not None:   # each process generates its groups; gathered
             rb = split_rollout(self, self.split, requests, rows, G, params, sampling)
@@ -242,6 +257,9 @@ class GRPOTrainer:
         return jax.tree_util.tree_map(lambda x: x.addressable_data(0), full)
 
     def build_batch(self, rb: RolloutBatch):
+        """(the `TrainBatch` of `rb`, its advantages `[N]`). Recomputes the old log-probs
+        (`grpo.old_logprobs: recompute`) and, in an asynchronous run, the truncated importance
+        weights (`das_jax.rl.async_rollouts`; their metrics in `last_is_metrics`)."""
         c = self.config
         advantages = np.asarray(self.advantage_fn(
             jnp.asarray(rb.rewards), c.grpo))
@@ -265,9 +283,12 @@ class GRPOTrainer:
 
         ref = logprobs(self.ref_params) if self.ref_params is not None else None
         self.last_logprob_gap = None
+        is_weights = None
         if c.grpo.old_logprobs == "recompute":
             recomputed = logprobs(self.params)
             cmask = (positions >= lens_p[:, None]) & valid
+            if self.async_rollouts is not None:
+                is_weights = self._importance_weights(recomputed, old, cmask)
             # How far the sampler's log-probs are from the trainer's (both under the
             # temperature-scaled full softmax, so only float rounding): a health check of the
             # rollouts. In "rollout" mode the train step's first iteration measures the same gap.
@@ -275,7 +296,23 @@ class GRPOTrainer:
                 else 0.0
             old = recomputed
         return make_batch(tokens, lens_p, lens_c, old_logprobs_BxT=old, ref_logprobs_BxT=ref,
-                          advantages_B=advantages), advantages
+                          advantages_B=advantages, is_weights_BxT=is_weights), advantages
+
+    def _importance_weights(self, old_BxT, behaviour_BxT, cmask_BxT) -> np.ndarray:
+        """float32 `[N, T]`: min(exp(old - behaviour), grpo.importance_sampling_cap) on the
+        completion tokens, 0 elsewhere (truncated importance sampling, Yao et al. 2025: the
+        rollout sampled from an older policy than the pre-update params the ratio starts from).
+        Sets `last_is_metrics`: is_weight_mean (of the truncated weights), is_weight_max
+        (before truncation), is_truncated_fraction."""
+        cap = float(self.config.grpo.importance_sampling_cap)
+        raw = np.exp(np.where(cmask_BxT, old_BxT - behaviour_BxT, 0.0)).astype(np.float32)
+        w = np.where(cmask_BxT, np.minimum(raw, cap), 0.0).astype(np.float32)
+        n = int(cmask_BxT.sum())
+        self.last_is_metrics = {
+            "is_weight_mean": float(w[cmask_BxT].mean()) if n else 1.0,
+            "is_weight_max": float(raw[cmask_BxT].max()) if n else 1.0,
+            "is_truncated_fraction": float((raw[cmask_BxT] > cap).mean()) if n else 0.0}
+        return w
 
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         batch, _ = self.build_batch(rb)
@@ -292,15 +329,25 @@ class GRPOTrainer:
     def train_one_step(self) -> dict[str, Any]:
         step = self.step
         t0 = time.perf_counter()
-        rb = self.rollout(step)
-        reward_events = [ev.take() for ev in self._reward_events]
-        rollout_s = time.perf_counter() - t0
+        extra: dict[str, Any] = {}
+        if self.async_rollouts is None:
+            rb = self.rollout(step)
+            reward_events = [ev.take() for ev in self._reward_events]
+            rollout_s = time.perf_counter() - t0
+        else:   # generated ahead on the rollout worker (it also advances the drafter's epochs)
+            dropped = self.async_rollouts.dropped_groups
+            vb, wait_s = self.async_rollouts.take(step)
+            rb, reward_events, rollout_s = vb.batch, vb.reward_events, vb.rollout_s
+            self.last_is_metrics = {}
+            extra = {"policy_version": vb.version, "version_lag": step - vb.version,
+                     "rollout_wait_s": wait_s,
+                     "dropped_groups": self.async_rollouts.dropped_groups - dropped}
         t1 = time.perf_counter()
         train_metrics = self.update(rb)
         release_trace_caches() or release_free_memory()
         train_s = time.perf_counter() - t1
         self.step += 1
-        if self.step % self.steps_per_epoch() == 0:
+        if self.async_rollouts is None and self.step % self.steps_per_epoch() == 0:
             self.rollouts.advance_epoch()
         lens = np.array([len(o.token_ids) for o in rb.outputs])
         st = rb.stats
@@ -342,6 +389,9 @@ class GRPOTrainer:
             # code samples that used up their CPU time (logged by the code reward, once a step)
             "reward_timeouts": sum(e.get("timeout", 0) for e in reward_events),
         }
+        if extra:
+            record.update(extra)
+            record.update(self.last_is_metrics)
         for k, v in rb.reward_parts.items():
             record[f"reward/{k}"] = float(np.mean(v))
         self.last_samples = sample_rows(rb, self.step, self.config.train.log_samples,
@@ -373,6 +423,19 @@ class GRPOTrainer:
                 f"but rollout.max_cache_len={limit}; raise rollout.max_cache_len to at least "
                 f"{need}, lower rollout.max_new_tokens, or shorten the prompts (data.instruction, "
                 "data.chat)")
+
+    def quiesce(self) -> None:
+        """Waits for the rollouts generated ahead (an asynchronous run; nothing otherwise), so
+        that the engine, the drafter and the DAS policy are idle: before a checkpoint or an
+        evaluation."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.drain()
+
+    def close(self) -> None:
+        """Stops the rollout worker of an asynchronous run (rollouts not started are
+        cancelled, a running one finishes first); the end of `train`."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
 
     def release_optimizer_state(self) -> None:
         """Drops the optimizer state once the run has reached `train.steps` (after its last

@@ -18,6 +18,7 @@ log = logging.getLogger("das_jax.train")
 
 ROLLOUT_STATE_KEY = "rollout_state"
 SPLIT_STATE_KEY = "rollout_split"     # the process split of groups (several processes only)
+ASYNC_STATE_KEY = "async_rollouts"    # batches generated ahead (train.async_steps > 0 only)
 
 
 def trainer_meta(trainer) -> dict:
@@ -33,10 +34,15 @@ def save_trainer(trainer, manager: CheckpointManager) -> None:
     Raises:
       TrainError: the disk is full (names the checkpoint directory and how to go on).
     """
+    ahead = getattr(trainer, "async_rollouts", None)
+    if ahead is not None:
+        ahead.drain()   # the batches generated ahead are saved with their versions
     try:
         state = {ROLLOUT_STATE_KEY: trainer.rollouts.state_dict()}
         if getattr(trainer, "split", None) is not None:
             state[SPLIT_STATE_KEY] = trainer.split.state_dict()
+        if ahead is not None:
+            state[ASYNC_STATE_KEY] = ahead.state_dict()
         manager.save(trainer.step, trainer.params, trainer.opt_state, trainer_meta(trainer),
                      state)
         release_free_memory()  # tensorstore's write buffers
@@ -111,4 +117,14 @@ def restore_trainer(trainer, manager: CheckpointManager, max_step: int | None = 
             "(drop those --set overrides), or start a new run in another output_dir"
             ) from None
     trainer.params, trainer.opt_state, trainer.step = params, opt_state, int(meta["step"])
+    ahead = getattr(trainer, "async_rollouts", None)
+    if ahead is not None:   # the batches generated ahead, saved with their versions
+        saved = drafter_state.get(ASYNC_STATE_KEY) if isinstance(drafter_state, dict) else None
+        try:
+            ahead.load_state_dict(saved or {})
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise TrainError(
+                f"checkpoint {manager.step_dir(step)}: its rollouts generated ahead do not fit "
+                f"this run ({type(e).__name__}: {e}); resume with the run's own grpo and data "
+                "settings, or start a new run in another output_dir") from None
     return trainer.step

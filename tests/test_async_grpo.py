@@ -1,0 +1,242 @@
+"""Asynchronous GRPO (`train.async_steps`): the schedule of policy versions, the truncated
+importance-sampling loss against a reference written here, resume with rollouts generated
+ahead, and a synchronous run left bit for bit as it was.
+
+Tiny random model, a character-level tokenizer and a parity reward (tests/test_trainer.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from das_jax.config import ConfigError, config_from_dict
+from das_jax.models.transformer import forward
+from test_trainer import CFG, flat, make_config, make_trainer
+
+
+def _host_copy(tree):
+    return jax.tree_util.tree_map(lambda x: np.array(x, copy=True), tree)
+
+
+def test_async_steps_zero_is_the_synchronous_loop(tmp_path):
+    runs = []
+    for extra in ({}, {"async_steps": 0}):
+        trainer = make_trainer(make_config(tmp_path / str(len(runs)), steps=3, **extra))
+        assert trainer.async_rollouts is None
+        records = trainer.train(progress=False)
+        runs.append((records, flat(trainer.params)))
+    (r0, p0), (r1, p1) = runs
+    np.testing.assert_array_equal(p0, p1)
+    drop = {"rollout_s", "generation_s", "compile_s", "prefill_s", "decode_s", "draft_s",
+            "policy_s", "host_s", "overlap_s", "train_s", "step_s", "jit_compile_s",
+            "jit_compiles"}   # wall times and compiles (the second run finds them cached)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in r0] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in r1]
+    assert "version_lag" not in r0[0]   # the synchronous records are unchanged
+
+
+def test_async_loss_is_the_off_policy_grpo_loss(tmp_path):
+    """Every step's loss equals the truncated-IS GRPO loss computed here from the recorded
+    behaviour log-probs and the pre-update params (dapo, beta 0, one iteration)."""
+    cap = 1.5   # low enough that some weights are truncated
+    cfg = make_config(tmp_path, steps=4, save_every=0, async_steps=1)
+    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo,
+                                                            importance_sampling_cap=cap))
+    trainer = make_trainer(cfg)
+    seen = []   # per step: (behaviour version, rollout batch, params before the update)
+    take, step_fn = trainer.async_rollouts.take, trainer.train_step
+
+    def recording_take(step):
+        vb, waited = take(step)
+        seen.append([vb.version, vb.batch])
+        return vb, waited
+
+    def recording_step(params, opt_state, batch):
+        seen[-1].append(_host_copy(params))   # the update donates params
+        return step_fn(params, opt_state, batch)
+
+    trainer.async_rollouts.take, trainer.train_step = recording_take, recording_step
+    records = trainer.train(progress=False)
+    assert [r["policy_version"] for r in records] == [0, 0, 1, 2]
+    assert [r["version_lag"] for r in records] == [0, 1, 1, 1]   # never more than async_steps
+    T = cfg.rollout.temperature
+    logits_fn = jax.jit(lambda p, t, q: forward(CFG, p, t, q)[0])
+    truncated = 0
+    for record, (version, rb, params) in zip(records, seen):
+        prompts = [list(p) for p in rb.prompt_ids]
+        L = max(len(p) + len(o.token_ids) for p, o in zip(prompts, rb.outputs))
+        tokens = np.zeros((len(prompts), L), np.int32)
+        for b, (p, o) in enumerate(zip(prompts, rb.outputs)):
+            tokens[b, :len(p) + len(o.token_ids)] = p + list(o.token_ids)
+        positions = np.broadcast_to(np.arange(L), tokens.shape).astype(np.int32)
+        logits = logits_fn(params, tokens, positions)
+        logp_all = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32) / T, -1))
+        adv = np.asarray(trainer.advantage_fn(jnp.asarray(rb.rewards), cfg.grpo))
+        num, count = 0.0, 0
+        for b, (p, o) in enumerate(zip(prompts, rb.outputs)):
+            for j, (tok, behaviour) in enumerate(zip(o.token_ids, o.logprobs)):
+                t = len(p) + j                       # target position; predicted at t - 1
+                old = logp_all[b, t - 1, tok]        # pre-update params
+                w = min(np.exp(old - behaviour), cap)
+                truncated += np.exp(old - behaviour) > cap
+                num += -w * adv[b]                   # ratio 1 at the pre-update params
+                count += 1
+        assert record["loss"] == pytest.approx(num / count, abs=1e-6), record["step"]
+    assert truncated > 0                             # the cap was exercised
+    assert all(r["dropped_groups"] == 0 for r in records)
+
+
+def test_async_resume_equals_uninterrupted(tmp_path):
+    full = make_trainer(make_config(tmp_path / "a", steps=4, save_every=2, async_steps=1))
+    full_records = full.train(progress=False)
+    cfg = make_config(tmp_path / "b", steps=4, save_every=2, async_steps=1)
+    first = make_trainer(cfg)
+    first.train(progress=False, stop_after=2)        # stops after step 2's checkpoint
+    resumed = make_trainer(cfg)
+    records = resumed.train(resume=True, progress=False)
+    assert [r["step"] for r in records] == [3, 4]
+    # step 3 was generated ahead before the checkpoint (version 1) and restored, not redone
+    assert [r["policy_version"] for r in records] == [1, 2]
+    assert [r["loss"] for r in records] == [r["loss"] for r in full_records[2:]]
+    np.testing.assert_array_equal(flat(resumed.params), flat(full.params))
+    lines = (tmp_path / "b" / "run-none" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_a_stale_batch_is_dropped_and_generated_again(tmp_path):
+    """A run saved with async_steps 2 and resumed with 1: the restored batch two versions old
+    is dropped (counted), and the step samples from the current params instead."""
+    cfg2 = make_config(tmp_path, steps=4, save_every=2, async_steps=2)
+    make_trainer(cfg2).train(progress=False, stop_after=2)
+    cfg1 = make_config(tmp_path, steps=4, save_every=2, async_steps=1)
+    records = make_trainer(cfg1).train(resume=True, progress=False)
+    # the saved steps 3 and 4 sampled from versions 0 and 1: both 2 versions old when taken
+    assert [r["dropped_groups"] for r in records] == [2, 2]   # prompts_per_step groups each
+    assert [r["policy_version"] for r in records] == [2, 3]
+    assert [r["version_lag"] for r in records] == [0, 0]
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("train.async_steps", -1, "train.async_steps must be >= 0"),
+    ("grpo.importance_sampling_cap", 0.5, "grpo.importance_sampling_cap must be >= 1"),
+])
+def test_bad_async_settings_are_one_line_errors(tmp_path, key, value, match):
+    section, name = key.split(".")
+    raw = {"output_dir": str(tmp_path), section: {name: value}}
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(raw)
+
+
+# ------------------------------------------------------------------ kill -9 and --resume
+# Each point: (where the process kills itself, at which 0-based train step). Checkpoints are
+# written after steps 2 and 4 (save_every 2), so every kill resumes from one of them.
+KILL_POINTS = {
+    "rollout-ahead": ("rollout", 3),        # on the worker, generating step 3 during update 2
+    "update": ("update", 2),               # inside the optimizer step of step 2
+    "logged": ("logged", 3),               # step 3 written to metrics.jsonl, not checkpointed
+    "checkpoint": ("save", 4),             # at the save after step 4 (after the drain)
+    "after-checkpoint": ("take", 2),       # right after the checkpoint of step 2
+}
+KILL_STEPS = 5
+
+
+def _kill_config(run_dir):
+    return make_config(run_dir, steps=KILL_STEPS, save_every=2, async_steps=1)
+
+
+def _run_and_kill(run_dir: str, point: str, at: int) -> None:
+    """The child process: trains until `point` at step `at`, then kills itself (SIGKILL)."""
+    import os
+    import signal
+
+    from das_jax.rl import checkpoint as ckpt
+    from das_jax.rl import run_log
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    from pathlib import Path
+    trainer = make_trainer(_kill_config(Path(run_dir)))
+    if point == "rollout":
+        orig_rollout = trainer.rollout
+
+        def rollout(step, params=None):
+            if step == at:
+                die()
+            return orig_rollout(step, params)
+        trainer.rollout = rollout
+    elif point == "update":
+        orig_step = trainer.train_step
+
+        def train_step(params, opt_state, batch):
+            if trainer.step == at:
+                die()
+            return orig_step(params, opt_state, batch)
+        trainer.train_step = train_step
+    elif point == "logged":
+        orig_log = run_log.RunLogger.log
+
+        def log(self, record, samples=None):
+            orig_log(self, record, samples)   # written and flushed
+            if record["step"] == at:
+                die()
+        run_log.RunLogger.log = log
+    elif point == "save":
+        orig_save = ckpt.CheckpointManager.save
+
+        def save(self, step, *a, **k):
+            if step == at:
+                die()
+            return orig_save(self, step, *a, **k)
+        ckpt.CheckpointManager.save = save
+    elif point == "take":
+        orig_take = trainer.async_rollouts.take
+
+        def take(step):
+            if step == at:
+                die()
+            return orig_take(step)
+        trainer.async_rollouts.take = take
+    trainer.train(progress=False)
+    raise SystemExit("the kill point was never reached")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    trainer = make_trainer(_kill_config(tmp_path_factory.mktemp("full")))
+    records = trainer.train(progress=False)
+    return records, flat(trainer.params)
+
+
+@pytest.mark.parametrize("name", list(KILL_POINTS))
+def test_kill_9_and_resume_loses_and_repeats_no_step(tmp_path, uninterrupted, name):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    point, at = KILL_POINTS[name]
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, test_async_grpo as t; "
+         "t._run_and_kill(sys.argv[1], sys.argv[2], int(sys.argv[3]))",
+         str(tmp_path), point, str(at)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    resumed = make_trainer(_kill_config(tmp_path))
+    records = resumed.train(resume=True, progress=False)
+    full_records, full_params = uninterrupted
+    lines = (tmp_path / "run-none" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x)["step"] for x in lines]
+    assert steps == list(range(1, KILL_STEPS + 1))           # each step once, none lost
+    first = records[0]["step"]
+    assert [r["loss"] for r in records] == [r["loss"] for r in full_records[first - 1:]]
+    assert [r["policy_version"] for r in records] == \
+           [r["policy_version"] for r in full_records[first - 1:]]
+    np.testing.assert_array_equal(flat(resumed.params), full_params)
