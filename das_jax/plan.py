@@ -129,6 +129,12 @@ class MemoryPlan:
         """One line naming what to change (the largest phase decides)."""
         worst = max(self.phases, key=self.phases.get)
         need = f"peak {self.peak / GB:.1f} GB > {self.device_bytes / GB:.1f} GB per device"
+        if worst == "train+rollout":
+            return (f"{need} with the update and a rollout at once (train.async_steps="
+                    f"{config.train.async_steps}, colocated: KV cache "
+                    f"{self.rows['kv_cache'] / GB:.1f} GB beside the train state); give the "
+                    "rollouts devices of their own (mesh.rollout_devices), lower "
+                    "rollout.max_slots (or rollout.kv_memory_gb), or set train.async_steps: 0")
         if worst == "rollout":
             return (f"{need} in the rollout phase (KV cache {self.rows['kv_cache'] / GB:.1f} GB for "
                     f"rollout.max_slots={self.shapes['slots']}); lower rollout.max_slots (or set "
@@ -205,7 +211,13 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     r, g, t = config.rollout, config.grpo, config.train
     compute = jnp.dtype(config.model.dtype)
     master = jnp.dtype(t.master_dtype)
-    mesh = shard_lib.mesh_from_config(config.mesh, jax.devices()[:devices])
+    # mesh.rollout_devices > 0: the last devices only generate, the train mesh is the others
+    r_dev = config.mesh.rollout_devices
+    if r_dev >= devices:
+        raise PlanError(f"mesh.rollout_devices={r_dev} leaves none of the {devices} devices to "
+                        "train on; set it below the device count, or 0 to share them")
+    n_train = devices - r_dev
+    mesh = shard_lib.mesh_from_config(config.mesh, jax.devices()[:n_train])
 
     def abstract(tree, shardings):
         return jax.tree_util.tree_map(
@@ -223,8 +235,8 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     carry_abs = abstract(carry_shape, c_shard)
 
     # ---- train: one micro-batch of the longest rows ----
-    mb = max(g.micro_batch_size, devices) if devices > 1 else g.micro_batch_size
-    mb = -(-mb // devices) * devices
+    mb = max(g.micro_batch_size, n_train) if n_train > 1 else g.micro_batch_size
+    mb = -(-mb // n_train) * n_train
     T = r.max_cache_len
     row_sh = shard_lib.batch_sharding(mesh, 3, leading=1)
     vec_sh = shard_lib.batch_sharding(mesh, 2, leading=1)
@@ -233,7 +245,7 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
     act = ActivationConfig(remat=t.remat, logits_chunk=t.logits_chunk,
                            attention_chunk=t.attention_chunk)
     fused_peak = None
-    if fuses_update(config, devices):
+    if fuses_update(config, n_train):
         spec = FusedSpec(mc, loss_cfg, act, compute.name, optimizer)
         update_programs, fused_peak = fused_update_memory(
             spec, params_shape, opt_shape, packed_abstract(*packed_shape(config)))
@@ -244,12 +256,13 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
 
     # ---- rollout: one engine per device, full compute-dtype params ----
     # (rollout.kv_cache: auto is paged on GPU / TPU with one device per replica)
+    r_all = r_dev or devices   # the devices the engine replicas spread over
     kv_cache = kv_cache_for(r.kv_cache, run_platform(config) or "cpu",
-                            devices // max(1, r.replicas or devices))
+                            r_all // max(1, r.replicas or r_all))
     slots, S, W, rdtype, engine_programs, pages = _rollout_memory(mc, r, g, params_shape,
                                                                   compute, kv_cache)
 
-    n = devices
+    n = n_train
     master_b = _shard_bytes(params_abs)
     opt_b = _shard_bytes(opt_abs)
     grads_b = _shard_bytes(carry_abs[1])
@@ -270,18 +283,27 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
                                for k, m in engine_programs.items()),
         "update_scratch": train_rows["update_scratch"],
     }
-    # With one device and compute dtype == master dtype the engine reads the master arrays.
-    shared = n == 1 and compute == master
-    phases = {
-        "rollout": master_b + opt_b + ref_b + (0 if shared else cparams_b) + kv_b
-        + rows["rollout_scratch"],
-        **train_phases,
-    }
+    # With one device and compute dtype == master dtype the engine reads the master arrays
+    # (not in an asynchronous run: each rollout samples from a snapshot, the update donates).
+    k = config.train.async_steps
+    shared = n == 1 and compute == master and k == 0
+    engine_b = kv_b + rows["rollout_scratch"]
+    if r_dev:   # disaggregated: a rollout device holds the compute params and the engine only
+        phases = {"rollout": cparams_b + engine_b, **train_phases}
+    else:
+        phases = {"rollout": master_b + opt_b + ref_b + (0 if shared else cparams_b) + engine_b,
+                  **train_phases}
+        if k > 0:   # colocated async: the update runs beside a rollout and k params snapshots
+            phases["train+rollout"] = max(train_phases.values()) + k * cparams_b + engine_b
     shapes = {"slots": slots, "cache_len": S, "width": W, "micro_batch": mb, "train_len": T,
               "remat": t.remat, "dtype": f"{compute.name}/{master.name}",
               "update": "unfused" if fused_peak is None else "fused",
               "rollout_analysis": rdtype.name,
               "mesh": "x".join(f"{a}{k}" for a, k in mesh.shape.items() if k > 1) or "1"}
+    if r_dev:
+        shapes["rollout_devices"] = r_dev
+    if k:
+        shapes["async_steps"] = k
     if pages:   # the paged pool, and the rows it holds when every row is max_cache_len long
         shapes.update(kv_cache="paged", kv_pages=pages[0], page_size=pages[1],
                       rows_worst_case=pages[0] // -(-S // pages[1]))

@@ -115,6 +115,7 @@ _SLOW_TESTS = (
     "tests/test_async_grpo.py::test_kill_9_and_resume_loses_and_repeats_no_step[checkpoint]",
     "tests/test_async_grpo.py::test_kill_9_and_resume_loses_and_repeats_no_step[after-checkpoint]",
     "tests/test_async_grpo.py::test_a_stale_batch_is_dropped_and_generated_again",
+    "tests/test_async_grpo.py::test_disaggregated_rollout_device_gives_the_colocated_run",
     "tests/test_engine_settings.py::test_chunked_prefill_changes_no_bit[paged]",
     "tests/test_cross_platform_export.py::test_engine_program_exports[VerifySpec3-fast-bfloat16-cuda]",
     "tests/test_cross_platform_export.py::test_engine_program_exports[VerifySpec3-fast-bfloat16-tpu]",

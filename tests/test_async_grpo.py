@@ -163,13 +163,13 @@ def _run_and_kill(run_dir: str, point: str, at: int) -> None:
     from pathlib import Path
     trainer = make_trainer(_kill_config(Path(run_dir)))
     if point == "rollout":
-        orig_rollout = trainer.rollout
+        orig_generate = trainer.generate
 
-        def rollout(step, params=None):
+        def generate(step, params=None):
             if step == at:
                 die()
-            return orig_rollout(step, params)
-        trainer.rollout = rollout
+            return orig_generate(step, params)
+        trainer.generate = generate
     elif point == "update":
         orig_step = trainer.train_step
 
@@ -240,3 +240,90 @@ def test_kill_9_and_resume_loses_and_repeats_no_step(tmp_path, uninterrupted, na
     assert [r["policy_version"] for r in records] == \
            [r["policy_version"] for r in full_records[first - 1:]]
     np.testing.assert_array_equal(flat(resumed.params), full_params)
+
+
+# ------------------------------------------------------------------ disaggregated placement
+def _run_disaggregated(run_dir: str) -> None:
+    """The child process (2 forced host devices): an async run that trains on device 0 and
+    generates on device 1; writes its records, its params and where things ran."""
+    from pathlib import Path
+    run_dir = Path(run_dir)
+    cfg = _kill_config(run_dir)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rollout_devices=1))
+    trainer = make_trainer(cfg)
+    records = trainer.train(progress=False)
+    placed = {"engine": trainer.rollouts.engine.device.id,
+              "master": sorted({d.id for x in jax.tree_util.tree_leaves(trainer.params)
+                                for d in x.devices()}),
+              "mesh": trainer.mesh is not None}
+    from das_jax.plan import plan_in_process
+    p = plan_in_process(cfg, 2, int(1e9), model_config=CFG)
+    plan = {"rows": p.rows, "phases": p.phases, "shapes": p.shapes}
+    (run_dir / "child.json").write_text(json.dumps({"records": records, "placed": placed,
+                                                    "plan": plan}))
+    np.save(run_dir / "params.npy", flat(trainer.params))
+
+
+def test_disaggregated_rollout_device_gives_the_colocated_run(tmp_path, uninterrupted):
+    """mesh.rollout_devices: 1 on two devices: the rollouts run on the second device, the
+    update on the first, concurrently; the run is the one-device asynchronous run (same
+    version schedule, same tokens)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": os.pathsep.join([str(here.parent), str(here),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, test_async_grpo as t; "
+         "t._run_disaggregated(sys.argv[1])", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    child = json.loads((tmp_path / "child.json").read_text())
+    assert child["placed"] == {"engine": 1, "master": [0], "mesh": False}
+    # the memory plan: a rollout device holds the compute params and the engine, no train state
+    plan = child["plan"]
+    rows = plan["rows"]
+    assert plan["phases"]["rollout"] == rows["params"] + rows["kv_cache"] + rows["rollout_scratch"]
+    assert plan["shapes"]["rollout_devices"] == 1 and plan["shapes"]["mesh"] == "1"
+    assert "train+rollout" not in plan["phases"]
+    full_records, full_params = uninterrupted
+    recs = child["records"]
+    # the same tokens and rewards; the log-probs of another device's XLA:CPU threads round
+    # differently (the importance weights are 1 +- 1e-7): the loss by as much, the params by
+    # what Adam makes of it (lr 3e-3 on gradients near 0)
+    assert [r["reward_mean"] for r in recs] == [r["reward_mean"] for r in full_records]
+    assert [r["policy_version"] for r in recs] == [r["policy_version"] for r in full_records]
+    np.testing.assert_allclose([r["loss"] for r in recs], [r["loss"] for r in full_records],
+                               atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "params.npy"), full_params, atol=1e-4)
+
+
+def test_rollout_devices_that_leave_none_to_train_is_a_one_line_error(tmp_path):
+    from das_jax.rl.trainer import TrainError
+    cfg = make_config(tmp_path, async_steps=1)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rollout_devices=1))
+    with pytest.raises(TrainError, match="mesh.rollout_devices=1 leaves no device to train on"):
+        make_trainer(cfg)
+
+
+def test_memory_plan_of_a_colocated_async_run_counts_both_sides():
+    """Colocated, the update runs beside a rollout: the plan adds a phase holding the train
+    peak, the KV cache, the engine's scratch and one params snapshot per step ahead."""
+    from das_jax.plan import plan_in_process
+    base = {"rollout": {"max_new_tokens": 16, "max_slots": 4, "max_cache_len": 64,
+                        "draft_widths": [1, 4]},
+            "grpo": {"num_generations": 2, "prompts_per_step": 2, "micro_batch_size": 2}}
+    sync = plan_in_process(config_from_dict(base), 1, int(1e9), model_config=CFG)
+    for k in (1, 2):
+        cfg = config_from_dict(base, [f"train.async_steps={k}"])
+        p = plan_in_process(cfg, 1, int(1e9), model_config=CFG)
+        train_peak = max(v for name, v in p.phases.items() if name in ("train", "update"))
+        assert p.phases["train+rollout"] == (train_peak + k * p.rows["params"]
+                                             + p.rows["kv_cache"] + p.rows["rollout_scratch"])
+        assert p.peak == p.phases["train+rollout"] > sync.peak
+        small = plan_in_process(cfg, 1, (sync.peak + p.peak) // 2, model_config=CFG)
+        assert not small.fits and "mesh.rollout_devices" in small.advice(cfg)

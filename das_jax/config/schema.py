@@ -251,11 +251,18 @@ class MeshSection:
     axis; -1 (at most one axis) takes the remaining devices. data: pure data parallelism (params
     replicated); fsdp: data parallelism with params, master weights, gradients and Adam moments
     sharded (FSDP); tensor: heads / MLP / vocabulary sharded. The product must equal the number of
-    devices of the run (all processes' devices together). Default: every device on fsdp."""
+    devices of the run (all processes' devices together) less `rollout_devices`. Default: every
+    device on fsdp.
+
+    rollout_devices: 0 (colocated: the rollout engine and the train step share every device) or
+    the number of devices, the last ones of a one-process run, that only generate (disaggregated:
+    the train mesh is over the others; the params reach the rollout devices device to device
+    after each update). With train.async_steps > 0 the two sides then run at the same time."""
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    rollout_devices: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,11 @@ def validate(cfg: Config) -> Config:
 
 
 def _check_mesh(m: MeshSection) -> None:
-    sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+    _check(m.rollout_devices >= 0,
+           f"mesh.rollout_devices must be >= 0 (0: rollout and training share the devices), got "
+           f"{m.rollout_devices}")
+    sizes = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
+             if f.name != "rollout_devices"}
     bad = {k: v for k, v in sizes.items() if v == 0 or v < -1}
     _check(not bad, f"mesh.{next(iter(bad), '')}={next(iter(bad.values()), '')}: an axis size "
            "must be >= 1, or -1 for the remaining devices")

@@ -1,7 +1,8 @@
 """Asynchronous GRPO: the rollouts of later steps are generated while the current step updates.
 
 With `train.async_steps: k > 0` the trainer takes its batches from an `AsyncRollouts`, which
-generates them on one worker thread, in step order:
+generates them on one worker thread, in step order (the rewards are computed on the main thread
+when a batch is taken: reward functions may need it, e.g. math-verify's signal timeouts):
 
     step t:  schedule the rollout of step t + k from the params of version t (a snapshot)
              take the batch of step t (generated from version max(t - k, 0)), waiting if needed
@@ -14,10 +15,11 @@ step's batch is never more than k versions old (the staleness bound; a batch old
 e.g. one restored by a run resumed with a smaller `async_steps`, is dropped, counted in
 `dropped_groups`, and generated again from the current params).
 
-Placement: colocated. The worker thread and the update share the devices (on one device JAX
-runs their programs as they are dispatched); the host work of either side (the rollout's
-scheduler, drafter and DAS policy; the update's batch building) runs while the other side's
-programs run. A rollout never crosses an update: each one samples from its own snapshot of
+Placement (`mesh.rollout_devices`): colocated (0) -- the worker thread and the update share the
+devices (JAX runs their programs as they are dispatched) and the host work of either side (the
+rollout's scheduler, drafter and DAS policy; the update's batch building) runs while the other
+side's programs run; or disaggregated (> 0) -- the rollout engine has devices of its own, the
+train mesh the others, and the params reach the engine device to device (`Engine.place_params`). A rollout never crosses an update: each one samples from its own snapshot of
 the params (a copy when the compute dtype is the master dtype, which the update donates),
 and its KV cache lives for that rollout only. The drafter's history holds token ids only
 (independent of the weights; drafts never change a sampled token) and is fed by the worker
@@ -59,14 +61,17 @@ class VersionedBatch:
     """One step's rollouts with the policy version that sampled them.
 
     step: the (0-based) train step the batch is for; version: the optimizer steps applied to the
-    params it sampled from; rollout_s: the worker's wall seconds for it (generation + rewards);
-    reward_events: what the reward functions logged for it (`events.take()`, one per function).
+    params it sampled from; rollout_s: wall seconds of its generation (on the worker) and its
+    rewards (on the main thread); generated: the worker's (rows, outputs, stats) until the
+    rewards are computed; batch: the scored `RolloutBatch` after that; reward_events: what the
+    reward functions logged for it (`events.take()`, one per function).
     """
 
     step: int
     version: int
-    batch: RolloutBatch
+    generated: tuple | None
     rollout_s: float
+    batch: RolloutBatch | None = None
     reward_events: list = dataclasses.field(default_factory=list)
 
 
@@ -74,8 +79,8 @@ class AsyncRollouts:
     """The rollouts of a `GRPOTrainer` run `async_steps` steps ahead (module docstring).
 
     Args:
-      trainer: the `GRPOTrainer` (its `rollout(step, params)`, `rollout_params()`, `step`,
-        `steps_per_epoch()`, `rollouts.advance_epoch()` and reward events are used).
+      trainer: the `GRPOTrainer` (its `generate(step, params)`, `score`, `rollout_params()`,
+        `step`, `steps_per_epoch()`, `rollouts.advance_epoch()` and reward events are used).
       async_steps: k >= 1, the steps generated ahead (the staleness bound).
       total_steps: `train.steps` (nothing is generated for a step at or past it).
 
@@ -129,10 +134,20 @@ class AsyncRollouts:
                 t.rollouts.advance_epoch()
                 self._drafter_epochs += 1
         t0 = time.perf_counter()
-        rb = t.rollout(step, params=params)
+        generated = t.generate(step, params=params)
         del params
-        events = [ev.take() for ev in t._reward_events]
-        return VersionedBatch(step, version, rb, time.perf_counter() - t0, events)
+        return VersionedBatch(step, version, generated, time.perf_counter() - t0)
+
+    def _scored(self, vb: VersionedBatch) -> VersionedBatch:
+        """`vb` with its rewards, computed on the calling (main) thread: reward functions may
+        need it (math-verify's timeouts are signals, which only the main thread receives)."""
+        if vb.batch is None:
+            t0 = time.perf_counter()
+            vb.batch = self.trainer.score(*vb.generated)
+            vb.generated = None
+            vb.reward_events = [ev.take() for ev in self.trainer._reward_events]
+            vb.rollout_s += time.perf_counter() - t0
+        return vb
 
     # ------------------------------------------------------------------ taking batches
     def take(self, step: int) -> tuple[VersionedBatch, float]:
@@ -151,14 +166,15 @@ class AsyncRollouts:
 
     def _result(self, step: int) -> VersionedBatch:
         if step in self._ready:
-            return self._ready.pop(step)
-        return self._pending.pop(step).result()
+            return self._scored(self._ready.pop(step))
+        return self._scored(self._pending.pop(step).result())
 
     def drain(self) -> None:
-        """Waits for every scheduled rollout (before a checkpoint, an evaluation, or the end of
-        the run): afterwards the worker is idle and the drafter and policy can be read."""
+        """Waits for every scheduled rollout and scores it (before a checkpoint, an evaluation,
+        or the end of the run): afterwards the worker is idle and the drafter and policy can be
+        read."""
         for s in sorted(self._pending):
-            self._ready[s] = self._pending.pop(s).result()
+            self._ready[s] = self._scored(self._pending.pop(s).result())
 
     def close(self) -> None:
         """Cancels the rollouts not started, waits for the running one, stops the worker (a
@@ -240,5 +256,5 @@ def _batch_from_state(trainer, b: dict[str, Any]) -> VersionedBatch:
     rb = RolloutBatch(rows, [list(o.request.prompt_ids) for o in outputs], outputs,
                       list(b["completions"]), np.asarray(b["rewards"], np.float32),
                       {k: list(v) for k, v in b["reward_parts"].items()}, stats)
-    return VersionedBatch(step, int(b["version"]), rb, float(b["rollout_s"]),
+    return VersionedBatch(step, int(b["version"]), None, float(b["rollout_s"]), rb,
                           list(b.get("reward_events") or []))

@@ -120,7 +120,10 @@ class GRPOTrainer:
         # Several devices or processes: the train state lives on the `mesh:` (FSDP by the rules
         # of das_jax.parallel.sharding); one device keeps the plain single-device path.
         dist.check_same_config(c)
-        self.mesh = _train_mesh(c)
+        # mesh.rollout_devices > 0: the last devices only generate, the train mesh is over the
+        # others (disaggregated); 0: both share every device
+        train_devices, rollout_devices = _split_devices(c)
+        self.mesh = _train_mesh(c, train_devices)
         self.params = cast_params(params, c.train.master_dtype)
         del params, model
         release_free_memory()  # the loader's freed host buffers (dequantised tensors)
@@ -143,8 +146,11 @@ class GRPOTrainer:
         # The rollout boundary: engine, drafter, policy and cost model, all from the config. The
         # engine keeps no params of its own: every rollout passes the current ones, cast to the
         # compute dtype (`rollout_params`), so nothing stays alive across the update.
+        placement = ({} if rollout_devices is None else
+                     {"device": rollout_devices[0]} if len(rollout_devices) == 1 else
+                     {"devices": rollout_devices})
         self.rollouts = rollout_from_config(c, self.model_config, None,
-                                            self.tokenizer.eos_token_ids)
+                                            self.tokenizer.eos_token_ids, **placement)
         # With several processes each generates its share of a step's groups
         # (`das_jax.parallel.rollout_split`); the gathered batch is the same on every process.
         self.split = (GroupSplit(dist.process_count()) if dist.process_count() > 1 else None)
@@ -202,29 +208,47 @@ class GRPOTrainer:
         return [self.problems[i] for i in picked]
 
     # ------------------------------------------------------------------ rollout
-    def rollout(self, step: int, params=None) -> RolloutBatch:
-        """The rollouts of (0-based) `step`, sampled from `params` (default: the current params,
-        `rollout_params()`), decoded and rewarded."""
+    def rollout(self, step: int) -> RolloutBatch:
+        """The rollouts of (0-based) `step`, sampled from the current params, decoded and
+        rewarded."""
         c = self.config
-        G = c.grpo.num_generations
-        problems = self.problems_for_step(step)
+        if self.split is not None:   # each process generates its groups; gathered
+            G = c.grpo.num_generations
+            problems = self.problems_for_step(step)
+            requests, sampling = self._requests(step, problems)
+            rows = [p for p in problems for _ in range(G)]
+            params = self.rollout_params()
+            rb = split_rollout(self, self.split, requests, rows, G, params, sampling)
+            del params
+            release_trace_caches() or release_free_memory()
+            return rb
+        return self.score(*self.generate(step))
+
+    def _requests(self, step: int, problems: Sequence[Problem]):
+        c = self.config
         sampling = dataclasses.replace(
             self.rollouts.sampling, seed=request_seed(c.train.seed, f"step-{step}", 0))
         requests = [Request(tuple(self.prompt_ids[p.problem_id]), problem_id=p.problem_id,
-                            sample_index=g) for p in problems for g in range(G)]
+                            sample_index=g) for p in problems
+                    for g in range(c.grpo.num_generations)]
+        return requests, sampling
+
+    def generate(self, step: int, params=None):
+        """(rows, outputs, stats): the unscored rollouts of (0-based) `step` in this process,
+        sampled from `params` (default: the current params, `rollout_params()`); rows are the
+        problems of the outputs (each repeated num_generations times). Request seeds derive
+        from (train.seed, step, problem, sample index) only."""
+        problems = self.problems_for_step(step)
+        requests, sampling = self._requests(step, problems)
         if params is None:
             params = self.rollout_params()
-        rows = [p for p in problems for _ in range(G)]
-        if self.split is not None:   # each process generates its groups; gathered
-            rb = split_rollout(self, self.split, requests, rows, G, params, sampling)
-        else:
-            outputs, stats = self.rollouts.generate(requests, params, sampling)
-            rb = None
+        rows = [p for p in problems for _ in range(self.config.grpo.num_generations)]
+        outputs, stats = self.rollouts.generate(requests, params, sampling)
         del params  # the compute-dtype copy is not kept across the update
         # the engine's freed buffers and the tracing caches of the programs it compiled, before
         # the update needs the room
         release_trace_caches() or release_free_memory()
-        return rb if rb is not None else self.score(rows, outputs, stats)
+        return rows, outputs, stats
 
     def score(self, rows: Sequence[Problem], outputs: Sequence[RequestOutput],
               stats: Any = None) -> RolloutBatch:
@@ -488,18 +512,42 @@ class GRPOTrainer:
                             overwrite=overwrite)
 
 
-def _train_mesh(c: Config):
-    """The `mesh:` over every device of every process; None for one device in one process (the
-    plain single-device path).
+def _split_devices(c: Config):
+    """(the devices that train, the devices that only generate or None): every device of every
+    process trains with `mesh.rollout_devices: 0`; otherwise the last `rollout_devices` of a
+    one-process run generate and the others train.
+
+    Raises:
+      TrainError: rollout_devices leaves no device to train on, or the run has several
+        processes (one line each).
+    """
+    devices, r = jax.devices(), c.mesh.rollout_devices
+    if r == 0:
+        return devices, None
+    if jax.process_count() > 1:
+        raise TrainError(f"mesh.rollout_devices={r} splits the devices of one process, but this "
+                         f"run has {jax.process_count()} processes; set mesh.rollout_devices: 0")
+    if r >= len(devices):
+        raise TrainError(f"mesh.rollout_devices={r} leaves no device to train on (jax sees "
+                         f"{len(devices)}); set it below {len(devices)}, or 0 to share them")
+    return devices[:len(devices) - r], devices[len(devices) - r:]
+
+
+def _train_mesh(c: Config, devices=None):
+    """The `mesh:` over `devices` (default: every device of every process); None for one device
+    in one process (the plain single-device path, on that device: the first).
 
     Raises:
       TrainError: the mesh sizes do not fit the devices (one line).
     """
+    devices = list(devices if devices is not None else jax.devices())
     try:
-        if jax.device_count() == 1:
+        if len(devices) == 1:
             resolve_mesh_shape({a: getattr(c.mesh, a) for a in MESH_AXES}, 1)  # checks only
             return None
-        return mesh_from_config(c.mesh)
+        return mesh_from_config(c.mesh, devices)
     except MeshError as e:
+        split = (f" less mesh.rollout_devices={c.mesh.rollout_devices}"
+                 if c.mesh.rollout_devices else "")
         raise TrainError(f"{e} (mesh: in the config; jax sees {jax.device_count()} devices in "
-                         f"{jax.process_count()} process(es))") from None
+                         f"{jax.process_count()} process(es){split})") from None
