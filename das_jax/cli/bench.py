@@ -1,4 +1,5 @@
-"""`das-jax bench {engine,drafter,rollout,replay}` (registration imports no jax).
+"""`das-jax bench {engine,drafter,rollout,replay,async-replay,main-job}` (registration imports
+no jax).
 
   das-jax bench engine --model smollm2-135m-instruct [--quick] [--json PATH]
       decode tok/s of the verify step (B in {1,16}, W in {1,8}) and of Engine.generate, vs HF
@@ -13,6 +14,9 @@
       HF transformers `generate` reference, paper-scale replay under cpu / h100-7b / h200-7b.
   das-jax bench replay TRACE.jsonl [--drafters ...] [--scale paper]
       predicted rollout time per drafter from a recorded trace (simulation + cost model).
+  das-jax bench async-replay TRACE.jsonl [--gpus 8] [--rollout-gpus 2,4,6] [--async-steps 1]
+      GRPO step time of sync and async schedules (rollout GPUs apart), none and das, at paper
+      scale: rollouts replayed under the h200-7b cost model, training from a stated FLOP model.
   das-jax bench main-job RUN_DIR [--from-step K] [--steps N]
       a training run's rollout batches after its checkpoint, with its drafter and with none,
       side by side in one process (the main job's das / none rollout time).
@@ -23,7 +27,7 @@ import argparse
 import importlib
 
 from das_jax.arg_types import float_list, int_at_least, name_list, positive_int, set_type
-from das_jax.bench import arguments, drafter_bench, main_job_bench, rollout_bench
+from das_jax.bench import arguments, async_replay, drafter_bench, main_job_bench, rollout_bench
 from das_jax.rollout import speculation_names
 
 
@@ -50,6 +54,15 @@ def register(subparsers) -> None:
     arguments.add_replay_arguments(pp)
     set_type(pp, "--drafters", name_list(speculation_names, as_text=True))
     pp.set_defaults(func=_run("das_jax.cli.bench_replay"))
+
+    pa = sub.add_parser("async-replay", help="GRPO step time, sync vs async schedules, with "
+                        "and without DAS, at paper scale on one GPU node (a replay)")
+    async_replay.add_arguments(pa)
+    for flag in ("--gpus", "--async-steps", "--slots", "--paper-problems", "--paper-samples",
+                 "--paper-epochs", "--paper-max-tokens"):
+        set_type(pa, flag, positive_int)
+    set_type(pa, "--drafters", name_list(speculation_names, as_text=True))
+    pa.set_defaults(func=_run("das_jax.bench.async_replay"))
 
     pm = sub.add_parser("main-job", help="a training run's rollouts with its drafter vs none, "
                         "side by side from a checkpoint")

@@ -248,7 +248,10 @@ class RunLogger:
         return (f"step {r['step']}/{self.total_steps}{epoch} | reward {f('reward_mean', '{:.3f}')}"
                 f" | acc {f('accuracy', '{:.2f}')} | loss {f('loss', '{:.4f}')}"
                 f" | kl {f('kl', '{:.4f}')} | rollout {f('rollout_s', '{:.1f}')} s"
-                f" | train {f('train_s', '{:.1f}')} s | tok/fwd {f('tokens_per_forward', '{:.2f}')}"
+                # asynchronous GRPO: how long the update waited for it, and its policy lag
+                + (f" (waited {f('rollout_wait_s', '{:.1f}')} s, lag {r['version_lag']})"
+                   if "version_lag" in r else "")
+                + f" | train {f('train_s', '{:.1f}')} s | tok/fwd {f('tokens_per_forward', '{:.2f}')}"
                 f" | eta {fmt_seconds(eta)}")
 
     # -------------------------------------------------------------- end
@@ -298,6 +301,10 @@ def summary_table(records: Sequence[dict[str, Any]], wall_s: float | None = None
             ("one-off compile", fmt_seconds(oneoff_s) if oneoff_s is not None else "-"),
             ("rollout, total (mean per step)",
              f"{fmt_seconds(tot('rollout_s'))} ({tot('rollout_s') / len(records):.1f} s)"),
+            *([("rollout waited for, total (asynchronous GRPO)",
+                f"{fmt_seconds(tot('rollout_wait_s'))} "
+                f"({tot('rollout_wait_s') / len(records):.1f} s)")]
+              if any("rollout_wait_s" in r for r in records) else []),
             ("update, total (mean per step)",
              f"{fmt_seconds(tot('train_s'))} ({tot('train_s') / len(records):.1f} s)"),
             ("reward, first 4 -> last 4 steps", span("reward_mean")),
