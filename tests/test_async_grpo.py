@@ -327,3 +327,32 @@ def test_memory_plan_of_a_colocated_async_run_counts_both_sides():
         assert p.peak == p.phases["train+rollout"] > sync.peak
         small = plan_in_process(cfg, 1, (sync.peak + p.peak) // 2, model_config=CFG)
         assert not small.fits and "mesh.rollout_devices" in small.advice(cfg)
+
+
+def test_close_with_cancel_stops_a_running_rollout(tmp_path):
+    """On an error or Ctrl-C the loop closes the worker with cancel=True: the running rollout
+    stops at its next finished request instead of running to its end."""
+    import threading
+
+    from das_jax.rl.async_rollouts import RolloutCancelled
+
+    trainer = make_trainer(make_config(tmp_path, steps=3, async_steps=1))
+    started, calls = threading.Event(), [0]
+
+    def endless_generate(requests, params, sampling, progress=None):
+        for i in range(10 ** 6):      # ~1000 s if nothing stops it
+            progress(i, 10 ** 6)
+            calls[0] += 1
+            started.set()
+            threading.Event().wait(0.001)
+        raise AssertionError("never cancelled")
+
+    trainer.rollouts.generate = endless_generate
+    ahead = trainer.async_rollouts
+    ahead.schedule()
+    futures = list(ahead._pending.values())
+    assert started.wait(60)
+    ahead.close(cancel=True)
+    assert calls[0] < 10 ** 6
+    ran = [f for f in futures if not f.cancelled()]   # the others never started
+    assert len(ran) == 1 and isinstance(ran[0].exception(), RolloutCancelled)

@@ -53,7 +53,11 @@ from das_jax.engine import Request, RequestOutput
 from das_jax.engine.outputs import GenerateStats
 from das_jax.rl.rollout_batch import RolloutBatch
 
-__all__ = ["VersionedBatch", "AsyncRollouts"]
+__all__ = ["VersionedBatch", "AsyncRollouts", "RolloutCancelled"]
+
+
+class RolloutCancelled(Exception):
+    """Raised inside a rollout on the worker when `AsyncRollouts.close(cancel=True)` stops it."""
 
 
 @dataclasses.dataclass
@@ -98,6 +102,7 @@ class AsyncRollouts:
         # drafter epochs advanced so far (the synchronous loop's count at the trainer's step)
         self._drafter_epochs = trainer.step // trainer.steps_per_epoch()
         self._lock = threading.Lock()
+        self._cancel = threading.Event()
         self.dropped_groups = 0
 
     # ------------------------------------------------------------------ scheduling
@@ -122,6 +127,7 @@ class AsyncRollouts:
             return
         params = self._snapshot()
         if self._executor is None:
+            self._cancel.clear()
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="das-jax-rollout")
         for s in todo:
@@ -134,9 +140,14 @@ class AsyncRollouts:
                 t.rollouts.advance_epoch()
                 self._drafter_epochs += 1
         t0 = time.perf_counter()
-        generated = t.generate(step, params=params)
+        generated = t.generate(step, params=params, progress=self._check_cancel)
         del params
         return VersionedBatch(step, version, generated, time.perf_counter() - t0)
+
+    def _check_cancel(self, finished: int, total: int) -> None:
+        """The engine's progress callback (each finished request): stops a cancelled rollout."""
+        if self._cancel.is_set():
+            raise RolloutCancelled(f"rollout stopped after {finished} of {total} requests")
 
     def _scored(self, vb: VersionedBatch) -> VersionedBatch:
         """`vb` with its rewards, computed on the calling (main) thread: reward functions may
@@ -176,9 +187,13 @@ class AsyncRollouts:
         for s in sorted(self._pending):
             self._ready[s] = self._scored(self._pending.pop(s).result())
 
-    def close(self) -> None:
+    def close(self, cancel: bool = False) -> None:
         """Cancels the rollouts not started, waits for the running one, stops the worker (a
-        later `schedule` starts a new one)."""
+        later `schedule` starts a new one). `cancel`: the running rollout stops at its next
+        finished request (the run is ending on an error or an interrupt: nothing of it is
+        kept)."""
+        if cancel:
+            self._cancel.set()
         for f in self._pending.values():
             f.cancel()
         if self._executor is not None:

@@ -101,13 +101,17 @@ class _SilentLogger:
 
 @contextlib.contextmanager
 def _stopping_rollouts(trainer):
-    """Stops an asynchronous run's rollout worker when the loop ends (also on an error)."""
+    """Stops an asynchronous run's rollout worker when the loop ends; on an error or an
+    interrupt (Ctrl-C) its running rollout is cancelled, not waited for."""
+    close = getattr(trainer, "close", None)
     try:
         yield
-    finally:
-        close = getattr(trainer, "close", None)
+    except BaseException:
         if close is not None:
-            close()
+            close(cancel=True)
+        raise
+    if close is not None:
+        close()
 
 
 @contextlib.contextmanager

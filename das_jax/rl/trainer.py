@@ -233,17 +233,18 @@ class GRPOTrainer:
                     for g in range(c.grpo.num_generations)]
         return requests, sampling
 
-    def generate(self, step: int, params=None):
+    def generate(self, step: int, params=None, progress=None):
         """(rows, outputs, stats): the unscored rollouts of (0-based) `step` in this process,
         sampled from `params` (default: the current params, `rollout_params()`); rows are the
         problems of the outputs (each repeated num_generations times). Request seeds derive
-        from (train.seed, step, problem, sample index) only."""
+        from (train.seed, step, problem, sample index) only. `progress`: the engine's
+        callback(finished requests, total)."""
         problems = self.problems_for_step(step)
         requests, sampling = self._requests(step, problems)
         if params is None:
             params = self.rollout_params()
         rows = [p for p in problems for _ in range(self.config.grpo.num_generations)]
-        outputs, stats = self.rollouts.generate(requests, params, sampling)
+        outputs, stats = self.rollouts.generate(requests, params, sampling, progress=progress)
         del params  # the compute-dtype copy is not kept across the update
         # the engine's freed buffers and the tracing caches of the programs it compiled, before
         # the update needs the room
@@ -455,11 +456,12 @@ class GRPOTrainer:
         if self.async_rollouts is not None:
             self.async_rollouts.drain()
 
-    def close(self) -> None:
+    def close(self, cancel: bool = False) -> None:
         """Stops the rollout worker of an asynchronous run (rollouts not started are
-        cancelled, a running one finishes first); the end of `train`."""
+        cancelled; a running one finishes first, or with `cancel` stops at its next finished
+        request); the end of `train` (`cancel` when it ends on an error or an interrupt)."""
         if self.async_rollouts is not None:
-            self.async_rollouts.close()
+            self.async_rollouts.close(cancel=cancel)
 
     def release_optimizer_state(self) -> None:
         """Drops the optimizer state once the run has reached `train.steps` (after its last
