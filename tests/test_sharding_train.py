@@ -132,8 +132,9 @@ def test_per_device_train_state_is_an_eighth(forced_8):
 
 # ------------------------------------------------------------------------------ mesh config
 def test_mesh_section_names_the_mesh_axes():
-    assert tuple(f for f in MeshSection.__dataclass_fields__) == MESH_AXES
-    assert config_from_dict({}).mesh == MeshSection(data=1, fsdp=-1, tensor=1)
+    # every field but rollout_devices (devices set apart for the rollouts) is a mesh axis
+    assert tuple(f for f in MeshSection.__dataclass_fields__ if f != "rollout_devices") == MESH_AXES
+    assert config_from_dict({}).mesh == MeshSection(data=1, fsdp=-1, tensor=1, rollout_devices=0)
 
 
 @pytest.mark.parametrize("sizes, n, want", [

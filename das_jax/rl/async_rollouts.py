@@ -19,12 +19,13 @@ Placement (`mesh.rollout_devices`): colocated (0) -- the worker thread and the u
 devices (JAX runs their programs as they are dispatched) and the host work of either side (the
 rollout's scheduler, drafter and DAS policy; the update's batch building) runs while the other
 side's programs run; or disaggregated (> 0) -- the rollout engine has devices of its own, the
-train mesh the others, and the params reach the engine device to device (`Engine.place_params`). A rollout never crosses an update: each one samples from its own snapshot of
-the params (a copy when the compute dtype is the master dtype, which the update donates),
-and its KV cache lives for that rollout only. The drafter's history holds token ids only
-(independent of the weights; drafts never change a sampled token) and is fed by the worker
-in step order, exactly as the synchronous loop feeds it; it advances one epoch before the
-first rollout of each pass over the data.
+train mesh the others, and the params reach the engine device to device (`Engine.place_params`).
+A rollout never crosses an update: each one samples from its own snapshot of the params (a copy
+when the compute dtype is the master dtype, which the update donates), and its KV cache lives
+for that rollout only. The drafter's history holds token ids only (independent of the weights;
+drafts never change a sampled token) and is fed by the worker in step order, exactly as the
+synchronous loop feeds it; it advances one epoch before the first rollout of each pass over
+the data.
 
 Off-policy correction (`GRPOTrainer.build_batch`): with `grpo.old_logprobs: recompute` the
 importance ratio's old policy is the pre-update params (version t) and each token's loss is
@@ -49,8 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from das_jax.engine import Request, RequestOutput
-from das_jax.engine.outputs import GenerateStats
+from das_jax.engine import GenerateStats, Request, RequestOutput
 from das_jax.rl.rollout_batch import RolloutBatch
 
 __all__ = ["VersionedBatch", "AsyncRollouts", "RolloutCancelled"]
@@ -83,8 +83,8 @@ class AsyncRollouts:
     """The rollouts of a `GRPOTrainer` run `async_steps` steps ahead (module docstring).
 
     Args:
-      trainer: the `GRPOTrainer` (its `generate(step, params)`, `score`, `rollout_params()`,
-        `step`, `steps_per_epoch()`, `rollouts.advance_epoch()` and reward events are used).
+      trainer: the `GRPOTrainer` (its `generate(step, params)`, `score`, `take_reward_events`,
+        `rollout_params()`, `step`, `steps_per_epoch()`, `rollouts.advance_epoch()` are used).
       async_steps: k >= 1, the steps generated ahead (the staleness bound).
       total_steps: `train.steps` (nothing is generated for a step at or past it).
 
@@ -156,7 +156,7 @@ class AsyncRollouts:
             t0 = time.perf_counter()
             vb.batch = self.trainer.score(*vb.generated)
             vb.generated = None
-            vb.reward_events = [ev.take() for ev in self.trainer._reward_events]
+            vb.reward_events = self.trainer.take_reward_events()
             vb.rollout_s += time.perf_counter() - t0
         return vb
 

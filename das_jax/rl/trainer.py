@@ -261,6 +261,11 @@ class GRPOTrainer:
                             list(outputs), completions, np.asarray(total, np.float32), parts,
                             stats)
 
+    def take_reward_events(self) -> list:
+        """What each reward function with an event log (`fn.events.take()`, e.g. the code
+        reward's timeouts) logged since the last call: one entry per such function."""
+        return [ev.take() for ev in self._reward_events]
+
     # ------------------------------------------------------------------ update
     def rollout_params(self, on_mesh: bool = False):
         """The params the engine samples from: the master params cast to model.dtype (the same
@@ -357,7 +362,7 @@ class GRPOTrainer:
         extra: dict[str, Any] = {}
         if self.async_rollouts is None:
             rb = self.rollout(step)
-            reward_events = [ev.take() for ev in self._reward_events]
+            reward_events = self.take_reward_events()
             rollout_s = time.perf_counter() - t0
         else:   # generated ahead on the rollout worker (it also advances the drafter's epochs)
             dropped = self.async_rollouts.dropped_groups
