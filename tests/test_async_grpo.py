@@ -165,10 +165,10 @@ def _run_and_kill(run_dir: str, point: str, at: int) -> None:
     if point == "rollout":
         orig_generate = trainer.generate
 
-        def generate(step, params=None):
+        def generate(step, params=None, progress=None):
             if step == at:
                 die()
-            return orig_generate(step, params)
+            return orig_generate(step, params, progress)
         trainer.generate = generate
     elif point == "update":
         orig_step = trainer.train_step
