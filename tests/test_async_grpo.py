@@ -356,3 +356,23 @@ def test_close_with_cancel_stops_a_running_rollout(tmp_path):
     assert calls[0] < 10 ** 6
     ran = [f for f in futures if not f.cancelled()]   # the others never started
     assert len(ran) == 1 and isinstance(ran[0].exception(), RolloutCancelled)
+
+
+def test_rewards_of_an_async_run_are_computed_on_the_main_thread(tmp_path):
+    """Reward functions may need the main thread (math-verify's timeouts are signals): the
+    worker only generates, the batch is scored when the update takes it."""
+    import threading
+
+    from test_trainer import even_char_reward
+
+    threads = []
+
+    def reward(prompts, completions, **kw):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return even_char_reward(prompts, completions, **kw)
+
+    trainer = make_trainer(make_config(tmp_path, steps=3, save_every=0, async_steps=1),
+                           reward=reward)
+    records = trainer.train(progress=False)
+    assert len(threads) == 3 and all(threads)
+    assert all(r["reward_mean"] > 0 for r in records)
