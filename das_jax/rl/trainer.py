@@ -211,39 +211,37 @@ class GRPOTrainer:
     def rollout(self, step: int) -> RolloutBatch:
         """The rollouts of (0-based) `step`, sampled from the current params, decoded and
         rewarded."""
-        c = self.config
-        if self.split is not None:   # each process generates its groups; gathered
-            G = c.grpo.num_generations
-            problems = self.problems_for_step(step)
-            requests, sampling = self._requests(step, problems)
-            rows = [p for p in problems for _ in range(G)]
-            params = self.rollout_params()
-            rb = split_rollout(self, self.split, requests, rows, G, params, sampling)
-            del params
-            release_trace_caches() or release_free_memory()
-            return rb
-        return self.score(*self.generate(step))
+        if self.split is None:
+            return self.score(*self.generate(step))
+        # several processes: each generates its groups; gathered
+        rows, requests, sampling = self._requests(step)
+        params = self.rollout_params()
+        rb = split_rollout(self, self.split, requests, rows, self.config.grpo.num_generations,
+                           params, sampling)
+        del params
+        release_trace_caches() or release_free_memory()
+        return rb
 
-    def _requests(self, step: int, problems: Sequence[Problem]):
+    def _requests(self, step: int):
+        """(rows: each problem of `step` repeated num_generations times, their `Request`s, the
+        step's `SamplingParams`: seeds from (train.seed, step, problem, sample index) only)."""
         c = self.config
+        G = c.grpo.num_generations
+        problems = self.problems_for_step(step)
         sampling = dataclasses.replace(
             self.rollouts.sampling, seed=request_seed(c.train.seed, f"step-{step}", 0))
         requests = [Request(tuple(self.prompt_ids[p.problem_id]), problem_id=p.problem_id,
-                            sample_index=g) for p in problems
-                    for g in range(c.grpo.num_generations)]
-        return requests, sampling
+                            sample_index=g) for p in problems for g in range(G)]
+        return [p for p in problems for _ in range(G)], requests, sampling
 
     def generate(self, step: int, params=None, progress=None):
         """(rows, outputs, stats): the unscored rollouts of (0-based) `step` in this process,
         sampled from `params` (default: the current params, `rollout_params()`); rows are the
-        problems of the outputs (each repeated num_generations times). Request seeds derive
-        from (train.seed, step, problem, sample index) only. `progress`: the engine's
-        callback(finished requests, total)."""
-        problems = self.problems_for_step(step)
-        requests, sampling = self._requests(step, problems)
+        problems of the outputs (each repeated num_generations times). `progress`: the
+        engine's callback(finished requests, total)."""
+        rows, requests, sampling = self._requests(step)
         if params is None:
             params = self.rollout_params()
-        rows = [p for p in problems for _ in range(self.config.grpo.num_generations)]
         outputs, stats = self.rollouts.generate(requests, params, sampling, progress=progress)
         del params  # the compute-dtype copy is not kept across the update
         # the engine's freed buffers and the tracing caches of the programs it compiled, before
