@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from das_jax.speculation import _budget_kernels as bk
-from das_jax.speculation.acceptance import (SCALE_RANGE, calibrated_paths, support_bucket,
-                                            support_prior, update_depth_scale,
+from das_jax.speculation.acceptance import (AGE_BUCKETS, SCALE_RANGE, calibrated_paths,
+                                            support_bucket, support_prior, update_depth_scale,
                                             update_support_scale)
 from das_jax.speculation.das_policy import MAX_VALUE_CUTS, DASPolicy
 
@@ -19,14 +19,14 @@ def _ratios(P):
     return np.divide(P, prev, out=np.zeros_like(P), where=prev > 0)
 
 
-def _ref_calibrated(probs, lens, support, has_support, depth_scale, support_scale):
+def _ref_calibrated(probs, lens, support, has_support, depth_scale, scale_JxS, age_buckets):
     D = int(lens.max(initial=0))
     if D == 0:
         return np.zeros((len(lens), 0))
     valid = np.arange(D)[None, :] < lens[:, None]
     P = np.where(valid, probs.astype(np.float64)[:, :D], 0.0)
     q = np.minimum.accumulate(np.clip(P * depth_scale[None, :D], 0.0, 1.0), axis=1)
-    sup = support_scale[support_bucket(support[:, :D])]
+    sup = scale_JxS[np.maximum(age_buckets, 0)[:, None], support_bucket(support[:, :D])]
     q_sup = np.cumprod(np.clip(_ratios(P) * sup, 0.0, 1.0), axis=1)
     q = np.where(has_support[:, None], q_sup, q)
     return np.where(valid, q, 0.0)
@@ -56,21 +56,23 @@ def _ref_candidates(lens, value, n_opt):
     return np.concatenate(out)
 
 
-def _ref_support_update(g, n, acc, probs, support, rows, ema):
+def _ref_support_update(g_JxS, n, acc, probs, support, rows, ema, age_buckets):
     acc = np.minimum(acc, n)
     K = int(n.max(initial=0))
     col = np.arange(K)[None, :]
     tried = (col < np.minimum(acc + 1, n)[:, None]) & rows[:, None]
+    J, S = g_JxS.shape
     if not tried.any():
-        return
-    bkt = support_bucket(support[:, :K])[tried]
+        return np.zeros(J, bool)
+    cell = (np.maximum(age_buckets, 0)[:, None] * S + support_bucket(support[:, :K]))[tried]
     ratio = _ratios(probs.astype(np.float64)[:, :K])[tried]
     hit = np.broadcast_to(col < acc[:, None], tried.shape)[tried]
-    expected = np.bincount(bkt, weights=ratio, minlength=len(g))
-    accepted = np.bincount(bkt, weights=hit.astype(np.float64), minlength=len(g))
+    expected = np.bincount(cell, weights=ratio, minlength=J * S).reshape(J, S)
+    accepted = np.bincount(cell, weights=hit.astype(np.float64), minlength=J * S).reshape(J, S)
     seen = expected > 0
-    g[seen] = (1 - ema) * g[seen] + ema * accepted[seen] / expected[seen]
-    np.clip(g, *SCALE_RANGE, out=g)
+    g_JxS[seen] = (1 - ema) * g_JxS[seen] + ema * accepted[seen] / expected[seen]
+    np.clip(g_JxS, *SCALE_RANGE, out=g_JxS)
+    return seen.any(axis=1)
 
 
 def _random_drafts(rng, A, K):
@@ -92,12 +94,16 @@ def test_kernels_equal_the_numpy_formulation(seed, jit):
     A, K = int(rng.integers(1, 40)), int(rng.integers(1, 16))
     probs, lens, support, has = _random_drafts(rng, A, K)
     depth_scale = rng.uniform(0.3, 1.6, K)
-    support_scale = rng.uniform(0.3, 1.6, 6)
+    scale_JxS = rng.uniform(0.3, 1.6, (AGE_BUCKETS, 6))
+    age_buckets = rng.integers(-1, AGE_BUCKETS, A)
     call = (lambda k: k) if jit else (lambda k: k.py_func)
 
     q = call(bk.calibrate)(probs.astype(np.float64), lens.astype(np.int64),
-                           support.astype(np.int64), has, depth_scale, support_scale)
-    q_ref = _ref_calibrated(probs, lens, support, has, depth_scale, support_scale)
+                           support.astype(np.int64), has, depth_scale, scale_JxS,
+                           np.maximum(age_buckets, 0))
+    q_ref = _ref_calibrated(probs, lens, support, has, depth_scale, scale_JxS, age_buckets)
+    np.testing.assert_array_equal(q, calibrated_paths(probs, lens, support, has, depth_scale,
+                                                      scale_JxS, age_buckets))
     np.testing.assert_array_equal(q, q_ref)
     assert np.all(np.diff(q, axis=1) <= 0)
 
@@ -131,8 +137,18 @@ def test_calibration_updates_equal_the_numpy_formulation(seed):
 
     g, g_ref = support_prior(), support_prior()
     update_support_scale(g, n, acc, probs, support, rows, 0.1)
-    _ref_support_update(g_ref, n.astype(np.int64), acc.astype(np.int64), probs, support, rows, 0.1)
+    _ref_support_update(g_ref[None], n.astype(np.int64), acc.astype(np.int64), probs, support,
+                        rows, 0.1, np.full(A, -1))
     np.testing.assert_array_equal(g, g_ref)
+    # per (history age, support) bucket
+    ages = rng.integers(-1, AGE_BUCKETS, A)
+    g2 = rng.uniform(0.5, 1.5, (AGE_BUCKETS, 6))
+    g2_ref = g2.copy()
+    had = update_support_scale(g2, n, acc, probs, support, rows, 0.1, ages)
+    had_ref = _ref_support_update(g2_ref, n.astype(np.int64), acc.astype(np.int64), probs,
+                                  support, rows, 0.1, ages)
+    np.testing.assert_array_equal(g2, g2_ref)
+    np.testing.assert_array_equal(had, had_ref)
 
     D = int(n.max(initial=0))
     s = update_depth_scale(np.ones(2), n, acc, int(acc.sum()), probs, 0.1)

@@ -19,7 +19,7 @@ from das_jax._lazy import lazy_exports
 # numba.
 _EXPORTS = {
     "Draft": "base", "DraftBatch": "base", "Drafter": "base", "RequestContext": "base",
-    "propose_batch": "base", "append_batch": "base",
+    "propose_batch": "base", "append_batch": "base", "set_policy_version": "base",
     "DRAFTER_NAMES": "factory", "make_drafter": "factory",
     "ProblemHistory": "history",
     "NgramConfig": "ngram", "NgramDrafter": "ngram",

@@ -61,6 +61,10 @@ class DraftBatch:
       lens_A: int32 [A], each <= K.
       has_support_A: bool [A]; whether row b's draft comes with a support (`Draft.support` not
         None).
+      age_A: float32 [A] or None; the age, in policy versions, of the history row b drafts
+        from (`ProblemHistory.age`: the drafter's current policy version less the mean version
+        of the rollouts indexed for the row's problem; NaN where unknown). None: the drafter
+        does not track versions. The DAS policy calibrates acceptance per age.
     """
 
     tokens_AxK: np.ndarray
@@ -68,6 +72,7 @@ class DraftBatch:
     support_AxK: np.ndarray
     lens_A: np.ndarray
     has_support_A: np.ndarray
+    age_A: np.ndarray | None = None
 
     @staticmethod
     def empty(rows: int, width: int = 0) -> "DraftBatch":
@@ -170,6 +175,15 @@ def flush_appends(drafter) -> None:
     fn = getattr(drafter, "flush_appends", None)
     if fn is not None:
         fn()
+
+
+def set_policy_version(drafter, version: int) -> None:
+    """Tells `drafter` that the requests it begins from now on are sampled by policy `version`
+    (int >= 0, the updates their params had seen; `SuffixDrafter.set_policy_version`); a no-op
+    for a drafter that does not track versions."""
+    fn = getattr(drafter, "set_policy_version", None)
+    if fn is not None:
+        fn(int(version))
 
 
 @runtime_checkable

@@ -11,6 +11,14 @@ siblings of a GRPO group draft from each other within a step). A problem not vis
 epoch keeps its history, so with a finite problem set memory is bounded by
 problems x window x rollouts; `max_problems` additionally evicts the least recently visited
 problems for unbounded problem streams.
+
+Policy versions: every rollout is tagged with the version of the policy that sampled it
+(`set_policy_version`; in an RL run, the number of updates the sampling params had seen, so a
+synchronous run's step and an asynchronous run's step less its lag). The age of a problem's
+history (`age`) is the current version less the mean version of the problem's indexed rollouts,
+live ones included: how many updates ago, on average, the rollouts a draft is found in were
+sampled. The DAS policy calibrates acceptance per age (`das_jax.speculation.acceptance`), so
+drafts from an older policy are trusted less.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ class _Rollout:
     prefix_len: int       # prompt-tail tokens indexed before the output
     out_len: int = 0      # generated tokens so far
     live: bool = True
+    version: int = 0      # policy version that sampled it
 
 
 @dataclasses.dataclass
@@ -38,6 +47,8 @@ class _Problem:
     history: collections.deque          # of list[_Rollout], oldest first
     current: list
     last_epoch: int
+    version_sum: int = 0        # sum of the versions of its indexed rollouts (sid >= 0)
+    indexed: int = 0            # its indexed rollouts
 
 
 class ProblemHistory:
@@ -63,6 +74,7 @@ class ProblemHistory:
         self.prompt_tail = self.config.max_depth if prompt_tail is None else prompt_tail
         self.max_problems = max_problems
         self.epoch = 0
+        self.policy_version = 0
         self._problems: dict[Hashable, _Problem] = {}
         self._rollouts: dict[int, tuple[Hashable, _Rollout]] = {}   # live, by handle
         self._next_handle = 0
@@ -79,8 +91,10 @@ class ProblemHistory:
         tail = prompt[max(0, prompt.size - self.prompt_tail):] if self.prompt_tail else prompt[:0]
         sid = self.forest.new_seq(prob.root)
         self.forest.append(sid, tail)
-        ro = _Rollout(sid, int(tail.size))
+        ro = _Rollout(sid, int(tail.size), version=self.policy_version)
         prob.current.append(ro)
+        prob.version_sum += ro.version
+        prob.indexed += 1
         handle = self._next_handle
         self._next_handle += 1
         self._rollouts[handle] = (problem_id, ro)
@@ -112,7 +126,7 @@ class ProblemHistory:
                 prob.current = []
                 while len(prob.history) > self.window:
                     for ro in prob.history.popleft():
-                        self._unindex(ro)
+                        self._unindex(ro, prob)
             if not prob.history and not prob.current:
                 self._drop(pid)
         if self.max_problems is not None and len(self._problems) > self.max_problems:
@@ -121,17 +135,49 @@ class ProblemHistory:
                 prob = self._problems[pid]
                 for ep in list(prob.history) + [prob.current]:
                     for ro in ep:
-                        self._unindex(ro)
+                        self._unindex(ro, prob)
                 self._drop(pid)
 
-    def _unindex(self, ro: _Rollout):
+    def _unindex(self, ro: _Rollout, prob: _Problem):
         if ro.sid >= 0:
             self.forest.remove(ro.sid)     # a still-live rollout keeps drafting, unindexed
             ro.sid = -1
+            prob.version_sum -= ro.version
+            prob.indexed -= 1
 
     def _drop(self, pid):
         prob = self._problems.pop(pid)
         self.forest.drop_tree(prob.root)
+
+    # ------------------------------------------------------------------ policy versions
+    def set_policy_version(self, version: int) -> None:
+        """Rollouts started from now on were sampled by policy `version` (int >= 0: the
+        updates the sampling params had seen). ValueError for a negative version."""
+        if version < 0:
+            raise ValueError(f"policy version must be >= 0, got {version}")
+        self.policy_version = int(version)
+
+    def mean_version(self, problem_id: Hashable) -> float:
+        """Mean policy version of the problem's indexed rollouts (live ones included); NaN for
+        an unknown problem or one with nothing indexed."""
+        prob = self._problems.get(problem_id)
+        if prob is None or prob.indexed <= 0:
+            return float("nan")
+        return prob.version_sum / prob.indexed
+
+    def versions(self, problem_id: Hashable) -> list[int]:
+        """Policy versions of the problem's indexed rollouts (window + current epoch, live ones
+        included), oldest epoch first; [] for an unknown problem."""
+        prob = self._problems.get(problem_id)
+        if prob is None:
+            return []
+        return [ro.version for ep in list(prob.history) + [prob.current] for ro in ep
+                if ro.sid >= 0]
+
+    def age(self, problem_id: Hashable) -> float:
+        """Age of the problem's history in policy versions: `policy_version` less
+        `mean_version` (NaN when nothing is indexed)."""
+        return self.policy_version - self.mean_version(problem_id)
 
     # ------------------------------------------------------------------ queries
     def propose(self, problem_id: Hashable, context: np.ndarray, max_tokens: int,
@@ -180,7 +226,7 @@ class ProblemHistory:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         def ro_state(ro):
-            return [ro.sid, ro.prefix_len, ro.out_len, ro.live]
+            return [ro.sid, ro.prefix_len, ro.out_len, ro.live, ro.version]
         live = {id(ro): h for h, (_, ro) in self._rollouts.items()}
         kept = {id(ro) for p in self._problems.values()
                 for ep in list(p.history) + [p.current] for ro in ep}
@@ -192,6 +238,7 @@ class ProblemHistory:
             "forest": self.forest.state_dict(), "window": self.window,
             "prompt_tail": self.prompt_tail, "max_problems": self.max_problems,
             "epoch": self.epoch, "next_handle": self._next_handle,
+            "policy_version": self.policy_version,
             "problems": [
                 [pid, p.root, p.last_epoch,
                  [[ro_state(ro) + [live.get(id(ro), -1)] for ro in ep]
@@ -204,18 +251,25 @@ class ProblemHistory:
         self.window, self.prompt_tail = state["window"], state["prompt_tail"]
         self.max_problems, self.epoch = state["max_problems"], state["epoch"]
         self._next_handle = state["next_handle"]
+        # states written before versions were tagged: every rollout version 0
+        self.policy_version = int(state.get("policy_version", 0))
         self._problems, self._rollouts = {}, {}
         for pid, root, last_epoch, epochs in state["problems"]:
             eps = []
             for ep in epochs:
                 rows = []
-                for sid, prefix_len, out_len, live, handle in ep:
-                    ro = _Rollout(sid, prefix_len, out_len, live)
+                for sid, prefix_len, out_len, live, *rest in ep:
+                    version, handle = (rest[0], rest[1]) if len(rest) == 2 else (0, rest[0])
+                    ro = _Rollout(sid, prefix_len, out_len, live, int(version))
                     rows.append(ro)
                     if handle >= 0:
                         self._rollouts[handle] = (pid, ro)
                 eps.append(rows)
-            self._problems[pid] = _Problem(root, collections.deque(eps[:-1]), eps[-1],
-                                           last_epoch)
-        for handle, pid, sid, prefix_len, out_len, live in state.get("detached", []):
-            self._rollouts[handle] = (pid, _Rollout(sid, prefix_len, out_len, live))
+            prob = _Problem(root, collections.deque(eps[:-1]), eps[-1], last_epoch)
+            for ro in (ro for ep in eps for ro in ep if ro.sid >= 0):
+                prob.version_sum += ro.version
+                prob.indexed += 1
+            self._problems[pid] = prob
+        for handle, pid, sid, prefix_len, out_len, live, *version in state.get("detached", []):
+            self._rollouts[handle] = (pid, _Rollout(sid, prefix_len, out_len, live,
+                                                    int(version[0]) if version else 0))

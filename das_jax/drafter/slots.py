@@ -16,6 +16,8 @@ class RequestSlots:
     Attributes (length >= slots ever used; rows of free slots are meaningless):
       root: int64 [S], trie root (-1: none). sid: int64 [S], own live sequence (-1: not indexed).
       out_len: int64 [S], tokens appended since `add`.
+      mean_version: float64 [S], the mean policy version of the rollouts indexed for the slot's
+        problem (`ProblemHistory.mean_version`; NaN: none), kept by the drafter.
       pool: int32 [P]; slot s's context is pool[ctx_start[s] : ctx_start[s] + ctx_len[s]]
         (int64 [S] each), with room for ctx_cap[s] tokens.
 
@@ -50,6 +52,7 @@ class RequestSlots:
         grow("ctx_len", 0, np.int64)
         grow("ctx_cap", 0, np.int64)
         grow("lag", 0, np.int64)       # context tokens not yet indexed into the own sequence
+        grow("mean_version", np.nan, np.float64)
         grow("live", False, bool)
 
     # ------------------------------------------------------------------ ids
@@ -106,6 +109,7 @@ class RequestSlots:
         self.live[s] = True
         self.lag[s] = 0
         self.root[s], self.sid[s], self.out_len[s] = -1, -1, 0
+        self.mean_version[s] = np.nan
         self.ctx_len[s], self.ctx_cap[s] = 0, 0
         self.reserve(s, max(64, 2 * arr.size))
         self.pool[self.ctx_start[s]: self.ctx_start[s] + arr.size] = arr

@@ -95,6 +95,8 @@ class SuffixDrafter:
         sl.sid[s] = self.history.rollout(handle).sid
         if new_problem and (sl.root[sl.live] < 0).any():
             self._sync_slots()      # live requests whose problem was dropped draft from it again
+        # the problem's mean version now counts this rollout, for its live siblings too
+        sl.mean_version[sl.live & (sl.root == sl.root[s])] = self.history.mean_version(problem_id)
 
     def propose(self, request_id: int, max_tokens: int) -> Draft:
         s, sl = self._requests[request_id].slot, self._slots
@@ -220,6 +222,12 @@ class SuffixDrafter:
         """Output lengths of the problem's finished rollouts in the window (oldest first)."""
         return self.history.lengths(problem_id)
 
+    def set_policy_version(self, version: int) -> None:
+        """Requests begun from now on are sampled by policy `version` (int >= 0; RL: the
+        updates their params had seen): their rollouts are tagged with it, and drafts report
+        their history's age against it (`DraftBatch.age_A`). ValueError if negative."""
+        self.history.set_policy_version(version)
+
     def context(self, request_id: int) -> np.ndarray:
         """int32 copy of the request's context (prompt + appended tokens); KeyError if unknown."""
         return self._slots.context(self._requests[request_id].slot).copy()
@@ -249,7 +257,9 @@ class SuffixDrafter:
             for fut in futures:
                 fut.result()
         np.greater(out.lens_A, 0, out=out.has_support_A)
-        return out
+        age_A = (self.history.policy_version - sl.mean_version[slots]).astype(np.float32)
+        return DraftBatch(out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A,
+                          out.has_support_A, age_A)
 
     def _append_slots(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
                       mode: int = BK.INDEX | BK.CONTEXT) -> None:
@@ -276,6 +286,7 @@ class SuffixDrafter:
         for req in self._requests.values():
             sl.root[req.slot] = self.history.root(req.problem_id)
             sl.sid[req.slot] = self.history.rollout(req.handle).sid
+            sl.mean_version[req.slot] = self.history.mean_version(req.problem_id)
 
     def __getstate__(self):
         self.flush_appends()

@@ -32,7 +32,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from das_jax.drafter.base import append_batch, flush_appends, propose_batch
+from das_jax.drafter.base import append_batch, flush_appends, propose_batch, set_policy_version
 from das_jax.engine import GenerateError, GenerateStats
 
 __all__ = [
@@ -216,6 +216,11 @@ class LockedDrafter:
     def advance_epoch(self) -> None:
         with self.lock:
             self.drafter.advance_epoch()
+
+    def set_policy_version(self, version: int) -> None:
+        """`drafter.set_policy_version` under the lock (a no-op for a drafter without it)."""
+        with self.lock:
+            set_policy_version(self.drafter, version)
 
     def state_dict(self) -> dict:
         with self.lock:

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from das_jax.drafter.base import set_policy_version
 from das_jax.engine import Engine, SamplingParams
 from das_jax.rollout.multi_device import LockedDrafter
 from das_jax.speculation import CostModel, DASSection, calibrate, get_speculation
@@ -132,6 +133,15 @@ class Rollout:
             self.engine.params = own
         self.calibrated = True
         return self.cost_model
+
+    def set_policy_version(self, version: int) -> None:
+        """The policy version (int >= 0: the updates the params of the next `generate` calls
+        had seen) the drafter tags the rollouts it indexes from now on with; drafts report the
+        age of their history against it and the DAS policy calibrates acceptance per age
+        (`das_jax.drafter.history`). A no-op for a drafter without versions. Forks share the
+        drafter: set it once, before generating."""
+        if self.drafter is not None:
+            set_policy_version(self.drafter, version)
 
     def advance_epoch(self) -> None:
         """End of a pass over the data: the drafter's current epoch becomes history. Forks share

@@ -30,12 +30,14 @@ def _bucket(support, buckets):
 
 
 @_jit
-def calibrate(probs_AxK, lens_A, support_AxK, has_support_A, depth_scale, support_scale):
+def calibrate(probs_AxK, lens_A, support_AxK, has_support_A, depth_scale, scale_JxS,
+              age_bucket_A):
     """float64 `[A, D]`, D = max(lens_A): q_b,d (`acceptance.calibrated_paths`). probs_AxK
     float64, lens_A int64, support_AxK int64, has_support_A bool, depth_scale float64 `[>= D]`,
-    support_scale float64 `[buckets]` (one factor per support bucket)."""
+    scale_JxS float64 `[age buckets, support buckets]` (one factor per history age and support
+    bucket), age_bucket_A int64 `[A]` (the row's age bucket; -1, no age: bucket 0)."""
     A = lens_A.shape[0]
-    nb = support_scale.shape[0]
+    nb = scale_JxS.shape[1]
     D = 0
     for b in range(A):
         D = max(D, lens_A[b])
@@ -43,12 +45,13 @@ def calibrate(probs_AxK, lens_A, support_AxK, has_support_A, depth_scale, suppor
     for b in range(A):
         n = lens_A[b]
         if has_support_A[b]:
+            j = max(age_bucket_A[b], 0)
             prev = 1.0
             acc = 1.0
             for d in range(n):
                 p = probs_AxK[b, d]
                 r = p / prev if prev > 0 else 0.0
-                x = min(max(r * support_scale[_bucket(support_AxK[b, d], nb)], 0.0), 1.0)
+                x = min(max(r * scale_JxS[j, _bucket(support_AxK[b, d], nb)], 0.0), 1.0)
                 acc *= x
                 q[b, d] = acc
                 prev = p
@@ -153,15 +156,17 @@ def expected_savings(n_CxA, lam_A, cum_AxD1):
 
 
 @_jit
-def support_trials(n_A, accepted_A, probs_AxK, support_AxK, rows_A, buckets):
-    """(expected, accepted) float64 `[buckets]` of one step
-    (`acceptance.update_support_scale`): per bucket, the predicted ratios P_i / P_{i-1} and the
-    accepted ones among the tokens each counted row verified after an accepted prefix."""
-    expected = np.zeros(buckets)
-    accepted = np.zeros(buckets)
+def support_trials(n_A, accepted_A, probs_AxK, support_AxK, rows_A, age_bucket_A, ages, buckets):
+    """(expected, accepted) float64 `[ages, buckets]` of one step
+    (`acceptance.update_support_scale`): per (history age bucket, support bucket), the
+    predicted ratios P_i / P_{i-1} and the accepted ones among the tokens each counted row
+    verified after an accepted prefix (age_bucket_A int64 `[A]`; -1: bucket 0)."""
+    expected = np.zeros((ages, buckets))
+    accepted = np.zeros((ages, buckets))
     for b in range(n_A.shape[0]):
         if not rows_A[b]:
             continue
+        j = max(age_bucket_A[b], 0)
         n = n_A[b]
         acc = min(accepted_A[b], n)
         prev = 1.0
@@ -170,9 +175,9 @@ def support_trials(n_A, accepted_A, probs_AxK, support_AxK, rows_A, buckets):
             r = p / prev if prev > 0 else 0.0
             prev = p
             k = _bucket(support_AxK[b, i], buckets)
-            expected[k] += r
+            expected[j, k] += r
             if i < acc:
-                accepted[k] += 1.0
+                accepted[j, k] += 1.0
     return expected, accepted
 
 

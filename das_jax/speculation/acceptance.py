@@ -6,13 +6,19 @@ rests on, `das_jax.drafter.Draft.support`). A count ratio of a token seen once i
 the model does next, so raw path probabilities are overconfident at small supports. The
 calibrated chance q_b,d that row b's first d + 1 draft tokens are accepted is
 
-* with support: prod_{i <= d} clip(P_i / P_{i-1} * g[bucket(support_i)], 0, 1), g one factor per
-  support bucket (1, 2-3, 4-7, 8-15, 16-31, 32+; starting at c / (c + 1), `support_prior`);
+* with support: prod_{i <= d} clip(P_i / P_{i-1} * g[age_b, bucket(support_i)], 0, 1), g one factor
+  per support bucket (1, 2-3, 4-7, 8-15, 16-31, 32+; starting at c / (c + 1), `support_prior`)
+  and per age bucket of the history the row drafts from (`age_bucket`: under 1, 1, 2-3, 4-7,
+  8-15, 16+ policy versions; a row without an age counts as fresh, bucket 0);
 * without: clip(P_d * s_d, 0, 1) made nonincreasing along d, s_d one factor per depth.
 
 Both factor sets are exponential moving averages of accepted over predicted tokens
-(`update_support_scale`, `update_depth_scale`). Every function takes `[A, K]` arrays of the A
-live rows (`DraftBatch` layout); the per-row loops are compiled (`_budget_kernels`).
+(`update_support_scale`, `update_depth_scale`). Calibrating per age is what weighs a history by
+its age: in RL the policy moves with every update, so the continuations its older rollouts hold
+grow less likely and their drafts are accepted less; the factors of an older bucket learn that
+from its own trials, starting from the nearest younger bucket's factors when first seen
+(`DASPolicy`). Every function takes `[A, K]` arrays of the A live rows (`DraftBatch` layout);
+the per-row loops are compiled (`_budget_kernels`).
 """
 from __future__ import annotations
 
@@ -21,6 +27,26 @@ import numpy as np
 
 SUPPORT_BUCKETS = 6         # support buckets 1, 2-3, 4-7, 8-15, 16-31, 32+ occurrences
 SCALE_RANGE = (0.02, 4.0)   # bounds of every calibration factor
+AGE_BUCKETS = 6             # history ages < 1, 1, 2-3, 4-7, 8-15, 16+ policy versions
+AGE_BUCKET_LABELS = ("<1", "1", "2-3", "4-7", "8-15", "16+")
+
+
+def age_bucket(age) -> np.ndarray:
+    """int64 `[...]`: the calibration bucket of each history age (float, policy versions;
+    `DraftBatch.age_A`): 0 below 1 (negative ages included), else floor(log2(age)) + 1 capped
+    at AGE_BUCKETS - 1; -1 for NaN (no age known)."""
+    a = np.asarray(age, np.float64)
+    known = ~np.isnan(a)
+    safe = np.where(known & (a >= 1.0), a, 1.0)
+    b = np.where(a >= 1.0, np.frexp(safe)[1].astype(np.int64), 0)   # frexp: floor(log2) + 1
+    return np.where(known, np.minimum(b, AGE_BUCKETS - 1), -1).astype(np.int64)
+
+
+def age_buckets_of(age_A, rows: int) -> np.ndarray:
+    """int64 `[rows]`: `age_bucket` of a `DraftBatch.age_A` (None: -1 for every row)."""
+    if age_A is None:
+        return np.full(rows, -1, np.int64)
+    return age_bucket(age_A)
 
 
 def support_bucket(support) -> np.ndarray:
@@ -57,42 +83,64 @@ def grow_depth_scale(depth_scale: np.ndarray, depth: int) -> np.ndarray:
     return np.concatenate([depth_scale, np.full(depth - len(depth_scale), fill)])
 
 
+def _as_table(support_scale: np.ndarray) -> np.ndarray:
+    """`support_scale` as float64 `[age buckets, SUPPORT_BUCKETS]` (a 1-D `[SUPPORT_BUCKETS]`
+    is one row: every age alike). A view where possible, so updates land in place."""
+    g = np.asarray(support_scale, np.float64)
+    return g.reshape(1, -1) if g.ndim == 1 else g
+
+
+def _age_rows(age_bucket_A, rows: int, table: np.ndarray) -> np.ndarray:
+    """int64 `[rows]` the row of `table` each draft row uses: its age bucket (None or -1: 0),
+    0 for every row of a one-row table."""
+    if age_bucket_A is None or table.shape[0] == 1:
+        return np.zeros(rows, np.int64)
+    return np.maximum(np.asarray(age_bucket_A, np.int64), 0)
+
+
 def calibrated_paths(probs_AxK: np.ndarray, lens_A: np.ndarray, support_AxK: np.ndarray,
                      has_support_A: np.ndarray, depth_scale: np.ndarray,
-                     support_scale: np.ndarray) -> np.ndarray:
+                     support_scale: np.ndarray,
+                     age_bucket_A: np.ndarray | None = None) -> np.ndarray:
     """float64 `[A, D]` (D = max(lens_A)): q_b,d, the calibrated chance that row b's first
     d + 1 draft tokens are accepted (module docstring; 0 past a row's draft, nonincreasing
-    along d). depth_scale: float64 `[>= D]`; support_scale: float64 `[SUPPORT_BUCKETS]`.
-    One compiled pass over the rows (`_budget_kernels.calibrate`)."""
+    along d). depth_scale: float64 `[>= D]`; support_scale: float64 `[SUPPORT_BUCKETS]` or
+    `[AGE_BUCKETS, SUPPORT_BUCKETS]`; age_bucket_A: int64 `[A]` (`age_bucket`; None or -1:
+    bucket 0). One compiled pass over the rows (`_budget_kernels.calibrate`)."""
     from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
     lens_A = np.asarray(lens_A, np.int64)
+    table = _as_table(support_scale)
     return _bk.calibrate(np.asarray(probs_AxK, np.float64), lens_A,
                          np.asarray(support_AxK, np.int64), np.asarray(has_support_A, bool),
                          grow_depth_scale(np.asarray(depth_scale, np.float64),
                                           int(lens_A.max(initial=0))),
-                         np.asarray(support_scale, np.float64))
+                         table, _age_rows(age_bucket_A, lens_A.shape[0], table))
 
 
 def update_support_scale(support_scale: np.ndarray, n_A: np.ndarray, accepted_A: np.ndarray,
                          probs_AxK: np.ndarray, support_AxK: np.ndarray, rows_A: np.ndarray,
-                         ema: float) -> None:
+                         ema: float, age_bucket_A: np.ndarray | None = None) -> np.ndarray:
     """Moves the support-bucket factors (in place) toward what one step measured.
 
     Each token a row verified after an accepted prefix (the first min(accepted + 1, n) of its
-    n drafted tokens) is one trial of its own ratio P_i / P_{i-1}: per bucket, the factor's EMA
-    (weight `ema`) moves toward accepted trials / predicted ones. rows_A: bool `[A]`, the rows
-    that count (drafted, with support); accepted_A: committed accepted draft tokens per row."""
+    n drafted tokens) is one trial of its own ratio P_i / P_{i-1}: per (age, support) bucket,
+    the factor's EMA (weight `ema`) moves toward accepted trials / predicted ones. rows_A: bool
+    `[A]`, the rows that count (drafted, with support); accepted_A: committed accepted draft
+    tokens per row; support_scale and age_bucket_A as in `calibrated_paths`. Returns bool
+    `[age buckets]`: the age rows that had trials."""
     from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+    g = _as_table(support_scale)
+    n_A = np.asarray(n_A, np.int64)
     expected, accepted = _bk.support_trials(
-        np.asarray(n_A, np.int64), np.asarray(accepted_A, np.int64),
+        n_A, np.asarray(accepted_A, np.int64),
         np.asarray(probs_AxK, np.float64), np.asarray(support_AxK, np.int64),
-        np.asarray(rows_A, bool), len(support_scale))
+        np.asarray(rows_A, bool), _age_rows(age_bucket_A, n_A.shape[0], g), g.shape[0],
+        g.shape[1])
     seen = expected > 0
-    if not seen.any():
-        return
-    g = support_scale
-    g[seen] = (1 - ema) * g[seen] + ema * accepted[seen] / expected[seen]
-    np.clip(g, *SCALE_RANGE, out=g)
+    if seen.any():
+        g[seen] = (1 - ema) * g[seen] + ema * accepted[seen] / expected[seen]
+        np.clip(g, *SCALE_RANGE, out=g)
+    return seen.any(axis=1)
 
 
 def update_depth_scale(depth_scale: np.ndarray, n_A: np.ndarray,

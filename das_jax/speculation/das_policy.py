@@ -50,7 +50,12 @@ Decides how much to speculate, for whom, at each decode step:
    starting at c / (c + 1), `support_prior`), and q_b,d is their product. The factors are
    calibrated online: per bucket, an EMA (`acceptance_ema`) of accepted over predicted tokens
    among the tokens a step verified after an accepted prefix (each such token is one trial of
-   its own ratio). A draft without support is calibrated per depth instead (an EMA of committed
+   its own ratio). The history a draft is found in was sampled by older policies, and the
+   policy moves with every update, so the drafts of an older history are accepted less: the
+   support factors are kept per age bucket of the row's history too (`DraftBatch.age_A`, in
+   policy versions: under 1, 1, 2-3, 4-7, 8-15, 16+), each bucket learning from its own rows,
+   a bucket seen for the first time starting from the nearest younger bucket's factors
+   (`age_calibration`). A draft without support is calibrated per depth instead (an EMA of committed
    accepted tokens at each depth over the predicted ones). Every `explore_every`-th step whose
    best choice is no drafts although drafts exist verifies the best speculative candidate anyway,
    so the cost model and the calibration keep learning.
@@ -81,9 +86,10 @@ import numpy as np
 
 from das_jax.engine import StepRecord
 from das_jax.engine.policy import RowBatch, as_draft_batch
-from das_jax.speculation.acceptance import (SUPPORT_BUCKETS, calibrated_paths, grow_depth_scale,
-                                            step_ratios, support_bucket, support_prior,
-                                            update_depth_scale, update_support_scale)
+from das_jax.speculation.acceptance import (AGE_BUCKET_LABELS, AGE_BUCKETS, SUPPORT_BUCKETS, age_buckets_of,
+                                            calibrated_paths, grow_depth_scale, step_ratios,
+                                            support_bucket, support_prior, update_depth_scale,
+                                            update_support_scale)
 from das_jax.speculation.cost_model import CostModel
 
 __all__ = ["DASPolicy", "DASConfig", "SHORT", "MEDIUM", "LONG", "SUPPORT_BUCKETS",
@@ -120,6 +126,9 @@ class DASConfig:
       shape is measured), so the cost model and the calibration keep seeing speculative steps
       (0 disables).
     unlimited: the das-unlimited ablation (module docstring).
+    age_calibration: scale each draft by a factor per age of the history it comes from (policy
+      versions since its rollouts were sampled; calibrated online, module docstring item 4);
+      false: every history is trusted as if sampled by the current policy.
     """
 
     short_quantile: float = 1 / 3
@@ -137,6 +146,7 @@ class DASConfig:
     acceptance_ema: float = 0.1
     explore_every: int = 16
     unlimited: bool = False
+    age_calibration: bool = True
 
     def __post_init__(self):
         if not 0 < self.short_quantile < self.long_quantile < 1:
@@ -191,7 +201,11 @@ class DASPolicy:
         self.finished_lengths: collections.deque = collections.deque(maxlen=config.length_history)
         self._class_R = np.full(0, _NONE, np.int8)   # class code by request id
         self.depth_scale = np.zeros(0)     # per-depth calibration factors (grown on demand)
-        self.support_scale = support_prior()   # per-support-bucket factors
+        # factors per (history age bucket, support bucket); rows of ages seen (trials) so far
+        self.support_by_age = np.tile(support_prior(), (AGE_BUCKETS, 1))
+        self.ages_seen = np.zeros(AGE_BUCKETS, bool)
+        # draft tokens verified / accepted per history age bucket, cumulative (rows with an age)
+        self.drafts_by_age = np.zeros((2, AGE_BUCKETS), np.int64)
         self._pending = None               # (n_draft, probabilities, supports) of last choice
         self._steps = 0
         self._last_unseen = None           # step of the last unmeasured shape explored
@@ -321,8 +335,39 @@ class DASPolicy:
         db = as_draft_batch(drafts, draft_support)
         D = int(db.lens_A.max(initial=0))
         self.depth_scale = grow_depth_scale(self.depth_scale, D)
+        ages = self._age_buckets(db)
+        if ages is not None:
+            self._adopt_new_ages(ages)
         return calibrated_paths(db.probs_AxK, db.lens_A, db.support_AxK, db.has_support_A,
-                                self.depth_scale, self.support_scale)
+                                self.depth_scale, self.support_by_age, ages)
+
+    @property
+    def support_scale(self) -> np.ndarray:
+        """float64 `[SUPPORT_BUCKETS]`: the support factors of fresh histories (age bucket 0;
+        also those of every draft without an age, and all drafts with `age_calibration`
+        off). A view of `support_by_age[0]`."""
+        return self.support_by_age[0]
+
+    def _age_buckets(self, db) -> np.ndarray | None:
+        """int64 `[A]` the age bucket of each row's history (`acceptance.age_bucket`; -1: no
+        age), or None with `age_calibration` off or a drafter that reports no ages."""
+        if not self.config.age_calibration or db.age_A is None:
+            return None
+        return age_buckets_of(db.age_A, len(db))
+
+    def _adopt_new_ages(self, ages: np.ndarray) -> None:
+        """Age buckets among `ages` with no trials yet take the factors of the nearest younger
+        bucket that has some (none: they keep the prior)."""
+        present = np.zeros(AGE_BUCKETS, bool)
+        present[ages[ages >= 0]] = True
+        present[0] |= bool((ages < 0).any())
+        new = present & ~self.ages_seen
+        if not new.any():
+            return
+        for j in np.flatnonzero(new):
+            younger = np.flatnonzero(self.ages_seen[:j])
+            if len(younger):
+                self.support_by_age[j] = self.support_by_age[younger[-1]]
 
     @property
     def acceptance_scale(self) -> float:
@@ -534,10 +579,17 @@ class DASPolicy:
         acc = np.asarray(record.accepted_per_row, np.int64) if per_row else None
         with_support = db.has_support_A & (n > 0)
         if per_row and with_support.any():
-            # Support buckets: each token verified after an accepted prefix is a trial of its
-            # per-token ratio; the factor tracks accepted trials over predicted ones.
-            update_support_scale(self.support_scale, n, acc, db.probs_AxK, db.support_AxK,
-                                 with_support, a)
+            # Support buckets (per history age): each token verified after an accepted prefix is
+            # a trial of its per-token ratio; the factor tracks accepted trials over predicted
+            # ones.
+            ages = self._age_buckets(db)
+            self.ages_seen |= update_support_scale(
+                self.support_by_age, n, acc, db.probs_AxK, db.support_AxK, with_support, a,
+                ages)
+            if ages is not None:
+                aged = with_support & (ages >= 0)
+                np.add.at(self.drafts_by_age[0], ages[aged], n[aged])
+                np.add.at(self.drafts_by_age[1], ages[aged], np.minimum(acc, n)[aged])
             n = np.where(with_support, 0, n)
             if not n.any():
                 return
@@ -568,8 +620,19 @@ class DASPolicy:
         p.finished_lengths.extend(self.finished_lengths)
         p._finished_count += 1
         p.depth_scale = self.depth_scale.copy()
-        p.support_scale = self.support_scale.copy()
+        p.support_by_age = self.support_by_age.copy()
+        p.ages_seen = self.ages_seen.copy()
         return p
+
+    def acceptance_by_age(self) -> dict[str, list]:
+        """What drafts from histories of each age did so far (rows whose drafter reports ages,
+        with `age_calibration` on): {"age_buckets": bucket labels in policy versions,
+        "drafted": draft tokens verified, "accepted": of them accepted (committed),
+        "factors": the learned support factors per age bucket (`support_by_age`)}."""
+        return {"age_buckets": list(AGE_BUCKET_LABELS),
+                "drafted": self.drafts_by_age[0].tolist(),
+                "accepted": self.drafts_by_age[1].tolist(),
+                "factors": self.support_by_age.tolist()}
 
     # ----- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -577,7 +640,10 @@ class DASPolicy:
                 "cost_model": {**self.cost_model.to_dict(),
                                "compile_count": self.cost_model.compile_count},
                 "acceptance_by_depth": [float(x) for x in self.depth_scale],
-                "acceptance_by_support": [float(x) for x in self.support_scale]}
+                "acceptance_by_support": [float(x) for x in self.support_scale],
+                "acceptance_by_age_and_support": self.support_by_age.tolist(),
+                "acceptance_ages_seen": [bool(x) for x in self.ages_seen],
+                "drafts_by_age": self.drafts_by_age.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         self.finished_lengths.clear()
@@ -590,5 +656,17 @@ class DASPolicy:
         else:   # a checkpoint of the single-factor calibration
             self.depth_scale = np.full(1, float(state.get("acceptance_scale", 1.0)))
         support = state.get("acceptance_by_support")
-        self.support_scale = (np.asarray(support, np.float64) if support is not None
-                              and len(support) == SUPPORT_BUCKETS else support_prior())
+        fresh = (np.asarray(support, np.float64) if support is not None
+                 and len(support) == SUPPORT_BUCKETS else support_prior())
+        table = state.get("acceptance_by_age_and_support")
+        if table is not None and np.shape(table) == (AGE_BUCKETS, SUPPORT_BUCKETS):
+            self.support_by_age = np.asarray(table, np.float64)
+            self.ages_seen = np.asarray(state.get("acceptance_ages_seen",
+                                                  [True] * AGE_BUCKETS), bool)
+            self.drafts_by_age = np.asarray(state.get(
+                "drafts_by_age", np.zeros((2, AGE_BUCKETS))), np.int64).reshape(2, AGE_BUCKETS)
+        else:   # a checkpoint from before ages: every age starts from its support factors
+            self.support_by_age = np.tile(fresh, (AGE_BUCKETS, 1))
+            self.ages_seen = np.zeros(AGE_BUCKETS, bool)
+            self.ages_seen[0] = support is not None
+            self.drafts_by_age = np.zeros((2, AGE_BUCKETS), np.int64)
