@@ -283,34 +283,53 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
                                for k, m in engine_programs.items()),
         "update_scratch": train_rows["update_scratch"],
     }
+    phases = _phases(config, n, compute == master, train_phases, master_b + opt_b + ref_b,
+                     cparams_b, kv_b + rows["rollout_scratch"])
+    shapes = _plan_shapes(config, mesh, slots, S, W, mb, T, compute, master, fused_peak, rdtype,
+                          pages)
+    all_programs = {**update_programs, **engine_programs}
+    return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
+                      {k: int(v) for k, v in phases.items()}, shapes, float(mem_fraction),
+                      all_programs)
+
+
+def _phases(config, n_train: int, same_dtype: bool, train_phases: dict, train_state_b: int,
+            cparams_b: int, engine_b: int) -> dict:
+    """Bytes per device of each phase of the run: the rollout (with the train state it keeps
+    resident, when colocated) and the update's phases (`train_phases`); an asynchronous
+    colocated run adds `train+rollout`, the update beside a rollout and k params snapshots.
+    train_state_b: master params + optimizer state + reference params; cparams_b: the compute
+    dtype params; engine_b: the KV cache and the engine's scratch."""
+    k, r_dev = config.train.async_steps, config.mesh.rollout_devices
+    if r_dev:   # disaggregated: a rollout device holds the compute params and the engine only
+        return {"rollout": cparams_b + engine_b, **train_phases}
     # With one device and compute dtype == master dtype the engine reads the master arrays
     # (not in an asynchronous run: each rollout samples from a snapshot, the update donates).
-    k = config.train.async_steps
-    shared = n == 1 and compute == master and k == 0
-    engine_b = kv_b + rows["rollout_scratch"]
-    if r_dev:   # disaggregated: a rollout device holds the compute params and the engine only
-        phases = {"rollout": cparams_b + engine_b, **train_phases}
-    else:
-        phases = {"rollout": master_b + opt_b + ref_b + (0 if shared else cparams_b) + engine_b,
-                  **train_phases}
-        if k > 0:   # colocated async: the update runs beside a rollout and k params snapshots
-            phases["train+rollout"] = max(train_phases.values()) + k * cparams_b + engine_b
+    shared = n_train == 1 and same_dtype and k == 0
+    phases = {"rollout": train_state_b + (0 if shared else cparams_b) + engine_b, **train_phases}
+    if k > 0:   # colocated async: the update runs beside a rollout and k params snapshots
+        phases["train+rollout"] = max(train_phases.values()) + k * cparams_b + engine_b
+    return phases
+
+
+def _plan_shapes(config, mesh, slots, S, W, mb, T, compute, master, fused_peak, rdtype,
+                 pages) -> dict:
+    """The shapes a plan was made for (the table's header line)."""
+    t = config.train
     shapes = {"slots": slots, "cache_len": S, "width": W, "micro_batch": mb, "train_len": T,
               "remat": t.remat, "dtype": f"{compute.name}/{master.name}",
               "update": "unfused" if fused_peak is None else "fused",
               "rollout_analysis": rdtype.name,
               "mesh": "x".join(f"{a}{k}" for a, k in mesh.shape.items() if k > 1) or "1"}
-    if r_dev:
-        shapes["rollout_devices"] = r_dev
-    if k:
-        shapes["async_steps"] = k
+    if config.mesh.rollout_devices:
+        shapes["rollout_devices"] = config.mesh.rollout_devices
+    if t.async_steps:
+        shapes["async_steps"] = t.async_steps
     if pages:   # the paged pool, and the rows it holds when every row is max_cache_len long
         shapes.update(kv_cache="paged", kv_pages=pages[0], page_size=pages[1],
                       rows_worst_case=pages[0] // -(-S // pages[1]))
-    all_programs = {**update_programs, **engine_programs}
-    return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
-                      {k: int(v) for k, v in phases.items()}, shapes, float(mem_fraction),
-                      all_programs)
+    return shapes
+
 
 
 def _update_rows(programs: dict, fused_peak: int | None, grads_b: int, opt_b: int, ref_b: int

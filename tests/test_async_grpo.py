@@ -165,10 +165,10 @@ def _run_and_kill(run_dir: str, point: str, at: int) -> None:
     if point == "rollout":
         orig_generate = trainer.generate
 
-        def generate(step, params=None, progress=None):
+        def generate(step, params=None, progress=None, **kw):
             if step == at:
                 die()
-            return orig_generate(step, params, progress)
+            return orig_generate(step, params, progress, **kw)
         trainer.generate = generate
     elif point == "update":
         orig_step = trainer.train_step
@@ -376,3 +376,20 @@ def test_rewards_of_an_async_run_are_computed_on_the_main_thread(tmp_path):
     records = trainer.train(progress=False)
     assert len(threads) == 3 and all(threads)
     assert all(r["reward_mean"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("async_steps", [0, 1])
+def test_the_drafter_history_is_tagged_with_the_sampling_policy_version(tmp_path, async_steps):
+    """Each rollout the drafter indexes carries the version of the params that sampled it (the
+    step in a synchronous run, max(step - k, 0) in an asynchronous one), so DAS's calibration
+    sees how old the history it drafts from is."""
+    trainer = make_trainer(make_config(tmp_path, "das", steps=4, save_every=0,
+                                       async_steps=async_steps))
+    records = trainer.train(progress=False)
+    history = trainer.rollouts.drafter.history
+    versions = sorted(v for p in history.problems() for v in history.versions(p))
+    rows = 2 * 4     # prompts_per_step x num_generations
+    assert versions == sorted(r["policy_version"] if async_steps else r["step"] - 1
+                              for r in records for _ in range(rows))
+    assert history.policy_version == (2 if async_steps else 3)
+    assert trainer.rollouts.policy.support_by_age.shape == (6, 6)

@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         if memory_plan is not None:
             print(memory_plan.table(), file=sys.stderr)
         # deferred import: jax (after configure_allocator)
-        from das_jax.rl.trainer import GRPOTrainer, check_registered_names
+        from das_jax.rl.run_checks import check_registered_names
+        from das_jax.rl.trainer import GRPOTrainer
         check_registered_names(config)   # before any weights are loaded
         reward_fns = reward_fns_from_config(config.grpo.reward_funcs, config.rewards)
         self_test_rewards(reward_fns)   # the code sandbox's, before any weights are loaded

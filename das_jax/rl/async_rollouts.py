@@ -140,7 +140,8 @@ class AsyncRollouts:
                 t.rollouts.advance_epoch()
                 self._drafter_epochs += 1
         t0 = time.perf_counter()
-        generated = t.generate(step, params=params, progress=self._check_cancel)
+        generated = t.generate(step, params=params, progress=self._check_cancel,
+                               version=version)
         del params
         return VersionedBatch(step, version, generated, time.perf_counter() - t0)
 
@@ -273,3 +274,21 @@ def _batch_from_state(trainer, b: dict[str, Any]) -> VersionedBatch:
                       {k: list(v) for k, v in b["reward_parts"].items()}, stats)
     return VersionedBatch(step, int(b["version"]), None, float(b["rollout_s"]), rb,
                           list(b.get("reward_events") or []))
+
+
+def truncated_importance_weights(old_BxT: np.ndarray, behaviour_BxT: np.ndarray,
+                                 cmask_BxT: np.ndarray, cap: float):
+    """(float32 `[N, T]` weights, metrics): min(exp(old - behaviour), cap) on the completion
+    tokens (`cmask_BxT`), 0 elsewhere -- truncated importance sampling (Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"): the rollout sampled
+    from an older policy (behaviour log-probs, float32 `[N, T]`) than the pre-update params the
+    ratio starts from (old). metrics: is_weight_mean (of the truncated weights), is_weight_max
+    (before truncation), is_truncated_fraction."""
+    cap = float(cap)
+    raw = np.exp(np.where(cmask_BxT, old_BxT - behaviour_BxT, 0.0)).astype(np.float32)
+    w = np.where(cmask_BxT, np.minimum(raw, cap), 0.0).astype(np.float32)
+    n = int(cmask_BxT.sum())
+    metrics = {"is_weight_mean": float(w[cmask_BxT].mean()) if n else 1.0,
+               "is_weight_max": float(raw[cmask_BxT].max()) if n else 1.0,
+               "is_truncated_fraction": float((raw[cmask_BxT] > cap).mean()) if n else 0.0}
+    return w, metrics

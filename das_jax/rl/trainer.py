@@ -48,21 +48,21 @@ from das_jax.models.transformer import ActivationConfig
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.parallel import distributed as dist
 from das_jax.parallel.rollout_split import GroupSplit
-from das_jax.parallel.sharding import (MESH_AXES, MeshError, TrainShardings, mesh_from_config,
-                                       place, replicated, resolve_mesh_shape)
-from das_jax.rl import losses
-from das_jax.rl.advantages import advantage_metrics, get_advantage
-from das_jax.rl.async_rollouts import AsyncRollouts
+from das_jax.parallel.sharding import TrainShardings, place, replicated
+from das_jax.rl.advantages import advantage_metrics
+from das_jax.rl.async_rollouts import AsyncRollouts, truncated_importance_weights
 from das_jax.rl.batches import make_batch
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.logprobs import cast_params, compute_logprobs
 from das_jax.rl.optimizer import Optimizer
 from das_jax.rl.rewards import combine_rewards, reward_fns_from_config, self_test_rewards
 from das_jax.rl.rollout_batch import RolloutBatch
+from das_jax.rl.run_checks import check_prompts_and_stop_ids, check_registered_names
 from das_jax.rl.run_log import sample_rows
 from das_jax.rl.split_rollout import split_rollout
 from das_jax.rl.train_error import TrainError
 from das_jax.rl.train_loop import run_training
+from das_jax.rl.train_devices import split_devices, train_mesh
 from das_jax.rl.train_step import TrainStep
 from das_jax.rl.trainer_checkpoint import (ROLLOUT_STATE_KEY,  # noqa: F401 - re-exported
                                           restore_trainer, save_trainer)
@@ -71,20 +71,6 @@ from das_jax.rollout import rollout_from_config
 
 def _token_bucket(n: int, multiple: int = 64) -> int:
     return int(math.ceil(n / multiple) * multiple)
-
-
-def check_registered_names(config: Config):
-    """(advantage estimator, loss) registered under `grpo.advantage_estimator` and
-    `grpo.loss_type` (their registries import jax, so the config schema cannot check them).
-
-    Raises:
-      TrainError: either name is not registered (one line naming the key and the valid names).
-    """
-    g = config.grpo
-    try:
-        return get_advantage(g.advantage_estimator), losses.get_loss(g.loss_type)
-    except ValueError as e:
-        raise TrainError(f"grpo.{e}") from None
 
 
 class GRPOTrainer:
@@ -122,8 +108,8 @@ class GRPOTrainer:
         dist.check_same_config(c)
         # mesh.rollout_devices > 0: the last devices only generate, the train mesh is over the
         # others (disaggregated); 0: both share every device
-        train_devices, rollout_devices = _split_devices(c)
-        self.mesh = _train_mesh(c, train_devices)
+        train_devices, rollout_devices = split_devices(c)
+        self.mesh = train_mesh(c, train_devices)
         self.params = cast_params(params, c.train.master_dtype)
         del params, model
         release_free_memory()  # the loader's freed host buffers (dequantised tensors)
@@ -154,7 +140,7 @@ class GRPOTrainer:
         # With several processes each generates its share of a step's groups
         # (`das_jax.parallel.rollout_split`); the gathered batch is the same on every process.
         self.split = (GroupSplit(dist.process_count()) if dist.process_count() > 1 else None)
-        self._check_prompts_and_stop_ids()
+        check_prompts_and_stop_ids(c, self.model_config, self.rollouts, self.prompt_ids)
         self.reward_fn = combine_rewards(reward_fns, c.grpo.reward_weights)
         self.optimizer = Optimizer(c.grpo, c.train.steps)
         if self.mesh is None:
@@ -216,6 +202,7 @@ class GRPOTrainer:
         # several processes: each generates its groups; gathered
         rows, requests, sampling = self._requests(step)
         params = self.rollout_params()
+        self.rollouts.set_policy_version(self.step)
         rb = split_rollout(self, self.split, requests, rows, self.config.grpo.num_generations,
                            params, sampling)
         del params
@@ -234,14 +221,17 @@ class GRPOTrainer:
                             sample_index=g) for p in problems for g in range(G)]
         return [p for p in problems for _ in range(G)], requests, sampling
 
-    def generate(self, step: int, params=None, progress=None):
+    def generate(self, step: int, params=None, progress=None, version: int | None = None):
         """(rows, outputs, stats): the unscored rollouts of (0-based) `step` in this process,
         sampled from `params` (default: the current params, `rollout_params()`); rows are the
         problems of the outputs (each repeated num_generations times). `progress`: the
-        engine's callback(finished requests, total)."""
+        engine's callback(finished requests, total). `version`: the policy version of `params`
+        (the updates they had seen; default the current one, `step`), which the drafter tags
+        these rollouts with."""
         rows, requests, sampling = self._requests(step)
         if params is None:
             params = self.rollout_params()
+        self.rollouts.set_policy_version(self.step if version is None else version)
         outputs, stats = self.rollouts.generate(requests, params, sampling, progress=progress)
         del params  # the compute-dtype copy is not kept across the update
         # the engine's freed buffers and the tracing caches of the programs it compiled, before
@@ -316,7 +306,8 @@ class GRPOTrainer:
             recomputed = logprobs(self.params)
             cmask = (positions >= lens_p[:, None]) & valid
             if self.async_rollouts is not None:
-                is_weights = self._importance_weights(recomputed, old, cmask)
+                is_weights, self.last_is_metrics = truncated_importance_weights(
+                    recomputed, old, cmask, c.grpo.importance_sampling_cap)
             # How far the sampler's log-probs are from the trainer's (both under the
             # temperature-scaled full softmax, so only float rounding): a health check of the
             # rollouts. In "rollout" mode the train step's first iteration measures the same gap.
@@ -325,22 +316,6 @@ class GRPOTrainer:
             old = recomputed
         return make_batch(tokens, lens_p, lens_c, old_logprobs_BxT=old, ref_logprobs_BxT=ref,
                           advantages_B=advantages, is_weights_BxT=is_weights), advantages
-
-    def _importance_weights(self, old_BxT, behaviour_BxT, cmask_BxT) -> np.ndarray:
-        """float32 `[N, T]`: min(exp(old - behaviour), grpo.importance_sampling_cap) on the
-        completion tokens, 0 elsewhere (truncated importance sampling, Yao et al. 2025: the
-        rollout sampled from an older policy than the pre-update params the ratio starts from).
-        Sets `last_is_metrics`: is_weight_mean (of the truncated weights), is_weight_max
-        (before truncation), is_truncated_fraction."""
-        cap = float(self.config.grpo.importance_sampling_cap)
-        raw = np.exp(np.where(cmask_BxT, old_BxT - behaviour_BxT, 0.0)).astype(np.float32)
-        w = np.where(cmask_BxT, np.minimum(raw, cap), 0.0).astype(np.float32)
-        n = int(cmask_BxT.sum())
-        self.last_is_metrics = {
-            "is_weight_mean": float(w[cmask_BxT].mean()) if n else 1.0,
-            "is_weight_max": float(raw[cmask_BxT].max()) if n else 1.0,
-            "is_truncated_fraction": float((raw[cmask_BxT] > cap).mean()) if n else 0.0}
-        return w
 
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         batch, _ = self.build_batch(rb)
@@ -426,32 +401,6 @@ class GRPOTrainer:
                                         self.prompt_text)
         return record
 
-    def _check_prompts_and_stop_ids(self) -> None:
-        """What the engine would reject at the first rollout, checked at construction and named
-        by its config key.
-
-        Raises:
-          TrainError: a rollout.stop_token_ids entry outside the vocabulary, or a prompt that
-            does not fit rollout.max_cache_len with rollout.max_new_tokens and the widest draft.
-        """
-        c, vocab = self.config, self.model_config.vocab_size
-        bad = [t for t in c.rollout.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise TrainError(f"rollout.stop_token_ids {bad} are outside the model's vocabulary "
-                             f"[0, {vocab}); use token ids of the model's tokenizer")
-        ec = getattr(self.rollouts, "engine_config", None)
-        limit = ec.max_cache_len if ec is not None else c.rollout.max_cache_len
-        width = max(ec.draft_widths if ec is not None else c.rollout.draft_widths)
-        pid, ids = max(self.prompt_ids.items(), key=lambda kv: len(kv[1]))
-        need = len(ids) + c.rollout.max_new_tokens + width
-        if need > limit:
-            raise TrainError(
-                f"the longest prompt (problem {pid!r}, {len(ids)} tokens) + rollout.max_new_tokens"
-                f"={c.rollout.max_new_tokens} + draft width {width} needs {need} cache positions "
-                f"but rollout.max_cache_len={limit}; raise rollout.max_cache_len to at least "
-                f"{need}, lower rollout.max_new_tokens, or shorten the prompts (data.instruction, "
-                "data.chat)")
-
     def quiesce(self) -> None:
         """Waits for the rollouts generated ahead (an asynchronous run; nothing otherwise), so
         that the engine, the drafter and the DAS policy are idle: before a checkpoint or an
@@ -515,44 +464,3 @@ class GRPOTrainer:
         """
         return run_training(self, resume=resume, progress=progress, stop_after=stop_after,
                             overwrite=overwrite)
-
-
-def _split_devices(c: Config):
-    """(the devices that train, the devices that only generate or None): every device of every
-    process trains with `mesh.rollout_devices: 0`; otherwise the last `rollout_devices` of a
-    one-process run generate and the others train.
-
-    Raises:
-      TrainError: rollout_devices leaves no device to train on, or the run has several
-        processes (one line each).
-    """
-    devices, r = jax.devices(), c.mesh.rollout_devices
-    if r == 0:
-        return devices, None
-    if jax.process_count() > 1:
-        raise TrainError(f"mesh.rollout_devices={r} splits the devices of one process, but this "
-                         f"run has {jax.process_count()} processes; set mesh.rollout_devices: 0")
-    if r >= len(devices):
-        raise TrainError(f"mesh.rollout_devices={r} leaves no device to train on (jax sees "
-                         f"{len(devices)}); set it below {len(devices)}, or 0 to share them")
-    return devices[:len(devices) - r], devices[len(devices) - r:]
-
-
-def _train_mesh(c: Config, devices=None):
-    """The `mesh:` over `devices` (default: every device of every process); None for one device
-    in one process (the plain single-device path, on that device: the first).
-
-    Raises:
-      TrainError: the mesh sizes do not fit the devices (one line).
-    """
-    devices = list(devices if devices is not None else jax.devices())
-    try:
-        if len(devices) == 1:
-            resolve_mesh_shape({a: getattr(c.mesh, a) for a in MESH_AXES}, 1)  # checks only
-            return None
-        return mesh_from_config(c.mesh, devices)
-    except MeshError as e:
-        split = (f" less mesh.rollout_devices={c.mesh.rollout_devices}"
-                 if c.mesh.rollout_devices else "")
-        raise TrainError(f"{e} (mesh: in the config; jax sees {jax.device_count()} devices in "
-                         f"{jax.process_count()} process(es){split})") from None
