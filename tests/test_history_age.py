@@ -67,6 +67,7 @@ def test_drafts_report_the_age_of_their_history():
     d.begin(12, "a", [1, 2, 3])                      # a sibling: the problem's history is younger
     db = d.propose_batch(np.array([10, 12, 11]), np.array([4, 4, 4]))
     np.testing.assert_allclose(db.age_A, [3 - 1.5, 3 - 1.5, 0.0])
+    np.testing.assert_allclose(db.cut(np.array([1, 0, 2])).age_A, db.age_A)   # cut keeps ages
     # the state round trip keeps the ages
     other = SuffixDrafter(window=4)
     other.load_state_dict(d.state_dict())

@@ -85,6 +85,7 @@ def _compare(cfg, run: Path, step: int, steps: int | None) -> int:
     manager = CheckpointManager(run, max_to_keep=None)
     start = trainer.restore(manager, max_step=step)
     spec = trainer.rollouts
+    spec.set_policy_version(start)   # every rollout here samples the restored params (no update)
     plain = Rollout(spec.engine, "none", das=spec.das, sampling=spec.sampling)
     G = cfg.grpo.num_generations
     steps = steps or trainer.steps_per_epoch()

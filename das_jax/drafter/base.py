@@ -125,7 +125,7 @@ class DraftBatch:
         return DraftBatch(np.where(keep_AxK, self.tokens_AxK[:, :K], 0).astype(np.int32),
                           np.where(keep_AxK, self.probs_AxK[:, :K], 0).astype(np.float32),
                           np.where(keep_AxK, self.support_AxK[:, :K], 0).astype(np.int32),
-                          n_A, self.has_support_A & (n_A > 0))
+                          n_A, self.has_support_A & (n_A > 0), self.age_A)
 
 
 def propose_batch(drafter, request_ids: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from das_jax.drafter.base import set_policy_version
 from das_jax.engine import Engine, SamplingParams
 from das_jax.rollout.multi_device import LockedDrafter
+from das_jax.rollout.warmup import warm_up
 from das_jax.speculation import CostModel, DASSection, calibrate, get_speculation
 
 
@@ -42,17 +43,21 @@ class Rollout:
       das: the `das:` settings (`das_jax.speculation.DASSection`; default: its defaults).
       sampling: default `SamplingParams` of `generate` (default: `SamplingParams()`).
       cost_model: the `CostModel` the policy plans with (default: from `das.cost_model`).
+      warm_kernels: start compiling the speculation's host kernels (numba) on a background
+        thread now, so the first rollout does not pay their compiles
+        (`das_jax.rollout.warmup`; the thread is `warm_up_thread`, None without a drafter).
 
     Raises:
       SpeculationError: an unknown speculation name.
     """
 
     def __init__(self, engine, speculation: str = "none", das=None, sampling=None,
-                 cost_model=None, *, _parts: tuple | None = None):
+                 cost_model=None, *, warm_kernels: bool = True, _parts: tuple | None = None):
         self.spec = get_speculation(speculation)
         self.engine = engine
         self.das = das if das is not None else DASSection()
         self.sampling = sampling if sampling is not None else SamplingParams()
+        self.warm_up_thread = None
         if _parts is not None:          # a fork: shares the drafter, owns a policy copy
             self.drafter, self.policy, self.cost_model, self.calibrated = _parts
             return
@@ -60,6 +65,10 @@ class Rollout:
             self.das.cost_model)
         self.drafter, self.policy = self.spec.build(self.das, self.cost_model)
         self.calibrated = False
+        if warm_kernels and self.drafter is not None:
+            ec = getattr(engine, "engine_config", None)
+            self.warm_up_thread = warm_up(speculation, self.das,
+                                          (1, 4, 8) if ec is None else ec.draft_widths)
 
     # ------------------------------------------------------------------ properties
     @property
