@@ -393,3 +393,38 @@ def test_the_drafter_history_is_tagged_with_the_sampling_policy_version(tmp_path
                               for r in records for _ in range(rows))
     assert history.policy_version == (2 if async_steps else 3)
     assert trainer.rollouts.policy.support_by_age.shape == (6, 6)
+
+
+def test_colocated_on_cpu_a_rollout_and_an_update_never_run_at_once(tmp_path):
+    """On CPU devices two XLA programs at once compete for the same cores, so a colocated
+    asynchronous run lets a whole rollout and a whole update take turns (`device_lock`); the
+    versions stay those of the schedule."""
+    import threading
+    import time
+
+    from das_jax.rl.async_rollouts import AsyncRollouts
+    trainer = make_trainer(make_config(tmp_path, steps=4, save_every=0, async_steps=1))
+    assert isinstance(trainer.async_rollouts.device_lock, type(threading.Lock()))
+    spans = {"generate": [], "update": []}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spans[name].append((t0, time.perf_counter()))
+        return wrapper
+    trainer.generate = timed("generate", trainer.generate)
+    trainer.update = timed("update", trainer.update)
+    records = trainer.train(progress=False)
+    assert [r["policy_version"] for r in records] == [0, 0, 1, 2]
+    assert len(spans["generate"]) == 4 and len(spans["update"]) == 4
+    for g0, g1 in spans["generate"]:
+        for u0, u1 in spans["update"]:
+            assert g1 <= u0 or u1 <= g0, (spans, "a rollout overlapped an update")
+    # elsewhere (a rollout engine with devices of its own) the lock is a no-op
+    free = AsyncRollouts(trainer, 1, 4, serialize=False)
+    with free.device_lock:
+        with free.device_lock:    # not a lock: re-entering does not block
+            pass

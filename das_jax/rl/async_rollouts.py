@@ -18,7 +18,12 @@ e.g. one restored by a run resumed with a smaller `async_steps`, is dropped, cou
 Placement (`mesh.rollout_devices`): colocated (0) -- the worker thread and the update share the
 devices (JAX runs their programs as they are dispatched) and the host work of either side (the
 rollout's scheduler, drafter and DAS policy; the update's batch building) runs while the other
-side's programs run; or disaggregated (> 0) -- the rollout engine has devices of its own, the
+side's programs run. On CPU devices the two sides' programs would compete for the same cores
+(each XLA:CPU program spreads over every core; two at once ran the rollout's verify steps 4-5x
+slower and the step slower than the synchronous loop's), so there a whole rollout and a whole
+update never run at once (`device_lock`): the schedule and the versions are the same, and what
+overlaps is the rest (rewards, batch building, logging, checkpoints and evaluations wait less);
+or disaggregated (> 0) -- the rollout engine has devices of its own, the
 train mesh the others, and the params reach the engine device to device (`Engine.place_params`).
 A rollout never crosses an update: each one samples from its own snapshot of the params (a copy
 when the compute dtype is the master dtype, which the update donates), and its KV cache lives
@@ -41,6 +46,7 @@ them instead of generating them again and loses or repeats no step.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
@@ -87,14 +93,18 @@ class AsyncRollouts:
         `rollout_params()`, `step`, `steps_per_epoch()`, `rollouts.advance_epoch()` are used).
       async_steps: k >= 1, the steps generated ahead (the staleness bound).
       total_steps: `train.steps` (nothing is generated for a step at or past it).
+      serialize: a rollout and the update never run at once: the worker holds `device_lock`
+        for each rollout, the trainer for each update (colocated on CPU devices; module
+        docstring). False: `device_lock` is a no-op.
 
     Raises:
       ValueError: async_steps < 1.
     """
 
-    def __init__(self, trainer, async_steps: int, total_steps: int):
+    def __init__(self, trainer, async_steps: int, total_steps: int, serialize: bool = False):
         if async_steps < 1:
             raise ValueError(f"async_steps must be >= 1, got {async_steps}")
+        self.device_lock = threading.Lock() if serialize else contextlib.nullcontext()
         self.trainer, self.k, self.total_steps = trainer, int(async_steps), int(total_steps)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: dict[int, concurrent.futures.Future] = {}
@@ -140,8 +150,9 @@ class AsyncRollouts:
                 t.rollouts.advance_epoch()
                 self._drafter_epochs += 1
         t0 = time.perf_counter()
-        generated = t.generate(step, params=params, progress=self._check_cancel,
-                               version=version)
+        with self.device_lock:
+            generated = t.generate(step, params=params, progress=self._check_cancel,
+                                   version=version)
         del params
         return VersionedBatch(step, version, generated, time.perf_counter() - t0)
 

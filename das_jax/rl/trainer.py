@@ -28,6 +28,7 @@ The run loop lives in `das_jax.rl.train_loop`, saving and restoring a trainer's 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -177,7 +178,10 @@ class GRPOTrainer:
                     f"train.async_steps={c.train.async_steps} runs in one process, but this run "
                     f"has {dist.process_count()}; set train.async_steps: 0 for a multi-process "
                     "run")
-            self.async_rollouts = AsyncRollouts(self, c.train.async_steps, c.train.steps)
+            # colocated on CPU devices a rollout and an update take turns (`device_lock`)
+            serialize = rollout_devices is None and train_devices[0].platform == "cpu"
+            self.async_rollouts = AsyncRollouts(self, c.train.async_steps, c.train.steps,
+                                                serialize=serialize)
 
     # ------------------------------------------------------------------ data order
     def steps_per_epoch(self) -> int:
@@ -346,7 +350,9 @@ class GRPOTrainer:
                      "rollout_wait_s": wait_s,
                      "dropped_groups": self.async_rollouts.dropped_groups - dropped}
         t1 = time.perf_counter()
-        train_metrics = self.update(rb)
+        with (self.async_rollouts.device_lock if self.async_rollouts is not None
+              else contextlib.nullcontext()):
+            train_metrics = self.update(rb)
         release_trace_caches() or release_free_memory()
         train_s = time.perf_counter() - t1
         self.step += 1
