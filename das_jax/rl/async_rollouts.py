@@ -19,9 +19,8 @@ Placement (`mesh.rollout_devices`): colocated (0) -- the worker thread and the u
 devices (JAX runs their programs as they are dispatched) and the host work of either side (the
 rollout's scheduler, drafter and DAS policy; the update's batch building) runs while the other
 side's programs run. On CPU devices the two sides' programs would compete for the same cores
-(each XLA:CPU program spreads over every core; two at once ran the rollout's verify steps 4-5x
-slower and the step slower than the synchronous loop's), so there a whole rollout and a whole
-update never run at once (`device_lock`): the schedule and the versions are the same, and what
+(each XLA:CPU program spreads over every core, so two at once run each several times slower),
+so there a whole rollout and a whole update never run at once (`device_lock`): the schedule and the versions are the same, and what
 overlaps is the rest (rewards, batch building, logging, checkpoints and evaluations wait less);
 or disaggregated (> 0) -- the rollout engine has devices of its own, the
 train mesh the others, and the params reach the engine device to device (`Engine.place_params`).
