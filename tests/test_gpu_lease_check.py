@@ -13,14 +13,14 @@ from das_jax.bench.lease_plan import (BUDGET_S, FULL, estimate_seconds, expected
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("lease")
-    rc = gpu_lease_check.main(["--smoke", "--out", str(out)])
+    rc = gpu_lease_check.main(["--smoke", "--out", str(out), "--parts", "all"])
     return rc, out, json.loads((out / "gpu_lease_check.json").read_text())
 
 
 def test_smoke_runs_every_part(smoke):
     rc, out, res = smoke
     assert rc == 0
-    assert set(res["parts"]) == set(gpu_lease_check.PARTS)
+    assert set(res["parts"]) == set(gpu_lease_check.PARTS) == set(gpu_lease_check.PRESETS["all"])
     assert not {p: r["error"] for p, r in res["parts"].items() if "error" in r}
     assert all(res["seconds"][p] > 0 for p in gpu_lease_check.PARTS)
     env = res["parts"]["env"]
@@ -69,13 +69,35 @@ def test_smoke_counts_give_a_full_run_within_the_budget(smoke):
     est = res["estimate"]
     assert set(est["counts_from"].values()) == {"measured"}
     assert est["seconds"] == pytest.approx(estimate_seconds(counts)["seconds"])
-    assert est["fits"] and est["seconds"] <= BUDGET_S == 480
+    # the parts of the second lease: the layer loop's arms, the host loop's runs, the kernel
+    layers = {r["loop"] for r in res["parts"]["layers"]["programs"]}
+    assert layers == {"scan", "unroll", "unstacked"}
+    assert all(r["median_s"] > 0 and r["speedup_vs_scan"] > 0
+               for r in res["parts"]["layers"]["programs"])
+    host = res["parts"]["host"]
+    for rows in map(str, res["shapes"]["host_rows"]):
+        runs = host[rows]
+        assert runs["none_k_identical_to_1step"] == 1.0      # float32: k steps == 1 step
+        for name in ("none", "none-1step", "das-epoch0", "das-epoch1"):
+            assert runs[name]["forward_passes"] > 0 and runs[name]["host_ms_per_step"] > 0
+        assert runs["das-epoch1"]["exposed_host_ms_per_step"] >= 0
+    for row in res["parts"]["paged"]["kernel"]:   # interpret mode == the gather to 1e-5
+        assert row["float32"]["max_err_output"] < 1e-5 and row["float32"]["empty_rows_zero"]
+    prof = res["parts"]["profile"]["programs"]
+    assert len(prof) == len(res["shapes"]["profile_programs"]) + 1 and all(prof.values())
+    for name in ("base", "loop"):   # each preset fits one lease
+        preset = {p: c for p, c in counts.items() if p in gpu_lease_check.PRESETS[name]}
+        est = estimate_seconds(preset)
+        assert est["fits"] and est["seconds"] <= BUDGET_S == 480
 
 
-def test_expected_counts_fit_the_budget():
-    est = estimate_seconds(expected_counts(FULL))
+@pytest.mark.parametrize("preset", ["base", "loop"])
+def test_expected_counts_fit_the_budget(preset):
+    parts = gpu_lease_check.PRESETS[preset]
+    est = estimate_seconds({p: c for p, c in expected_counts(FULL).items() if p in parts})
     assert 0 < est["seconds"] <= BUDGET_S and est["fits"]
-    assert set(est["per_part"]) == {"startup", *gpu_lease_check.PARTS} - {"env"}
+    assert set(est["per_part"]) == {"startup", *parts} - {"env"}
+    assert set(expected_counts(FULL)) == set(gpu_lease_check.PARTS) - {"env"}
     # every figure counts: a slower compile makes the estimate longer
     slow = {**est["figures"], "compile_s": {**est["figures"]["compile_s"], "engine": 60.0}}
     assert estimate_seconds(expected_counts(FULL), figures=slow)["seconds"] > est["seconds"]

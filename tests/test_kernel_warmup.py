@@ -8,7 +8,7 @@ import pytest
 from das_jax.drafter import _batch_kernels, _kernels
 from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
 from das_jax.rollout import Rollout
-from das_jax.rollout.warmup import exercise, warm_up
+from das_jax.rollout.warmup import exercise_kernels, warm_up
 from das_jax.speculation import CostModel, _budget_kernels, build_speculation
 from das_jax.testing import tiny_model_config, tiny_params
 
@@ -29,7 +29,7 @@ def test_a_rollout_after_the_warm_up_compiles_no_kernel(name):
     cfg = tiny_model_config()
     ec = EngineConfig(max_slots=4, max_cache_len=96, draft_widths=(1, 4, 8))
     drafter, policy = build_speculation(name, None, CostModel(c_base=1e-3, c_tok=1e-5))
-    exercise(drafter, policy, EngineConfig(max_slots=4, max_cache_len=64,
+    exercise_kernels(drafter, policy, EngineConfig(max_slots=4, max_cache_len=64,
                                            draft_widths=ec.draft_widths))
     if name == "das":
         assert sum(policy.acceptance_by_age()["drafted"]) > 0   # the exercise drafted

@@ -390,8 +390,318 @@ def part_generate(ck: Check) -> dict:
     return out
 
 
+def part_layers(ck: Check) -> dict:
+    """The layer loop (`das_jax.models.layer_loop`): the verify programs of
+    `shapes.layer_programs` with `layer_loop="unroll"` (static slices of the stacked weights),
+    and the first with the weights unstacked (one buffer per layer, a Python loop), against the
+    scan: compile seconds, temporary bytes, median step, the weight-copy heuristic of each."""
+    import jax  # deferred import: jax (not loaded by importing this module)
+
+    from das_jax.engine import Programs
+    from das_jax.models.layer_loop import unstack
+
+    done = {(r["B"], r["N"], r["W"], r["A"]): r
+            for r in ck.results.get("verify", {}).get("programs", [])}
+    unrolled = dataclasses.replace(ck.config, layer_loop="unroll")
+    arms = {"scan": (ck.config, ck.params), "unroll": (unrolled, ck.params)}
+    rows, steps = [], []
+    for i in ck.shapes.layer_programs:
+        B, N, W, A = ck.shapes.verify[i]
+        names = list(arms) + (["unstacked"] if i == ck.shapes.layer_programs[0] else [])
+        for name in names:
+            if name == "unstacked":
+                params = {**ck.params, "layers": unstack(ck.params["layers"])}
+                jax.block_until_ready(params)
+                config = ck.config
+            else:
+                config, params = arms[name]
+            programs = Programs(config, device=ck.device)
+            spec = ck.verify_spec(B, N, W, A)
+            spec = dataclasses.replace(spec, config=config)
+            # Programs keys a program by its spec, not by the params' tree: the unstacked arm
+            # compiles its own and leaves the stacked one cached for the other parts
+            stacked = programs.swap(spec) if name == "unstacked" else None
+            row = {"B": B, "N": N, "W": W, "A": A, "loop": name}
+            if name == "scan" and (B, N, W, A) in done:
+                row.update(median_s=done[(B, N, W, A)]["median_s"], from_verify_part=True)
+            c0 = programs.compile_s
+            exe = programs.executable(spec, *programs.abstract(spec, params))
+            row["compile_s"] = programs.compile_s - c0
+            row.update({f"{k}_bytes": v for k, v in programs.memory(spec, params).items()})
+            if "median_s" not in row:
+                row["median_s"] = programs.time(spec, params, repeats=ck.shapes.repeats)
+                steps.append(ck.shapes.repeats + 1)
+            row["weight_copies"] = weight_copy_heuristic(exe.as_text(), params)
+            row["floor_s"] = ck.read_floor_s(B, A)
+            row["ratio_to_floor"] = row["median_s"] / row["floor_s"]
+            rows.append(row)
+            print(f"  layers {name} B={B} N={N} W={W} A={A}: compile {row['compile_s']:.1f}s, "
+                  f"median {row['median_s'] * 1e3:.2f} ms = {row['ratio_to_floor']:.2f}x the "
+                  f"floor; materialised weight slices "
+                  f"{row['weight_copies']['materialised_slices']} (heuristic)", flush=True)
+            if name == "unstacked":
+                programs.swap(spec, stacked)
+                del params, exe
+    base = {(r["B"], r["N"], r["W"], r["A"]): r["median_s"] for r in rows if r["loop"] == "scan"}
+    for r in rows:
+        r["speedup_vs_scan"] = base[(r["B"], r["N"], r["W"], r["A"])] / r["median_s"]
+    ck.counts["layers"] = {"verify_steps": [sum(steps)], "hlo_texts": len(rows)}
+    return {"programs": rows}
+
+
+def _host_requests(ck: Check, rows: int) -> list:
+    """rows // host_samples groups of host_samples samples of a random host_prompt-token
+    prompt."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.engine import Request
+
+    sh = ck.shapes
+    rng = np.random.default_rng(rows)
+    prompts = [tuple(int(t) for t in rng.integers(1, ck.config.vocab_size, sh.host_prompt))
+               for _ in range(rows // sh.host_samples)]
+    return [Request(p, problem_id=i, sample_index=g) for i, p in enumerate(prompts)
+            for g in range(sh.host_samples)]
+
+
+def part_host(ck: Check) -> dict:
+    """The host loop at GPU step times. For each of `shapes.host_rows` (all
+    rows admitted at once, greedy, `host_new` tokens each): `none` with k decode steps per call
+    and with one, and `das` twice on one drafter (epoch 0 drafts from the live siblings and
+    prompts; epoch 1 also from epoch 0's rollouts: greedy on the same prompts, so its drafts
+    are the synthetic history the random-weight model accepts). Per run: forward passes, host
+    seconds per step (`host_s`, the scheduler + drafter + policy between device calls: exposed,
+    the device waits for it), device-call seconds per step (`decode_s`: the step, plus the
+    overlapped appends the step did not hide), the same program's step alone (`Programs.time`
+    of the run's most frequent verify shape: the device's own time), exposed host time =
+    wall - prefill - device-alone x steps, acceptance length, tokens identical across k."""
+    # deferred import: jax (not loaded by importing this module)
+    from das_jax.engine import Engine, EngineConfig, SamplingParams, bucket, verify_token_buckets
+    from das_jax.rollout import exercise_kernels
+
+    sh = ck.shapes
+    done = ck.results.get("verify", {}).get("programs") or [{"compile_s": 1.0}]
+    prior = float(np.mean([r["compile_s"] for r in done]))
+    das = DASSection(cost_model=CostModelConfig(source=sh.cost_source, calibrate=False,
+                                                compile_s=prior))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=sh.host_new)
+    out, passes, slots = {}, 0, 0
+    t0 = time.perf_counter()   # numba's kernels compiled before the first das step
+    exercise_kernels(*build_speculation("das", das), EngineConfig(draft_widths=sh.gen_widths))
+    out["kernel_warm_up_s"] = time.perf_counter() - t0
+    for rows in sh.host_rows:
+        requests = _host_requests(ck, rows)
+        cache_len = sh.host_prompt + sh.host_new + max(sh.gen_widths)
+        engines = {k: Engine(ck.config, ck.params, eos_token_ids=[], engine_config=EngineConfig(
+            max_slots=rows, max_cache_len=cache_len, draft_widths=sh.gen_widths,
+            decode_steps=k)) for k in (1, EngineConfig.decode_steps)}
+        res, tokens = {}, {}
+        drafter, policy = build_speculation("das", das)
+        runs = (("none", EngineConfig.decode_steps, None), ("none-1step", 1, None),
+                ("das-epoch0", EngineConfig.decode_steps, (drafter, policy)),
+                ("das-epoch1", EngineConfig.decode_steps, (drafter, policy)))
+        for name, k, spec in runs:
+            d, p = spec if spec else build_speculation("none", das)
+            outputs, st = engines[k].generate(requests, sampling, drafter=d, policy=p)
+            tokens[name] = [o.token_ids for o in outputs]
+            n = max(st.forward_passes, 1)
+            calls = list(st.steps)
+            shapes = {}
+            for s in calls:   # the compiled slot bucket of the step's token slots
+                n_slots = s.num_tokens or s.batch * s.width
+                buckets = verify_token_buckets(s.batch, max(sh.gen_widths))
+                key = (s.batch, bucket(n_slots, buckets), s.width, s.kv_len)
+                shapes[key] = shapes.get(key, 0) + 1
+            B, N, W, A = max(shapes, key=shapes.get) if shapes else (rows, rows, 1, cache_len)
+            alone = None
+            if name != "none":   # k steps per call: no single program to time alone
+                spec = dataclasses.replace(ck.verify_spec(B, N, W, A),
+                                           cache_len=max(cache_len, A))
+                alone = ck.programs.time(spec, ck.params, repeats=5)
+            r = {**st.to_dict(), "rows": rows, "decode_steps": k,
+                 "host_ms_per_step": 1e3 * st.host_s / n,
+                 "draft_policy_ms_per_step": 1e3 * (st.draft_s + st.policy_s) / n,
+                 "device_call_ms_per_step": 1e3 * st.decode_s / n,
+                 "host_us_per_row": 1e6 * st.host_s / max(sum(s.batch for s in calls), 1),
+                 "common_shape": [B, N, W, A], "common_shape_steps": shapes.get((B, N, W, A)),
+                 "step_alone_ms": None if alone is None else 1e3 * alone}
+            if alone is not None:
+                r["exposed_host_ms_per_step"] = 1e3 * max(
+                    0.0, st.wall_s - st.prefill_s - st.compile_s - alone * n) / n
+            res[name] = r
+            passes += st.forward_passes
+            slots += sum(s.num_tokens or s.batch * s.width for s in calls)
+            print(f"  host {rows} rows {name}: {st.forward_passes} passes, host "
+                  f"{r['host_ms_per_step']:.2f} ms/step ({r['host_us_per_row']:.1f} us/row), "
+                  f"device call {r['device_call_ms_per_step']:.2f} ms/step, alone "
+                  f"{r['step_alone_ms'] or float('nan'):.2f} ms, exposed "
+                  f"{r.get('exposed_host_ms_per_step', float('nan')):.2f} ms/step, accept len "
+                  f"{st.acceptance_length:.2f}, compile {st.compile_s:.1f}s", flush=True)
+        res["none_k_identical_to_1step"] = float(np.mean(
+            [a == b for a, b in zip(tokens["none"], tokens["none-1step"])]))
+        res["das_epoch1_identical_to_none"] = float(np.mean(
+            [a == b for a, b in zip(tokens["das-epoch1"], tokens["none-1step"])]))
+        out[str(rows)] = res
+    ck.counts["host"] = {"device_steps": [[slots, 0, passes]], "host_steps": passes}
+    return out
+
+
+def _paged_case(rng, B, KVH, M, K, page, kv_len, dtype):
+    """Queries, a pool with noise in every page, a permuted page table (a row's entries past
+    its length point at a spare page), ragged lengths (0, one page, the bound, random)."""
+    import jax.numpy as jnp  # deferred import: jax (not loaded by importing this module)
+
+    mp = -(-kv_len // page)
+    P = B * mp + 1
+    q = (rng.standard_normal((B, KVH, M, K)) * K ** -0.5).astype(np.float32)
+    k = rng.standard_normal((P, KVH, K, page)).astype(np.float32)
+    v = rng.standard_normal((P, KVH, page, K)).astype(np.float32)
+    lens = rng.integers(0, kv_len + 1, B)
+    lens[: min(B, 3)] = [0, min(page, kv_len), kv_len][: min(B, 3)]
+    table = rng.permutation(P - 1)[: B * mp].reshape(B, mp)
+    for b in range(B):
+        table[b, -(-int(lens[b]) // page):] = P - 1
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(table, jnp.int32), jnp.asarray(lens, jnp.int32))
+
+
+def part_paged(ck: Check) -> dict:
+    """The paged cache on this backend: the platform's Pallas kernel (`prefix_partials_gpu` on
+    CUDA; interpret mode in the smoke) against the XLA gather reference over random page
+    tables and ragged lengths at each query width (float32: max errors of the normalised
+    output and log-denominator; the dtype's case timed: median of 10 calls each); then the
+    packed verify step on the paged pool (kernels "pallas_gpu" and "gather") against the dense cache
+    at the first verify program's shape (every row on its own pages)."""
+    import jax  # deferred import: jax (not loaded by importing this module)
+
+    from das_jax.models import paged_attention as pa
+
+    B, KVH, G, K, page, kv_len = ck.shapes.paged_case
+    interpret = ck.args.smoke
+    kernels = {"pallas_gpu": lambda *a: pa.prefix_partials_gpu(*a, kv_len, interpret=interpret),
+               "gather": lambda *a: pa.prefix_partials_reference(*a, kv_len)}
+    out = {"case": dict(B=B, KVH=KVH, G=G, K=K, page=page, kv_len=kv_len)}
+    rng = np.random.default_rng(0)
+
+    def timed(fn, args, repeats=10):
+        jax.block_until_ready(fn(*args))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+    kern = []
+    for T in ck.shapes.paged_widths:
+        row = {"T": T, "M": G * T}
+        for dtype in ("float32", ck.dtype.name):
+            args = _paged_case(rng, B, KVH, G * T, K, page, kv_len, dtype)
+            fns = {n: jax.jit(f) for n, f in kernels.items()}
+            got, want = fns["pallas_gpu"](*args), fns["gather"](*args)
+            o, m, l = (np.asarray(x, np.float64) for x in got)
+            ow, mw, lw = (np.asarray(x, np.float64) for x in want)
+            has = np.asarray(args[4]) > 0
+            row[dtype] = {
+                "max_err_output": float(np.max(np.abs(o[has] / l[has][..., None]
+                                                      - ow[has] / lw[has][..., None]))),
+                "max_err_log_denominator": float(np.max(np.abs(
+                    np.log(l[has]) + m[has] - np.log(lw[has]) - mw[has]))),
+                "empty_rows_zero": bool(np.all(l[~has] == 0) and np.all(o[~has] == 0))}
+            if dtype == ck.dtype.name:
+                row[dtype].update({f"{n}_median_s": timed(f, args) for n, f in fns.items()})
+        kern.append(row)
+        print(f"  paged kernel T={T}: max err f32 {row['float32']['max_err_output']:.2e}, "
+              f"{ck.dtype.name} pallas {row[ck.dtype.name]['pallas_gpu_median_s'] * 1e3:.3f} ms"
+              f" vs gather {row[ck.dtype.name]['gather_median_s'] * 1e3:.3f} ms", flush=True)
+    out["kernel"] = kern
+    Bv, N, W, A = ck.shapes.verify[0]
+    pages = Bv * -(-ck.shapes.cache_len // 16)
+    steps = []
+    for name, paging in (("dense", ()), ("paged-pallas", (pages, 16, "pallas_gpu")),
+                         ("paged-gather", (pages, 16, "gather"))):
+        spec = dataclasses.replace(ck.verify_spec(Bv, N, W, A), pages=paging)
+        if ck.args.smoke and paging:   # no Triton on the CPU: the gather
+            spec = dataclasses.replace(spec, pages=(pages, 16, "gather"))
+        compile_s = ck.compile(spec)
+        med = ck.programs.time(spec, ck.params, repeats=ck.shapes.repeats)
+        steps.append(ck.shapes.repeats + 1)
+        out[f"verify_{name}"] = {"B": Bv, "N": N, "W": W, "A": A, "compile_s": compile_s,
+                                 "median_s": med}
+        print(f"  verify {name} B={Bv} A={A}: compile {compile_s:.1f}s, median "
+              f"{med * 1e3:.2f} ms", flush=True)
+    ck.counts["paged"] = {"verify_steps": [sum(steps)]}
+    return out
+
+
+def _profile_step(ck: Check, spec, steps: int) -> dict:
+    """`steps` steps of `spec`'s program under `jax.profiler.trace`, read back with
+    `jax.profiler.ProfileData`: per plane (the device's; the host's where the backend has none)
+    and line, the summed duration per event name, the top `profile_top`, us per step."""
+    import tempfile
+
+    import jax  # deferred import: jax (not loaded by importing this module)
+    from jax.profiler import ProfileData
+
+    ck.programs.time(spec, ck.params, repeats=1)   # compiled and warm outside the trace
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            ck.programs.time(spec, ck.params, repeats=steps - 1)
+        paths = sorted(pathlib.Path(tmp).rglob("*.xplane.pb"))
+        data = ProfileData.from_serialized_xspace(paths[-1].read_bytes())
+    planes = [p for p in data.planes if p.name.startswith("/device:")] or \
+        [p for p in data.planes if p.name.startswith("/host:CPU")]
+    out = {}
+    for plane in planes:
+        lines = {}
+        for line in plane.lines:
+            sums = {}
+            for ev in line.events:
+                t, n = sums.get(ev.name, (0.0, 0))
+                sums[ev.name] = (t + ev.duration_ns, n + 1)
+            top = sorted(sums.items(), key=lambda kv: -kv[1][0])[:ck.shapes.profile_top]
+            lines[line.name] = {
+                "total_us_per_step": sum(t for t, _ in sums.values()) / 1e3 / steps,
+                "events": len(sums),
+                "top": [{"name": k[:160], "us_per_step": t / 1e3 / steps, "calls": n}
+                        for k, (t, n) in top]}
+        out[plane.name] = lines
+    return out
+
+
+def part_profile(ck: Check) -> dict:
+    """Where a verify step's time goes, from the profiler (`_profile_step`): the verify
+    programs of `shapes.profile_programs` on the dense cache, and the first on the paged pool
+    read by the Pallas GPU kernel (the gather in the smoke)."""
+    steps, out = ck.shapes.repeats, {}
+    for i in ck.shapes.profile_programs:
+        B, N, W, A = ck.shapes.verify[i]
+        cases = [("dense", ck.verify_spec(B, N, W, A))]
+        if i == ck.shapes.profile_programs[0]:
+            pages = (B * -(-ck.shapes.cache_len // 16), 16,
+                     "gather" if ck.args.smoke else "pallas_gpu")
+            cases.append(("paged", dataclasses.replace(cases[0][1], pages=pages)))
+        for kind, spec in cases:
+            name = f"{kind} B={B} N={N} W={W} A={A}"
+            out[name] = _profile_step(ck, spec, steps)
+            for plane, lines in out[name].items():
+                for line_name, line in lines.items():
+                    print(f"  profile {name} {plane} / {line_name}: "
+                          f"{line['total_us_per_step'] / 1e3:.2f} ms per step; top: " +
+                          "; ".join(f"{e['name'][:50]} {e['us_per_step'] / 1e3:.2f} ms"
+                                    for e in line["top"][:5]), flush=True)
+    ck.counts["profile"] = {"verify_steps": [(steps + 2) * (len(ck.shapes.profile_programs)
+                                                            + 1)]}
+    return {"steps": steps, "programs": out}
+
+
 PARTS = {"env": part_env, "verify": part_verify, "hlo": part_hlo, "share": part_share,
-         "train": part_train, "generate": part_generate}
+         "train": part_train, "generate": part_generate, "layers": part_layers,
+         "host": part_host, "paged": part_paged, "profile": part_profile}
+#: Named sets of parts, each sized for one lease (`--parts NAME`): "base" (the default: the
+#: first lease's), "loop" (the host loop, the paged kernel, the layer loop and a profile of the
+#: verify step), "all" (every part: the smoke runs it).
+PRESETS = {"base": ("env", "verify", "hlo", "share", "train", "generate"),
+           "loop": ("env", "host", "paged", "layers", "profile"),
+           "all": tuple(PARTS)}
 
 
 # The kind of a compiled function, by its name (`estimate_seconds` prices compiles by kind).
@@ -427,15 +737,16 @@ def main(argv=None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory (everything goes there)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, tiny shapes (CPU test)")
-    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " +
-                    ", ".join(PARTS))
+    ap.add_argument("--parts", default="base", help="a preset (" + ", ".join(PRESETS) +
+                    ") or comma-separated parts, of " + ", ".join(PARTS))
     ap.add_argument("--first-verify-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    parts = [p for p in args.parts.split(",") if p]
+    parts = [p for name in args.parts.split(",") if name
+             for p in PRESETS.get(name, (name,))]
     bad = [p for p in parts if p not in PARTS]
     if bad:
-        print(f"error: --parts: unknown {', '.join(bad)}; valid: {', '.join(PARTS)}",
-              file=sys.stderr)
+        print(f"error: --parts: unknown {', '.join(bad)}; valid: the presets "
+              f"{', '.join(PRESETS)} or the parts {', '.join(PARTS)}", file=sys.stderr)
         return 2
     shapes = SMOKE if args.smoke else FULL
     # The A/B arm runs in a second process beside this one: allocate on demand (before JAX
@@ -444,9 +755,9 @@ def main(argv=None) -> int:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    est0 = estimate_seconds(expected_counts(FULL))
+    est0 = estimate_seconds({p: c for p, c in expected_counts(FULL).items() if p in parts})
     print(f"gpu lease check ({'smoke' if args.smoke else 'full'}): parts {', '.join(parts)}; "
-          f"estimated full run on one H200 {est0['seconds']:.0f}s (budget {BUDGET_S:.0f}s)",
+          f"estimated on one H200 {est0['seconds']:.0f}s (budget {BUDGET_S:.0f}s)",
           flush=True)
     CompileCounter.install()
     t0, n0 = time.perf_counter(), len(CompileCounter.names)
@@ -462,13 +773,13 @@ def main(argv=None) -> int:
             res["seconds"]["total"] = time.perf_counter() - t0
         # the counts of the parts that ran through, the expected ones for the others
         ran = {p: c for p, c in res["counts"].items() if "error" not in res["parts"][p]}
-        full = {**expected_counts(FULL), **ran}
+        full = {**{p: c for p, c in expected_counts(FULL).items() if p in parts}, **ran}
         res["estimate"] = estimate_seconds(full)
         res["estimate"]["counts_from"] = {p: "measured" if p in ran else "expected"
                                           for p in full}
         path.write_text(json.dumps(res, indent=1, default=str))
     print("seconds per part: " + ", ".join(f"{k} {v:.1f}" for k, v in res["seconds"].items()))
-    print(f"estimated full run on one H200 from these counts: {res['estimate']['seconds']:.0f}s "
+    print(f"estimated on one H200 from these counts: {res['estimate']['seconds']:.0f}s "
           f"(budget {BUDGET_S:.0f}s); wrote {path}", flush=True)
     return 1 if any("error" in r for r in res["parts"].values()) else 0
 

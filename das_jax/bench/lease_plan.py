@@ -19,7 +19,8 @@ BUDGET_S = 480.0
 FIGURES = {
     "startup_s": 30.0,       # python + jax import, CUDA init, random 7B bf16 params (one jit)
     "compile_s": {"engine": 15.0,         # a 7B verify / prefill program (one scan body, GEMM
-                                          # autotuning of its ~10 shapes)
+                                          # autotuning of its ~10 shapes; measured 1.4-3.7 s)
+                  "engine_unrolled": 60.0,  # the same with the layer loop unrolled (43 s)
                   "copy": 3.0,            # prompt sharing, compaction (no weights)
                   "train_kernel": 60.0,   # gradient kernel, T=4096, remat full (~4x verify)
                   "update": 10.0,         # the optimizer update of 7.6B params (elementwise)
@@ -37,7 +38,11 @@ class Shapes:
     """The shapes of one run. verify: (B rows, N slots, W width, A attended positions) per
     program on a `cache_len`-position cache; share_width: prompt positions copied per row;
     gather_to: rows after compaction; gen_*: generate's requests (problems x samples, prompt
-    tokens, new tokens), slots and compiled draft widths; cost_source: the das policy's prior."""
+    tokens, new tokens), slots and compiled draft widths; cost_source: the das policy's prior;
+    layer_programs: the verify programs timed again with the unrolled layer loop; host_*: the
+    host-loop part's rows (one run per entry, groups of host_samples), prompt and new tokens;
+    paged_case: (B, KVH, G, K, page, kv_len) of the paged-attention kernel check, at each of
+    paged_widths (query tokens per row)."""
 
     model: str
     dtype: str
@@ -56,13 +61,23 @@ class Shapes:
     gen_widths: tuple = (1, 8)
     cost_source: str = "h200-7b"
     ab_timeout_s: int = 240
+    layer_programs: tuple = (0, 1)
+    host_rows: tuple = (32, 128)
+    host_samples: int = 8
+    host_prompt: int = 256
+    host_new: int = 200
+    paged_case: tuple = (32, 4, 7, 128, 16, 16384)
+    paged_widths: tuple = (1, 8)
+    profile_top: int = 40
+    profile_programs: tuple = (0, 2)
 
 
 FULL = Shapes("qwen2-7b", "bfloat16", 17408,
               ((32, 32, 1, 16384), (32, 256, 8, 16384), (32, 32, 1, 2048), (8, 8, 1, 16384)))
 SMOKE = Shapes("tiny", "float32", 64, ((4, 4, 1, 48), (4, 16, 4, 48), (4, 4, 1, 16), (2, 2, 1, 48)),
                share_rows=4, share_width=16, gather_to=2, train_len=64, cost_source="cpu",
-               ab_timeout_s=180)
+               ab_timeout_s=180, layer_programs=(0,), host_rows=(4, 8), host_samples=4,
+               host_prompt=12, host_new=24, paged_case=(4, 2, 2, 8, 4, 48), paged_widths=(1, 3))
 
 
 def expected_counts(shapes: Shapes = FULL) -> dict:
@@ -80,6 +95,17 @@ def expected_counts(shapes: Shapes = FULL) -> dict:
         "share": {"compiles": {"copy": 2}},
         "train": {"compiles": {"train_kernel": 2, "update": 1, "engine": 2, "copy": 1,
                                "other": 20}, "train_steps": 2, "lowerings": 1},
+        "layers": {"compiles": {"engine": 1, "engine_unrolled": len(shapes.layer_programs),
+                                "other": 8},
+                   "verify_steps": [(2 * len(shapes.layer_programs) + 1) * steps],
+                   "hlo_texts": 2 * len(shapes.layer_programs) + 1},
+        "host": {"compiles": {"engine": 4 * len(shapes.host_rows), "other": 10},
+                 "device_steps": [[4 * shapes.host_new * sum(shapes.host_rows), 0,
+                                   4 * shapes.host_new * len(shapes.host_rows)]],
+                 "host_steps": 4 * shapes.host_new * len(shapes.host_rows)},
+        "profile": {"compiles": {"other": 2}, "verify_steps": [steps + 2]},
+        "paged": {"compiles": {"engine": 3, "other": 4 * len(shapes.paged_widths)},
+                  "verify_steps": [3 * steps]},
         "generate": {"compiles": {"engine": 4, "copy": 1, "other": 5},
                      "device_steps": [[passes * shapes.gen_slots,
                                        passes * shapes.gen_slots * kv, passes]],
@@ -117,13 +143,16 @@ def estimate_seconds(counts: dict, shapes: Shapes = FULL, figures: dict = FIGURE
 
 
 def weight_copy_heuristic(hlo: str, params) -> dict:
-    """A heuristic, labelled as such: in optimised HLO text, the `dynamic-slice`s of a stacked
-    layer weight (leading axis L, as the layer scan reads them) that are materialised (unfused,
+    """A heuristic, labelled as such: in optimised HLO text, the `dynamic-slice`s (a layer scan)
+    and static `slice`s (an unrolled loop) of a stacked layer weight (leading axis L) that are
+    materialised (unfused,
     a fusion's root, or in a fusion that only moves data), i.e. each layer's weights copied
     before use; their bytes per iteration and per step (x L); `copy` ops of a whole stack; and
     dynamic-slice fusions (what the GPU flag makes: a GEMM reading the slice in place)."""
     layers = params["layers"]
-    L = next(iter(layers.values())).shape[0]
+    if isinstance(layers, (list, tuple)):   # per-layer buffers: no stack to slice
+        layers = {}
+    L = next(iter(layers.values())).shape[0] if layers else 0
     short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
     stacks = {(short.get(x.dtype.name, x.dtype.name), int(np.prod(x.shape)))
               for x in layers.values()}
@@ -145,17 +174,17 @@ def weight_copy_heuristic(hlo: str, params) -> dict:
         ops.setdefault(comp, set()).add(op)
     moves = {"parameter", "constant", "dynamic-slice", "bitcast", "reshape", "copy", "convert",
              "transpose", "broadcast", "slice"}
-    out = dict(stack_dynamic_slices=0, materialised_slices=0, stack_copies=0,
+    out = dict(stack_dynamic_slices=0, stack_static_slices=0, materialised_slices=0, stack_copies=0,
                materialised_bytes_per_layer=0)
     for comp, root, dt, dims, op, arg in lines:
         odt, odims = shapes.get(arg, ("", []))
-        if op not in ("copy", "dynamic-slice") or not odims or odims[0] != L or (
+        if op not in ("copy", "dynamic-slice", "slice") or not odims or odims[0] != L or (
                 odt, int(np.prod(odims))) not in stacks:
             continue
         if op == "copy":
             out["stack_copies"] += 1
             continue
-        out["stack_dynamic_slices"] += 1
+        out["stack_dynamic_slices" if op == "dynamic-slice" else "stack_static_slices"] += 1
         if root or comp not in fused or ops[comp] <= moves:
             out["materialised_slices"] += 1
             out["materialised_bytes_per_layer"] += item.get(dt, 4) * int(np.prod(dims))

@@ -91,6 +91,17 @@ class Programs:
         """Whether `spec`'s program is compiled for this engine's devices."""
         return self.key(spec) in COMPILED
 
+    def swap(self, spec, executable=None):
+        """Replaces `spec`'s compiled program for these devices by `executable` (None: drops it,
+        so the next use compiles again); returns the one it held (or None). Programs are keyed
+        by spec, not by the params' tree: a caller running one spec on params of another
+        layout (e.g. per-layer weights, `models.layer_loop.unstack`) swaps its own in and out."""
+        key = self.key(spec)
+        held = COMPILED.pop(key, None)
+        if executable is not None:
+            COMPILED[key] = executable
+        return held
+
     def compiled_count(self) -> int:
         """Executables compiled in this process (every engine)."""
         return len(COMPILED)

@@ -61,6 +61,10 @@ class ContractionPolicy:
         return self.mode == "exact"
 
 
+#: `ModelConfig.layer_loop` values.
+LAYER_LOOPS = ("scan", "unroll")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer (Llama family with switches).
@@ -78,6 +82,11 @@ class ModelConfig:
       rope_scaling: optional `RopeScaling`.
       rms_norm_eps: epsilon of every RMSNorm.
       tie_word_embeddings: the LM head reuses the embedding matrix.
+      layer_loop: how the forward runs the stacked layers (`LAYER_LOOPS`): "scan" (one
+        `lax.scan`, each layer's weights a dynamic slice of the stacked arrays: compiles once per
+        program whatever L) or "unroll" (a Python loop, each layer's weights a static slice:
+        L copies of the layer in the program, longer compiles; for backends whose matmul
+        kernels copy a dynamic slice of their operand, see `das_jax.models.layer_loop`).
       attention_bias: q/k/v projections have biases (Qwen2).
       qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
       max_position_embeddings: the model's trained context length (informational).
@@ -100,8 +109,12 @@ class ModelConfig:
     qk_norm: bool = False
     max_position_embeddings: int = 8192
     contraction: ContractionPolicy = ContractionPolicy()
+    layer_loop: str = "scan"
 
     def __post_init__(self):
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ModelConfigError(f"layer_loop must be one of {', '.join(LAYER_LOOPS)}, got "
+                                   f"{self.layer_loop!r}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"unsupported architecture {self.architecture!r}; das-jax supports "

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from das_jax.models.config import ModelConfig
 from das_jax.models.decode_attention import attend_cache
 from das_jax.models.kv_cache import KVCache
+from das_jax.models.layer_loop import run_layers
 from das_jax.models.transformer import Params, decoder_layer, rms_norm
 
 
@@ -109,7 +110,8 @@ def forward_packed_hidden(
         x, k, v = decoder_layer(config, inv_freq, x, lp, pos_N[None], attend=attend)
         return x, (k[0], v[0])
 
-    x_1xNxD, (k_LxN, v_LxN) = jax.lax.scan(body, x_1xNxD, (params["layers"], kv_cache.layers()))
+    x_1xNxD, (k_LxN, v_LxN) = run_layers(body, x_1xNxD, params["layers"],
+                                          kv_cache.layers(), config.layer_loop)
     new_cache = kv_cache.write_slots(k_LxN, v_LxN, row_N, pos_N)
     h = rms_norm(x_1xNxD, params["final_norm"], config.rms_norm_eps, config.contraction)
     return h[0], new_cache

@@ -27,10 +27,14 @@ Implementations (same contract, same arguments):
   power of two >= 16 (Triton's dot). One program per (row, KV head): long rows at a small batch
   leave SMs idle (no split of the key axis yet).
 
-`prefix_partials` picks per lowering platform (`jax.lax.platform_dependent`): the TPU kernel on
-"tpu", the Triton kernel on "cuda", the reference elsewhere, so an exported program carries the
-kernel of the platform it is exported for. Every kernel runs on this CPU with `interpret=True`
-(the tests compare them to the reference over random page tables, ragged lengths and widths).
+`attend_cache`'s "auto" picks per lowering platform (`jax.lax.platform_dependent`): the TPU
+kernel on "tpu", the gather elsewhere, "cuda" included (measured on an H200, the Triton kernel
+made a 7B verify step 1.7x slower than the gather: one program per (row, KV head) walks a
+16K-position row alone, and the layer loop copies each layer's page pool before the custom call;
+docs/results/rollouts.md), so an exported program carries the kernel of the platform it is
+exported for. The Triton kernel runs when named ("pallas_gpu"). Every kernel runs on this CPU
+with `interpret=True` (the tests compare them to the reference over random page tables, ragged
+lengths and widths).
 
 Tensor names carry shapes: B rows, KVH key/value heads, M queries per (row, KV head), K head
 width, P pages in the pool, page positions per page, MP table entries per row.

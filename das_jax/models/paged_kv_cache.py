@@ -17,8 +17,9 @@ of the table's rows, not a copy of the cache.
 
 Reads (`attended`) hand attention a `PagedView` (`das_jax.models.paged_attention`), read by
 the cache's `kernel`: "auto" is a Pallas kernel over each row's own pages when the program is
-lowered for TPU or CUDA, and elsewhere (CPU) the gather of a row's first `ceil(kv_len / page)`
-pages into the dense attended view, after which attention runs exactly as on the dense cache:
+lowered for TPU, and elsewhere (CPU, CUDA: the Triton kernel was slower there, run it by name,
+"pallas_gpu") the gather of a row's first `ceil(kv_len / page)` pages into the dense attended
+view, after which attention runs exactly as on the dense cache:
 a paged step gives the dense step's tokens and log-probs (bitwise in exact mode, which always
 gathers: a page boundary is not a reduction boundary, the view's valid positions hold the same
 values, and positions at or past a row's length are masked as in the dense cache). Unallocated

@@ -1,6 +1,7 @@
 """The decoder-only transformer (Llama / Qwen2 / Qwen3) as pure functions over a params pytree.
 
-Params layout (layers stacked on a leading L axis so the layer loop is one `lax.scan`):
+Params layout (layers stacked on a leading L axis; the layer loop is `layer_loop.run_layers`:
+one `lax.scan`, or unrolled with `ModelConfig.layer_loop`):
 
     embed            [V, D]
     final_norm       [D]
@@ -35,6 +36,7 @@ from das_jax.models import contraction as cx
 from das_jax.models.config import ModelConfig
 from das_jax.models.decode_attention import attend_cache
 from das_jax.models.kv_cache import DenseKVCache, KVCache  # noqa: F401  (re-exported)
+from das_jax.models.layer_loop import run_layers
 
 Params = dict[str, Any]
 _MASK_VALUE = -1e30
@@ -272,12 +274,12 @@ def forward_hidden(
         else:
             mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid_BxT[:, None, :]
 
-        def body(x, lp):
-            x, k, v = decoder_layer(config, inv_freq, x, lp, positions_BxT, mask, valid_BxT,
-                             activation, segment_BxT=segment_BxT)
+        def body(x, inputs):
+            x, k, v = decoder_layer(config, inv_freq, x, inputs[0], positions_BxT, mask,
+                                    valid_BxT, activation, segment_BxT=segment_BxT)
             return x, None
         body = _remat(body, activation.remat if activation is not None else "none")
-        x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, layers)
+        x_BxTxD, _ = run_layers(body, x_BxTxD, layers, loop=config.layer_loop)
         new_cache = None
     else:
         if cache_len_B is None:
@@ -292,7 +294,8 @@ def forward_hidden(
                 return attend_cache(config, q, k, v, view, cache_len_B, valid_BxT, A)
             x, k, v = decoder_layer(config, inv_freq, x, lp, positions_BxT, attend=attend)
             return x, (k, v)
-        x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, (layers, kv_cache.layers()))
+        x_BxTxD, (k_new, v_new) = run_layers(body, x_BxTxD, layers, kv_cache.layers(),
+                                              config.layer_loop)
         new_cache = kv_cache.write(k_new, v_new, cache_len_B)
     h = rms_norm(x_BxTxD, params["final_norm"], config.rms_norm_eps, config.contraction)
     return h, new_cache

@@ -30,6 +30,7 @@ _EXPORTS = {
     "SpeculationSpec": _NAMES, "SpeculationError": _NAMES,
     "ShardedRollout": "sharded", "replica_meshes": "sharded", "reshard_for_rollout": "sharded",
     "gather_to_local": "sharded",
+    "exercise_kernels": "warmup",
     "LockedDrafter": "multi_device",
     "DataParallelStats": "multi_device", "assign_lpt": "multi_device",
     "assign_contiguous": "multi_device", "assignment_loads": "multi_device",

@@ -78,7 +78,7 @@ class _Request:
         self.prompt_ids, self.problem_id, self.seed = prompt_ids, problem_id, 0
 
 
-def exercise(drafter, policy, engine_config: EngineConfig) -> None:
+def exercise_kernels(drafter, policy, engine_config: EngineConfig) -> None:
     """Two epochs of 4 problems x 2 samples of the synthetic phrase through `run_schedule` with
     `drafter` and `policy` (throwaway ones: their state changes)."""
     requests = [_Request(tuple(range(3, 3 + 8 + p)), f"warm-up-{p}")
@@ -104,7 +104,7 @@ def warm_up(name: str, das: Any, draft_widths=(1, 4, 8)) -> threading.Thread | N
 
     def run():
         try:
-            exercise(drafter, policy, small)
+            exercise_kernels(drafter, policy, small)
         except Exception:   # noqa: BLE001 - best effort: the rollout compiles on its own
             pass
     thread = threading.Thread(target=run, name="das-jax-kernel-warm-up", daemon=True)
