@@ -14,9 +14,12 @@ from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.sampling import SamplingParams
 from das_jax.engine.specs import VerifyBatch, VerifySpec
 from das_jax.models.config import ModelConfigError
-from das_jax.models.layer_loop import layer, num_layers, run_layers, unstack
+from das_jax.config import ConfigError, config_from_dict
+from das_jax.engine.engine_config import GenerateError, layer_loop_for
+from das_jax.models.layer_loop import layer, num_layers, run_layers, unrolled, unstack
 from das_jax.models.transformer import ActivationConfig, forward
-from das_jax.testing import random_kv_cache, tiny_model_config, tiny_params
+from das_jax.testing import (paged_kv_cache_like, random_kv_cache, tiny_model_config,
+                             tiny_params)
 
 CFG = tiny_model_config()
 UNROLL = dataclasses.replace(CFG, layer_loop="unroll")
@@ -108,15 +111,44 @@ def test_packed_verify_unrolled_equals_scan(params):
 
 
 def test_generate_unrolled_equals_scan(params):
+    """`EngineConfig.layer_loop` sets the engine's model config; same rollouts (the unrolled
+    programs read whole layers once the attended length is a third of the cache)."""
     rng = np.random.default_rng(4)
     reqs = [Request(tuple(int(t) for t in rng.integers(2, 64, size=int(rng.integers(3, 12)))),
                     problem_id=f"p{i // 2}", sample_index=i % 2) for i in range(5)]
     sampling = SamplingParams(temperature=0.8, max_new_tokens=12)
     runs = []
-    for config in (CFG, UNROLL):
-        eng = Engine(config, params, eos_token_ids=[1], engine_config=EngineConfig(
-            max_slots=4, max_cache_len=64, draft_widths=(1, 4)))
+    for loop in ("scan", "unroll"):
+        eng = Engine(CFG, params, eos_token_ids=[1], engine_config=EngineConfig(
+            max_slots=4, max_cache_len=64, draft_widths=(1, 4), layer_loop=loop))
+        assert eng.config.layer_loop == loop
         runs.append(eng.generate(reqs, sampling)[0])
     for a, b in zip(*runs):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_read_len_reads_whole_dense_layers_only_when_unrolled():
+    cache = random_kv_cache(CFG, 2, 64, seed=5)
+    assert cache.read_len(32, in_place=True) == 64       # 3 x 32 >= 64: the whole layer
+    assert cache.read_len(21, in_place=True) == 21       # 3 x 21 < 64: the slice
+    assert cache.read_len(32, in_place=False) == 32      # a scan's dynamic slice: never
+    assert cache.read_len(0, in_place=True) == 0         # a prefill into an empty scratch
+    paged = paged_kv_cache_like(cache, 16, seed=0)
+    assert paged.read_len(32, in_place=True) == 32       # pages are gathered, never sliced
+    assert unrolled(tuple(range(3)), "scan") and unrolled({}, "unroll")
+    assert not unrolled({}, "scan")
+
+
+def test_layer_loop_settings():
+    with pytest.raises(GenerateError, match="layer_loop must be one of scan, unroll"):
+        EngineConfig(layer_loop="while")
+    assert layer_loop_for("auto", "cpu") == "scan"
+    assert layer_loop_for("auto", "gpu") == layer_loop_for("auto", "cuda") == "unroll"
+    assert layer_loop_for("auto", "tpu") == "scan"
+    assert layer_loop_for("scan", "cuda") == "scan" and layer_loop_for("unroll", "cpu") == "unroll"
+    with pytest.raises(GenerateError, match="rollout.layer_loop must be one of auto, scan"):
+        layer_loop_for("loop", "cpu")
+    assert config_from_dict({}).rollout.layer_loop == "auto"
+    with pytest.raises(ConfigError, match="rollout.layer_loop"):
+        config_from_dict({"rollout": {"layer_loop": "while"}})

@@ -111,10 +111,15 @@ class Check:
         # the 7B's 152K), so the das drafter's suffix trees stay as small as there
         self.config = (tiny_model_config(vocab_size=1024) if args.smoke
                        else ModelConfig(**MODELS[shapes.model]))
+        if args.layer_loop == "unroll":
+            self.config = dataclasses.replace(self.config, layer_loop="unroll")
         self.dtype = jnp.dtype(shapes.dtype)
         self.device = jax.devices()[0]
         self.params = jax.jit(lambda k: init_params(self.config, k, self.dtype))(
             jax.random.PRNGKey(0))
+        if args.layer_loop == "unstacked":   # per-layer buffers (`models.layer_loop.unstack`)
+            from das_jax.models.layer_loop import unstack
+            self.params = {**self.params, "layers": unstack(self.params["layers"])}
         jax.block_until_ready(self.params)
         self.programs = Programs(self.config, device=self.device)
         self.skey = SamplingParams(temperature=0.6).static_key()
@@ -672,10 +677,12 @@ def part_profile(ck: Check) -> dict:
     programs of `shapes.profile_programs` on the dense cache, and the first on the paged pool
     read by the Pallas GPU kernel (the gather in the smoke)."""
     steps, out = ck.shapes.repeats, {}
-    for i in ck.shapes.profile_programs:
+    programs = ck.shapes.profile_programs[:1] if ck.args.first_verify_only \
+        else ck.shapes.profile_programs
+    for i in programs:
         B, N, W, A = ck.shapes.verify[i]
         cases = [("dense", ck.verify_spec(B, N, W, A))]
-        if i == ck.shapes.profile_programs[0]:
+        if i == ck.shapes.profile_programs[0] and not ck.args.first_verify_only:
             pages = (B * -(-ck.shapes.cache_len // 16), 16,
                      "gather" if ck.args.smoke else "pallas_gpu")
             cases.append(("paged", dataclasses.replace(cases[0][1], pages=pages)))
@@ -688,8 +695,7 @@ def part_profile(ck: Check) -> dict:
                           f"{line['total_us_per_step'] / 1e3:.2f} ms per step; top: " +
                           "; ".join(f"{e['name'][:50]} {e['us_per_step'] / 1e3:.2f} ms"
                                     for e in line["top"][:5]), flush=True)
-    ck.counts["profile"] = {"verify_steps": [(steps + 2) * (len(ck.shapes.profile_programs)
-                                                            + 1)]}
+    ck.counts["profile"] = {"verify_steps": [(steps + 2) * len(out)]}
     return {"steps": steps, "programs": out}
 
 
@@ -740,6 +746,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="base", help="a preset (" + ", ".join(PRESETS) +
                     ") or comma-separated parts, of " + ", ".join(PARTS))
     ap.add_argument("--first-verify-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layer-loop", choices=("scan", "unroll", "unstacked"), default="scan",
+                    help="every part's layer loop: the scan (default), unrolled, or a Python "
+                         "loop over unstacked weights (`ModelConfig.layer_loop`)")
     args = ap.parse_args(argv)
     parts = [p for name in args.parts.split(",") if name
              for p in PRESETS.get(name, (name,))]

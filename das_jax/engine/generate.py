@@ -78,6 +78,8 @@ class Engine:
                  device: jax.Device | None = None, dtype=None, mesh=None):
         if engine_config.exact:
             config = dataclasses.replace(config, contraction=EXACT)
+        if config.layer_loop != engine_config.layer_loop:
+            config = dataclasses.replace(config, layer_loop=engine_config.layer_loop)
         if device is not None and mesh is not None:
             raise GenerateError("give an Engine a device or a mesh, not both")
         if mesh is not None and engine_config.kv_cache == "paged":

@@ -5,6 +5,7 @@ Every user of the cache goes through these operations (and never indexes `k` / `
     zeros(config, batch, max_len, dtype)     an empty cache of `batch` rows x `max_len` positions
     nbytes_for(config, batch, max_len, dtype) bytes it would take (sizing from a memory budget)
     layers()                                 the per-layer pytree `forward_hidden` scans over
+    read_len(kv_len, in_place)               positions attention reads for an attended length
     attended(layer, kv_len)                  that layer's attended view: keys `[B, KVH, K, kv_len]`,
                                              values `[B, KVH, kv_len, K]`
     write(k_new, v_new, cache_len_B)         store new tokens' K/V at positions cache_len[b] + t
@@ -45,6 +46,10 @@ from das_jax.models.config import ModelConfig
 K_AXES = ("layers", "batch", "kv_heads", "head_dim", "length")
 V_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
+
+#: `DenseKVCache.read_len` reads the whole layer when the attended length is at least 1 / this
+#: of the cache (a sliced read costs ~3 passes over the slice: copy in, copy out, read).
+FULL_READ_RATIO = 3
 
 @flax.struct.dataclass
 class DenseKVCache:
@@ -106,6 +111,16 @@ class DenseKVCache:
         """The per-layer pytree scanned with the layer params: (k_l `[B, KVH, K, S]`,
         v_l `[B, KVH, S, K]`)."""
         return (self.k, self.v)
+
+    def read_len(self, kv_len: int, in_place: bool) -> int:
+        """The positions attention reads for an attended length `kv_len`: kv_len, or S (the
+        whole layer, masked past each row's length) when `in_place` (the layer loop hands each
+        layer's cache over without a copy: unrolled, `models.layer_loop`) and
+        `FULL_READ_RATIO * kv_len >= S`. A slice of the position axis is not a view: XLA
+        copies it before the attention's matmuls, moving ~3 x kv_len positions (read, write,
+        read) where the whole layer moves S."""
+        S = self.max_len
+        return S if in_place and 0 < kv_len and FULL_READ_RATIO * kv_len >= S else kv_len
 
     @staticmethod
     def attended(layer, kv_len: int):

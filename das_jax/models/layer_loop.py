@@ -44,6 +44,13 @@ def layer(layers, i: int):
     return jax.tree_util.tree_map(lambda a: a[i], layers)
 
 
+def unrolled(layers, loop: str) -> bool:
+    """Whether `run_layers` runs a Python loop (`loop` "unroll", or per-layer params): each
+    layer's arrays then reach its ops as static slices or whole buffers, not as a scan's
+    dynamic slices (`DenseKVCache.read_len` reads a whole layer only then)."""
+    return loop == "unroll" or isinstance(layers, (list, tuple))
+
+
 def run_layers(body: Callable[[jax.Array, Any], tuple[jax.Array, Any]], x: jax.Array, layers,
                per_layer=None, loop: str = "scan") -> tuple[jax.Array, Any]:
     """Runs `body` over the layers (module docstring).

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from das_jax.models.config import ModelConfig
 from das_jax.models.decode_attention import attend_cache
 from das_jax.models.kv_cache import KVCache
-from das_jax.models.layer_loop import run_layers
+from das_jax.models.layer_loop import run_layers, unrolled
 from das_jax.models.transformer import Params, decoder_layer, rms_norm
 
 
@@ -97,7 +97,8 @@ def forward_packed_hidden(
     valid_BxW = to_rows(jnp.ones(tokens_N.shape, bool), row_N, offset_N, B, width, False)
     x_1xNxD = params["embed"][tokens_N][None]
     inv_freq = config.rope_inv_freq()
-    A = min(kv_len, kv_cache.max_len)
+    A = kv_cache.read_len(min(kv_len, kv_cache.max_len),
+                          in_place=unrolled(params["layers"], config.layer_loop))
 
     def body(x, inputs):
         lp, layer = inputs

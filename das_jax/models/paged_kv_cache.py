@@ -128,6 +128,11 @@ class PagedKVCache:
         v_l `[P, KVH, page, K]`)."""
         return (self.k, self.v)
 
+    def read_len(self, kv_len: int, in_place: bool) -> int:
+        """The positions attention reads: `kv_len` (the pages are gathered or read by a
+        kernel, never sliced; `DenseKVCache.read_len`)."""
+        return kv_len
+
     def attended(self, layer, kv_len: int) -> PagedView:
         """One layer's pages as attention reads them (`das_jax.models.paged_attention`): a
         `PagedView` of the pages, the table, `kv_len` and this cache's kernel; its `dense()` is

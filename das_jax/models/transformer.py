@@ -36,7 +36,7 @@ from das_jax.models import contraction as cx
 from das_jax.models.config import ModelConfig
 from das_jax.models.decode_attention import attend_cache
 from das_jax.models.kv_cache import DenseKVCache, KVCache  # noqa: F401  (re-exported)
-from das_jax.models.layer_loop import run_layers
+from das_jax.models.layer_loop import run_layers, unrolled
 
 Params = dict[str, Any]
 _MASK_VALUE = -1e30
@@ -285,6 +285,7 @@ def forward_hidden(
         if cache_len_B is None:
             raise ValueError("forward with a kv_cache needs cache_len_B")
         A = kv_cache.max_len if kv_len is None else min(kv_len, kv_cache.max_len)
+        A = kv_cache.read_len(A, in_place=unrolled(layers, config.layer_loop))
 
         def body(x, inputs):
             lp, layer = inputs
