@@ -133,7 +133,7 @@ def _engine_examples(config, dtype) -> dict[type, list]:
                      VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype, (16, 16)),   # paged
                      # paged, rollout.paged_attention: gather (no kernel on any platform)
                      VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype, (16, 16, "gather")),
-                     # rollout.layer_loop: unroll (the GPU's default), whole-layer reads
+                     # rollout.layer_loop: unroll, whole-layer reads
                      VerifySpec(dataclasses.replace(config, layer_loop="unroll"), TOP_P, 4, 16,
                                 4, 64, 32, dtype)],
         DecodeSpec: [DecodeSpec(config, TOP_P, 4, 4, 8, 64, 64, (1, 2), dtype)],

@@ -15,7 +15,8 @@ from das_jax.engine.sampling import SamplingParams
 from das_jax.engine.specs import VerifyBatch, VerifySpec
 from das_jax.models.config import ModelConfigError
 from das_jax.config import ConfigError, config_from_dict
-from das_jax.engine.engine_config import GenerateError, layer_loop_for
+from das_jax.engine.engine_config import GenerateError
+from das_jax.rollout import rollout_from_config
 from das_jax.models.layer_loop import layer, num_layers, run_layers, unrolled, unstack
 from das_jax.models.transformer import ActivationConfig, forward
 from das_jax.testing import (paged_kv_cache_like, random_kv_cache, tiny_model_config,
@@ -143,12 +144,11 @@ def test_read_len_reads_whole_dense_layers_only_when_unrolled():
 def test_layer_loop_settings():
     with pytest.raises(GenerateError, match="layer_loop must be one of scan, unroll"):
         EngineConfig(layer_loop="while")
-    assert layer_loop_for("auto", "cpu") == "scan"
-    assert layer_loop_for("auto", "gpu") == layer_loop_for("auto", "cuda") == "unroll"
-    assert layer_loop_for("auto", "tpu") == "scan"
-    assert layer_loop_for("scan", "cuda") == "scan" and layer_loop_for("unroll", "cpu") == "unroll"
-    with pytest.raises(GenerateError, match="rollout.layer_loop must be one of auto, scan"):
-        layer_loop_for("loop", "cpu")
-    assert config_from_dict({}).rollout.layer_loop == "auto"
+    assert config_from_dict({}).rollout.layer_loop == "scan"
     with pytest.raises(ConfigError, match="rollout.layer_loop"):
         config_from_dict({"rollout": {"layer_loop": "while"}})
+    # the key reaches the rollout's engine
+    config = config_from_dict({"rollout": {"layer_loop": "unroll", "max_slots": 2,
+                                           "max_new_tokens": 16, "max_cache_len": 64}})
+    rollout = rollout_from_config(config, CFG, tiny_params(CFG), eos_token_ids=[1])
+    assert rollout.engine.config.layer_loop == "unroll"

@@ -43,9 +43,9 @@ def register(subparsers) -> None:
                    help="KV cache layout (rollout.kv_cache): paged holds each row's tokens in "
                         "pages of --page-size positions, a prompt's samples share its pages")
     p.add_argument("--page-size", type=positive_int, default=16)
-    p.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unroll"),
-                   help="the programs' loop over layers (rollout.layer_loop): auto = unroll "
-                        "on GPU (faster steps, longer compiles), scan elsewhere")
+    p.add_argument("--layer-loop", default="scan", choices=("scan", "unroll"),
+                   help="the programs' loop over layers (rollout.layer_loop): unroll = faster "
+                        "GPU steps, much longer compiles")
     p.add_argument("--exact", action="store_true",
                    help="exact mode: shape-invariant contractions, so the tokens are identical "
                         "with and without speculation (slower; see README 'Exact mode')")
@@ -136,10 +136,7 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp  # jax: imported when the command runs, not for --help
     from tqdm import tqdm  # deferred import: tqdm (slow to import; not for --help)
 
-    import jax
-
     from das_jax.engine import Engine, EngineConfig, Request
-    from das_jax.engine.engine_config import layer_loop_for
     from das_jax.models import load
     from das_jax.rollout import Rollout
 
@@ -151,9 +148,7 @@ def run(args: argparse.Namespace) -> int:
                                                    draft_widths=widths, exact=args.exact,
                                                    kv_cache=args.kv_cache,
                                                    page_size=args.page_size,
-                                                   layer_loop=layer_loop_for(
-                                                       args.layer_loop,
-                                                       jax.default_backend())))
+                                                   layer_loop=args.layer_loop))
         prompt_ids = [tokenizer.chat_prompt_ids(p) if args.chat else tokenizer.encode_prompt(p)
                       for p in prompts]
         requests = [Request(tuple(ids), problem_id=i, sample_index=g)

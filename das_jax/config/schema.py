@@ -114,10 +114,10 @@ class RolloutSection:
     # an XLA gather elsewhere, CUDA included) or gather (the XLA gather everywhere).
     paged_attention: str = _choices("auto", "gather", default="auto")
     # The rollout programs' loop over layers: scan (one lax.scan; fast compiles) or unroll (a
-    # Python loop: no per-layer copies of the weights and KV cache, ~15-30x the compile time;
-    # the 7B verify step 2.4x faster on an H200); auto: unroll on GPU, scan elsewhere. Same
-    # tokens up to float rounding. Training always scans.
-    layer_loop: str = _choices("auto", "scan", "unroll", default="auto")
+    # Python loop: no per-layer copies of the weights and KV cache; on an H200 the 7B verify
+    # step 2.4x faster and each program's compile ~30x longer, so it pays in long runs with
+    # the persistent compilation cache). Same tokens up to float rounding. Training scans.
+    layer_loop: str = _choices("scan", "unroll", default="scan")
     # Block slots of one prefill call (distinct prompts' batch bucket x longest prompt's length
     # bucket): a larger admission runs as several calls, so the prefill's activations stay a
     # small share of the KV cache (a longer prompt is prefilled alone); null: one call. Same

@@ -24,24 +24,6 @@ PAGED_ATTENTION = ("auto", "gather")
 KV_CACHES = ("auto", "dense", "paged")
 
 
-def layer_loop_for(kind: str, platform: str) -> str:
-    """The layer loop `rollout.layer_loop: kind` runs (`EngineConfig.layer_loop`): "scan" or
-    "unroll" as given; "auto" is "unroll" on GPU (measured on an H200: the 7B verify step at
-    32 x 16K positions 16.7 ms unrolled vs 40.8 ms scanned, the scan copying each layer's
-    weights and attended KV out of the stacked arrays; docs/results/rollouts.md), "scan"
-    elsewhere (on the CPU the scan compiles in a fraction of the time for the same step).
-
-    Raises:
-      GenerateError: an unknown kind.
-    """
-    if kind not in ("auto",) + LAYER_LOOPS:
-        raise GenerateError(f"rollout.layer_loop must be one of auto, {', '.join(LAYER_LOOPS)},"
-                            f" got {kind!r}")
-    if kind != "auto":
-        return kind
-    return "unroll" if platform in ("gpu", "cuda", "rocm") else "scan"
-
-
 def kv_cache_for(kind: str, platform: str, devices_per_engine: int) -> str:
     """The KV cache `rollout.kv_cache: kind` runs: "dense" or "paged" as given; "auto" is
     "paged" on GPU and TPU where each engine (rollout replica) has one device (the paged cache
@@ -131,7 +113,9 @@ class EngineConfig:
       engine sets on its model config): "scan" (one `lax.scan`, compiles fast) or "unroll" (a
       Python loop: each layer's weights and KV cache reach the matmuls without a copy, and
       attention reads a dense layer whole when the attended length is at least a third of it,
-      `DenseKVCache.read_len`; compiles 15-30x longer). Same tokens up to float rounding.
+      `DenseKVCache.read_len`; compiles 15-30x longer: on an H200 the 7B verify step at 32 x
+      16K positions took 16.7 ms unrolled vs 40.8 ms scanned, 49 s vs 1.6 s to compile,
+      docs/gpu.md). Same tokens up to float rounding.
     kv_pages: pages of the paged pool (set by `size_slots` from the KV budget; None: the dense
       cache's positions, `batch x ceil(cache_len / page_size)`, which never run short). With a
       budget the slots stay `max_slots`: requests are admitted by free pages and rows are

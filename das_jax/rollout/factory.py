@@ -9,7 +9,7 @@ from typing import Sequence
 import jax
 
 from das_jax.engine import Engine, EngineConfig, SamplingParams
-from das_jax.engine.engine_config import kv_cache_for, layer_loop_for
+from das_jax.engine.engine_config import kv_cache_for
 from das_jax.rollout.rollout import Rollout
 from das_jax.rollout.sharded import ShardedRollout
 
@@ -61,8 +61,7 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
                                                paged_attention=r.paged_attention,
                                                max_prefill_tokens=r.max_prefill_tokens,
                                                overlap_host=r.overlap_host,
-                                               layer_loop=layer_loop_for(r.layer_loop,
-                                                                         platform)))
+                                               layer_loop=r.layer_loop))
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens,
                               stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
