@@ -50,17 +50,14 @@ class PagedExecutor(PagedRows, DeviceExecutor):
         super().start(batch, cache_len)
 
     def _kernel_reads_pages(self) -> bool:
-        """Whether attention reads each row's own pages (a Pallas kernel: the programs are
-        lowered for TPU or CUDA, not in exact mode, `models.paged_attention`), so the scheduler
-        prices a step by the pages its rows hold (`kv_read_page`); not where the pages are
-        gathered into the bucket's dense view (CPU, ROCm, exact mode, `paged_attention:
-        gather`)."""
+        """Whether attention reads each row's own pages (the Pallas kernel of "auto": programs
+        lowered for TPU, not in exact mode, `models.paged_attention`), so the scheduler prices a
+        step by the pages its rows hold (`kv_read_page`); not where the pages are gathered into
+        the bucket's dense view (CPU, GPU, exact mode, `paged_attention: gather`)."""
         if self.engine_config.paged_attention == "gather":
             return False
         device = self.programs.device or jax.devices()[0]
-        cuda = device.platform == "gpu" and "rocm" not in str(
-            getattr(device.client, "platform_version", "")).lower()
-        return (device.platform == "tpu" or cuda) and not self.config.contraction.exact
+        return device.platform == "tpu" and not self.config.contraction.exact
 
     def _sync(self) -> None:
         """Uploads the page table when the pool changed it."""
