@@ -146,3 +146,14 @@ def test_reprice_equals_simulation():
     assert sum(got["a"]["shares"]["none"][k] for k in ("base", "tok", "kv")) == pytest.approx(1)
     md = pr.markdown(got)
     assert "**a**" in md and "**b**" in md and "| all |" in md
+
+
+def test_length_stats_of_a_long_tail_and_a_capped_batch():
+    from das_jax.bench.rollout_report import length_stats
+    tail = length_stats([100, 120, 150, 200, 220, 250, 300, 400, 900, 1024], cap=1024)
+    assert tail["median"] == 235.0 and tail["p90"] == 900 and tail["max"] == 1024
+    assert tail["at_cap_share"] == 0.1 and tail["max_over_median"] == pytest.approx(1024 / 235)
+    capped = length_stats([384] * 3 + [200], cap=384)
+    assert capped["at_cap_share"] == 0.75 and capped["p90"] == 384 and capped["median"] == 384.0
+    assert length_stats([], cap=10) == {"median": 0.0, "p90": 0, "max": 0,
+                                        "max_over_median": 0.0, "at_cap_share": 0.0}

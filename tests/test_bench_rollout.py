@@ -12,7 +12,7 @@ import pytest
 
 from das_jax.bench import replay as rp
 from das_jax.bench.rollout_bench import BenchSetup, run_bench
-from das_jax.config import DASSection
+from das_jax.config import DASSection, load_config
 from das_jax.engine import Engine, EngineConfig
 from das_jax.rollout import Rollout
 from das_jax.testing import tiny_model_config, tiny_params
@@ -35,6 +35,11 @@ def test_bench_rollout_core(tmp_path):
     logs = []
     res = run_bench(setup, str(tmp_path), log=logs.append)
     runs = res["runs"]
+    for r in runs:   # every drafter's lengths per epoch against the 24-token cap
+        lengths = r["lengths"]
+        assert 0 < lengths["median"] <= lengths["p90"] <= lengths["max"] <= 24
+        assert 0 <= lengths["at_cap_share"] <= 1
+    assert sum("lengths: median" in line for line in logs) == 2 * 2   # `none`, per epoch
     assert len(runs) == 2 * 2 * 4          # temperatures x epochs x drafters (none added)
     for r in runs:
         assert r["identity_rate"] == 1.0, r["identity_diffs"]
@@ -132,6 +137,36 @@ def test_bench_rollout_preset_and_bad_paper_model():
                                    "--no-hf-reference"]))
     assert a.config.endswith("bench-readme.yaml") and a.hf_reference is False
     assert a.paper_replay == "cpu,h100-7b,h200-7b" and a.epochs == 4
+    a = apply_preset(p.parse_args(["bench", "rollout", "--preset", "longtail"]))
+    assert a.config.endswith("bench-longtail.yaml") and a.epochs == 3 and a.hf_reference
+    assert a.paper_replay == "cpu,h100-7b,h200-7b" and a.hf_batches == 1
+    a = apply_preset(p.parse_args(["bench", "rollout", "--preset", "longtail", "--epochs", "5"]))
+    assert a.epochs == 5                                   # an explicit flag wins
+    assert apply_preset(p.parse_args(["bench", "rollout"])).epochs == 4
+    cfg = load_config(a.config)                             # the preset's config is valid
+    assert cfg.rollout.max_new_tokens == 1024 and cfg.data.limit == 8
+    assert cfg.rollout.max_cache_len > cfg.rollout.max_new_tokens
+    out = subprocess.run([sys.executable, "-m", "das_jax.cli", "bench", "rollout",
+                          "--load-cores", "-1"], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2 and "--load-cores must be >= 0" in out.stderr
+
+
+def test_co_tenant_spins_cores_for_the_block_and_stops():
+    import time
+
+    from das_jax.bench.co_tenant import CoTenant
+    with CoTenant(1) as ct:
+        assert len(ct.pids) == 1
+        proc = ct._procs[0]
+        time.sleep(0.5)
+        assert proc.is_alive()
+    assert not proc.is_alive() and ct.pids == []           # stopped and joined at the end
+    assert ct.describe()["load_cores"] == 1
+    with CoTenant(0) as ct:                                 # no co-tenant: nothing started
+        assert ct.pids == []
+    with pytest.raises(ValueError, match="--load-cores must be >= 0"):
+        CoTenant(-1)
     out = subprocess.run([sys.executable, "-m", "das_jax.cli", "bench", "rollout",
                           "--paper-replay", "cpu,nope"], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})

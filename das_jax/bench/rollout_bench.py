@@ -32,6 +32,13 @@ step). It adds, in the same run and output:
   predicted decode time, with the regime (which cost term dominates);
 * `rollout.md` (targets table + paper-scale tables + per-epoch table) and `speedup.png`.
 
+`--preset longtail` is the same benchmark in the paper's regime (configs/bench-longtail.yaml:
+8 GSM8K train problems x 8 samples up to 1,024 tokens, 3 epochs): most rollouts end on their
+own and a few run long, so the batch thins to stragglers. Every run logs, per epoch, the
+lengths of `none`'s rollouts (median, p90, max, share at the cap: `rollout_report.length_stats`;
+every drafter's in `rollout.json`). `--load-cores N` runs a deterministic co-tenant (N
+processes spinning one core each, `co_tenant.CoTenant`) for the whole run and records it.
+
 `--update-policy` runs one GRPO update (`GRPOTrainer.score` + `GRPOTrainer.update`) on the `none`
 rollouts of each epoch (all of them as one batch) before the next epoch, so the policy drifts as
 in training; every drafter then samples from the same updated params.
@@ -52,6 +59,7 @@ import numpy as np
 from das_jax.bench import rollout_report as rr
 from das_jax.bench import paper_replay as pr
 from das_jax.bench import hf_reference as hr
+from das_jax.bench.co_tenant import CoTenant
 from das_jax.config import (ConfigError, DASSection, apply_compilation_cache, apply_platform,
                             load_config)
 from das_jax.data import load_dataset_from_config, render_prompt
@@ -69,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", default=DEFAULT_DRAFTERS,
                    help=f"comma-separated speculation names (default {DEFAULT_DRAFTERS}); "
                         "'none' is always run (the reference)")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=None,
+                   help="RL epochs over the problems (default 4; --preset longtail: 3)")
     p.add_argument("--num-problems", type=int, default=None, help="override data.limit")
     p.add_argument("--num-generations", type=int, default=None,
                    help="samples per problem (override grpo.num_generations)")
@@ -88,12 +97,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of calibrating one on this machine (das.cost_model.source)")
     p.add_argument("--exact", action="store_true",
                    help="exact mode (rollout.exact=true): rollouts must be 100%% identical")
-    p.add_argument("--preset", choices=("readme",), default=None,
+    p.add_argument("--preset", choices=("readme", "longtail"), default=None,
                    help="readme: the README benchmark -- config "
                         "configs/bench-readme.yaml (16 GSM8K problems x 8 samples x 384 tokens, "
                         "T=0.6), 4 epochs, all five drafters, the HF transformers reference and "
-                        "the paper-scale replay under cpu, h100-7b and h200-7b; explicit flags "
-                        "override it")
+                        "the paper-scale replay under cpu, h100-7b and h200-7b; longtail: the "
+                        "same in the paper's regime -- configs/bench-longtail.yaml (8 problems x "
+                        "8 samples up to 1,024 tokens, a long tail of lengths), 3 epochs; "
+                        "explicit flags override either")
+    p.add_argument("--load-cores", type=int, default=0, metavar="N",
+                   help="a deterministic co-tenant: N processes each spinning one core for the "
+                        "run's duration (a reproducible 'under load' measurement; 0: none)")
     p.add_argument("--hf-reference", action="store_true", default=None,
                    help="also sample the same prompts with HF transformers `generate` (torch, "
                         "CPU) at the engine's batch, right after `none` of epoch 0: the outside "
@@ -102,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the HF reference (also under --preset readme)")
     p.add_argument("--hf-batches", type=int, default=None,
                    help="HF reference: only the first N batches of max_slots requests "
-                        "(default: all; --preset readme: 1)")
+                        "(default: all; a preset: 1)")
     p.add_argument("--hf-threads", type=int, default=2, help="torch threads of the HF reference")
     p.add_argument("--paper-replay", default=None, metavar="MODELS",
                    help="comma-separated cost models (cpu,h100-7b,h200-7b or cost-model .json "
@@ -141,6 +155,7 @@ class BenchSetup:
     # (requests, SamplingParams, batch) -> `hf_reference.hf_rollout_tok_s` dict (None: skipped).
     reference_fn: Callable | None = None
     paper: "PaperSpec | None" = None             # paper-scale replay of this run's trace
+    load_cores: int = 0                          # cores a co-tenant spins (`co_tenant`)
 
 
 @dataclasses.dataclass
@@ -186,6 +201,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                    "draft_widths": list(ec.draft_widths), "exact": ec.exact,
                    "verify": "packed"},
         "das": dataclasses.asdict(das), "update_policy": setup.update_fn is not None,
+        "load_cores": setup.load_cores,
         "runs": [],
     }
     trace_rollouts: list = []
@@ -231,8 +247,11 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                           "first_diff": _first_diff(outputs[i].token_ids, ref[i].token_ids),
                           "len": len(outputs[i].token_ids), "len_none": len(ref[i].token_ids)}
                          for i, s in enumerate(same) if not s]
+                lengths = rr.length_stats([len(o.token_ids) for o in outputs],
+                                          setup.max_new_tokens)
                 row = {"temperature": temp, "epoch": epoch, "drafter": name,
                        **stats.to_dict(), "identity_rate": float(np.mean(same)),
+                       "lengths": lengths,
                        "divergence": div, "identity_diffs": diffs[:20],
                        "loadavg_1m": os.getloadavg()[0]}
                 if epoch == setup.epochs - 1 or epoch == 0:
@@ -244,6 +263,10 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                     f"{stats.acceptance_length:.2f}  draft {stats.draft_s:.2f}s  identity "
                     f"{row['identity_rate']:.1%} ({div['divergences_per_1k']:.2f} div/1k tok)  "
                     f"(compile {stats.compile_s:.1f}s; load {row['loadavg_1m']:.1f})")
+                if name == "none":
+                    log(f"    lengths: median {lengths['median']:.0f}, p90 {lengths['p90']}, "
+                        f"max {lengths['max']} ({lengths['max_over_median']:.1f}x the median),"
+                        f" {lengths['at_cap_share']:.0%} at the {setup.max_new_tokens}-token cap")
                 for d in diffs[:5]:
                     log(f"    differs: request {d['request']} (problem {d['problem_id']}, sample "
                         f"{d['sample_index']}) at token {d['first_diff']}")
@@ -576,16 +599,25 @@ def _make_update_fn(cfg, model, problems_by_id):
     return update
 
 
-def readme_config_path() -> str:
-    """configs/bench-readme.yaml of the checkout this package runs from."""
-    return os.path.join(os.path.dirname(__file__), "..", "..", "configs", "bench-readme.yaml")
+#: `--preset` name -> (config file under configs/, epochs).
+PRESETS = {"readme": ("bench-readme.yaml", 4), "longtail": ("bench-longtail.yaml", 3)}
+
+
+def readme_config_path(preset: str = "readme") -> str:
+    """The preset's config (configs/bench-readme.yaml, ...) of the checkout this package runs
+    from."""
+    return os.path.join(os.path.dirname(__file__), "..", "..", "configs", PRESETS[preset][0])
 
 
 def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
-    """Fills the options `--preset` implies where the command line left them unset."""
-    if args.preset == "readme":
+    """Fills the options `--preset` implies where the command line left them unset (every
+    preset: its config and epochs, the HF reference on one batch, the paper-scale replay under
+    cpu, h100-7b and h200-7b)."""
+    if args.epochs is None:
+        args.epochs = PRESETS[args.preset][1] if args.preset else 4
+    if args.preset in PRESETS:
         if args.config is None:
-            args.config = readme_config_path()
+            args.config = readme_config_path(args.preset)
         if args.hf_reference is None:
             args.hf_reference = True
         if args.hf_batches is None:
@@ -620,6 +652,10 @@ def _make_reference_fn(model_source: str, tokenizer, batches: int | None, thread
 def main(args: argparse.Namespace) -> int:
 
     args = apply_preset(args)
+    if args.load_cores < 0:
+        print(f"das-jax bench rollout: --load-cores must be >= 0, got {args.load_cores}",
+              file=sys.stderr)
+        return 2
     paper = None
     if args.paper_replay:
         models = tuple(m.strip() for m in args.paper_replay.split(",") if m.strip())
@@ -693,12 +729,15 @@ def main(args: argparse.Namespace) -> int:
         das=cfg.das,
         model_name=cfg.model.source,
         calibrate=not args.no_calibrate and args.cost_model is None, update_fn=update_fn,
-        paper=paper)
+        paper=paper, load_cores=args.load_cores)
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.hf_reference:
         setup.reference_fn = _make_reference_fn(cfg.model.source, tokenizer, args.hf_batches,
                                                 args.hf_threads, log)
-    result = run_bench(setup, args.out, log=log)
+    if args.load_cores:
+        log(f"co-tenant: {args.load_cores} process(es) spinning one core each for the run")
+    with CoTenant(args.load_cores):
+        result = run_bench(setup, args.out, log=log)
     print()
     print(result["table"])
     print()

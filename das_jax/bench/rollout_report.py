@@ -9,6 +9,7 @@ the regime of a cost model. No jax, no I/O; every function works on plain number
 * `step_term_shares`, `regime`: which term of the cost model `t = c_base + c_tok*N + c_kv*K`
   dominates the decode time of a (simulated) run.
 * `targets_rows`, `targets_markdown`: the benchmark's targets next to the measured values.
+* `length_stats`: the shape of a batch's rollout lengths (median, p90, max, share at the cap).
 """
 from __future__ import annotations
 
@@ -17,6 +18,22 @@ from typing import Iterable, Mapping, Sequence
 BASELINES = ("ngram", "suffix-global", "das-unlimited")
 REGIMES = {"base": "memory-bound (weights, c_base)", "tok": "compute-bound (token slots, c_tok*N)",
            "kv": "KV-bound (attention reads, c_kv*K)"}
+
+
+def length_stats(lengths: Sequence[int], cap: int) -> dict:
+    """The shape of one batch's completion lengths (tokens): median, p90 (nearest rank), max,
+    max / median and the share of rollouts that stopped at the cap `cap` (max_new_tokens).
+    A long tail shows as max / median well above 1 with p90 below the cap; a capped batch as a
+    large share at the cap. Empty input: zeros."""
+    xs = sorted(int(n) for n in lengths)
+    if not xs:
+        return {"median": 0.0, "p90": 0, "max": 0, "max_over_median": 0.0, "at_cap_share": 0.0}
+    n = len(xs)
+    median = (xs[(n - 1) // 2] + xs[n // 2]) / 2
+    p90 = xs[min(n - 1, max(0, -(-9 * n // 10) - 1))]
+    return {"median": float(median), "p90": p90, "max": xs[-1],
+            "max_over_median": xs[-1] / median if median else 0.0,
+            "at_cap_share": sum(x >= cap for x in xs) / n}
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
