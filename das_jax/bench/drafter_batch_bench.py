@@ -58,6 +58,7 @@ def _tokens(rng, n, vocab):
 
 def _build(args):
     """(drafter with problems x rollouts finished rollouts indexed, answers, prompts)."""
+    # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixDrafter, SuffixTreeConfig
 
     rng = np.random.default_rng(args.seed)
@@ -130,7 +131,7 @@ def _run(base, rows, answers, prompts, args, threads):
 
 
 def batch_main(args: argparse.Namespace) -> int:
-    from das_jax.drafter import SuffixDrafter
+    from das_jax.drafter import SuffixDrafter  # deferred import: numba
 
     rows_list = [int(x) for x in str(args.rows).split(",")]
     thread_list = [int(x) for x in str(args.threads).split(",")]

@@ -50,6 +50,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -118,7 +119,7 @@ class Check:
         self.params = jax.jit(lambda k: init_params(self.config, k, self.dtype))(
             jax.random.PRNGKey(0))
         if args.layer_loop == "unstacked":   # per-layer buffers (`models.layer_loop.unstack`)
-            from das_jax.models.layer_loop import unstack
+            from das_jax.models.layer_loop import unstack  # deferred import: jax
             self.params = {**self.params, "layers": unstack(self.params["layers"])}
         jax.block_until_ready(self.params)
         self.programs = Programs(self.config, device=self.device)
@@ -166,7 +167,7 @@ def part_env(ck: Check) -> dict:
            "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE",
                                                   "XLA_CLIENT_MEM_FRACTION", "JAX_PLATFORMS")}}
     try:   # private module, absent without the CUDA plugin: versions stay null
-        from jax._src.lib import cuda_versions
+        from jax._src.lib import cuda_versions  # deferred import: jax
         for name in dir(cuda_versions or object()):
             if name.endswith("_version") and callable(getattr(cuda_versions, name)):
                 try:
@@ -641,8 +642,6 @@ def _profile_step(ck: Check, spec, steps: int) -> dict:
     """`steps` steps of `spec`'s program under `jax.profiler.trace`, read back with
     `jax.profiler.ProfileData`: per plane (the device's; the host's where the backend has none)
     and line, the summed duration per event name, the top `profile_top`, us per step."""
-    import tempfile
-
     import jax  # deferred import: jax (not loaded by importing this module)
     from jax.profiler import ProfileData
 

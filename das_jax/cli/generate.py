@@ -121,7 +121,7 @@ def check_finite_logprobs(outputs, model: str, dtype: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from das_jax.engine import SamplingParams  # jax
+    from das_jax.engine import SamplingParams  # deferred import: jax (not for --help)
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"das-jax generate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
 
-    import jax.numpy as jnp  # jax: imported when the command runs, not for --help
+    import jax.numpy as jnp  # deferred import: jax (imported when the command runs, not for --help)
     from tqdm import tqdm  # deferred import: tqdm (slow to import; not for --help)
 
     from das_jax.engine import Engine, EngineConfig, Request

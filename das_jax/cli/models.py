@@ -50,7 +50,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_model_info(args: argparse.Namespace) -> int:
     try:
-        from das_jax.models.loading import load, params_size  # jax
+        from das_jax.models.loading import load, params_size  # deferred import: jax, flax
         config, params, tokenizer = load(args.source, dtype=args.dtype)
     except (ModelLoadError, ModelConfigError) as e:
         print(f"das-jax model-info: error: {one_line(str(e))}", file=sys.stderr)

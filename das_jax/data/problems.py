@@ -346,7 +346,7 @@ def load_hf_dataset(
         f"path='/path/to/file.jsonl') (or kind: {kind} / path: ... in the YAML config)."
     )
     try:
-        import datasets  # type: ignore  # noqa: PLC0415  (optional dependency)
+        import datasets  # type: ignore  # noqa: PLC0415  # deferred import: datasets (optional)
     except ImportError as e:
         raise DatasetError(f"load_hf_dataset({name!r}): the 'datasets' package is not installed. {hint}") from e
     try:

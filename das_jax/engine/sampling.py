@@ -30,6 +30,7 @@ not.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from typing import Sequence
 
@@ -92,7 +93,6 @@ def request_seed(run_seed: int, problem_id: str | int, sample_index: int) -> int
 
     Never derived from a slot, batch position or device, so none of them can change a rollout.
     """
-    import hashlib
     digest = hashlib.blake2b(f"{run_seed}\x1f{problem_id}\x1f{sample_index}".encode(),
                              digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF

@@ -57,7 +57,8 @@ def _numpy_dtype(dtype: str) -> np.dtype:
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"unsupported export dtype {dtype!r}; use float32 or bfloat16")
     if dtype == "bfloat16":
-        import ml_dtypes  # a jax dependency; numpy has no bfloat16 of its own
+        # deferred import: ml_dtypes (a jax dependency; numpy has no bfloat16 of its own)
+        import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(np.float32)
 
@@ -218,6 +219,7 @@ def save_safetensors(out: str | os.PathLike, config: ModelConfig, params: Mappin
       ExportError: params that do not fit `config`, or an unsupported dtype.
       OSError: the files cannot be written (e.g. a full disk).
     """
+    # deferred import: safetensors (not loaded by importing this module)
     from safetensors.numpy import save_file
 
     np_dtype = _numpy_dtype(dtype)

@@ -135,7 +135,8 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
     cfg = _run_model_section(cfg_path)
     dtype = dtype or cfg.model.dtype
 
-    from das_jax.rl.checkpoint import CheckpointError, CheckpointManager  # jax, orbax
+    # deferred import: jax, orbax (not loaded by importing this module)
+    from das_jax.rl.checkpoint import CheckpointError, CheckpointManager
     with phase(f"reading checkpoint step {step if step is not None else steps[-1]}") as ph:
         try:
             with CheckpointManager(run, read_only=True) as manager:

@@ -107,7 +107,7 @@ def calibrated_paths(probs_AxK: np.ndarray, lens_A: np.ndarray, support_AxK: np.
     along d). depth_scale: float64 `[>= D]`; support_scale: float64 `[SUPPORT_BUCKETS]` or
     `[AGE_BUCKETS, SUPPORT_BUCKETS]`; age_bucket_A: int64 `[A]` (`age_bucket`; None or -1:
     bucket 0). One compiled pass over the rows (`_budget_kernels.calibrate`)."""
-    from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+    from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
     lens_A = np.asarray(lens_A, np.int64)
     table = _as_table(support_scale)
     return _bk.calibrate(np.asarray(probs_AxK, np.float64), lens_A,
@@ -128,7 +128,7 @@ def update_support_scale(support_scale: np.ndarray, n_A: np.ndarray, accepted_A:
     `[A]`, the rows that count (drafted, with support); accepted_A: committed accepted draft
     tokens per row; support_scale and age_bucket_A as in `calibrated_paths`. Returns bool
     `[age buckets]`: the age rows that had trials."""
-    from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+    from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
     g = _as_table(support_scale)
     n_A = np.asarray(n_A, np.int64)
     expected, accepted = _bk.support_trials(
@@ -151,7 +151,7 @@ def update_depth_scale(depth_scale: np.ndarray, n_A: np.ndarray,
     predicted chance summed over rows drafting >= d + 1 (accepted_A: committed accepted draft
     tokens per row); with only the step's total `step_accepted` known (accepted_A None), every
     depth moves toward it over the total predicted. Returns the (grown) factors."""
-    from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+    from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
     n_A = np.asarray(n_A, np.int64)
     D = int(n_A.max(initial=0))
     if D == 0:

@@ -231,7 +231,7 @@ class CostModel:
             scale = float(np.median(y)) / max(float(np.median(X @ self._coef())), 1e-12)
             self.c_base, self.c_tok, self.c_kv = (c * scale for c in self._coef())
             return
-        from scipy.optimize import nnls  # scipy.optimize: a slow import, needed by a fit only
+        from scipy.optimize import nnls  # deferred import: scipy (slow to import; a fit only)
         coef, _ = nnls(X[:, cols], y)
         full = dict(zip(cols, coef))
         self.c_base = float(full.get(0, 0.0))

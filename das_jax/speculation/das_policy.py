@@ -380,7 +380,7 @@ class DASPolicy:
         no drafts, every depth cap 1..longest of all drafts (the last is all drafts) and of
         `n_opt` (each row's own best draft length), and up to `MAX_VALUE_CUTS` cut-offs of the
         greedy marginal-value order."""
-        from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
         lens = np.asarray(lens, np.int64)
         return _bk.candidates(lens, np.asarray(value_BxD, np.float64),
                               np.zeros(len(lens), np.int32) if n_opt is None
@@ -488,7 +488,7 @@ class DASPolicy:
         attaining it (the smallest on ties); Q_b(n) = cum_q_BxD1[b, n], the expected accepted
         tokens of a draft of n. lambda_b is what a token of row b is worth: the decoding time
         the row would spend to emit it on a later step."""
-        from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
         return _bk.token_values(np.asarray(f_B, np.float64), float(c_tok),
                                 np.asarray(cum_q_BxD1, np.float64), np.asarray(lens, np.int64))
 
@@ -509,7 +509,7 @@ class DASPolicy:
         self._pending = None
         if self.config.unlimited or lens.max(initial=0) == 0:
             return lens, self._predict(step_shape(lens))
-        from das_jax.speculation import _budget_kernels as _bk   # numba, loaded on first use
+        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
         q_BxD = self.calibrated(db)
         cum = _bk.prefix_sums(q_BxD)
         read_kv = getattr(step_shape, "read_kv", None)   # the same for every choice of drafts

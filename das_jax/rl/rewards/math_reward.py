@@ -99,7 +99,8 @@ def _math_verify_match(kind: str, region: str, completion: str, gold: str, timeo
             _warned_thread = True
         return False
     try:
-        from math_verify import parse, verify  # noqa: PLC0415  (slow import, optional path)
+        # deferred import: math_verify (slow to import; an optional path)
+        from math_verify import parse, verify  # noqa: PLC0415
         from math_verify.errors import TimeoutException  # noqa: PLC0415  (a BaseException)
     except ImportError:  # pragma: no cover - declared dependency
         return False

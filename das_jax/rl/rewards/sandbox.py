@@ -50,7 +50,9 @@ read world-readable system files.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
 import shutil
 import tempfile
 import threading
@@ -137,13 +139,9 @@ _PROBE = (
 
 def _unisolated_support() -> tuple[int, str]:
     """(Landlock ABI, why the unisolated mode cannot run here or "")."""
-    import platform
-
     if platform.machine() not in ("x86_64", "aarch64"):
         return 0, f"no seccomp filter for {platform.machine()} (x86_64 and aarch64 only)"
     try:
-        import ctypes
-
         r = ctypes.CDLL(None, use_errno=True).syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
         err = ctypes.get_errno()
     except (OSError, AttributeError) as e:  # pragma: no cover

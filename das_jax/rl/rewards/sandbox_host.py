@@ -8,6 +8,7 @@ import glob
 import os
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -229,8 +230,6 @@ def _tmp_roots() -> list[str]:
 def tmp_root(other_uid: bool) -> str:
     """A writable temp dir for a sandbox's working directory; one that every uid can traverse when
     the sandbox runs under another uid (pytest's or a user's private ``$TMPDIR`` is not)."""
-    import stat
-
     roots = _tmp_roots()
     for d in roots:
         if not os.access(d, os.W_OK | os.X_OK):

@@ -4,7 +4,10 @@ resource limits, the privilege drop, capabilities, prctl hardening, Landlock, se
 reliability guard. Standard library only: the sandbox's runner imports this file as the top-level
 module ``confine``."""
 
+import ctypes
+import math
 import os
+import signal
 import sys
 
 # ---------------------------------------------------------------------------------------------
@@ -19,8 +22,6 @@ _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, 
 
 
 def load_libc():
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     return ctypes, libc
 
@@ -104,6 +105,7 @@ def build_root(job):
 
 def private_dir(job):
     """Unisolated mode: a fresh 0700 working directory owned by the sandbox's uid, holding nothing."""
+    # deferred import: unisolated mode only (tempfile loads random, shutil, ...)
     import tempfile
 
     d = tempfile.mkdtemp(prefix=job["dir_prefix"], dir=job["tmp_root"])
@@ -113,7 +115,7 @@ def private_dir(job):
 
 
 def set_limits(lim):
-    import resource
+    import resource  # deferred import: not a global of this module (the guard blocks resource)
 
     for name, value in (("RLIMIT_AS", lim["as"]), ("RLIMIT_DATA", lim["as"]), ("RLIMIT_FSIZE", lim["fsize"]),
                         ("RLIMIT_CORE", 0), ("RLIMIT_NOFILE", lim["nofile"]), ("RLIMIT_NPROC", lim["nproc"]),
@@ -126,8 +128,7 @@ def set_limits(lim):
 def start_cpu_clock(seconds):
     """``RLIMIT_CPU`` = the CPU time used so far (interpreter start-up, sandbox set-up) + ``seconds``:
     SIGXCPU then, SIGKILL a second later. Returns the soft limit (s)."""
-    import math
-    import resource
+    import resource  # deferred import: not a global of this module (the guard blocks resource)
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     soft = int(math.ceil(ru.ru_utime + ru.ru_stime + float(seconds)))
@@ -173,8 +174,6 @@ def _drop_capabilities():
 
 
 def prctl_hardening():
-    import signal
-
     ctypes, libc = load_libc()
     libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG (a uid change clears it)
     _check(ctypes, libc.prctl(38, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
@@ -307,6 +306,7 @@ def _blocked(name):
 
 def reliability_guard():
     """Disable destructive / escaping functions (after OpenAI human-eval's reliability_guard)."""
+    # deferred import: the modules it patches (loaded only where the guard runs)
     import builtins
     import faulthandler
     import shutil
@@ -334,7 +334,7 @@ def reliability_guard():
     for name in ("Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"):
         setattr(subprocess, name, _blocked(f"subprocess.{name}"))
     try:
-        import _posixsubprocess
+        import _posixsubprocess  # deferred import: patched here; absent on some builds
 
         _posixsubprocess.fork_exec = _blocked("_posixsubprocess.fork_exec")
     except ImportError:

@@ -32,8 +32,11 @@ Its siblings, imported as top-level modules: ``wire`` (the plain-data wire forma
 (the confinement steps above).
 """
 
+import builtins
+import itertools
 import json
 import os
+import signal
 import sys
 
 # -I leaves this script's own directory off sys.path: put it there for the sibling modules, then
@@ -60,7 +63,7 @@ def _write_all(fd, data):
 
 
 def _print_exc():
-    import traceback
+    import traceback  # deferred import: only where a failure is printed (not every start-up)
 
     try:
         traceback.print_exc()
@@ -132,8 +135,6 @@ TOO_LARGE = "<message too large>"
 
 def _plain_name(e):
     """The name of the first builtin class in the exception's ancestry (what the checker maps)."""
-    import builtins
-
     for cls in type(e).__mro__:
         if getattr(builtins, cls.__name__, None) is cls:
             return cls.__name__
@@ -161,8 +162,6 @@ _CANDIDATE_ERRORS = {}
 
 
 def _candidate_error(name):
-    import builtins
-
     if name not in _PLAIN_ERRORS:
         return CandidateCallError
     cls = _CANDIDATE_ERRORS.get(name)
@@ -180,8 +179,6 @@ def _raise_for(name):
 
 
 def _run_check(job, src, fds):
-    import itertools
-
     req = fds["req"]
     resp = os.fdopen(fds["resp"], "rb", buffering=1 << 16)
     counter = itertools.count()
@@ -289,8 +286,6 @@ def _child(job, src):
 
 def _supervise(job, pid, cwd):
     """Wait for the child; on SIGTERM kill it (and its uid's leftovers) first. Remove ``cwd``."""
-    import signal
-
     def cleanup():
         try:
             os.killpg(pid, signal.SIGKILL)
@@ -299,7 +294,7 @@ def _supervise(job, pid, cwd):
         if job.get("uid") is not None and not job.get("isolate"):
             _kill_uid(job["uid"])
         if cwd:
-            import shutil
+            import shutil  # deferred import: unisolated mode only (as confine's tempfile)
 
             shutil.rmtree(cwd, ignore_errors=True)
 
@@ -334,8 +329,6 @@ def _kill_uid(uid):
     pid = os.fork()
     if pid == 0:
         try:
-            import signal
-
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
@@ -346,8 +339,6 @@ def _kill_uid(uid):
 
 
 def main():
-    import signal
-
     job = _read_job()
     src = job.pop("program")
     ctypes, libc = load_libc()
