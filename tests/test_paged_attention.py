@@ -13,33 +13,10 @@ import pytest
 from das_jax.models import paged_attention as pa
 from das_jax.models.decode_attention import attend_cache
 from das_jax.models.transformer import forward_hidden
-from das_jax.testing import (paged_kv_cache_like, random_kv_cache, tiny_model_config,
-                             tiny_params)
+from das_jax.testing import (paged_case, paged_kv_cache_like, random_kv_cache,
+                             tiny_model_config, tiny_params)
 
 KERNELS = {"pallas_tpu": pa.prefix_partials_tpu, "pallas_gpu": pa.prefix_partials_gpu}
-
-
-def paged_case(seed, B, KVH, M, K, page, kv_len, *, dtype=np.float32, spare=3):
-    """Queries, a pool of pages with noise everywhere, a table whose entries past a row's
-    length are unallocated (P) or random pages, and ragged lengths covering 0, a page boundary
-    and the bound."""
-    rng = np.random.default_rng(seed)
-    mp = -(-kv_len // page) + 1
-    P = B * mp + spare
-    q = rng.standard_normal((B, KVH, M, K)).astype(dtype) * K ** -0.5
-    k = rng.standard_normal((P, KVH, K, page)).astype(dtype)
-    v = rng.standard_normal((P, KVH, page, K)).astype(dtype)
-    lens = rng.integers(0, kv_len + 1, B)
-    lens[: min(B, 3)] = [0, min(page, kv_len), kv_len][: min(B, 3)]
-    table = rng.permutation(P)[: B * mp].reshape(B, mp)
-    if B > 1:
-        table[1, 0] = table[0, 0]                         # a page two rows share
-    for b in range(B):
-        held = -(-int(lens[b]) // page)
-        tail = table[b, held:]
-        table[b, held:] = np.where(rng.random(tail.shape) < 0.5, P, tail)  # unallocated / stale
-    return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table, jnp.int32),
-            jnp.asarray(lens, jnp.int32))
 
 
 def assert_partials_close(got, want, lens, atol):

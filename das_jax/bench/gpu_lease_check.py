@@ -64,7 +64,7 @@ from das_jax.models.config import ModelConfig
 from das_jax.plan import device_memory_bytes, plan_in_process
 from das_jax.speculation import CostModelConfig, DASSection, build_speculation
 from das_jax.speculation.gpu_cost import H200
-from das_jax.testing import tiny_model_config
+from das_jax.testing import paged_case, tiny_model_config
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 DSF_FLAG = "--xla_gpu_enable_dynamic_slice_fusion=true"
@@ -551,25 +551,6 @@ def part_host(ck: Check) -> dict:
     return out
 
 
-def _paged_case(rng, B, KVH, M, K, page, kv_len, dtype):
-    """Queries, a pool with noise in every page, a permuted page table (a row's entries past
-    its length point at a spare page), ragged lengths (0, one page, the bound, random)."""
-    import jax.numpy as jnp  # deferred import: jax (not loaded by importing this module)
-
-    mp = -(-kv_len // page)
-    P = B * mp + 1
-    q = (rng.standard_normal((B, KVH, M, K)) * K ** -0.5).astype(np.float32)
-    k = rng.standard_normal((P, KVH, K, page)).astype(np.float32)
-    v = rng.standard_normal((P, KVH, page, K)).astype(np.float32)
-    lens = rng.integers(0, kv_len + 1, B)
-    lens[: min(B, 3)] = [0, min(page, kv_len), kv_len][: min(B, 3)]
-    table = rng.permutation(P - 1)[: B * mp].reshape(B, mp)
-    for b in range(B):
-        table[b, -(-int(lens[b]) // page):] = P - 1
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(table, jnp.int32), jnp.asarray(lens, jnp.int32))
-
-
 def part_paged(ck: Check) -> dict:
     """The paged cache on this backend: the platform's Pallas kernel (`prefix_partials_gpu` on
     CUDA; interpret mode in the smoke) against the XLA gather reference over random page
@@ -578,6 +559,7 @@ def part_paged(ck: Check) -> dict:
     packed verify step on the paged pool (kernels "pallas_gpu" and "gather") against the dense cache
     at the first verify program's shape (every row on its own pages)."""
     import jax  # deferred import: jax (not loaded by importing this module)
+    import jax.numpy as jnp
 
     from das_jax.models import paged_attention as pa
 
@@ -586,7 +568,7 @@ def part_paged(ck: Check) -> dict:
     kernels = {"pallas_gpu": lambda *a: pa.prefix_partials_gpu(*a, kv_len, interpret=interpret),
                "gather": lambda *a: pa.prefix_partials_reference(*a, kv_len)}
     out = {"case": dict(B=B, KVH=KVH, G=G, K=K, page=page, kv_len=kv_len)}
-    rng = np.random.default_rng(0)
+    seed = 0
 
     def timed(fn, args, repeats=10):
         jax.block_until_ready(fn(*args))
@@ -600,7 +582,9 @@ def part_paged(ck: Check) -> dict:
     for T in ck.shapes.paged_widths:
         row = {"T": T, "M": G * T}
         for dtype in ("float32", ck.dtype.name):
-            args = _paged_case(rng, B, KVH, G * T, K, page, kv_len, dtype)
+            args = tuple(jnp.asarray(a, dtype) if a.dtype.kind == "f" else a
+                         for a in paged_case(seed, B, KVH, G * T, K, page, kv_len))
+            seed += 1
             fns = {n: jax.jit(f) for n, f in kernels.items()}
             got, want = fns["pallas_gpu"](*args), fns["gather"](*args)
             o, m, l = (np.asarray(x, np.float64) for x in got)

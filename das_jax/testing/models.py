@@ -101,3 +101,30 @@ def paged_kv_cache_like(dense, page: int, seed: int):
             k[:, ids[b, j]] = dk[:, b, :, :, j * page:(j + 1) * page]
             v[:, ids[b, j]] = dv[:, b, :, j * page:(j + 1) * page]
     return PagedKVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(ids))
+
+
+def paged_case(seed, B, KVH, M, K, page, kv_len, *, dtype=np.float32, spare=3):
+    """Queries, a pool of pages with noise everywhere, a table whose entries past a row's
+    length are unallocated (P) or random pages, and ragged lengths covering 0, a page boundary
+    and the bound (paged attention's inputs: q `[B, KVH, M, K]`, k pages `[P, KVH, K, page]`, v pages
+    `[P, KVH, page, K]`, the table `[B, MP]` int32, lengths `[B]` int32)."""
+    rng = np.random.default_rng(seed)
+    mp = -(-kv_len // page) + 1
+    P = B * mp + spare
+    q = rng.standard_normal((B, KVH, M, K)).astype(dtype) * K ** -0.5
+    k = rng.standard_normal((P, KVH, K, page)).astype(dtype)
+    v = rng.standard_normal((P, KVH, page, K)).astype(dtype)
+    lens = rng.integers(0, kv_len + 1, B)
+    lens[: min(B, 3)] = [0, min(page, kv_len), kv_len][: min(B, 3)]
+    table = rng.permutation(P)[: B * mp].reshape(B, mp)
+    if B > 1:
+        table[1, 0] = table[0, 0]                         # a page two rows share
+    for b in range(B):
+        held = -(-int(lens[b]) // page)
+        tail = table[b, held:]
+        table[b, held:] = np.where(rng.random(tail.shape) < 0.5, P, tail)  # unallocated / stale
+    # deferred import: jax (not loaded by importing this module)
+    import jax.numpy as jnp
+
+    return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table, jnp.int32),
+            jnp.asarray(lens, jnp.int32))
