@@ -177,18 +177,17 @@ def test_engine_program_exports(spec, platform):
         cache = program.args[1]
         assert _aliases(exported.mlir_module()) == len(jax.tree_util.tree_leaves(cache))
     if type(spec) is VerifySpec and spec.pages:
-        # the paged verify reads each row's pages by the TPU's Pallas kernel, unless exact or
-        # told to gather (`rollout.paged_attention: gather`); CUDA gathers (the Triton kernel
-        # measured slower on an H200) and holds no Triton kernel
+        # the paged verify reads each row's pages by the platform's Pallas kernel (Mosaic on
+        # TPU, Triton on CUDA), unless exact or told to gather (`rollout.paged_attention:
+        # gather`)
         kernel = {"cuda": TRITON_CUSTOM_CALL, "tpu": "tpu_custom_call"}[platform]
-        gathers = (platform == "cuda" or spec.config.contraction.exact
-                   or spec.pages[2:] == ("gather",))
+        gathers = spec.config.contraction.exact or spec.pages[2:] == ("gather",)
         assert (kernel in exported.mlir_module()) is not gathers
 
 
 def test_paged_verify_exports_the_triton_kernel_by_name_for_cuda():
-    """`PagedKVCache.kernel = "pallas_gpu"`: the Triton kernel, which "auto" no longer picks on
-    CUDA, still lowers into the exported verify program."""
+    """`PagedKVCache.kernel = "pallas_gpu"`: the Triton kernel by name lowers into the exported
+    verify program (as "auto" picks it on CUDA)."""
     spec = VerifySpec(CFG, TOP_P, 4, 16, 4, 64, 32, "bfloat16", (16, 16, "pallas_gpu"))
     assert TRITON_CUSTOM_CALL in _engine_program(spec).export("cuda").mlir_module()
 

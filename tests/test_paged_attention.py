@@ -50,6 +50,51 @@ def test_kernels_equal_the_reference(kernel, B, KVH, G, T, K, page, kv_len):
     assert_partials_close(got, want, lens, atol=1e-5)
 
 
+@pytest.mark.parametrize("tuning", [
+    pa.GpuKernelTuning(pages_per_block=1, split_pages=1 << 20),   # one program walks a row
+    pa.GpuKernelTuning(pages_per_block=3, split_pages=4),   # blocks past the row, 3 splits
+    pa.GpuKernelTuning(pages_per_block=2, split_pages=3, max_splits=2),
+])
+@pytest.mark.parametrize("T,kv_len", [(1, 37), (3, 16)])
+def test_gpu_kernel_splits_and_page_blocks_equal_the_reference(tuning, T, kv_len):
+    """The Triton kernel's launch shapes (pages per loop iteration, key-axis partitions merged
+    by log-sum-exp) change no value: ragged lengths, rows shorter than a partition, empty
+    rows, unallocated table entries past a row's length."""
+    q, k, v, table, lens = paged_case(11 * T + kv_len, 4, 2, 2 * T, 8, 4, kv_len)
+    want = pa.prefix_partials_reference(q, k, v, table, lens, kv_len)
+    got = jax.jit(lambda *a: pa.prefix_partials_gpu(*a, kv_len, interpret=True,
+                                                    tuning=tuning))(q, k, v, table, lens)
+    assert [x.shape for x in got] == [x.shape for x in want]
+    assert_partials_close(got, want, lens, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["gather", "pallas_tpu", "pallas_gpu"])
+def test_kernels_read_a_layer_of_stacked_pools(kernel):
+    """Stacked pools `[L, P, ...]` and a traced layer index (as a scanned layer loop passes
+    them) read exactly that layer's pages: equal to the kernel on the layer's own pages."""
+    q, k, v, table, lens = paged_case(21, 3, 2, 4, 8, 4, 14)
+    _, k0, v0, _, _ = paged_case(22, 3, 2, 4, 8, 4, 14)
+    k_L, v_L = jnp.stack([k0, k, -k0]), jnp.stack([v0, v, -v0])
+    want = pa.prefix_partials(kernel, True, q, k, v, table, lens, 14)
+    got = jax.jit(lambda l: pa.prefix_partials(kernel, True, q, k_L, v_L, table, lens, 14,
+                                               l))(jnp.int32(1))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="layer index goes with stacked pools"):
+        pa.prefix_partials(kernel, True, q, k_L, v_L, table, lens, 14)
+
+
+def test_merged_partials_equal_one_block():
+    """Split-K's merge: two halves of a key block merged equal the whole block's partials."""
+    q, k, v, table, lens = paged_case(5, 2, 1, 3, 8, 4, 16)
+    lens = jnp.full_like(lens, 16)
+    whole = pa.prefix_partials_reference(q, k, v, table, lens, 16)
+    halves = [pa.prefix_partials_reference(q, k, v, table[:, h * 2:], jnp.full_like(lens, 8), 8)
+              for h in range(2)]
+    merged = pa.merge_partials(*(jnp.stack(x, 2) for x in zip(*halves)))
+    assert_partials_close(merged, whole, lens, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_kernels_read_only_the_rows_pages(kernel):
     """Noise on every page a row does not hold (and past its length on its last page) changes
@@ -111,14 +156,13 @@ def test_attend_cache_by_each_kernel_equals_the_dense_view(kernel, T):
                     for _ in range(2))
     cache_len = jnp.asarray([0, 8, 17, 5], jnp.int32)
     valid = jnp.asarray(rng.random((B, T)) < 0.8).at[:, 0].set(True)
-    layer = (paged.k[0], paged.v[0])
 
     @jax.jit
     def both(q, k_new, v_new):
         want = attend_cache(CFG, q, k_new, v_new, dense.attended((dense.k[0], dense.v[0]),
                                                                  kv_len), cache_len, valid,
                             kv_len)
-        got = attend_cache(CFG, q, k_new, v_new, paged.attended(layer, kv_len), cache_len,
+        got = attend_cache(CFG, q, k_new, v_new, paged.attended(0, kv_len), cache_len,
                            valid, kv_len)
         return want, got
     want, got = both(q, k_new, v_new)
@@ -136,7 +180,7 @@ def test_auto_reads_the_gathered_view_on_this_cpu():
 
     def run(cache):
         return np.asarray(jax.jit(lambda q: attend_cache(
-            CFG, q, kv, kv, cache.attended((cache.k[1], cache.v[1]), 16), lens, valid, 16))(q))
+            CFG, q, kv, kv, cache.attended(1, 16), lens, valid, 16))(q))
     np.testing.assert_array_equal(run(paged), run(paged.replace(kernel="gather")))
 
 
@@ -165,7 +209,7 @@ def test_cached_forward_on_pages_equals_the_dense_cache(kernel):
     assert new_p.kernel == kernel
     for layer in range(CFG.num_layers):
         want = new_d.attended((new_d.k[layer], new_d.v[layer]), S)
-        got = new_p.attended((new_p.k[layer], new_p.v[layer]), S).dense()
+        got = new_p.attended(layer, S).dense()
         for a, b in zip(want, got):   # layer 0's new keys are the embeddings' (bitwise)
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 if layer else 0,
                                        rtol=0)

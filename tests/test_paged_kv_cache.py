@@ -91,7 +91,8 @@ def paged_like(dense: DenseKVCache, page: int, seed: int) -> PagedKVCache:
 
 def attended_np(cache, kv_len):
     """Every layer's attended keys and values as numpy arrays."""
-    views = [cache.attended((cache.k[l], cache.v[l]), kv_len) for l in range(cache.k.shape[0])]
+    views = [cache.attended(jax.tree_util.tree_map(lambda a: a[l], cache.layers()), kv_len)
+             for l in range(cache.k.shape[0])]
     return [np.asarray(x) for view in views
             for x in (view.dense() if isinstance(view, PagedView) else view)]
 

@@ -555,9 +555,12 @@ def part_paged(ck: Check) -> dict:
     """The paged cache on this backend: the platform's Pallas kernel (`prefix_partials_gpu` on
     CUDA; interpret mode in the smoke) against the XLA gather reference over random page
     tables and ragged lengths at each query width (float32: max errors of the normalised
-    output and log-denominator; the dtype's case timed: median of 10 calls each); then the
-    packed verify step on the paged pool (kernels "pallas_gpu" and "gather") against the dense cache
-    at the first verify program's shape (every row on its own pages)."""
+    output and log-denominator, at the default launch shape and the fastest; the dtype's case
+    timed: median of 10 calls each, the kernel at each of `shapes.paged_tunings`); the
+    fastest launch shape (summed over the widths) becomes `paged_attention.GPU_TUNING` (or
+    `--paged-tuning`'s, without the sweep); then the packed verify step on the paged pool
+    (kernels "pallas_gpu" and "gather") against the dense cache at the first verify program's
+    shape (every row on its own pages)."""
     import jax  # deferred import: jax (not loaded by importing this module)
     import jax.numpy as jnp
 
@@ -565,10 +568,10 @@ def part_paged(ck: Check) -> dict:
 
     B, KVH, G, K, page, kv_len = ck.shapes.paged_case
     interpret = ck.args.smoke
-    kernels = {"pallas_gpu": lambda *a: pa.prefix_partials_gpu(*a, kv_len, interpret=interpret),
-               "gather": lambda *a: pa.prefix_partials_reference(*a, kv_len)}
-    out = {"case": dict(B=B, KVH=KVH, G=G, K=K, page=page, kv_len=kv_len)}
-    seed = 0
+    fixed = ck.args.paged_tuning
+    tunings = [pa.GpuKernelTuning(*t) for t in ([fixed] if fixed else ck.shapes.paged_tunings)]
+    out = {"case": dict(B=B, KVH=KVH, G=G, K=K, page=page, kv_len=kv_len),
+           "tunings": [dataclasses.asdict(t) for t in tunings]}
 
     def timed(fn, args, repeats=10):
         jax.block_until_ready(fn(*args))
@@ -578,31 +581,49 @@ def part_paged(ck: Check) -> dict:
             jax.block_until_ready(fn(*args))
             ts.append(time.perf_counter() - t0)
         return float(np.median(ts))
-    kern = []
-    for T in ck.shapes.paged_widths:
-        row = {"T": T, "M": G * T}
-        for dtype in ("float32", ck.dtype.name):
-            args = tuple(jnp.asarray(a, dtype) if a.dtype.kind == "f" else a
-                         for a in paged_case(seed, B, KVH, G * T, K, page, kv_len))
-            seed += 1
-            fns = {n: jax.jit(f) for n, f in kernels.items()}
-            got, want = fns["pallas_gpu"](*args), fns["gather"](*args)
-            o, m, l = (np.asarray(x, np.float64) for x in got)
-            ow, mw, lw = (np.asarray(x, np.float64) for x in want)
-            has = np.asarray(args[4]) > 0
-            row[dtype] = {
-                "max_err_output": float(np.max(np.abs(o[has] / l[has][..., None]
+
+    def kernel(t):
+        return jax.jit(lambda *a: pa.prefix_partials_gpu(*a, kv_len, interpret=interpret,
+                                                         tuning=t))
+
+    def errors(fn, args):
+        (o, m, l), (ow, mw, lw) = ((np.asarray(x, np.float64) for x in r) for r in
+                                   (fn(*args), pa.prefix_partials_reference(*args, kv_len)))
+        has = np.asarray(args[4]) > 0
+        return {"max_err_output": float(np.max(np.abs(o[has] / l[has][..., None]
                                                       - ow[has] / lw[has][..., None]))),
                 "max_err_log_denominator": float(np.max(np.abs(
                     np.log(l[has]) + m[has] - np.log(lw[has]) - mw[has]))),
                 "empty_rows_zero": bool(np.all(l[~has] == 0) and np.all(o[~has] == 0))}
-            if dtype == ck.dtype.name:
-                row[dtype].update({f"{n}_median_s": timed(f, args) for n, f in fns.items()})
+
+    cases = {}
+    for i, T in enumerate(ck.shapes.paged_widths):
+        cases[T] = {d: tuple(jnp.asarray(a, d) if a.dtype.kind == "f" else a
+                             for a in paged_case(2 * i + j, B, KVH, G * T, K, page, kv_len))
+                    for j, d in enumerate(("float32", ck.dtype.name))}
+    kern, totals = [], np.zeros(len(tunings))
+    gather = jax.jit(lambda *a: pa.prefix_partials_reference(*a, kv_len))
+    for T, args in cases.items():
+        row = {"T": T, "M": G * T, "float32": errors(kernel(tunings[0]), args["float32"])}
+        low = args[ck.dtype.name]
+        row["gather_median_s"] = timed(gather, low)
+        row["pallas_median_s"] = [timed(kernel(t), low) for t in tunings]
+        totals += row["pallas_median_s"]
+        if T == 1 and not ck.args.smoke:
+            row["jax_paged_attention_median_s"] = _jax_gpu_paged_attention_s(low, kv_len, timed)
         kern.append(row)
-        print(f"  paged kernel T={T}: max err f32 {row['float32']['max_err_output']:.2e}, "
-              f"{ck.dtype.name} pallas {row[ck.dtype.name]['pallas_gpu_median_s'] * 1e3:.3f} ms"
-              f" vs gather {row[ck.dtype.name]['gather_median_s'] * 1e3:.3f} ms", flush=True)
-    out["kernel"] = kern
+        print(f"  paged kernel T={T}: {ck.dtype.name} gather {row['gather_median_s'] * 1e3:.3f}"
+              f" ms; jax's {row.get('jax_paged_attention_median_s')}; pallas " + ", ".join(
+                  f"{t.pages_per_block}/{t.split_pages}/{t.max_splits}/{t.num_warps}/"
+                  f"{t.num_stages} {s * 1e3:.3f}" for t, s in zip(tunings, row["pallas_median_s"]))
+              + " ms (pages per block / split pages / max splits / warps / stages)", flush=True)
+    best = tunings[int(np.argmin(totals))]
+    pa.GPU_TUNING = best
+    for row, (T, args) in zip(kern, cases.items()):
+        row["float32_best"] = errors(kernel(best), args["float32"])
+        print(f"  paged kernel T={T}: max err f32 {row['float32']['max_err_output']:.2e} "
+              f"(first), {row['float32_best']['max_err_output']:.2e} (fastest)", flush=True)
+    out["kernel"], out["best"] = kern, dataclasses.asdict(best)
     Bv, N, W, A = ck.shapes.verify[0]
     pages = Bv * -(-ck.shapes.cache_len // 16)
     steps = []
@@ -615,11 +636,34 @@ def part_paged(ck: Check) -> dict:
         med = ck.programs.time(spec, ck.params, repeats=ck.shapes.repeats)
         steps.append(ck.shapes.repeats + 1)
         out[f"verify_{name}"] = {"B": Bv, "N": N, "W": W, "A": A, "compile_s": compile_s,
-                                 "median_s": med}
-        print(f"  verify {name} B={Bv} A={A}: compile {compile_s:.1f}s, median "
-              f"{med * 1e3:.2f} ms", flush=True)
+                                 "median_s": med, "layer_loop": ck.config.layer_loop}
+        print(f"  verify {name} B={Bv} A={A} ({ck.config.layer_loop}): compile "
+              f"{compile_s:.1f}s, median {med * 1e3:.2f} ms", flush=True)
     ck.counts["paged"] = {"verify_steps": [sum(steps)]}
     return out
+
+
+def _jax_gpu_paged_attention_s(args, kv_len: int, timed) -> float | str:
+    """Median seconds of JAX's own Pallas GPU paged attention (`jax.experimental.pallas.ops.gpu.
+    paged_attention`: decode, one query token per row, its default launch shape) on the same
+    pages in its layout (k and v `[KVH, P, page, K]`, transposed outside the timing): how fast
+    a Triton kernel reads these pages. The error text where it fails."""
+    import jax  # deferred import: jax (not loaded by importing this module)
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+
+    q, k, v, table, lens = args
+    B, KVH, G, K = q.shape
+    P, page = k.shape[0], k.shape[-1]
+    try:
+        kp = jnp.transpose(k, (1, 0, 3, 2))
+        vp = jnp.transpose(v, (1, 0, 2, 3))
+        tb = jnp.minimum(table[:, :-(-kv_len // page)], P - 1)
+        fn = jax.jit(lambda q, kp, vp, tb, lens: jpa.paged_attention(
+            q.reshape(B, KVH * G, K), kp, vp, tb, lens))
+        return timed(fn, (q, kp, vp, tb, lens))
+    except Exception as e:  # noqa: BLE001 - a reference point only
+        return f"{type(e).__name__}: {e}"[:300]
 
 
 def _profile_step(ck: Check, spec, steps: int) -> dict:
@@ -665,7 +709,7 @@ def part_profile(ck: Check) -> dict:
     for i in programs:
         B, N, W, A = ck.shapes.verify[i]
         cases = [("dense", ck.verify_spec(B, N, W, A))]
-        if i == ck.shapes.profile_programs[0] and not ck.args.first_verify_only:
+        if i == ck.shapes.profile_programs[0]:
             pages = (B * -(-ck.shapes.cache_len // 16), 16,
                      "gather" if ck.args.smoke else "pallas_gpu")
             cases.append(("paged", dataclasses.replace(cases[0][1], pages=pages)))
@@ -732,6 +776,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-loop", choices=("scan", "unroll", "unstacked"), default="scan",
                     help="every part's layer loop: the scan (default), unrolled, or a Python "
                          "loop over unstacked weights (`ModelConfig.layer_loop`)")
+    ap.add_argument("--paged-tuning", type=lambda v: tuple(int(x) for x in v.split(",")),
+                    default=None, metavar="PPB,SPLIT,MAXSPLITS,WARPS,STAGES",
+                    help="the paged part's Triton launch shape (no sweep of "
+                         "`Shapes.paged_tunings`; `paged_attention.GpuKernelTuning`)")
     args = ap.parse_args(argv)
     parts = [p for name in args.parts.split(",") if name
              for p in PRESETS.get(name, (name,))]

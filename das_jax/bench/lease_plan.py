@@ -42,7 +42,9 @@ class Shapes:
     layer_programs: the verify programs timed again with the unrolled layer loop; host_*: the
     host-loop part's rows (one run per entry, groups of host_samples), prompt and new tokens;
     paged_case: (B, KVH, G, K, page, kv_len) of the paged-attention kernel check, at each of
-    paged_widths (query tokens per row)."""
+    paged_widths (query tokens per row); paged_tunings: the Triton kernel's launch shapes timed
+    there ((pages_per_block, split_pages, max_splits, num_warps, num_stages) each, the
+    fastest kept for the verify steps; `paged_attention.GpuKernelTuning`)."""
 
     model: str
     dtype: str
@@ -68,6 +70,10 @@ class Shapes:
     host_new: int = 200
     paged_case: tuple = (32, 4, 7, 128, 16, 16384)
     paged_widths: tuple = (1, 8)
+    paged_tunings: tuple = ((1, 1 << 20, 1, 4, 2), (1, 64, 16, 4, 2), (2, 64, 16, 4, 2),
+                            (4, 64, 16, 4, 2), (8, 64, 16, 4, 2), (4, 32, 32, 4, 2),
+                            (4, 16, 64, 4, 2), (4, 128, 8, 4, 2), (4, 64, 16, 8, 2),
+                            (4, 64, 16, 4, 3), (8, 32, 32, 8, 3))
     profile_top: int = 40
     profile_programs: tuple = (0, 2)
 
@@ -77,7 +83,8 @@ FULL = Shapes("qwen2-7b", "bfloat16", 17408,
 SMOKE = Shapes("tiny", "float32", 64, ((4, 4, 1, 48), (4, 16, 4, 48), (4, 4, 1, 16), (2, 2, 1, 48)),
                share_rows=4, share_width=16, gather_to=2, train_len=64, cost_source="cpu",
                ab_timeout_s=180, layer_programs=(0,), host_rows=(4, 8), host_samples=4,
-               host_prompt=12, host_new=24, paged_case=(4, 2, 2, 8, 4, 48), paged_widths=(1, 3))
+               host_prompt=12, host_new=24, paged_case=(4, 2, 2, 8, 4, 48), paged_widths=(1, 3),
+               paged_tunings=((1, 1 << 20, 1, 4, 2), (2, 4, 4, 4, 2)))
 
 
 def expected_counts(shapes: Shapes = FULL) -> dict:
@@ -104,7 +111,8 @@ def expected_counts(shapes: Shapes = FULL) -> dict:
                                    4 * shapes.host_new * len(shapes.host_rows)]],
                  "host_steps": 4 * shapes.host_new * len(shapes.host_rows)},
         "profile": {"compiles": {"other": 2}, "verify_steps": [steps + 2]},
-        "paged": {"compiles": {"engine": 3, "other": 4 * len(shapes.paged_widths)},
+        "paged": {"compiles": {"engine": 3, "other": (3 + 2 * len(shapes.paged_tunings))
+                               * len(shapes.paged_widths)},
                   "verify_steps": [3 * steps]},
         "generate": {"compiles": {"engine": 4, "copy": 1, "other": 5},
                      "device_steps": [[passes * shapes.gen_slots,

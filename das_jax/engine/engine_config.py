@@ -95,9 +95,9 @@ class EngineConfig:
       positions (`slots x ceil(max_cache_len / page_size)` pages), so it never runs out.
     page_size: positions per page of the paged cache.
     paged_attention: how attention reads the paged cache: "auto" (a Pallas kernel over each
-      row's own pages on TPU outside exact mode, an XLA gather of the pages elsewhere, CUDA
-      included, where the Triton kernel measured slower: `models.paged_attention`) or "gather"
-      (the XLA gather everywhere: the fallback if a platform's kernel misbehaves).
+      row's own pages on TPU and CUDA outside exact mode, an XLA gather of the pages elsewhere:
+      `models.paged_attention`) or "gather" (the XLA gather everywhere: the fallback if a
+      platform's kernel misbehaves).
     overlap_host: with a drafter that defers its appends (`SuffixDrafter`: `das`, `suffix`),
       each step's tokens go into the request contexts at once and into the trie while the
       device computes the next step (`StepInput.overlap`), so the trie's indexing, most of the

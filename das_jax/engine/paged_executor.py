@@ -51,13 +51,13 @@ class PagedExecutor(PagedRows, DeviceExecutor):
 
     def _kernel_reads_pages(self) -> bool:
         """Whether attention reads each row's own pages (the Pallas kernel of "auto": programs
-        lowered for TPU, not in exact mode, `models.paged_attention`), so the scheduler prices a
-        step by the pages its rows hold (`kv_read_page`); not where the pages are gathered into
-        the bucket's dense view (CPU, GPU, exact mode, `paged_attention: gather`)."""
+        lowered for TPU or CUDA, not in exact mode, `models.paged_attention`), so the scheduler
+        prices a step by the pages its rows hold (`kv_read_page`); not where the pages are
+        gathered into the bucket's dense view (CPU, exact mode, `paged_attention: gather`)."""
         if self.engine_config.paged_attention == "gather":
             return False
         device = self.programs.device or jax.devices()[0]
-        return device.platform == "tpu" and not self.config.contraction.exact
+        return device.platform in ("tpu", "gpu", "cuda") and not self.config.contraction.exact
 
     def _sync(self) -> None:
         """Uploads the page table when the pool changed it."""

@@ -61,7 +61,7 @@ def attend_cache(config: ModelConfig, q_BxTxHxK: jax.Array, k_BxTxKVHxK: jax.Arr
       view: this layer's attended cache (`KVCache.attended(layer, A)`, `A = min(kv_len, S)`):
         a dense view `(k [B, KVH, K, A], v [B, KVH, A, K])`, or a paged cache's
         `paged_attention.PagedView`, read by its kernel ("auto": the Pallas kernel of the TPU
-        lowering, the gathered dense view elsewhere, CUDA included; exact mode always gathers;
+        or CUDA lowering, the gathered dense view elsewhere; exact mode always gathers;
         "pallas_gpu" / "pallas_tpu" by name: that kernel when lowered for its platform or
         interpreted, the gather elsewhere). Ignored
         when kv_len is 0.
@@ -86,13 +86,11 @@ def attend_cache(config: ModelConfig, q_BxTxHxK: jax.Array, k_BxTxKVHxK: jax.Arr
                 *args, default=lambda *a: _attend_view(config, *a, view.dense(), kv_len),
                 **{platform: lambda *a: _attend_pages(config, *a, view, view.kernel)})
         # The kernel of the platform the program is lowered for (only that branch is lowered).
-        # CUDA gathers: on an H200 the Triton kernel made the 7B verify step at 32 x 16K
-        # positions 1.7x slower than the gather (63.8 vs 37.5 ms; docs/results/rollouts.md), so
-        # it runs only when asked for by name ("pallas_gpu").
         return jax.lax.platform_dependent(
             *args,
             default=lambda *a: _attend_view(config, *a, view.dense(), kv_len),
-            tpu=lambda *a: _attend_pages(config, *a, view, "pallas_tpu"))
+            tpu=lambda *a: _attend_pages(config, *a, view, "pallas_tpu"),
+            cuda=lambda *a: _attend_pages(config, *a, view, "pallas_gpu"))
     return _attend_view(config, *args, view, kv_len)
 
 

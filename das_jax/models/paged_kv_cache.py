@@ -124,9 +124,11 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ reads
     def layers(self):
-        """The per-layer pytree scanned with the layer params: (k_l `[P, KVH, K, page]`,
-        v_l `[P, KVH, page, K]`)."""
-        return (self.k, self.v)
+        """The per-layer pytree run with the layer params: the layer indices, int32 `[L]`.
+        Attention reads layer l's pages from the stacked pools in place (`attended`): a scan
+        or an unrolled loop slicing the pools per layer would copy each layer's whole pool
+        before a kernel's call (XLA passes a custom call whole buffers)."""
+        return jnp.arange(self.k.shape[0], dtype=jnp.int32)
 
     def read_len(self, kv_len: int, in_place: bool) -> int:
         """The positions attention reads: `kv_len` (the pages are gathered or read by a
@@ -134,11 +136,12 @@ class PagedKVCache:
         return kv_len
 
     def attended(self, layer, kv_len: int) -> PagedView:
-        """One layer's pages as attention reads them (`das_jax.models.paged_attention`): a
-        `PagedView` of the pages, the table, `kv_len` and this cache's kernel; its `dense()` is
-        the dense cache's view `(k [B, KVH, K, kv_len], v [B, KVH, kv_len, K])`."""
-        k_l, v_l = layer
-        return PagedView(k_l, v_l, self.table, kv_len, self.kernel, self.interpret)
+        """Layer `layer`'s pages (its entry of `layers()`) as attention reads them
+        (`das_jax.models.paged_attention`): a `PagedView` of the stacked pools and the layer
+        index, the table, `kv_len` and this cache's kernel; its `dense()` is the dense cache's
+        view `(k [B, KVH, K, kv_len], v [B, KVH, kv_len, K])`."""
+        return PagedView(self.k, self.v, self.table, kv_len, self.kernel, self.interpret,
+                         layer)
 
     def page_at(self, rows_N, positions_N):
         """int32 `[N]` page id holding (row, position); P (dropped on write) for a row >= B, a
