@@ -199,6 +199,30 @@ _SLOW_TESTS = (
     "tests/test_layer_loop.py::test_forward_unrolled_and_unstacked_equal_scan[eager]",
     "tests/test_sharding_cli.py::test_a_mesh_that_does_not_fit_is_a_one_line_error",
     "tests/test_das_policy.py::test_full_speculation_stack_is_lossless_over_epochs[das-unlimited]",
+    # tests on a module fixture that trains a run (the fixture runs only where one is selected)
+    "tests/test_run_log.py::test_plain_step_lines_and_phases_without_a_terminal",
+    "tests/test_run_log.py::test_samples_file_and_the_samples_command",
+    "tests/test_run_log.py::test_metrics_carry_the_rollout_time_split_and_plots_are_written",
+    "tests/test_run_log.py::test_compare_prints_a_table_and_writes_one_png",
+    "tests/test_run_log.py::"
+    "test_bench_main_job_compares_the_runs_drafter_with_none_from_its_checkpoint",
+    "tests/test_run_log.py::test_a_pickle_in_a_run_dir_is_never_executed",
+    "tests/test_run_log.py::test_samples_and_compare_report_torn_lines_and_bad_utf8",
+    "tests/test_run_log.py::test_train_errors_found_with_the_model_are_one_line_naming_the_key",
+    "tests/test_export.py::test_export_of_a_run_loads_in_transformers_with_das_jax_greedy_tokens",
+    "tests/test_export.py::test_export_step_and_dtype",
+    "tests/test_export.py::test_one_line_errors",
+    "tests/test_export.py::test_corrupt_checkpoint_is_one_line",
+    "tests/test_trainer_run_dir.py::test_resume_of_a_finished_run_and_its_extension",
+    "tests/test_trainer_run_dir.py::"
+    "test_corrupt_latest_checkpoint_falls_back_to_the_newest_readable",
+    "tests/test_trainer_run_dir.py::test_no_readable_checkpoint_is_one_clear_error",
+    # several processes
+    "tests/test_multihost_train.py::test_a_dead_peer_stops_the_other_process",
+    "tests/test_multihost_train.py::test_processes_with_different_configs_refuse_to_start",
+    "tests/test_async_grpo.py::test_async_steps_zero_is_the_synchronous_loop",
+    "tests/test_train_window.py::test_windowed_head_matches_full_reference[dapo-0.0-6]",
+    "tests/test_trainer.py::test_checkpoint_of_another_model_is_rejected",
 )
 
 

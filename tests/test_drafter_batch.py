@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from das_jax.drafter import (DraftBatch, NgramDrafter, ProblemHistory, RequestContext,
-                             SuffixDrafter, SuffixTreeConfig, append_batch, propose_batch)
+                             ShardedHistory, SuffixDrafter, SuffixTreeConfig, append_batch,
+                             propose_batch)
 from das_jax.drafter import suffix_drafter
 from das_jax.rollout.multi_device import LockedDrafter
 
@@ -181,7 +182,7 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60,
         if rng.random() < 0.1:
             d.advance_epoch()
             ref.advance_epoch()
-        if step % 20 == 0 or step == steps - 1:
+        if (step % 20 == 0 or step == steps - 1) and threads == 1:   # sharded: other layout
             assert_same_state(d.state_dict(), ref.state_dict())
             for pid in range(problems):
                 assert d.lengths(pid) == ref.history.lengths(pid)
@@ -306,3 +307,31 @@ def test_locked_drafter_forwards_batches_with_id_mapping():
     assert isinstance(got, DraftBatch)
     assert got.row(0).tokens.tolist() == ng.propose(10, 2).tokens.tolist()
     assert got.row(1).tokens.tolist() == ng.propose(11, 2).tokens.tolist()
+
+
+def test_threads_shard_the_history_by_problem_and_states_load_across_layouts():
+    """`threads` > 1 shards the history: each problem's trie in one shard's forest (round-robin
+    in order of first visit), appends of different shards on different threads; drafts equal
+    the unsharded drafter's, and a state loads into a drafter of either layout."""
+    rng = np.random.default_rng(9)
+    one, two = SuffixDrafter(CFG, window=2), SuffixDrafter(CFG, window=2, threads=2)
+    for rid in range(12):
+        prompt = rng.integers(0, 6, size=5).tolist()
+        out = rng.integers(0, 6, size=30).astype(np.int32)
+        for d in (one, two):
+            d.begin(rid, rid % 6, prompt)
+            d.append_batch([rid], out[None], [30])
+    shards = two.history.shards
+    assert [sorted(h.problems()) for h in shards] == [[0, 2, 4], [1, 3, 5]]
+    assert all(h.forest is not shards[0].forest for h in shards[1:])
+    ids, k = np.arange(12), np.full(12, 6, np.int32)
+    want = one.propose_batch(ids, k)
+    assert want.lens_A.sum() > 20
+    for d in (two, pickle.loads(pickle.dumps(two))):
+        np.testing.assert_array_equal(d.propose_batch(ids, k).tokens_AxK, want.tokens_AxK)
+    for src, dst in ((two, SuffixDrafter(CFG, window=2)),
+                     (one, SuffixDrafter(CFG, window=2, threads=2))):
+        dst.load_state_dict(pickle.loads(pickle.dumps(src.state_dict())))
+        np.testing.assert_array_equal(dst.propose_batch(ids, k).tokens_AxK, want.tokens_AxK)
+    with pytest.raises(ValueError, match="shards must be >= 1"):
+        ShardedHistory(CFG, shards=0)

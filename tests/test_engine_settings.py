@@ -118,25 +118,50 @@ def test_paged_attention_gather_reaches_the_cache(params):
     assert [o.token_ids for o in out["auto"]] == [o.token_ids for o in out["gather"]]
 
 
+def _das_epochs(params, drafter, overlap: bool, reqs, sampling) -> list:
+    """Two epochs of `reqs` drafted by `drafter` (advanced after each) on a tiny exact engine
+    with `overlap_host`: [(outputs, stats)] per epoch."""
+    from das_jax.engine.policy import FixedPolicy
+    eng = tiny_engine(params, exact=True, overlap_host=overlap)
+    out = []
+    for _ in range(2):
+        out.append(eng.generate(reqs, sampling, drafter=drafter, policy=FixedPolicy(max_draft=3)))
+        drafter.advance_epoch()
+    return out
+
+
+def test_drafter_threads_draft_what_one_thread_drafts(params, monkeypatch):
+    """`das.drafter_threads` 2: the history sharded over two forests, a step's rows drafted
+    and their appends indexed on two threads (split even at this batch size), overlapped with
+    the device; the same drafts as one thread, so the same forward passes, accepted drafts,
+    tokens and log-probs, over two epochs."""
+    from das_jax.drafter import SuffixDrafter, SuffixTreeConfig, suffix_drafter
+    from das_jax.testing import random_requests
+    monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 1)
+    reqs = random_requests(problems=4, samples=2, seed=4)
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=24, seed=6)
+    res = {t: _das_epochs(params, SuffixDrafter(SuffixTreeConfig(max_depth=8), window=2,
+                                                threads=t), True, reqs, sampling)
+           for t in (1, 2)}
+    for (a, sa), (b, sb) in zip(res[1], res[2]):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [o.logprobs for o in a] == [o.logprobs for o in b]
+        assert (sa.forward_passes, sa.accepted_draft_tokens) == \
+            (sb.forward_passes, sb.accepted_draft_tokens)
+    assert res[2][1][1].accepted_draft_tokens > 0
+
+
 def test_overlapped_appends_change_no_token(params):
     """`overlap_host`: the das drafter's trie indexing runs while the device computes the next
     step (`StepInput.overlap`, in `overlap_s`, not in `host_s`); the tokens and log-probs are
     those of appends completed before every draft (exact mode, bit for bit), over two epochs
     so the second drafts from the first's history."""
     from das_jax.drafter import SuffixDrafter, SuffixTreeConfig
-    from das_jax.engine.policy import FixedPolicy
     from das_jax.testing import random_requests
     reqs = random_requests(problems=2, samples=4, seed=3)
     sampling = SamplingParams(temperature=0.7, max_new_tokens=24, seed=5)
-    res = {}
-    for overlap in (True, False):
-        drafter = SuffixDrafter(SuffixTreeConfig(max_depth=8), window=2)
-        eng = tiny_engine(params, exact=True, overlap_host=overlap)
-        res[overlap] = []
-        for _ in range(2):
-            res[overlap].append(eng.generate(reqs, sampling, drafter=drafter,
-                                             policy=FixedPolicy(max_draft=3)))
-            drafter.advance_epoch()
+    res = {overlap: _das_epochs(params, SuffixDrafter(SuffixTreeConfig(max_depth=8), window=2),
+                                overlap, reqs, sampling) for overlap in (True, False)}
     for (a, sa), (b, sb) in zip(res[True], res[False]):
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         assert [o.logprobs for o in a] == [o.logprobs for o in b]

@@ -56,13 +56,19 @@ def _tokens(rng, n, vocab):
     return (rng.zipf(1.2, size=n) % vocab).astype(np.int32)
 
 
-def _build(args):
-    """(drafter with problems x rollouts finished rollouts indexed, answers, prompts)."""
+def _build(args, threads: int = 1):
+    """(drafter on `threads` threads with problems x rollouts finished rollouts indexed,
+    answers, prompts): the same rollouts whatever `threads` (more than one shards the
+    history: `SuffixDrafter`'s `threads`)."""
     # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixDrafter, SuffixTreeConfig
 
     rng = np.random.default_rng(args.seed)
-    d = SuffixDrafter(SuffixTreeConfig(max_depth=args.depth), window=args.window)
+    try:
+        d = SuffixDrafter(SuffixTreeConfig(max_depth=args.depth), window=args.window,
+                          threads=threads)
+    except TypeError:    # another checkout's drafter without threads
+        d = SuffixDrafter(SuffixTreeConfig(max_depth=args.depth), window=args.window)
     answers = [_tokens(rng, args.length, args.vocab) for _ in range(args.problems)]
     prompts = [_tokens(rng, 48, args.vocab) for _ in range(args.problems)]
     rid = 0
@@ -81,8 +87,8 @@ def _run(base, rows, answers, prompts, args, threads):
     """Times `args.steps` steps of `rows` rows on a copy of `base`; threads None: per-row calls.
     Returns (propose seconds per step [S], append seconds per step [S], tokens emitted)."""
     d = pickle.loads(pickle.dumps(base))
-    if threads is not None:
-        d.threads = threads
+    if threads is not None and getattr(d, "threads", threads) != threads:
+        d.threads = threads     # a drafter that sets its threads after construction
     rng = np.random.default_rng(args.seed + 1)
     k, W = args.k, args.k + 1
     ids = np.arange(rows, dtype=np.int64)
@@ -137,6 +143,7 @@ def batch_main(args: argparse.Namespace) -> int:
     thread_list = [int(x) for x in str(args.threads).split(",")]
     t0 = time.perf_counter()
     base, answers, prompts = _build(args)
+    bases = {1: base}
     forest = base.history.forest
     print(f"drafter batch bench: {args.problems} problems x {args.rollouts} rollouts x "
           f"~{args.length} tokens (vocab {args.vocab}) indexed: {forest.indexed_tokens} tokens, "
@@ -150,10 +157,13 @@ def batch_main(args: argparse.Namespace) -> int:
               f"{'tok/row/step':>12}")
     print(header)
     print("-" * len(header))
+    for t in thread_list:
+        if t not in bases:
+            bases[t] = _build(args, t)[0]
     for rows in rows_list:
         one, emitted0 = None, None
         for name, threads in modes:
-            tp, ta, emitted = _run(base, rows, answers, prompts, args, threads)
+            tp, ta, emitted = _run(bases[threads or 1], rows, answers, prompts, args, threads)
             p, a = np.median(tp) / rows * 1e6, np.median(ta) / rows * 1e6
             if emitted0 is None:
                 emitted0 = emitted

@@ -7,7 +7,7 @@ Public surface:
 - `SuffixDrafter` (DAS: per-problem suffix tries over a sliding window of epochs),
   `GlobalSuffixDrafter` (SuffixDecoding baseline), `NgramDrafter` / `NgramConfig` (prompt lookup).
 - Building blocks: `SuffixTreeConfig`, `SuffixTree`, `SuffixForest`, `ScoredDraft`,
-  `ProblemHistory`.
+  `ProblemHistory`, `ShardedHistory` (its problems split over several forests).
 
 Everything here is host-side (numpy + numba); nothing imports jax.
 """
@@ -21,7 +21,7 @@ _EXPORTS = {
     "Draft": "base", "DraftBatch": "base", "Drafter": "base", "RequestContext": "base",
     "propose_batch": "base", "append_batch": "base", "set_policy_version": "base",
     "DRAFTER_NAMES": "factory", "make_drafter": "factory",
-    "ProblemHistory": "history",
+    "ProblemHistory": "history", "ShardedHistory": "history",
     "NgramConfig": "ngram", "NgramDrafter": "ngram",
     "GlobalSuffixDrafter": "suffix_drafter", "SuffixDrafter": "suffix_drafter",
     "ScoredDraft": "suffix_tree", "SuffixForest": "suffix_tree", "SuffixTree": "suffix_tree",

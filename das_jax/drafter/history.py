@@ -132,11 +132,20 @@ class ProblemHistory:
         if self.max_problems is not None and len(self._problems) > self.max_problems:
             order = sorted(self._problems, key=lambda p: self._problems[p].last_epoch)
             for pid in order[: len(self._problems) - self.max_problems]:
-                prob = self._problems[pid]
-                for ep in list(prob.history) + [prob.current]:
-                    for ro in ep:
-                        self._unindex(ro, prob)
-                self._drop(pid)
+                self.evict(pid)
+
+    def evict(self, problem_id: Hashable) -> None:
+        """Un-indexes every rollout of the problem and drops its trie (KeyError if unknown);
+        its live rollouts keep drafting, un-indexed, until they finish."""
+        prob = self._problems[problem_id]
+        for ep in list(prob.history) + [prob.current]:
+            for ro in ep:
+                self._unindex(ro, prob)
+        self._drop(problem_id)
+
+    def last_epoch(self, problem_id: Hashable) -> int:
+        """The epoch the problem was last visited in (KeyError if unknown)."""
+        return self._problems[problem_id].last_epoch
 
     def _unindex(self, ro: _Rollout, prob: _Problem):
         if ro.sid >= 0:
@@ -273,3 +282,157 @@ class ProblemHistory:
         for handle, pid, sid, prefix_len, out_len, live, *version in state.get("detached", []):
             self._rollouts[handle] = (pid, _Rollout(sid, prefix_len, out_len, live,
                                                     int(version[0]) if version else 0))
+
+
+class ShardedHistory:
+    """`ProblemHistory`'s interface over `shards` histories, each with its own forest (node
+    pool and hash table): a problem lives in one shard (round-robin in order of first visit),
+    so appends to different shards' tries touch disjoint arrays and may run on several threads
+    at once (`SuffixDrafter` with `threads` > 1). A problem's trie is built from the same
+    rollouts in the same order as in one history, so its drafts are the same.
+
+    Handles: a shard's handle h is `h * shards + shard`. `max_problems` caps the problems of
+    all shards together, evicting as one history would (least recently visited first, ties in
+    order of first visit).
+
+    Args:
+      config, window, prompt_tail, max_problems: as `ProblemHistory`.
+      shards: number of shards (>= 1).
+    """
+
+    def __init__(self, config: SuffixTreeConfig = SuffixTreeConfig(), window: int = 16,
+                 prompt_tail: int | None = None, max_problems: int | None = None,
+                 shards: int = 2):
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards}")
+        self.shards = [ProblemHistory(config, window, prompt_tail) for _ in range(shards)]
+        self.config = self.shards[0].config
+        self.max_problems = max_problems
+        self._shard_of: dict[Hashable, int] = {}
+        self._next = 0
+
+    # ------------------------------------------------------------------ routing
+    def shard_of(self, problem_id: Hashable) -> int:
+        """The problem's shard (assigned on its first visit: round-robin)."""
+        k = self._shard_of.get(problem_id)
+        if k is None:
+            k = self._shard_of[problem_id] = self._next % len(self.shards)
+            self._next += 1
+        return k
+
+    def _of_handle(self, handle: int) -> tuple[ProblemHistory, int]:
+        n = len(self.shards)
+        return self.shards[handle % n], handle // n
+
+    @property
+    def window(self) -> int:
+        return self.shards[0].window
+
+    @property
+    def epoch(self) -> int:
+        return self.shards[0].epoch
+
+    @property
+    def policy_version(self) -> int:
+        return self.shards[0].policy_version
+
+    # ------------------------------------------------------------------ rollouts
+    def start_rollout(self, problem_id: Hashable, prompt_ids: Sequence[int]) -> int:
+        """As `ProblemHistory.start_rollout`, in the problem's shard."""
+        k = self.shard_of(problem_id)
+        return self.shards[k].start_rollout(problem_id, prompt_ids) * len(self.shards) + k
+
+    def extend_rollout(self, handle: int, token_ids: Sequence[int]) -> None:
+        h, local = self._of_handle(handle)
+        h.extend_rollout(local, token_ids)
+
+    def finish_rollout(self, handle: int) -> None:
+        h, local = self._of_handle(handle)
+        h.finish_rollout(local)
+
+    def rollout(self, handle: int) -> _Rollout:
+        h, local = self._of_handle(handle)
+        return h.rollout(local)
+
+    def problem_shard(self, problem_id: Hashable) -> int:
+        """The shard holding the problem's trie (0 for an unknown problem)."""
+        return self._shard_of.get(problem_id, 0)
+
+    # ------------------------------------------------------------------ epochs and versions
+    def advance_epoch(self) -> None:
+        for h in self.shards:
+            h.advance_epoch()
+        live = {p for h in self.shards for p in h.problems()}
+        # problems in order of first visit (as one history's dict keeps them)
+        self._shard_of = {p: k for p, k in self._shard_of.items() if p in live}
+        if self.max_problems is not None and len(self._shard_of) > self.max_problems:
+            order = sorted(self._shard_of,
+                           key=lambda p: self.shards[self._shard_of[p]].last_epoch(p))
+            for pid in order[: len(self._shard_of) - self.max_problems]:
+                self.shards[self._shard_of.pop(pid)].evict(pid)
+
+    def set_policy_version(self, version: int) -> None:
+        for h in self.shards:
+            h.set_policy_version(version)
+
+    def _get(self, problem_id: Hashable) -> ProblemHistory | None:
+        k = self._shard_of.get(problem_id)
+        return None if k is None else self.shards[k]
+
+    def mean_version(self, problem_id: Hashable) -> float:
+        h = self._get(problem_id)
+        return float("nan") if h is None else h.mean_version(problem_id)
+
+    def versions(self, problem_id: Hashable) -> list[int]:
+        h = self._get(problem_id)
+        return [] if h is None else h.versions(problem_id)
+
+    def age(self, problem_id: Hashable) -> float:
+        return self.policy_version - self.mean_version(problem_id)
+
+    # ------------------------------------------------------------------ queries
+    def forest_of(self, problem_id: Hashable) -> SuffixForest | None:
+        """The forest holding the problem's trie (None for an unknown problem)."""
+        h = self._get(problem_id)
+        return None if h is None else h.forest
+
+    def propose(self, problem_id: Hashable, context: np.ndarray, max_tokens: int,
+                handle: int | None = None) -> ScoredDraft:
+        h = self._get(problem_id)
+        if h is None:
+            return ScoredDraft(Draft.empty(), 0, 0.0)
+        return h.propose(problem_id, context, max_tokens,
+                         None if handle is None else self._of_handle(handle)[1])
+
+    def root(self, problem_id: Hashable) -> int:
+        """Root of the problem's trie in its shard's forest, -1 for an unknown problem."""
+        h = self._get(problem_id)
+        return -1 if h is None else h.root(problem_id)
+
+    def lengths(self, problem_id: Hashable) -> list[int]:
+        h = self._get(problem_id)
+        return [] if h is None else h.lengths(problem_id)
+
+    def problems(self) -> list:
+        return [p for h in self.shards for p in h.problems()]
+
+    def num_rollouts(self, problem_id: Hashable) -> int:
+        h = self._get(problem_id)
+        return 0 if h is None else h.num_rollouts(problem_id)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {"shards": [h.state_dict() for h in self.shards],
+                "shard_of": [[p, k] for p, k in self._shard_of.items()], "next": self._next,
+                "max_problems": self.max_problems}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores `state_dict()` output (its shard count wins)."""
+        cfg, n = self.config, len(state["shards"])
+        w = state["shards"][0]["window"]
+        self.shards = [ProblemHistory(cfg, w) for _ in range(n)]
+        for h, s in zip(self.shards, state["shards"]):
+            h.load_state_dict(s)
+        self._shard_of = {p: k for p, k in state["shard_of"]}
+        self._next = state["next"]
+        self.max_problems = state["max_problems"]

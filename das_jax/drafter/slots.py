@@ -15,6 +15,7 @@ class RequestSlots:
 
     Attributes (length >= slots ever used; rows of free slots are meaningless):
       root: int64 [S], trie root (-1: none). sid: int64 [S], own live sequence (-1: not indexed).
+      shard: int64 [S], the history shard (forest) root and sid belong to (0 unsharded).
       out_len: int64 [S], tokens appended since `add`.
       mean_version: float64 [S], the mean policy version of the rollouts indexed for the slot's
         problem (`ProblemHistory.mean_version`; NaN: none), kept by the drafter.
@@ -47,6 +48,7 @@ class RequestSlots:
             setattr(self, name, a)
         grow("root", -1, np.int64)
         grow("sid", -1, np.int64)
+        grow("shard", 0, np.int64)
         grow("out_len", 0, np.int64)
         grow("ctx_start", 0, np.int64)
         grow("ctx_len", 0, np.int64)
@@ -109,6 +111,7 @@ class RequestSlots:
         self.live[s] = True
         self.lag[s] = 0
         self.root[s], self.sid[s], self.out_len[s] = -1, -1, 0
+        self.shard[s] = 0
         self.mean_version[s] = np.nan
         self.ctx_len[s], self.ctx_cap[s] = 0, 0
         self.reserve(s, max(64, 2 * arr.size))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import threading
 from typing import Hashable, Sequence
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from . import _batch_kernels as BK
 from .base import Draft, DraftBatch, RequestContext
-from .history import ProblemHistory
+from .history import ProblemHistory, ShardedHistory
 from .slots import RequestSlots
 from .suffix_tree import SuffixForest, SuffixTreeConfig
 
@@ -53,8 +54,11 @@ class SuffixDrafter:
       window: past epochs of rollouts kept per problem.
       prompt_tail: prompt tokens indexed in front of each rollout (default config.max_depth).
       max_problems: optional cap on problems kept (least recently visited dropped).
-      threads: threads `propose_batch` drafts on (1: the calling thread only; more: a pool of
-        threads - 1 workers created on first use, the calling thread drafting a share too).
+      threads: threads a step's rows are drafted and appended on (1: the calling thread only;
+        more: the history is sharded into `threads` forests (`ShardedHistory`: a problem's
+        trie lives in one), each step's rows grouped by shard, each group's propose and trie
+        appends on its own thread (a pool of threads - 1 workers created on first use, the
+        calling thread taking a group too); drafts are the same as with one thread).
 
     `propose_batch` / `append_batch` do every row in one kernel call (equal to the per-row
     calls in row order). Active requests live in `RequestSlots` (context, trie root, own
@@ -69,7 +73,9 @@ class SuffixDrafter:
                  threads: int = 1):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        self.history = ProblemHistory(config, window, prompt_tail, max_problems)
+        self.history = (ProblemHistory(config, window, prompt_tail, max_problems)
+                        if threads == 1 else
+                        ShardedHistory(config, window, prompt_tail, max_problems, threads))
         self.config = self.history.config
         self.threads = int(threads)
         self._requests: dict[int, _Active] = {}
@@ -93,10 +99,12 @@ class SuffixDrafter:
         self._requests[request_id] = _Active(problem_id, handle, s)
         sl.root[s] = self.history.root(problem_id)
         sl.sid[s] = self.history.rollout(handle).sid
+        sl.shard[s] = self._shard(problem_id)
         if new_problem and (sl.root[sl.live] < 0).any():
             self._sync_slots()      # live requests whose problem was dropped draft from it again
         # the problem's mean version now counts this rollout, for its live siblings too
-        sl.mean_version[sl.live & (sl.root == sl.root[s])] = self.history.mean_version(problem_id)
+        same = sl.live & (sl.root == sl.root[s]) & (sl.shard == sl.shard[s])
+        sl.mean_version[same] = self.history.mean_version(problem_id)
 
     def propose(self, request_id: int, max_tokens: int) -> Draft:
         s, sl = self._requests[request_id].slot, self._slots
@@ -110,7 +118,7 @@ class SuffixDrafter:
                 np.zeros(md, np.int32), np.zeros(md, np.int32), np.zeros(md, np.float32),
                 np.zeros(md, np.int32))
         end = int(sl.ctx_start[s]) + n
-        f, cfg = self.history.forest, self.config
+        f, cfg = self._forests()[sl.shard[s]], self.config
         k = BK.propose_tail(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, root,
                             sl.pool[end - min(n, md - 1): end], int(sl.sid[s]),
                             int(sl.lag[s]), int(max_tokens),
@@ -128,7 +136,7 @@ class SuffixDrafter:
         if n == 0:
             return
         if sl.sid[s] >= 0:
-            self.history.forest.append(int(sl.sid[s]), arr)
+            self._forests()[sl.shard[s]].append(int(sl.sid[s]), arr)
         length = int(sl.ctx_len[s])
         sl.reserve(s, length + n)
         start = int(sl.ctx_start[s]) + length
@@ -233,37 +241,126 @@ class SuffixDrafter:
         return self._slots.context(self._requests[request_id].slot).copy()
 
     # ------------------------------------------------------------------ batched kernels
+    def _forests(self) -> list[SuffixForest]:
+        """The forests of the history's shards (one unsharded)."""
+        h = self.history
+        return [x.forest for x in h.shards] if isinstance(h, ShardedHistory) else [h.forest]
+
+    def _shard(self, problem_id: Hashable) -> int:
+        """The shard of the problem's trie (0 unsharded or unknown). A live request's own
+        sequence, when still indexed, is in it too: a problem dropped and visited again may
+        land in another shard, but dropping it un-indexed its rollouts."""
+        h = self.history
+        return h.problem_shard(problem_id) if isinstance(h, ShardedHistory) else 0
+
+    def _pool(self):
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.threads - 1, thread_name_prefix="suffix-drafter")
+        return self._executor
+
+    def _run_groups(self, jobs: list) -> None:
+        """Runs the callables in `jobs` at once: the first on this thread, the others on the
+        pool."""
+        if len(jobs) <= 1:
+            for job in jobs:
+                job()
+            return
+        futures = [self._pool().submit(job) for job in jobs[1:]]
+        jobs[0]()
+        for fut in futures:
+            fut.result()
+
+    def _groups(self, slots: np.ndarray) -> list[np.ndarray]:
+        """Row indices of `slots` per shard (row order kept within each), non-empty ones; one
+        group of every row when the history is unsharded or the step is small."""
+        A, n = slots.shape[0], len(self._forests())
+        if n == 1 or A // self.threads < _MIN_ROWS_PER_THREAD:
+            return []
+        shard_A = self._slots.shard[slots]
+        return [np.flatnonzero(shard_A == k) for k in range(n) if (shard_A == k).any()]
+
     def _propose_slots(self, slots: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:
         A = slots.shape[0]
         out = DraftBatch.empty(A, max(0, int(max_tokens_A.max(initial=0))))
         if out.width == 0:
             return out
-        f, cfg, sl = self.history.forest, self.config, self._slots
-        args = (f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, slots, max_tokens_A, sl.root,
-                sl.sid, sl.lag, sl.pool, sl.ctx_start, sl.ctx_len, float(cfg.min_token_prob),
-                float(cfg.max_spec_factor), float(cfg.max_spec_offset), int(cfg.min_match_len))
+        cfg, sl, forests = self.config, self._slots, self._forests()
         outs = (out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A)
-        parts = min(self.threads, A // _MIN_ROWS_PER_THREAD)
-        if parts <= 1:
-            BK.propose_rows(*args, 0, A, *outs)
-        else:
-            bounds = [A * i // parts for i in range(parts + 1)]
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    self.threads - 1, thread_name_prefix="suffix-drafter")
-            futures = [self._executor.submit(BK.propose_rows, *args, bounds[i], bounds[i + 1],
-                                             *outs) for i in range(1, parts)]
-            BK.propose_rows(*args, 0, bounds[1], *outs)
-            for fut in futures:
-                fut.result()
+
+        def run(f, rows_slots, rows_max, lo, hi, outs):
+            BK.propose_rows(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, rows_slots, rows_max,
+                            sl.root, sl.sid, sl.lag, sl.pool, sl.ctx_start, sl.ctx_len,
+                            float(cfg.min_token_prob), float(cfg.max_spec_factor),
+                            float(cfg.max_spec_offset), int(cfg.min_match_len), lo, hi, *outs)
+        if len(forests) == 1:
+            run(forests[0], slots, max_tokens_A, 0, A, outs)
+        else:                       # rows grouped by shard, a group per thread
+            groups = self._groups(slots)
+            shard_A = sl.shard[slots]
+            if not groups:          # a small step: every shard's rows on this thread
+                groups = [np.flatnonzero(shard_A == k) for k in range(len(forests))]
+                groups = [np.concatenate(groups)]
+            order = np.concatenate(groups)
+            tmp = DraftBatch.empty(A, out.width)
+            touts = (tmp.tokens_AxK, tmp.probs_AxK, tmp.support_AxK, tmp.lens_A)
+            s_sorted, m_sorted, sh_sorted = slots[order], max_tokens_A[order], shard_A[order]
+            jobs, lo = [], 0
+            for g in groups:
+                hi = lo + g.size
+                jobs.append(functools.partial(self._propose_shards, run, forests, s_sorted,
+                                              m_sorted, sh_sorted, lo, hi, touts))
+                lo = hi
+            self._run_groups(jobs)
+            for o, t in zip(outs, touts):
+                o[order] = t
         np.greater(out.lens_A, 0, out=out.has_support_A)
         age_A = (self.history.policy_version - sl.mean_version[slots]).astype(np.float32)
         return DraftBatch(out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A,
                           out.has_support_A, age_A)
 
+    @staticmethod
+    def _propose_shards(run, forests, slots, max_tokens, shard, lo, hi, outs) -> None:
+        """`run` over rows lo..hi-1, each maximal run of one shard's rows on its forest."""
+        b = lo
+        while b < hi:
+            e = b + 1
+            while e < hi and shard[e] == shard[b]:
+                e += 1
+            run(forests[int(shard[b])], slots, max_tokens, b, e, outs)
+            b = e
+
     def _append_slots(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
                       mode: int = BK.INDEX | BK.CONTEXT) -> None:
-        f, sl = self.history.forest, self._slots
+        forests = self._forests()
+        if len(forests) == 1:
+            self._append_on(forests[0], slots, tokens_AxW, n_A, mode)
+            return
+        # Sharded: the contexts first (the slots' shared pool, this thread), then each
+        # shard's rows indexed into its own forest, a shard per thread on a large step.
+        if mode & BK.CONTEXT:
+            self._append_on(forests[0], slots, tokens_AxW, n_A, BK.CONTEXT)
+        if not mode & BK.INDEX:
+            return
+        shard_A = self._slots.shard[slots]
+        groups = self._groups(slots)
+        per_shard = [np.flatnonzero(shard_A == k) for k in range(len(forests))]
+
+        def index(ks):
+            for k in ks:
+                rows = per_shard[k]
+                if rows.size:
+                    self._append_on(forests[k], slots[rows], tokens_AxW[rows], n_A[rows],
+                                    BK.INDEX)
+        if not groups:
+            index(range(len(forests)))
+            return
+        self._run_groups([functools.partial(index, [int(shard_A[g[0]])]) for g in groups])
+
+    def _append_on(self, f: SuffixForest, slots: np.ndarray, tokens_AxW: np.ndarray,
+                   n_A: np.ndarray, mode: int) -> None:
+        """`BK.append_rows` of these rows on forest `f`, growing what it asks for."""
+        sl = self._slots
         row, off = 0, 0
         while True:
             row, off, rc = BK.append_rows(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, slots,
@@ -286,6 +383,7 @@ class SuffixDrafter:
         for req in self._requests.values():
             sl.root[req.slot] = self.history.root(req.problem_id)
             sl.sid[req.slot] = self.history.rollout(req.handle).sid
+            sl.shard[req.slot] = self._shard(req.problem_id)
             sl.mean_version[req.slot] = self.history.mean_version(req.problem_id)
 
     def __getstate__(self):
@@ -312,7 +410,11 @@ class SuffixDrafter:
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "suffix":
             raise ValueError(f"not a suffix drafter state: {state.get('kind')!r}")
-        self.history.load_state_dict(state["history"])
+        hs = state["history"]
+        if ("shards" in hs) != isinstance(self.history, ShardedHistory):   # the state's layout
+            self.history = (ShardedHistory(self.config, shards=len(hs["shards"]))
+                            if "shards" in hs else ProblemHistory(self.config))
+        self.history.load_state_dict(hs)
         self.config = self.history.config
         self._requests, self._slots, self._deferred = {}, RequestSlots(), []
         for rid, pid, handle, ctx in state["requests"]:

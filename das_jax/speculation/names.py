@@ -59,9 +59,11 @@ class DASSection:
     window: epochs of rollout history kept per problem (suffix drafters).
     max_depth: suffix-tree depth (longest match + draft), in tokens.
     min_token_prob: a suffix draft stops when its path probability drops below this.
-    drafter_threads: threads the per-problem suffix drafter drafts a step's rows on (1: the
-      rollout's own thread; its numba kernels release the GIL, so more threads draft rows in
-      parallel, 64 or more rows per thread; appends to the tries stay serial).
+    drafter_threads: threads the per-problem suffix drafter drafts and indexes a step's rows
+      on (1: the rollout's own thread; more: the problems' tries are split over that many
+      forests, `drafter.ShardedHistory`, and each forest's rows are drafted and appended on
+      its own thread, the numba kernels releasing the GIL, from 64 rows per thread; the same
+      drafts as one thread).
     policy: the DAS length-aware policy (`das_jax.speculation.DASConfig`): short_quantile,
       long_quantile, short_threshold, long_threshold (length classes), weight_short,
       weight_medium, weight_long (class weights sharing the per-step cost), budget_short,
