@@ -74,15 +74,17 @@ _REAL_MODEL_FILES = ("test_exact_mode.py", "test_engine_smollm2.py", "test_model
 # order, so a long file left for the end would run alone on one worker while the other idles.
 # The rest keep pytest's order. (A file missing here only costs balance, never a test.)
 _LONG_FILES_FIRST = (
-    "test_paged_kv_cache.py", "test_paged_attention.py", "test_engine.py", "test_run_log.py",
-    "test_head_logprobs.py", "test_bench_replay.py", "test_export.py", "test_train_window.py",
-    "test_grpo_losses.py", *_REAL_MODEL_FILES, "test_models_hf.py", "test_trainer_run_dir.py",
-    "test_grpo_train_step.py", "test_fused_update.py", "test_decode_attention.py",
-    "test_das_policy.py", "test_engine_settings.py", "test_memory.py", "test_multihost_train.py",
-    "test_old_logprobs.py", "test_evaluate.py", "test_sampling_numerics.py", "test_trainer.py",
-    "test_async_grpo.py",
-    "test_precompile_share.py", "test_packed_verify.py", "test_rewards_sandbox.py",
-    "test_packed_prefill.py", "test_sharding_cli.py", "test_bench_rollout.py",
+    "test_exact_mode.py", "test_paged_kv_cache.py", "test_engine.py",
+    "test_cross_platform_export.py", "test_bench_replay.py", "test_decode_attention.py",
+    "test_rewards_sandbox.py", "test_grpo_train_step.py", "test_engine_settings.py",
+    "test_packed_prefill.py", "test_advantages_equal_groups.py", "test_memory.py",
+    "test_packed_verify.py", "test_grpo_losses.py", "test_das_policy.py",
+    "test_paged_attention.py", "test_run_log.py", "test_head_logprobs.py", "test_export.py",
+    "test_train_window.py", "test_engine_smollm2.py", "test_models_smollm2.py",
+    "test_models_hf.py", "test_trainer_run_dir.py", "test_fused_update.py",
+    "test_multihost_train.py", "test_old_logprobs.py", "test_evaluate.py",
+    "test_sampling_numerics.py", "test_trainer.py", "test_async_grpo.py",
+    "test_precompile_share.py", "test_sharding_cli.py", "test_bench_rollout.py",
     "test_sharding_train.py", "test_multi_device.py",
 )
 
@@ -223,6 +225,17 @@ _SLOW_TESTS = (
     "tests/test_async_grpo.py::test_async_steps_zero_is_the_synchronous_loop",
     "tests/test_train_window.py::test_windowed_head_matches_full_reference[dapo-0.0-6]",
     "tests/test_trainer.py::test_checkpoint_of_another_model_is_rejected",
+    "tests/test_exact_mode.py::test_row_logits_bitwise_equal_at_every_shape_in_exact_mode",
+    "tests/test_exact_mode.py::test_property_einsum_row_invariant",
+    "tests/test_bench_replay.py::"
+    "test_das_budget_beats_unlimited_drafts_at_paper_scale_on_a_gpu_model",
+    "tests/test_grpo_train_step.py::test_optimizer_warmup_and_clipping",
+    "tests/test_memory.py::test_chunked_remat_path_matches_reference[grpo]",
+    "tests/test_paged_kv_cache.py::test_plan_reports_the_paged_pool",
+    "tests/test_leafwise_update.py::test_leafwise_apply_matches_optax[0.0]",
+    "tests/test_old_logprobs.py::test_on_policy_step_top_p_no_clipping_and_gap_reported[recompute]",
+    "tests/test_kernel_warmup.py::test_a_rollout_after_the_warm_up_compiles_no_kernel[das]",
+    "tests/test_gpu_check.py::test_gpu_check_smoke",
 )
 
 

@@ -364,7 +364,7 @@ def part_generate(ck: Check) -> dict:
     sampling = SamplingParams(temperature=0.6, max_new_tokens=sh.gen_new)
     engines = {k: Engine(ck.config, ck.params, eos_token_ids=[], engine_config=EngineConfig(
         max_slots=sh.gen_slots, max_cache_len=2048, draft_widths=sh.gen_widths,
-        decode_steps=k)) for k in (1, EngineConfig.decode_steps)}
+        decode_steps=k, kv_cache=ck.args.kv_cache)) for k in (1, EngineConfig.decode_steps)}
     done = ck.results.get("verify", {}).get("programs") or [{"compile_s": 1.0}]
     prior = float(np.mean([r["compile_s"] for r in done]))
     das = DASSection(cost_model=CostModelConfig(source=sh.cost_source, calibrate=False,
@@ -392,6 +392,8 @@ def part_generate(ck: Check) -> dict:
     # k steps per call vs one: the same tokens up to float rounding of the attended length
     out["none_identical_rollouts"] = float(np.mean(
         [a == b for a, b in zip(tokens["none"], tokens["none-1step"])]))
+    out["kv_cache"], out["tokens"] = ck.args.kv_cache, {k: [list(map(int, t)) for t in v]
+                                                        for k, v in tokens.items()}
     ck.counts["generate"] = {"device_steps": [steps, prefill], "host_steps": steps[2]}
     return out
 
@@ -776,6 +778,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-loop", choices=("scan", "unroll", "unstacked"), default="scan",
                     help="every part's layer loop: the scan (default), unrolled, or a Python "
                          "loop over unstacked weights (`ModelConfig.layer_loop`)")
+    ap.add_argument("--kv-cache", choices=("dense", "paged"), default="dense",
+                    help="the generate part's engines' KV cache (`EngineConfig.kv_cache`)")
     ap.add_argument("--paged-tuning", type=lambda v: tuple(int(x) for x in v.split(",")),
                     default=None, metavar="PPB,SPLIT,MAXSPLITS,WARPS,STAGES",
                     help="the paged part's Triton launch shape (no sweep of "
