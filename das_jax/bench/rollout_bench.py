@@ -273,17 +273,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                 if (name == "none" and setup.reference_fn is not None and epoch == 0
                         and temp == setup.temperatures[0] and "hf_reference" not in result):
                     # Right after `none` of epoch 0: the two measurements sit side by side in time.
-                    log(f"T={temp}: HF transformers generate on the same prompts (batch "
-                        f"{ec.max_slots}), the outside reference")
-                    hf = setup.reference_fn(requests, sampling, ec.max_slots)
-                    if hf is not None:
-                        hf["none_tok_s"] = row["generated_tokens"] / max(row["wall_s"], 1e-9)
-                        hf["hf_tok_s"] = hf["tok_s"]
-                        hf["temperature"] = temp
-                        result["hf_reference"] = hf
-                        log(f"T={temp}: none {hf['none_tok_s']:.1f} tok/s vs HF generate "
-                            f"{hf['hf_tok_s']:.1f} tok/s at batch {hf['batch']} "
-                            f"({hf['none_tok_s'] / max(hf['hf_tok_s'], 1e-9):.2f}x)")
+                    _hf_reference(setup, requests, sampling, ec.max_slots, row, result, log)
             log(epoch_line(temp, epoch, {n: [r["wall_s"] for r in measured[n]] for n in names}))
             if out_dir:
                 _checkpoint(out_dir, result, measured, none_epochs, trace_rollouts, coef, das,
@@ -307,6 +297,24 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
     if out_dir:
         _write_outputs(out_dir, result, setup, coef, das, trace_rollouts)
     return result
+
+
+def _hf_reference(setup: BenchSetup, requests, sampling, batch: int, none_row: dict,
+                  result: dict, log: Callable) -> None:
+    """Runs `setup.reference_fn` (HF transformers generate) on the requests at `batch` (the
+    engine's slots); stores it in `result["hf_reference"]` beside `none`'s tokens per second."""
+    temp = sampling.temperature
+    log(f"T={temp}: HF transformers generate on the same prompts (batch {batch}), the outside "
+        "reference")
+    hf = setup.reference_fn(requests, sampling, batch)
+    if hf is None:
+        return
+    hf["none_tok_s"] = none_row["generated_tokens"] / max(none_row["wall_s"], 1e-9)
+    hf["hf_tok_s"] = hf["tok_s"]
+    hf["temperature"] = temp
+    result["hf_reference"] = hf
+    log(f"T={temp}: none {hf['none_tok_s']:.1f} tok/s vs HF generate {hf['hf_tok_s']:.1f} tok/s"
+        f" at batch {hf['batch']} ({hf['none_tok_s'] / max(hf['hf_tok_s'], 1e-9):.2f}x)")
 
 
 def _add_replay(result: dict, measured: dict, none_epochs: dict, names: list[str], ec,
