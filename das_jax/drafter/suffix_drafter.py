@@ -343,19 +343,14 @@ class SuffixDrafter:
         if not mode & BK.INDEX:
             return
         shard_A = self._slots.shard[slots]
-        groups = self._groups(slots)
-        per_shard = [np.flatnonzero(shard_A == k) for k in range(len(forests))]
-
-        def index(ks):
-            for k in ks:
-                rows = per_shard[k]
-                if rows.size:
-                    self._append_on(forests[k], slots[rows], tokens_AxW[rows], n_A[rows],
-                                    BK.INDEX)
-        if not groups:
-            index(range(len(forests)))
-            return
-        self._run_groups([functools.partial(index, [int(shard_A[g[0]])]) for g in groups])
+        jobs = [functools.partial(self._append_on, forests[k], slots[rows], tokens_AxW[rows],
+                                  n_A[rows], BK.INDEX)
+                for k in range(len(forests)) if (rows := np.flatnonzero(shard_A == k)).size]
+        if slots.shape[0] // self.threads >= _MIN_ROWS_PER_THREAD:
+            self._run_groups(jobs)
+        else:
+            for job in jobs:
+                job()
 
     def _append_on(self, f: SuffixForest, slots: np.ndarray, tokens_AxW: np.ndarray,
                    n_A: np.ndarray, mode: int) -> None:
