@@ -10,29 +10,54 @@ from das_jax.drafter import (DraftBatch, NgramDrafter, ProblemHistory, RequestCo
                              ShardedHistory, SuffixDrafter, SuffixTreeConfig, append_batch,
                              propose_batch)
 from das_jax.drafter import suffix_drafter
+from das_jax.drafter.suffix_drafter import SCOPES
+from das_jax.drafter.suffix_tree import SuffixForest
 from das_jax.rollout.multi_device import LockedDrafter
 
 CFG = SuffixTreeConfig(max_depth=8)
 
 
 class RowDrafter:
-    """The per-row reference: a ProblemHistory plus each request's full context."""
+    """The per-row reference: a ProblemHistory plus each request's full context, and with the
+    request / global scopes a per-request SuffixTree-like trie and a global trie of finished
+    rollouts in one scope forest; the best-scoring draft wins, ties to the earlier scope."""
 
-    def __init__(self, config, window, prompt_tail=None, max_problems=None):
+    def __init__(self, config, window, prompt_tail=None, max_problems=None,
+                 scopes=("problem",), global_rollouts=1024, global_below=2.0):
         self.history = ProblemHistory(config, window, prompt_tail, max_problems)
-        self.requests = {}
+        self.requests = {}       # rid -> [pid, handle, context, prompt_len, rroot, rsid]
         self.pending = []        # (rid, tokens) in the context, not yet in the history
+        self.scopes, self.global_rollouts = tuple(scopes), global_rollouts
+        self.global_below = global_below
+        self.scope = SuffixForest(config)
+        self.groot = self.scope.new_tree() if "global" in self.scopes else -1
+        self.gseqs, self.gpending = [], []
 
     def append_context(self, rid, toks):
         """`append_batch(..., index_later=True)`: the context now, the history at `flush`."""
         self.requests[rid][2].extend(np.asarray(toks, np.int32))
         self.pending.append((rid, np.asarray(toks, np.int32)))
 
+    def _index(self, rid, toks):
+        req = self.requests[rid]
+        self.history.extend_rollout(req[1], toks)
+        if req[5] >= 0:
+            self.scope.append(req[5], toks)
+
     def flush(self, rid=None):
+        if rid is None:
+            for toks in self.gpending:
+                sid = self.scope.new_seq(self.groot)
+                self.scope.append(sid, toks)
+                self.scope.freeze(sid)
+                self.gseqs.append(sid)
+            self.gpending = []
+            while len(self.gseqs) > self.global_rollouts:
+                self.scope.remove(self.gseqs.pop(0))
         keep = []
         for r, toks in self.pending:
             if rid is None or r == rid:
-                self.history.extend_rollout(self.requests[r][1], toks)
+                self._index(r, toks)
             else:
                 keep.append((r, toks))
         self.pending = keep
@@ -42,23 +67,44 @@ class RowDrafter:
             raise ValueError(rid)
         if self.history.root(pid) < 0:
             self.flush()
-        self.requests[rid] = (pid, self.history.start_rollout(pid, prompt),
-                              RequestContext(prompt))
+        rroot = rsid = -1
+        if "request" in self.scopes:
+            rroot = self.scope.new_tree()
+            rsid = self.scope.new_seq(rroot)
+            self.scope.append(rsid, np.asarray(prompt, np.int32))
+        self.requests[rid] = [pid, self.history.start_rollout(pid, prompt),
+                              RequestContext(prompt), len(prompt), rroot, rsid]
 
     def propose(self, rid, k):
-        pid, handle, ctx = self.requests[rid]
-        return self.history.propose(pid, ctx.array, k, handle).draft
+        pid, handle, ctx, _, rroot, rsid = self.requests[rid]
+        best = self.history.propose(pid, ctx.array, k, handle)
+        for root, own in ((rroot, rsid), (self.groot if self.gseqs else -1, -1)):
+            if root == self.groot and best.score >= self.global_below:
+                continue            # the global trie: a fallback for low-scoring rows only
+            if root >= 0:
+                x = self.scope.propose(root, ctx.array, k, own)
+                if len(x.draft) and x.score > best.score:
+                    best = x
+        return best.draft
 
     def append(self, rid, toks):
         self.flush()
-        _, handle, ctx = self.requests[rid]
+        ctx = self.requests[rid][2]
         arr = np.asarray(toks, np.int32)
         ctx.extend(arr)
-        self.history.extend_rollout(handle, arr)
+        self._index(rid, arr)
 
     def end(self, rid):
         self.flush(rid)
-        self.history.finish_rollout(self.requests.pop(rid)[1])
+        pid, handle, ctx, prompt_len, rroot, rsid = self.requests.pop(rid)
+        self.history.finish_rollout(handle)
+        if rsid >= 0:
+            self.scope.remove(rsid)
+            self.scope.drop_tree(rroot)
+        out_len = len(ctx.array) - prompt_len
+        if self.groot >= 0 and out_len:
+            start = max(0, prompt_len - self.history.prompt_tail)
+            self.gpending.append(ctx.array[start:].copy())
 
     def advance_epoch(self):
         self.flush()
@@ -67,13 +113,21 @@ class RowDrafter:
     def state_dict(self):
         self.flush()
         return {"kind": "suffix", "history": self.history.state_dict(),
-                "requests": [[rid, pid, h, ctx.array.copy()]
-                             for rid, (pid, h, ctx) in self.requests.items()]}
+                "requests": [[rid, pid, h, ctx.array.copy(), rroot, rsid]
+                             for rid, (pid, h, ctx, _, rroot, rsid) in self.requests.items()],
+                "scopes": list(self.scopes), "global_rollouts": self.global_rollouts,
+                "global_below": self.global_below, "scope_forest": self.scope.state_dict(), "global_root": self.groot,
+                "global_seqs": list(self.gseqs), "global_pending": list(self.gpending)}
 
     def load_state_dict(self, state):
         self.history.load_state_dict(state["history"])
-        self.requests = {rid: (pid, h, RequestContext(ctx))
-                         for rid, pid, h, ctx in state["requests"]}
+        self.requests = {}
+        for rid, pid, h, ctx, rroot, rsid in state["requests"]:
+            out_len = self.history.rollout(h).out_len
+            self.requests[rid] = [pid, h, RequestContext(ctx), len(ctx) - out_len, rroot, rsid]
+        self.scope.load_state_dict(state["scope_forest"])
+        self.groot, self.gseqs = state["global_root"], list(state["global_seqs"])
+        self.gpending = list(state["global_pending"])
 
 
 def assert_same_state(a, b, where="state"):
@@ -113,7 +167,8 @@ def assert_batch_matches(batch, ref, ids, max_tokens_A):
 
 
 def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60, cfg=CFG,
-              prompt_tail=None, deferred=False):
+              prompt_tail=None, deferred=False, scopes=("problem",), global_rollouts=1024,
+              global_below=2.0):
     """Random begin / propose / append / end / advance_epoch traffic on a batched drafter and
     the per-row reference; every step's drafts and periodic states are compared. `deferred`:
     batched appends mostly index their tokens later (`index_later`, flushed at random points,
@@ -121,9 +176,10 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60,
     same way."""
     rng = np.random.default_rng(seed)
     vocab, problems = 5, 6
+    kw = dict(scopes=scopes, global_rollouts=global_rollouts, global_below=global_below)
     d = SuffixDrafter(cfg, window=window, prompt_tail=prompt_tail, max_problems=max_problems,
-                      threads=threads)
-    ref = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems)
+                      threads=threads, **kw)
+    ref = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems, **kw)
     live, next_id = [], 0
     stats = {"drafted": 0, "unindexed": 0, "lagging": 0}
     for step in range(steps):
@@ -188,32 +244,43 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60,
                 assert d.lengths(pid) == ref.history.lengths(pid)
         if step == reload_at:
             d2 = SuffixDrafter(cfg, window=window, prompt_tail=prompt_tail,
-                               max_problems=max_problems, threads=threads)
+                               max_problems=max_problems, threads=threads, **kw)
             d2.load_state_dict(pickle.loads(pickle.dumps(d.state_dict())))
-            ref2 = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems)
+            ref2 = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems, **kw)
             ref2.load_state_dict(pickle.loads(pickle.dumps(ref.state_dict())))
             d, ref = d2, ref2       # (a loaded forest lays out its storage anew: reload both)
     return stats
 
 
+SCOPE_CASES = [pytest.param(("problem",), 1024, 2.0, id="problem"),
+               pytest.param(SCOPES, 1024, 2.0, id="all-scopes"),
+               pytest.param(("problem", "global"), 3, float("inf"), id="global-3")]  # FIFO drops
+
+
+@pytest.mark.parametrize("scopes,global_rollouts,global_below", SCOPE_CASES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed,window,max_problems", [(0, 1, None), (1, 0, None), (2, 2, 3)])
-def test_batch_equals_per_row_reference(monkeypatch, seed, threads, window, max_problems):
+def test_batch_equals_per_row_reference(monkeypatch, seed, threads, window, max_problems,
+                                        scopes, global_rollouts, global_below):
     monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)   # split even small batches
-    stats = _scenario(seed, threads, window, max_problems)
+    stats = _scenario(seed, threads, window, max_problems, scopes=scopes,
+                      global_rollouts=global_rollouts, global_below=global_below)
     assert stats["drafted"] > 500 and stats["unindexed"] > 50, stats
 
 
+@pytest.mark.parametrize("scopes,global_rollouts,global_below", SCOPE_CASES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed,window,max_problems", [(4, 1, None), (5, 2, 3)])
 def test_deferred_appends_draft_from_the_trie_one_flush_behind(monkeypatch, seed, threads,
-                                                               window, max_problems):
+                                                               window, max_problems, scopes,
+                                                               global_rollouts, global_below):
     """`append_batch(..., index_later=True)`: contexts take the tokens at once, the trie at
     `flush_appends` (or at any call that needs it: `end` its request's, `append`, a new
     problem, `advance_epoch`, `state_dict`); drafts meanwhile equal the reference's from its
     full context on a history without the deferred tokens; states equal after each flush."""
     monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)
-    stats = _scenario(seed, threads, window, max_problems, deferred=True)
+    stats = _scenario(seed, threads, window, max_problems, deferred=True, scopes=scopes,
+                      global_rollouts=global_rollouts, global_below=global_below)
     assert stats["drafted"] > 500 and stats["lagging"] > 50, stats
 
 
@@ -224,7 +291,8 @@ def test_deferred_appends_draft_from_the_trie_one_flush_behind(monkeypatch, seed
 def test_batch_equals_per_row_reference_other_configs(cfg, prompt_tail):
     """Draft limits, probability cut-offs and prompt tails shorter than a match (tails longer
     than the own sequence are looked up from the root)."""
-    stats = _scenario(3, 1, 1, cfg=cfg, prompt_tail=prompt_tail, steps=80, reload_at=40)
+    stats = _scenario(3, 1, 1, cfg=cfg, prompt_tail=prompt_tail, steps=80, reload_at=40,
+                      scopes=SCOPES)
     assert stats["drafted"] > 200, stats
 
 
@@ -249,7 +317,7 @@ def test_threaded_propose_matches_inline_on_many_rows():
 
 
 def test_edge_cases():
-    d = SuffixDrafter(CFG, window=0)
+    d = SuffixDrafter(CFG, window=0, scopes=("problem",))
     empty = d.propose_batch(np.zeros(0, np.int64), np.zeros(0, np.int32))
     assert empty.tokens_AxK.shape == (0, 0) and empty.lens_A.shape == (0,)
     d.append_batch(np.zeros(0, np.int64), np.zeros((0, 0), np.int32), np.zeros(0, np.int32))
@@ -283,7 +351,7 @@ def test_edge_cases():
 
 def test_locked_drafter_forwards_batches_with_id_mapping():
     d = SuffixDrafter(CFG, window=1)
-    ref = RowDrafter(CFG, 1)
+    ref = RowDrafter(CFG, 1, scopes=SCOPES)
     view = LockedDrafter(d).view([5, 7, 9])
     for local, rid in enumerate((5, 7, 9)):
         view.begin(local, "p", [1, 2, 3])

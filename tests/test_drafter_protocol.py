@@ -146,7 +146,7 @@ def test_state_dict_round_trip_gives_identical_proposals():
 def test_suffix_drafter_propose_matches_bruteforce():
     rng = np.random.default_rng(3)
     seqs = [rng.integers(0, 4, size=50).tolist() for _ in range(5)]
-    d = SuffixDrafter(CFG, prompt_tail=0)
+    d = SuffixDrafter(CFG, prompt_tail=0, scopes=("problem",))    # the problem's trie alone
     for i, s in enumerate(seqs):
         _rollout(d, i, "p", [], s)
     ref = BruteIndex(seqs, CFG.max_depth)

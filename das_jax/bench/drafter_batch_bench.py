@@ -31,6 +31,9 @@ def add_batch_arguments(parser: argparse.ArgumentParser, standalone: bool = Fals
         parser.add_argument("--rollouts", type=int, default=16, help="rollouts per problem")
         parser.add_argument("--k", type=int, default=8, help="draft budget per propose")
         parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scopes", default=None,
+                        help="--batch: the suffix drafter's scopes, comma-separated (default: "
+                        "its default, problem,request,global)")
     parser.add_argument("--rows", default="32,128,256,512", help="--batch: live rows A")
     parser.add_argument("--threads", default="1,2", help="--batch: propose_batch thread counts")
     parser.add_argument("--length", type=int, default=1000, help="--batch: tokens per rollout")
@@ -64,10 +67,12 @@ def _build(args, threads: int = 1):
     from das_jax.drafter import SuffixDrafter, SuffixTreeConfig
 
     rng = np.random.default_rng(args.seed)
+    scopes = getattr(args, "scopes", None)
+    kw = {"scopes": scopes.split(",")} if scopes else {}
     try:
         d = SuffixDrafter(SuffixTreeConfig(max_depth=args.depth), window=args.window,
-                          threads=threads)
-    except TypeError:    # another checkout's drafter without threads
+                          threads=threads, **kw)
+    except TypeError:    # another checkout's drafter without threads or scopes
         d = SuffixDrafter(SuffixTreeConfig(max_depth=args.depth), window=args.window)
     answers = [_tokens(rng, args.length, args.vocab) for _ in range(args.problems)]
     prompts = [_tokens(rng, 48, args.vocab) for _ in range(args.problems)]
@@ -148,7 +153,8 @@ def batch_main(args: argparse.Namespace) -> int:
     print(f"drafter batch bench: {args.problems} problems x {args.rollouts} rollouts x "
           f"~{args.length} tokens (vocab {args.vocab}) indexed: {forest.indexed_tokens} tokens, "
           f"{forest.num_nodes} nodes, built in {time.perf_counter() - t0:.1f} s; depth="
-          f"{args.depth} k={args.k} steps={args.steps}")
+          f"{args.depth} k={args.k} steps={args.steps} scopes="
+          f"{','.join(getattr(base, 'scopes', ('problem',)))}")
     batched = hasattr(SuffixDrafter, "propose_batch")
     modes = [("per-row", None)] + ([(f"batch t={t}", t) for t in thread_list] if batched else [])
     _run(base, 4, answers, prompts, argparse.Namespace(**{**vars(args), "steps": 1}), None)

@@ -20,6 +20,9 @@ threads (`--threads`), on `--problems` problems x `--rollouts` rollouts of `--le
 (vocab `--vocab`) indexed, each row a new rollout of one of them partway through. Printed:
 median microseconds per row and step for propose and append, and the speedup of each thread
 count over one thread.
+
+`--trace TRACE`: tokens per verify step of each drafter, per epoch, on recorded rollouts
+(`drafter_trace`).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import time
 
 import numpy as np
 
-from das_jax.bench import drafter_batch_bench
+from das_jax.bench import drafter_batch_bench, drafter_trace
 
 VOCAB = 49152
 
@@ -37,16 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafters", default="suffix,suffix-global,ngram",
                         help="comma-separated drafter names (see das_jax.drafter.make_drafter)")
     parser.add_argument("--traffic", default="gsm8k,long", help="comma-separated: gsm8k, long")
-    parser.add_argument("--depth", type=int, default=24, help="suffix trie max_depth")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="suffix trie max_depth (default 24; --trace: the trace's)")
     parser.add_argument("--window", type=int, default=16, help="epochs kept per problem")
     parser.add_argument("--problems", type=int, default=32, help="gsm8k problems")
     parser.add_argument("--epochs", type=int, default=6, help="gsm8k epochs")
     parser.add_argument("--rollouts", type=int, default=16, help="rollouts per problem and epoch")
-    parser.add_argument("--k", type=int, default=8, help="draft budget per propose")
+    parser.add_argument("--k", type=int, default=None,
+                        help="draft budget per propose (default 8; --trace: 16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small traffic, finishes in < 30 s")
     parser.add_argument("--batch", action="store_true",
                         help="time per-row vs batched propose/append per decode step instead")
+    parser.add_argument("--trace", default=None, metavar="TRACE",
+                        help="tokens per verify step per drafter and epoch on a recorded "
+                        "rollout trace instead (e.g. docs/traces/gsm8k-smollm2-135m.jsonl.gz; "
+                        "'das' prints its scope ablations too)")
     drafter_batch_bench.add_batch_arguments(parser)
 
 
@@ -154,6 +163,9 @@ def _warmup(make):
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "trace", None):
+        return drafter_trace.trace_main(args)
+    args.depth, args.k = args.depth or 24, args.k or 8
     if getattr(args, "batch", False):
         return drafter_batch_bench.batch_main(args)
     # deferred import: numba (not loaded by importing this module)

@@ -103,6 +103,13 @@ def validate(cfg: Config) -> Config:
     _check(das.drafter_threads >= 1,
            f"das.drafter_threads must be >= 1 (1: draft on the rollout's thread), got "
            f"{das.drafter_threads}")
+    _check("problem" in das.scopes and set(das.scopes) <= {"problem", "request", "global"},
+           f"das.scopes must hold 'problem' and only problem, request, global; got "
+           f"{list(das.scopes)}")
+    _check(das.global_rollouts >= 1, f"das.global_rollouts must be >= 1, got "
+           f"{das.global_rollouts}")
+    _check(das.global_below >= 0, f"das.global_below must be >= 0 (0: never search the global "
+           f"trie), got {das.global_below}")
     _check(0 <= das.min_token_prob <= 1, f"das.min_token_prob must be in [0, 1], got "
            f"{das.min_token_prob}")
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")

@@ -18,7 +18,7 @@ from das_jax._lazy import lazy_exports
 # Imported lazily (PEP 562): `das_jax.drafter.base` (the types the engine uses) loads without
 # numba.
 _EXPORTS = {
-    "Draft": "base", "DraftBatch": "base", "Drafter": "base", "RequestContext": "base",
+    "Draft": "base", "DraftBatch": "base", "DRAFT_SOURCES": "base", "Drafter": "base", "RequestContext": "base",
     "propose_batch": "base", "append_batch": "base", "set_policy_version": "base",
     "DRAFTER_NAMES": "factory", "make_drafter": "factory",
     "ProblemHistory": "history", "ShardedHistory": "history",

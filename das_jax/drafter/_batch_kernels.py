@@ -32,14 +32,26 @@ CONTEXT = 2    # add them to its context and out_len
 @_jit
 def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_root, slot_sid,
                  slot_lag, ctx_pool, ctx_start, ctx_len, min_prob, spec_factor, spec_offset,
-                 min_match, lo, hi, tokens_AxK, probs_AxK, support_AxK, lens_A):
+                 min_match, lo, hi, tokens_AxK, probs_AxK, support_AxK, lens_A, source_A,
+                 s_nodes, s_ht, s_seqs, s_toks, s_act, s_meta, slot_rroot, slot_rsid, g_root,
+                 g_below):
     """Drafts rows lo..hi-1: row b drafts up to max_tokens_A[b] tokens for the request in slot
-    slots_A[b] (`_kernels.propose` on the last max_depth - 1 tokens of its context, its own
-    sequence's trailing occurrences left out; slot_lag[s]: context tokens not yet indexed into
-    its own sequence, `append_rows` mode CONTEXT). Writes tokens_AxK[b, :k] (int32), probs_AxK[b, :k]
-    (float32), support_AxK[b, :k] (int32) and lens_A[b] = k (int32); entries past k are left as
-    they are (zeros from the caller). Rows with max_tokens <= 0, no trie or an empty context get
-    k = 0. K >= max_tokens_A[b] for every row.
+    slots_A[b] from up to three tries, the best-scoring draft winning (ties: the earlier one):
+
+    1. its problem's trie slot_root[s] in the forest (nodes, ...), its own sequence slot_sid[s]
+       (`_kernels.propose` on the last max_depth - 1 tokens of its context, its own sequence's
+       trailing occurrences left out; slot_lag[s]: context tokens not yet indexed into its own
+       sequences, `append_rows` mode CONTEXT);
+    2. its request trie slot_rroot[s] (-1: none) in the scope forest (s_nodes, ...), own
+       sequence slot_rsid[s] (the same lag);
+    3. the global trie g_root (-1: none) of the scope forest, no own sequence, only for rows
+       whose best draft so far scores below g_below (a fallback).
+
+    Writes tokens_AxK[b, :k] (int32), probs_AxK[b, :k] (float32), support_AxK[b, :k] (int32),
+    lens_A[b] = k (int32) and source_A[b] (int8: 0, 1, 2 the scope above, -1 when k = 0);
+    entries past k are left as they are (zeros from the caller).
+    Rows with max_tokens <= 0 or an empty context get k = 0, and so does a scope without a
+    trie. K >= max_tokens_A[b] for every row.
     """
     md = meta[M_MAXD]
     match_nodes = np.zeros(md + 1, np.int64)
@@ -51,31 +63,54 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
     tmp_c = np.zeros(md, np.int32)
     for b in range(lo, hi):
         lens_A[b] = 0
+        source_A[b] = -1
         kmax = max_tokens_A[b]
         s = slots_A[b]
-        root = slot_root[s]
         n = ctx_len[s]
-        if kmax <= 0 or root < 0 or n <= 0:
+        if kmax <= 0 or n <= 0:
             continue
         tail = n
         if tail > md - 1:
             tail = md - 1
         end = ctx_start[s] + n
-        k = propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx_pool[end - tail: end],
-                         slot_sid[s], slot_lag[s], kmax, min_prob, spec_factor, spec_offset,
-                         min_match, match_nodes, out_t, out_p, out_c, tmp_t, tmp_p, tmp_c)
+        ctx = ctx_pool[end - tail: end]
+        k = 0
+        best = 0.0
+        src = -1
+        if slot_root[s] >= 0:
+            k, best = propose_tail(nodes, ht, seqs, toks, act, meta, slot_root[s], ctx,
+                                   slot_sid[s], slot_lag[s], kmax, min_prob, spec_factor,
+                                   spec_offset, min_match, 0.0, match_nodes, out_t, out_p,
+                                   out_c, tmp_t, tmp_p, tmp_c)
+            src = 0
+        if slot_rroot[s] >= 0:
+            k2, sc = propose_tail(s_nodes, s_ht, s_seqs, s_toks, s_act, s_meta, slot_rroot[s],
+                                  ctx, slot_rsid[s], slot_lag[s], kmax, min_prob, spec_factor,
+                                  spec_offset, min_match, best, match_nodes, out_t, out_p,
+                                  out_c, tmp_t, tmp_p, tmp_c)
+            if k2 > 0:
+                k, best, src = k2, sc, 1
+        if g_root >= 0 and best < g_below:
+            k2, sc = propose_tail(s_nodes, s_ht, s_seqs, s_toks, s_act, s_meta, g_root, ctx,
+                                  -1, 0, kmax, min_prob, spec_factor, spec_offset, min_match,
+                                  best, match_nodes, out_t, out_p, out_c, tmp_t, tmp_p, tmp_c)
+            if k2 > 0:
+                k, best, src = k2, sc, 2
         for i in range(k):
             tokens_AxK[b, i] = out_t[i]
             probs_AxK[b, i] = out_p[i]
             support_AxK[b, i] = out_c[i]
         lens_A[b] = k
+        if k > 0:
+            source_A[b] = src
 
 
 @_jit
 def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_tokens,
-                 min_prob, spec_factor, spec_offset, min_match, match_nodes, out_t, out_p,
+                 min_prob, spec_factor, spec_offset, min_match, bound, match_nodes, out_t, out_p,
                  out_c, tmp_t, tmp_p, tmp_c):
-    """`_kernels.propose` (same arguments and draft; returns its k), faster:
+    """`_kernels.propose` (same arguments and draft), faster; only a draft scoring above
+    `bound` (0.0: any) is written. Returns (k, score): k = 0 (out_* untouched) when none does.
 
     - Matches: a tail of length m <= len(own) of the context is the path of the own live
       sequence's window that ends at its end, and that window sits at a node end, which is
@@ -111,7 +146,7 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
         match_nodes[m] = n
         big_m = m
     best_k = 0
-    best_score = 0.0
+    best_score = bound
     lo = min_match
     if lo < 1:
         lo = 1
@@ -132,7 +167,7 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
                 out_t[i] = tmp_t[i]
                 out_p[i] = tmp_p[i]
                 out_c[i] = tmp_c[i]
-    return best_k
+    return best_k, best_score
 
 
 @_jit

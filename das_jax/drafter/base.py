@@ -48,6 +48,13 @@ class Draft:
         return Draft(np.zeros(0, np.int32), np.zeros(0, np.float32))
 
 
+# Where a draft comes from (`DraftBatch.source_A` indexes this): the suffix drafter's scopes
+# (`SuffixDrafter`: the problem's trie, the request's own, the global one), and "other" for
+# drafters that do not say.
+DRAFT_SOURCES = ("problem", "request", "global", "other")
+OTHER_SOURCE = DRAFT_SOURCES.index("other")
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftBatch:
     """Drafts for A rows at once (what `propose_batch` returns; row b is the `Draft` of the b-th
@@ -65,6 +72,9 @@ class DraftBatch:
         from (`ProblemHistory.age`: the drafter's current policy version less the mean version
         of the rollouts indexed for the row's problem; NaN where unknown). None: the drafter
         does not track versions. The DAS policy calibrates acceptance per age.
+      source_A: int8 [A] or None; where row b's draft comes from, an index into
+        `DRAFT_SOURCES` (-1: no draft). None: the drafter does not say ("other"). The engine
+        counts drafted and accepted tokens per source (`GenerateStats.drafted_by_source`).
     """
 
     tokens_AxK: np.ndarray
@@ -73,6 +83,7 @@ class DraftBatch:
     lens_A: np.ndarray
     has_support_A: np.ndarray
     age_A: np.ndarray | None = None
+    source_A: np.ndarray | None = None
 
     @staticmethod
     def empty(rows: int, width: int = 0) -> "DraftBatch":
@@ -125,7 +136,7 @@ class DraftBatch:
         return DraftBatch(np.where(keep_AxK, self.tokens_AxK[:, :K], 0).astype(np.int32),
                           np.where(keep_AxK, self.probs_AxK[:, :K], 0).astype(np.float32),
                           np.where(keep_AxK, self.support_AxK[:, :K], 0).astype(np.int32),
-                          n_A, self.has_support_A & (n_A > 0), self.age_A)
+                          n_A, self.has_support_A & (n_A > 0), self.age_A, self.source_A)
 
 
 def propose_batch(drafter, request_ids: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:

@@ -329,6 +329,10 @@ class ShardedHistory:
         return self.shards[0].window
 
     @property
+    def prompt_tail(self) -> int:
+        return self.shards[0].prompt_tail
+
+    @property
     def epoch(self) -> int:
         return self.shards[0].epoch
 

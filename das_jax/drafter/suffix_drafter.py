@@ -2,17 +2,19 @@
 
 - `SuffixDrafter` ("suffix", what DAS uses): one trie per problem over its recent rollouts
   (`ProblemHistory`), so a request drafts from earlier rollouts of the same problem and from
-  its live siblings.
+  its live siblings; by default also from a trie of its own prompt and output (the request
+  scope) and from a global trie of the most recent finished rollouts of every problem (the
+  global scope), the best-scoring draft of the three winning.
 - `GlobalSuffixDrafter` ("suffix-global", the SuffixDecoding / vLLM `method="suffix"`
   baseline): one global trie over all problems' rollouts of the last `window` epochs, plus a
   per-request trie over the request's prompt and own output; the better-scoring draft wins.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
-import threading
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -45,6 +47,8 @@ class _Request:
 # it, waking a worker costs more than its share of the drafting saves.
 _MIN_ROWS_PER_THREAD = 64
 
+SCOPES = ("problem", "request", "global")
+
 
 class SuffixDrafter:
     """Per-problem suffix-trie drafter (DAS).
@@ -59,6 +63,23 @@ class SuffixDrafter:
         trie lives in one), each step's rows grouped by shard, each group's propose and trie
         appends on its own thread (a pool of threads - 1 workers created on first use, the
         calling thread taking a group too); drafts are the same as with one thread).
+      scopes: the tries a request drafts from, a subset of SCOPES that holds "problem":
+        "problem" (its problem's rollouts, live siblings included), "request" (a trie of its
+        own full prompt and output, as SuffixDecoding's per-request tree: it catches the
+        request's own repetitions and copies from its prompt), "global" (the last
+        `global_rollouts` finished rollouts of every problem, each its prompt tail + output:
+        a fallback where the problem's history has little, as in epoch 0). Each draft is
+        scored on the same scale (sum of its count-ratio path probabilities, the expected
+        accepted length); the highest wins, ties going to the earlier scope in SCOPES. The
+        request and global tries share one forest (`scope_forest`); a finished rollout is
+        indexed into the global trie at the next `flush_appends` (off the step's critical
+        path in the engine).
+      global_rollouts: finished rollouts the global trie keeps (oldest dropped first), >= 1.
+      global_below: the global trie is searched only for rows whose problem / request draft
+        scores below this (expected accepted tokens, >= 0; 0: never, inf: always). On the
+        shipped GSM8K trace 2.0 drafted best (tokens per verify step 2.27 / 2.50 / 2.57 /
+        2.72 in epochs 0-3 against 2.26 / 2.49 / 2.56 / 2.71 always) and halves the rows
+        that search it.
 
     `propose_batch` / `append_batch` do every row in one kernel call (equal to the per-row
     calls in row order). Active requests live in `RequestSlots` (context, trie root, own
@@ -70,9 +91,18 @@ class SuffixDrafter:
 
     def __init__(self, config: SuffixTreeConfig = SuffixTreeConfig(), window: int = 16,
                  prompt_tail: int | None = None, max_problems: int | None = None,
-                 threads: int = 1):
+                 threads: int = 1, scopes: Sequence[str] = SCOPES, global_rollouts: int = 1024,
+                 global_below: float = 2.0):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        scopes = tuple(scopes)
+        if "problem" not in scopes or not set(scopes) <= set(SCOPES):
+            raise ValueError(f"scopes must hold 'problem' and only names of {SCOPES}, got "
+                             f"{scopes}")
+        if global_rollouts < 1:
+            raise ValueError(f"global_rollouts must be >= 1, got {global_rollouts}")
+        if not global_below >= 0:
+            raise ValueError(f"global_below must be >= 0, got {global_below}")
         self.history = (ProblemHistory(config, window, prompt_tail, max_problems)
                         if threads == 1 else
                         ShardedHistory(config, window, prompt_tail, max_problems, threads))
@@ -81,10 +111,20 @@ class SuffixDrafter:
         self._requests: dict[int, _Active] = {}
         self._slots = RequestSlots()
         self._executor = None
-        self._local = threading.local()      # per-thread scratch of `propose`
         # appends whose indexing into the trie waits for `flush_appends` (append_batch with
         # index_later): (slots int64 [A], tokens int32 [A, W], n int32 [A]) in order
         self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.scopes = tuple(x for x in SCOPES if x in scopes)
+        self.global_rollouts = int(global_rollouts)
+        self.global_below = float(global_below)
+        self._init_scopes()
+
+    def _init_scopes(self):
+        """An empty scope forest: request tries, and the global trie when that scope is on."""
+        self.scope_forest = SuffixForest(self.config)
+        self._global_root = self.scope_forest.new_tree() if "global" in self.scopes else -1
+        self._global_seqs: collections.deque = collections.deque()   # indexed sids, oldest first
+        self._global_pending: list[np.ndarray] = []      # finished rollouts not yet indexed
 
     # ------------------------------------------------------------------ protocol
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
@@ -100,6 +140,8 @@ class SuffixDrafter:
         sl.root[s] = self.history.root(problem_id)
         sl.sid[s] = self.history.rollout(handle).sid
         sl.shard[s] = self._shard(problem_id)
+        if "request" in self.scopes:
+            self._new_request_trie(s, prompt_ids)
         if new_problem and (sl.root[sl.live] < 0).any():
             self._sync_slots()      # live requests whose problem was dropped draft from it again
         # the problem's mean version now counts this rollout, for its live siblings too
@@ -107,26 +149,13 @@ class SuffixDrafter:
         sl.mean_version[same] = self.history.mean_version(problem_id)
 
     def propose(self, request_id: int, max_tokens: int) -> Draft:
-        s, sl = self._requests[request_id].slot, self._slots
-        root, n, md = int(sl.root[s]), int(sl.ctx_len[s]), self.config.max_depth
-        if max_tokens <= 0 or root < 0 or n == 0:
-            return Draft.empty()
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None or scratch[1].shape[0] != md:     # per thread: calls may overlap
-            scratch = self._local.scratch = (
-                np.zeros(md + 1, np.int64), np.zeros(md, np.int32), np.zeros(md, np.float32),
-                np.zeros(md, np.int32), np.zeros(md, np.int32), np.zeros(md, np.float32),
-                np.zeros(md, np.int32))
-        end = int(sl.ctx_start[s]) + n
-        f, cfg = self._forests()[sl.shard[s]], self.config
-        k = BK.propose_tail(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, root,
-                            sl.pool[end - min(n, md - 1): end], int(sl.sid[s]),
-                            int(sl.lag[s]), int(max_tokens),
-                            float(cfg.min_token_prob), float(cfg.max_spec_factor),
-                            float(cfg.max_spec_offset), int(cfg.min_match_len), *scratch)
+        s = self._requests[request_id].slot
+        out = self._propose_slots(np.array([s], np.int64), np.array([max_tokens], np.int32))
+        k = int(out.lens_A[0]) if out.width else 0
         if k == 0:
             return Draft.empty()
-        return Draft(scratch[1][:k].copy(), scratch[2][:k].copy(), scratch[3][:k].copy())
+        return Draft(out.tokens_AxK[0, :k].copy(), out.probs_AxK[0, :k].copy(),
+                     out.support_AxK[0, :k].copy())
 
     def append(self, request_id: int, token_ids: Sequence[int]) -> None:
         self.flush_appends()
@@ -137,6 +166,8 @@ class SuffixDrafter:
             return
         if sl.sid[s] >= 0:
             self._forests()[sl.shard[s]].append(int(sl.sid[s]), arr)
+        if sl.rsid[s] >= 0:
+            self.scope_forest.append(int(sl.rsid[s]), arr)
         length = int(sl.ctx_len[s])
         sl.reserve(s, length + n)
         start = int(sl.ctx_start[s]) + length
@@ -189,7 +220,7 @@ class SuffixDrafter:
             self._append_slots(slots, tokens_AxW, n_A)
             return
         self._append_slots(slots, tokens_AxW, n_A, BK.CONTEXT)
-        indexed = self._slots.sid[slots] >= 0
+        indexed = (self._slots.sid[slots] >= 0) | (self._slots.rsid[slots] >= 0)
         if indexed.any():
             keep = indexed & (n_A > 0)
             self._deferred.append((slots[keep], tokens_AxW[keep], n_A[keep]))
@@ -197,7 +228,10 @@ class SuffixDrafter:
 
     def flush_appends(self, slot: int | None = None) -> None:
         """Indexes the deferred appends (`append_batch(..., index_later=True)`) into the trie,
-        in their order: all of them, or only slot `slot`'s."""
+        in their order: all of them (then also the finished rollouts waiting for the global
+        trie), or only slot `slot`'s."""
+        if slot is None and self._global_pending:
+            self._index_global()
         if not self._deferred:
             return
         sl = self._slots
@@ -217,9 +251,18 @@ class SuffixDrafter:
     def end(self, request_id: int) -> None:
         self.flush_appends(self._requests[request_id].slot)
         req = self._requests.pop(request_id)
-        self.history.rollout(req.handle).out_len = int(self._slots.out_len[req.slot])
+        sl, s = self._slots, req.slot
+        out_len = int(sl.out_len[s])
+        self.history.rollout(req.handle).out_len = out_len
         self.history.finish_rollout(req.handle)
-        self._slots.remove(request_id)
+        if sl.rsid[s] >= 0:
+            self.scope_forest.remove(int(sl.rsid[s]))
+            self.scope_forest.drop_tree(int(sl.rroot[s]))
+        if self._global_root >= 0 and out_len:
+            ctx = sl.context(s)
+            start = max(0, ctx.size - out_len - self.history.prompt_tail)
+            self._global_pending.append(ctx[start:].copy())
+        sl.remove(request_id)
 
     def advance_epoch(self) -> None:
         self.flush_appends()
@@ -239,6 +282,29 @@ class SuffixDrafter:
     def context(self, request_id: int) -> np.ndarray:
         """int32 copy of the request's context (prompt + appended tokens); KeyError if unknown."""
         return self._slots.context(self._requests[request_id].slot).copy()
+
+    # ------------------------------------------------------------------ scopes
+    def _new_request_trie(self, s: int, tokens: np.ndarray | Sequence[int]) -> None:
+        """Slot s's request trie in the scope forest, holding `tokens` (its prompt, or its
+        whole context when restored)."""
+        f = self.scope_forest
+        root = f.new_tree()
+        sid = f.new_seq(root)
+        f.append(sid, np.asarray(tokens, np.int32).reshape(-1))
+        self._slots.rroot[s], self._slots.rsid[s] = root, sid
+
+    def _index_global(self) -> None:
+        """Indexes the finished rollouts waiting for the global trie, dropping the oldest beyond
+        `global_rollouts`."""
+        f = self.scope_forest
+        for tokens in self._global_pending:
+            sid = f.new_seq(self._global_root)
+            f.append(sid, tokens)
+            f.freeze(sid)
+            self._global_seqs.append(sid)
+        self._global_pending = []
+        while len(self._global_seqs) > self.global_rollouts:
+            f.remove(self._global_seqs.popleft())
 
     # ------------------------------------------------------------------ batched kernels
     def _forests(self) -> list[SuffixForest]:
@@ -286,13 +352,18 @@ class SuffixDrafter:
         if out.width == 0:
             return out
         cfg, sl, forests = self.config, self._slots, self._forests()
-        outs = (out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A)
+        source_A = np.full(A, -1, np.int8)
+        outs = (out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A, source_A)
+        sf = self.scope_forest
+        g_root = self._global_root if self._global_seqs else -1
 
         def run(f, rows_slots, rows_max, lo, hi, outs):
             BK.propose_rows(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, rows_slots, rows_max,
                             sl.root, sl.sid, sl.lag, sl.pool, sl.ctx_start, sl.ctx_len,
                             float(cfg.min_token_prob), float(cfg.max_spec_factor),
-                            float(cfg.max_spec_offset), int(cfg.min_match_len), lo, hi, *outs)
+                            float(cfg.max_spec_offset), int(cfg.min_match_len), lo, hi, *outs,
+                            sf.nodes, sf.ht, sf.seqs, sf.toks, sf.act, sf.meta, sl.rroot,
+                            sl.rsid, g_root, float(self.global_below))
         if len(forests) == 1:
             run(forests[0], slots, max_tokens_A, 0, A, outs)
         else:                       # rows grouped by shard, a group per thread
@@ -303,7 +374,8 @@ class SuffixDrafter:
                 groups = [np.concatenate(groups)]
             order = np.concatenate(groups)
             tmp = DraftBatch.empty(A, out.width)
-            touts = (tmp.tokens_AxK, tmp.probs_AxK, tmp.support_AxK, tmp.lens_A)
+            touts = (tmp.tokens_AxK, tmp.probs_AxK, tmp.support_AxK, tmp.lens_A,
+                     np.full(A, -1, np.int8))
             s_sorted, m_sorted, sh_sorted = slots[order], max_tokens_A[order], shard_A[order]
             jobs, lo = [], 0
             for g in groups:
@@ -317,7 +389,7 @@ class SuffixDrafter:
         np.greater(out.lens_A, 0, out=out.has_support_A)
         age_A = (self.history.policy_version - sl.mean_version[slots]).astype(np.float32)
         return DraftBatch(out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A,
-                          out.has_support_A, age_A)
+                          out.has_support_A, age_A, source_A)
 
     @staticmethod
     def _propose_shards(run, forests, slots, max_tokens, shard, lo, hi, outs) -> None:
@@ -333,8 +405,12 @@ class SuffixDrafter:
     def _append_slots(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
                       mode: int = BK.INDEX | BK.CONTEXT) -> None:
         forests = self._forests()
+        scoped = bool(mode & BK.INDEX) and "request" in self.scopes
         if len(forests) == 1:
             self._append_on(forests[0], slots, tokens_AxW, n_A, mode)
+            if scoped:
+                self._append_on(self.scope_forest, slots, tokens_AxW, n_A, BK.INDEX,
+                                self._slots.rsid)
             return
         # Sharded: the contexts first (the slots' shared pool, this thread), then each
         # shard's rows indexed into its own forest, a shard per thread on a large step.
@@ -346,6 +422,9 @@ class SuffixDrafter:
         jobs = [functools.partial(self._append_on, forests[k], slots[rows], tokens_AxW[rows],
                                   n_A[rows], BK.INDEX)
                 for k in range(len(forests)) if (rows := np.flatnonzero(shard_A == k)).size]
+        if scoped:          # the request tries: one more forest, one more job
+            jobs.append(functools.partial(self._append_on, self.scope_forest, slots, tokens_AxW,
+                                          n_A, BK.INDEX, self._slots.rsid))
         if slots.shape[0] // self.threads >= _MIN_ROWS_PER_THREAD:
             self._run_groups(jobs)
         else:
@@ -353,13 +432,15 @@ class SuffixDrafter:
                 job()
 
     def _append_on(self, f: SuffixForest, slots: np.ndarray, tokens_AxW: np.ndarray,
-                   n_A: np.ndarray, mode: int) -> None:
-        """`BK.append_rows` of these rows on forest `f`, growing what it asks for."""
+                   n_A: np.ndarray, mode: int, sid: np.ndarray | None = None) -> None:
+        """`BK.append_rows` of these rows on forest `f` (indexing into the slots' sequences
+        `sid`, int64 [S]: default their problem sequences), growing what it asks for."""
         sl = self._slots
+        sid = sl.sid if sid is None else sid
         row, off = 0, 0
         while True:
             row, off, rc = BK.append_rows(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, slots,
-                                          tokens_AxW, n_A, sl.sid, sl.pool, sl.ctx_start,
+                                          tokens_AxW, n_A, sid, sl.pool, sl.ctx_start,
                                           sl.ctx_len, sl.ctx_cap, sl.out_len, row, off, mode)
             if rc == BK.RC_DONE:
                 break
@@ -367,9 +448,9 @@ class SuffixDrafter:
             if rc == BK.RC_CONTEXT:
                 sl.reserve(s, int(sl.ctx_len[s]) + int(n_A[row]))
             else:
-                f.make_room(int(rc), int(sl.sid[s]), min(int(n_A[row]) - int(off), BK.CHUNK))
+                f.make_room(int(rc), int(sid[s]), min(int(n_A[row]) - int(off), BK.CHUNK))
         if slots.shape[0] and mode & BK.INDEX:
-            f.count_indexed(n_A[(n_A > 0) & (sl.sid[slots] >= 0)].sum())
+            f.count_indexed(n_A[(n_A > 0) & (sid[slots] >= 0)].sum())
 
     def _sync_slots(self):
         """Every active request's trie root and own sequence from the history (after the window
@@ -385,22 +466,30 @@ class SuffixDrafter:
         self.flush_appends()
         state = self.__dict__.copy()
         state["_executor"] = None       # threads do not pickle; a new pool starts on demand
-        del state["_local"]
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.__dict__.setdefault("_deferred", [])
-        self._local = threading.local()
+        if "scope_forest" not in state:     # pickled before scopes: the problem scope only
+            self.scopes, self.global_rollouts, self.global_below = ("problem",), 1024, 2.0
+            self._init_scopes()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         self.flush_appends()
         for req in self._requests.values():        # live output lengths back to the history
             self.history.rollout(req.handle).out_len = int(self._slots.out_len[req.slot])
+        sl = self._slots
         return {"kind": "suffix", "history": self.history.state_dict(),
-                "requests": [[rid, r.problem_id, r.handle, self._slots.context(r.slot).copy()]
-                             for rid, r in self._requests.items()]}
+                "requests": [[rid, r.problem_id, r.handle, sl.context(r.slot).copy(),
+                              int(sl.rroot[r.slot]), int(sl.rsid[r.slot])]
+                             for rid, r in self._requests.items()],
+                "scopes": list(self.scopes), "global_rollouts": self.global_rollouts,
+                "global_below": self.global_below,
+                "scope_forest": self.scope_forest.state_dict(),
+                "global_root": self._global_root, "global_seqs": list(self._global_seqs),
+                "global_pending": [t.copy() for t in self._global_pending]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "suffix":
@@ -412,9 +501,21 @@ class SuffixDrafter:
         self.history.load_state_dict(hs)
         self.config = self.history.config
         self._requests, self._slots, self._deferred = {}, RequestSlots(), []
-        for rid, pid, handle, ctx in state["requests"]:
+        # the state's scopes (one saved before scopes existed: the problem scope only)
+        self.scopes = tuple(state.get("scopes", ("problem",)))
+        self.global_rollouts = int(state.get("global_rollouts", self.global_rollouts))
+        self.global_below = float(state.get("global_below", self.global_below))
+        self._init_scopes()
+        if "scope_forest" in state:
+            self.scope_forest.load_state_dict(state["scope_forest"])
+            self._global_root = int(state["global_root"])
+            self._global_seqs = collections.deque(int(x) for x in state["global_seqs"])
+            self._global_pending = [np.asarray(t, np.int32) for t in state["global_pending"]]
+        for rid, pid, handle, ctx, *rtrie in state["requests"]:
             s = self._slots.add(rid, ctx)
             self._slots.out_len[s] = self.history.rollout(handle).out_len
+            if rtrie:
+                self._slots.rroot[s], self._slots.rsid[s] = rtrie
             self._requests[rid] = _Active(pid, handle, s)
         self._sync_slots()
 

@@ -64,6 +64,13 @@ class DASSection:
       forests, `drafter.ShardedHistory`, and each forest's rows are drafted and appended on
       its own thread, the numba kernels releasing the GIL, from 64 rows per thread; the same
       drafts as one thread).
+    scopes: the tries the per-problem suffix drafters (suffix, das, das-unlimited) draft from:
+      `problem` (required: the problem's recent rollouts and live siblings), `request` (the
+      request's own full prompt and output), `global` (the last `global_rollouts` finished
+      rollouts of every problem, searched for rows whose draft scores below `global_below`
+      expected tokens); the best-scoring draft wins (`drafter.SuffixDrafter`).
+    global_rollouts: finished rollouts the global trie keeps.
+    global_below: score below which a row also searches the global trie (0: never).
     policy: the DAS length-aware policy (`das_jax.speculation.DASConfig`): short_quantile,
       long_quantile, short_threshold, long_threshold (length classes), weight_short,
       weight_medium, weight_long (class weights sharing the per-step cost), budget_short,
@@ -79,6 +86,9 @@ class DASSection:
     max_depth: int = 32
     min_token_prob: float = 0.1
     drafter_threads: int = 1
+    scopes: tuple[str, ...] = ("problem", "request", "global")
+    global_rollouts: int = 1024
+    global_below: float = 2.0
     policy: DASConfig = dataclasses.field(default_factory=DASConfig)
     cost_model: CostModelConfig = dataclasses.field(default_factory=CostModelConfig)
 
@@ -168,6 +178,11 @@ def _suffix_config(das):
     return SuffixTreeConfig(max_depth=das.max_depth, min_token_prob=das.min_token_prob)
 
 
+def _suffix_kwargs(das):
+    return dict(window=das.window, threads=das.drafter_threads, scopes=das.scopes,
+                global_rollouts=das.global_rollouts, global_below=das.global_below)
+
+
 @register_speculation("none", description="plain decoding")
 def _none(das, cost_model):
     return None, None
@@ -184,7 +199,7 @@ def _ngram(das, cost_model):
 def _suffix(das, cost_model):
     # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixDrafter
-    return (SuffixDrafter(_suffix_config(das), window=das.window, threads=das.drafter_threads),
+    return (SuffixDrafter(_suffix_config(das), **_suffix_kwargs(das)),
             FixedPolicy())
 
 
@@ -199,7 +214,7 @@ def _suffix_global(das, cost_model):
 def _das(das, cost_model, unlimited: bool):
     # deferred import: numba (not loaded by importing this module)
     from das_jax.drafter import SuffixDrafter
-    drafter = SuffixDrafter(_suffix_config(das), window=das.window, threads=das.drafter_threads)
+    drafter = SuffixDrafter(_suffix_config(das), **_suffix_kwargs(das))
     config = dataclasses.replace(das.policy, unlimited=True) if unlimited else das.policy
     return drafter, DASPolicy(drafter.lengths, config, cost_model)
 

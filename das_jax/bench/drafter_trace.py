@@ -1,0 +1,179 @@
+"""`das-jax bench drafter --trace TRACE`: tokens per verify step of each drafter on recorded
+rollouts (no model, no cost model).
+
+Protocol (the one SuffixDecoding / ArcticInference results are quoted in): the trace's epochs
+in order; within an epoch its problems one after another in trace order, each problem's
+rollouts (its GRPO group) begun together and decoded round robin, one verify step per rollout
+per turn: the drafter proposes up to `k` tokens, the target accepts the longest prefix that
+matches the recorded continuation and adds one token of its own (the recorded next token), and
+the drafter is told the tokens emitted. A rollout ends at its recorded end. Tokens per verify
+step = tokens emitted / verify steps (1.0: nothing drafted ever accepted); its upper bound is
+k + 1.
+
+Speculation never changes the sampled tokens, so the recorded continuation is exactly what the
+target would emit; what this leaves out is the DAS budget (every row drafts up to `k`) and
+time: drafts are scored by acceptance alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+
+from das_jax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRollout:
+    """One recorded rollout: prompt_ids / token_ids int lists, its problem and epoch."""
+    epoch: int
+    problem_id: str
+    prompt_ids: list
+    token_ids: list
+
+
+def load_trace_rollouts(path: str) -> tuple[dict, list[TraceRollout]]:
+    """(header dict, rollouts in file order) of a trace (`das_jax.bench.replay` format; .gz
+    read as gzip). Raises UserError naming the file when it is missing or not a trace."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    header, rollouts = {}, []
+    try:
+        with opener(path, "rt") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if row.get("type") == "header":
+                    header = row
+                    continue
+                rollouts.append(TraceRollout(int(row["epoch"]), str(row["problem_id"]),
+                                             list(row["prompt_ids"]), list(row["token_ids"])))
+    except FileNotFoundError:
+        raise UserError(f"trace {path}: no such file; pass a trace written by `das-jax bench "
+                        "rollout` (DIR/trace.jsonl) or the shipped "
+                        "docs/traces/gsm8k-smollm2-135m.jsonl.gz")
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"trace {path}: not a rollout trace ({type(e).__name__}: {e}); pass a "
+                        "trace written by `das-jax bench rollout` (DIR/trace.jsonl)") from None
+    if not rollouts:
+        raise UserError(f"trace {path}: holds no rollouts")
+    return header, rollouts
+
+
+@dataclasses.dataclass
+class TraceDraftResult:
+    """Per epoch (sorted): tokens emitted, verify steps, tokens accepted from drafts; drafting
+    time. `tokens_per_step(e)` / `overall()` give the acceptance figure."""
+    epochs: list
+    tokens: dict
+    steps: dict
+    accepted: dict
+    propose_s: float = 0.0
+    append_s: float = 0.0
+
+    def tokens_per_step(self, epoch: int) -> float:
+        return self.tokens[epoch] / max(1, self.steps[epoch])
+
+    def overall(self) -> float:
+        return sum(self.tokens.values()) / max(1, sum(self.steps.values()))
+
+
+def simulate_drafts(drafter, rollouts: Iterable[TraceRollout], k: int = 16) -> TraceDraftResult:
+    """Runs the protocol of the module docstring with `drafter` (the `Drafter` protocol) over
+    `rollouts`; `advance_epoch` between epochs. k >= 0 draft tokens per verify step."""
+    by_epoch: dict[int, dict[str, list[TraceRollout]]] = {}
+    for r in rollouts:
+        by_epoch.setdefault(r.epoch, {}).setdefault(r.problem_id, []).append(r)
+    epochs = sorted(by_epoch)
+    res = TraceDraftResult(epochs, {e: 0 for e in epochs}, {e: 0 for e in epochs},
+                           {e: 0 for e in epochs})
+    rid = 0
+    clock = time.perf_counter
+    for e in epochs:
+        for pid, group in by_epoch[e].items():
+            live = {}
+            for r in group:
+                drafter.begin(rid, pid, r.prompt_ids)
+                live[rid] = [r.token_ids, 0]
+                rid += 1
+            while live:
+                for q in list(live):
+                    out, pos = live[q]
+                    t0 = clock()
+                    draft = drafter.propose(q, k).tokens
+                    t1 = clock()
+                    n = 0
+                    while n < len(draft) and pos + n < len(out) and draft[n] == out[pos + n]:
+                        n += 1
+                    emit = out[pos: pos + n + 1]
+                    drafter.append(q, emit)
+                    res.propose_s += t1 - t0
+                    res.append_s += clock() - t1
+                    res.steps[e] += 1
+                    res.tokens[e] += len(emit)
+                    res.accepted[e] += n
+                    pos += len(emit)
+                    if pos >= len(out):
+                        drafter.end(q)
+                        del live[q]
+                    else:
+                        live[q][1] = pos
+        drafter.advance_epoch()
+    return res
+
+
+# das with each subset of its scopes: the ablation rows printed for "das"
+DAS_SCOPE_ROWS = (("das", ("problem", "request", "global")),
+                  ("das (problem)", ("problem",)),
+                  ("das (problem+request)", ("problem", "request")),
+                  ("das (problem+global)", ("problem", "global")))
+
+
+def _makers(names, depth, window) -> list[tuple[str, Callable]]:
+    # deferred import: numba (not loaded by importing this module)
+    from das_jax.drafter import make_drafter
+    rows = []
+    for name in names:
+        if name == "das":
+            rows += [(label, lambda sc=sc: make_drafter("das", max_depth=depth, window=window,
+                                                        scopes=sc))
+                     for label, sc in DAS_SCOPE_ROWS]
+        elif name == "ngram":
+            rows.append((name, lambda: make_drafter("ngram")))
+        else:
+            rows.append((name, lambda n=name: make_drafter(n, max_depth=depth, window=window)))
+    return rows
+
+
+def trace_main(args) -> int:
+    """`bench drafter --trace`: the table of tokens per verify step per drafter and epoch."""
+    header, rollouts = load_trace_rollouts(args.trace)
+    das = header.get("das", {})
+    depth = args.depth or int(das.get("max_depth", 32))
+    window = args.window
+    k = args.k or 16
+    names = args.drafters.split(",")
+    epochs = sorted({r.epoch for r in rollouts})
+    lengths = np.array([len(r.token_ids) for r in rollouts])
+    print(f"drafter trace replay: {args.trace}: {len(rollouts)} rollouts, "
+          f"{len({r.problem_id for r in rollouts})} problems, epochs {epochs[0]}-{epochs[-1]}, "
+          f"output tokens median {int(np.median(lengths))} max {int(lengths.max())}; "
+          f"drafts of up to k={k}, max_depth={depth}, window={window}; siblings round robin")
+    cols = "".join(f"{'epoch ' + str(e):>9}" for e in epochs)
+    head = f"{'drafter':24}{cols}{'all':>8}{'drafted':>9}{'prop us':>9}{'app us':>8}"
+    print(head)
+    print("-" * len(head))
+    for label, make in _makers(names, depth, window):
+        res = simulate_drafts(make(), rollouts, k)
+        steps, tokens = sum(res.steps.values()), sum(res.tokens.values())
+        per = "".join(f"{res.tokens_per_step(e):9.2f}" for e in epochs)
+        print(f"{label:24}{per}{res.overall():8.2f}{sum(res.accepted.values()) / tokens:9.1%}"
+              f"{res.propose_s / steps * 1e6:9.1f}{res.append_s / steps * 1e6:8.1f}", flush=True)
+    print("tokens per verify step (tokens emitted / verify steps); drafted = share of emitted "
+          "tokens accepted from drafts; prop / app us = microseconds per propose / append call "
+          "(per-row calls)")
+    return 0
