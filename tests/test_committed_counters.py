@@ -45,6 +45,11 @@ def test_stop_token_at_draft_position_3_of_7_counts_2_accepted(engine_and_future
     assert step.accepted == 2 and step.accepted_per_row == (2,) and step.emitted == 3
     assert (step.num_tokens, step.attended_kv) == (8, step.kv_len)
     assert stats.to_dict()["accepted_draft_tokens"] == 2
+    # per draft position: 7 drafted, positions 1-2 accepted; the oracle names no source
+    assert stats.drafted_by_position == [1] * 7
+    assert stats.accepted_by_position == [1, 1, 0, 0, 0, 0, 0]
+    assert stats.acceptance_by_position() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert stats.drafted_by_source == {"other": 7} and stats.accepted_by_source == {"other": 2}
 
 
 def test_max_new_tokens_inside_a_draft_counts_only_committed(engine_and_future):
@@ -66,3 +71,28 @@ def test_das_calibration_sees_committed_tokens_only(engine_and_future):
     # Depths 1-2 were accepted (factor 1 with EMA weight 1); depths 3-7 count as not accepted.
     assert pol.depth_scale[:2].tolist() == [1.0, 1.0]
     assert (pol.depth_scale[2:7] <= 0.02 + 1e-12).all()
+
+
+def test_acceptance_counts_per_position_and_source_add_up_and_travel():
+    """`GenerateStats.count_acceptance` over steps, `merge_acceptance` (data-parallel replicas)
+    and the vector other processes send (`split_rollout`) keep the same counts."""
+    from das_jax.engine.outputs import GenerateStats
+    from das_jax.rl.split_rollout import _stats_of, _stats_vector
+    from das_jax.rollout import DataParallelStats
+
+    st = GenerateStats(drafted_tokens=9, accepted_draft_tokens=4)
+    st.count_acceptance(np.array([3, 0, 2, 1]), np.array([1, 0, 2, 0]),
+                        np.array([0, -1, 2, 1], np.int8))
+    st.count_acceptance(np.array([3]), np.array([1]))           # no sources: "other"
+    assert st.drafted_by_position == [4, 3, 2] and st.accepted_by_position == [3, 1, 0]
+    assert sum(st.drafted_by_position) == 9 and sum(st.accepted_by_position) == 4
+    assert st.drafted_by_source == {"problem": 3, "request": 1, "global": 2, "other": 3}
+    assert st.accepted_by_source == {"problem": 1, "request": 0, "global": 2, "other": 1}
+    assert st.acceptance_by_source()["global"] == 1.0
+    back = _stats_of(_stats_vector(st))
+    for f in ("drafted_by_position", "accepted_by_position", "drafted_by_source",
+              "accepted_by_source", "drafted_tokens", "accepted_draft_tokens"):
+        assert getattr(back, f) == getattr(st, f), f
+    both = DataParallelStats.combine([st, None, back])
+    assert both.drafted_by_position == [8, 6, 4]
+    assert both.accepted_by_source["problem"] == 2 and both.drafted_by_source["other"] == 6

@@ -116,6 +116,13 @@ def test_metrics_carry_the_rollout_time_split_and_plots_are_written(runs):
             assert r[key] is not None and r[key] >= 0, key
         assert r["tokens_per_forward"] == pytest.approx(
             r["generated_tokens"] / r["forward_passes"])
+        # acceptance per draft position and per source add up to the step's totals
+        assert sum(r["drafted_by_position"]) == r["drafted_tokens"]
+        assert sum(r["accepted_by_position"]) == r["accepted_draft_tokens"]
+        assert sum(r["drafted_by_source"].values()) == r["drafted_tokens"]
+        assert set(r["drafted_by_source"]) <= {"problem", "request", "global"}
+        assert len(r["acceptance_by_position"]) == len(r["drafted_by_position"])
+    assert sum(r["drafted_tokens"] for r in records) > 0
     assert records[0]["jit_compiles"] > 0 and records[0]["jit_compile_s"] > 0
     for name in PLOTS:
         assert (run_dir / "plots" / name).stat().st_size > 1000, name
@@ -348,3 +355,34 @@ def test_samples_with_records_that_are_not_samples_are_named_not_a_traceback(tmp
     (tmp_path / "samples.jsonl").write_text('{"step": 1, "reward": "x"}\n', encoding="utf-8")
     rc, out, err = _run_cli(["samples", str(tmp_path)])
     assert rc == 2 and err.splitlines()[-1].startswith("das-jax samples: error:")
+
+
+def test_zero_acceptance_warns_and_each_epoch_reports_acceptance_by_position_and_source(
+        tmp_path, caplog):
+    logger = run_log.RunLogger(tmp_path, total_steps=3, progress=False, steps_per_epoch=2)
+    base = {"reward_mean": 0.5, "loss": 0.1, "rollout_s": 1.0, "train_s": 1.0}
+    records = [
+        dict(base, step=1, epoch=0, drafted_tokens=6, accepted_draft_tokens=3,
+             drafted_by_position=[3, 2, 1], accepted_by_position=[2, 1, 0],
+             drafted_by_source={"problem": 4, "global": 2},
+             accepted_by_source={"problem": 3, "global": 0}),
+        dict(base, step=2, epoch=0, drafted_tokens=5, accepted_draft_tokens=0,
+             drafted_by_position=[3, 2], accepted_by_position=[0, 0],
+             drafted_by_source={"request": 5}, accepted_by_source={"request": 0}),
+        dict(base, step=3, epoch=1, drafted_tokens=0, accepted_draft_tokens=0,
+             drafted_by_position=[], accepted_by_position=[], drafted_by_source={},
+             accepted_by_source={}),
+    ]
+    with caplog.at_level(logging.INFO, logger="das_jax"):
+        for r in records:
+            logger.log(r)
+        logger.close()
+    text = [r.getMessage() for r in caplog.records]
+    warns = [t for t in text if "not one was accepted" in t]
+    assert len(warns) == 1 and warns[0].startswith("step 2: the drafter drafted 5 tokens")
+    epoch = [t for t in text if "acceptance by draft position" in t]
+    assert epoch == ["epoch 0 acceptance by draft position 0.33 0.25 0.00 (positions 1-3); by "
+                     "source (accepted / drafted tokens): request 0.00 of 5, problem 0.75 of "
+                     "4, global 0.00 of 2"]       # epoch 1 drafted nothing: no line
+    saved = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert saved[0]["drafted_by_source"] == {"problem": 4, "global": 2}

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from das_jax.drafter.base import DRAFT_SOURCES, OTHER_SOURCE
 from das_jax.engine.policy import StepRecord, acceptance_length
 
 
@@ -39,7 +42,13 @@ class GenerateStats:
     overlap_s: host work run while the device computed a step (the drafter's deferred
     appends, `EngineConfig.overlap_host`): inside the executor's calls, so not in host_s.
     exposed_overlap_s: the part of it the device waited for (the replay: each step's overlap
-    beyond its predicted time; the engine's step seconds include it)."""
+    beyond its predicted time; the engine's step seconds include it).
+    drafted_by_position / accepted_by_position: per draft position i (0-based), the rows whose
+    verified draft had more than i tokens / of which more than i were accepted (committed);
+    their ratio is the acceptance rate at position i, their sums drafted_tokens /
+    accepted_draft_tokens. drafted_by_source / accepted_by_source: draft tokens verified /
+    accepted per source (`das_jax.drafter.DRAFT_SOURCES`: the suffix drafter's problem,
+    request and global tries; "other" for drafters that do not say)."""
 
     forward_passes: int = 0
     generated_tokens: int = 0
@@ -57,12 +66,63 @@ class GenerateStats:
     preemptions: int = 0
     overlap_s: float = 0.0
     exposed_overlap_s: float = 0.0
+    drafted_by_position: list[int] = dataclasses.field(default_factory=list)
+    accepted_by_position: list[int] = dataclasses.field(default_factory=list)
+    drafted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+    accepted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
+
+    def count_acceptance(self, n_draft_A: np.ndarray, accepted_A: np.ndarray,
+                         source_A: np.ndarray | None = None) -> None:
+        """Adds one verify step's rows to the per-position and per-source counts.
+
+        Args:
+          n_draft_A: int [A] draft tokens each row verified; accepted_A: int [A] of them
+            accepted and committed (<= n_draft_A); source_A: int8 [A] or None, each row's
+            draft source (`DraftBatch.source_A`; -1 or None: "other").
+        """
+        n = np.asarray(n_draft_A, np.int64)
+        K = int(n.max(initial=0))
+        if K == 0:
+            return
+        a = np.minimum(np.asarray(accepted_A, np.int64), n)
+        add_counts(self.drafted_by_position, np.cumsum(np.bincount(n, minlength=K + 1)[::-1])
+                   [::-1][1:])
+        add_counts(self.accepted_by_position, np.cumsum(np.bincount(a, minlength=K + 1)[::-1])
+                   [::-1][1:])
+        src = (np.full(n.shape, OTHER_SOURCE, np.int64) if source_A is None
+               else np.where(np.asarray(source_A) < 0, OTHER_SOURCE, source_A).astype(np.int64))
+        d_S = np.bincount(src, weights=n, minlength=len(DRAFT_SOURCES))
+        a_S = np.bincount(src, weights=a, minlength=len(DRAFT_SOURCES))
+        for i in np.flatnonzero(d_S):
+            name = DRAFT_SOURCES[i]
+            self.drafted_by_source[name] = self.drafted_by_source.get(name, 0) + int(d_S[i])
+            self.accepted_by_source[name] = self.accepted_by_source.get(name, 0) + int(a_S[i])
+
+    def merge_acceptance(self, other: "GenerateStats") -> None:
+        """Adds `other`'s per-position and per-source counts to this one's."""
+        add_counts(self.drafted_by_position, other.drafted_by_position)
+        add_counts(self.accepted_by_position, other.accepted_by_position)
+        for mine, theirs in ((self.drafted_by_source, other.drafted_by_source),
+                             (self.accepted_by_source, other.accepted_by_source)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + int(v)
 
     @property
     def acceptance_length(self) -> float:
         """Mean tokens emitted per verify step per row (1.0 without speculation)."""
         return acceptance_length(self.steps)
+
+    def acceptance_by_position(self) -> list[float]:
+        """Acceptance rate at each draft position (accepted / drafted rows; [] without
+        drafts)."""
+        return [a / d if d else 0.0
+                for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    def acceptance_by_source(self) -> dict[str, float]:
+        """Accepted / drafted tokens per draft source that drafted."""
+        return {k: self.accepted_by_source.get(k, 0) / d
+                for k, d in self.drafted_by_source.items() if d}
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
@@ -70,3 +130,12 @@ class GenerateStats:
         if with_steps:
             d["steps"] = [dataclasses.asdict(s) for s in self.steps]
         return d
+
+
+def add_counts(into: list[int], counts) -> None:
+    """into[i] += counts[i] for every i, growing `into` with zeros as needed (in place)."""
+    counts = [int(c) for c in counts]
+    if len(into) < len(counts):
+        into.extend([0] * (len(counts) - len(into)))
+    for i, c in enumerate(counts):
+        into[i] += c

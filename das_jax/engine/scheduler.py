@@ -434,6 +434,8 @@ class _Run:
         self.accepted_R[req_A] += accepted_A
         accepted = int(accepted_A.sum())
         stats.accepted_draft_tokens += accepted
+        if drafted:
+            stats.count_acceptance(n_draft_A, accepted_A, plan.drafts.source_A)
         record = StepRecord(batch=B, active=len(live), width=plan.width, kv_len=kv_len,
                             drafted=drafted, accepted=accepted, emitted=int(committed_A.sum()),
                             seconds=out.seconds,

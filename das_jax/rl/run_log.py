@@ -194,6 +194,12 @@ class RunLogger:
         self._last_output = self._step_started = time.perf_counter()
         if compile_s >= 1.0:
             log.info("step %d: %s", step, describe_compiles(compile_s, programs))
+        if (record.get("drafted_tokens") or 0) > 0 and record.get("accepted_draft_tokens") == 0:
+            log.warning("step %d: the drafter drafted %d tokens and not one was accepted "
+                        "(acceptance 0 for the whole step): its drafts do not reach the "
+                        "verifier or do not match the policy; compare with drafter: none",
+                        step, record["drafted_tokens"])
+        epoch_line = self.epoch_acceptance_line(record)
         eta = self.eta_s()
         if self._bar is not None:
             post = {name: fmt.format(record[k]) for k, name, fmt in _BAR_KEYS
@@ -207,6 +213,35 @@ class RunLogger:
                 s = samples[0]
                 log.info("  sample (reward %.2f, %d tokens): %s", s["reward"],
                          s.get("length", 0), clip_line(s["completion"], 100))
+        if epoch_line:
+            log.info("%s", epoch_line)
+
+    def epoch_acceptance_line(self, record: dict[str, Any]) -> str | None:
+        """At the last step of an epoch (or of the run): the epoch's acceptance rate per draft
+        position and per draft source, from this run's records of that epoch; None otherwise
+        or without drafts."""
+        spe, step = self.steps_per_epoch, record["step"]
+        if not spe or (step % spe and step != self.total_steps) or "epoch" not in record:
+            return None
+        rows = [r for r in self.records if r.get("epoch") == record["epoch"]]
+        d_pos, a_pos, d_src, a_src = [], [], {}, {}
+        for r in rows:
+            for into, key in ((d_pos, "drafted_by_position"), (a_pos, "accepted_by_position")):
+                counts = r.get(key) or []
+                into.extend([0] * (len(counts) - len(into)))
+                for i, c in enumerate(counts):
+                    into[i] += c
+            for into, key in ((d_src, "drafted_by_source"), (a_src, "accepted_by_source")):
+                for k, v in (r.get(key) or {}).items():
+                    into[k] = into.get(k, 0) + v
+        if not d_pos or not d_pos[0]:
+            return None
+        shown = [a / d for a, d in zip(a_pos, d_pos) if d][:8]
+        sources = ", ".join(f"{k} {a_src.get(k, 0) / d:.2f} of {d:,}"
+                            for k, d in sorted(d_src.items(), key=lambda kv: -kv[1]) if d)
+        return (f"epoch {record['epoch']} acceptance by draft position "
+                f"{' '.join(f'{x:.2f}' for x in shown)} (positions 1-{len(shown)}); by source "
+                f"(accepted / drafted tokens): {sources}")
 
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[None]:

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from das_jax.drafter import DRAFT_SOURCES
 from das_jax.engine import GenerateStats, RequestOutput, StepRecord
 from das_jax.parallel.rollout_split import GroupSplit, gather_rows
 from das_jax.rl.rollout_batch import RolloutBatch
@@ -20,21 +21,46 @@ _STAT_FIELDS = ("forward_passes", "generated_tokens", "drafted_tokens", "accepte
                 "compile_s", "prefill_tokens", "prefill_calls")
 
 
+# draft positions whose acceptance counts travel between processes (suffix drafts are at most
+# max_depth - 1 tokens long; positions past this many are not carried)
+_POSITIONS = 64
+
+
 def _stats_vector(st: GenerateStats) -> np.ndarray:
-    """float64 `[F + 2]`: the counters, then the steps' live rows and emitted tokens."""
+    """float64 `[F + 2 + 2 * (_POSITIONS + S)]`: the counters, the steps' live rows and emitted
+    tokens, then drafted / accepted counts per draft position and per source (S =
+    len(DRAFT_SOURCES))."""
     active = sum(s.active for s in st.steps)
     emitted = sum(s.emitted for s in st.steps)
-    return np.array([float(getattr(st, f)) for f in _STAT_FIELDS] + [active, emitted])
+    acc = []
+    for counts in (st.drafted_by_position, st.accepted_by_position):
+        v = np.zeros(_POSITIONS)
+        v[: min(len(counts), _POSITIONS)] = counts[:_POSITIONS]
+        acc.append(v)
+    for by in (st.drafted_by_source, st.accepted_by_source):
+        acc.append(np.array([by.get(k, 0) for k in DRAFT_SOURCES], np.float64))
+    return np.concatenate([[float(getattr(st, f)) for f in _STAT_FIELDS], [active, emitted],
+                           *acc])
 
 
 def _stats_of(vec: np.ndarray) -> GenerateStats:
     """Another process's `GenerateStats` from its vector; its steps are one summary record
     (its live rows and emitted tokens summed: the acceptance length comes out right)."""
+    F, S = len(_STAT_FIELDS), len(DRAFT_SOURCES)
+    pos = vec[F + 2:]
     st = GenerateStats(**{f: type(getattr(GenerateStats, f, 0.0))(v)
                           for f, v in zip(_STAT_FIELDS, vec)})
-    st.steps = [StepRecord(batch=0, active=int(vec[-2]), width=1, kv_len=0,
+    trim = lambda v: [int(x) for x in v[: int(np.flatnonzero(v).max(initial=-1)) + 1]]  # noqa: E731
+    st.drafted_by_position = trim(pos[:_POSITIONS])
+    st.accepted_by_position = trim(pos[_POSITIONS: 2 * _POSITIONS])
+    st.accepted_by_position += [0] * (len(st.drafted_by_position)
+                                      - len(st.accepted_by_position))
+    d_S, a_S = pos[2 * _POSITIONS: 2 * _POSITIONS + S], pos[2 * _POSITIONS + S:]
+    st.drafted_by_source = {k: int(d_S[i]) for i, k in enumerate(DRAFT_SOURCES) if d_S[i]}
+    st.accepted_by_source = {k: int(a_S[i]) for i, k in enumerate(DRAFT_SOURCES) if d_S[i]}
+    st.steps = [StepRecord(batch=0, active=int(vec[F]), width=1, kv_len=0,
                            drafted=st.drafted_tokens, accepted=st.accepted_draft_tokens,
-                           emitted=int(vec[-1]), seconds=st.decode_s)]
+                           emitted=int(vec[F + 1]), seconds=st.decode_s)]
     return st
 
 

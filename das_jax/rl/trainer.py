@@ -387,6 +387,14 @@ class GRPOTrainer:
             "accepted_per_forward": st.accepted_draft_tokens / max(st.forward_passes, 1),
             "tokens_per_forward": st.generated_tokens / max(st.forward_passes, 1),
             "acceptance_length": st.acceptance_length,
+            # per draft position / source: counts, and accepted / drafted rates
+            "drafted_by_position": list(getattr(st, "drafted_by_position", [])),
+            "accepted_by_position": list(getattr(st, "accepted_by_position", [])),
+            "drafted_by_source": dict(getattr(st, "drafted_by_source", {})),
+            "accepted_by_source": dict(getattr(st, "accepted_by_source", {})),
+            "acceptance_by_position": [round(x, 4) for x in st.acceptance_by_position()],
+            "acceptance_by_source": {k: round(v, 4)
+                                     for k, v in st.acceptance_by_source().items()},
             "prefill_s": st.prefill_s,
             "decode_s": st.decode_s,
             "draft_s": st.draft_s,

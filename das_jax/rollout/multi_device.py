@@ -271,6 +271,8 @@ class DataParallelStats(GenerateStats):
         out.wall_s = max((s.wall_s for s in stats), default=0.0)
         out.compile_s = max((s.compile_s for s in stats), default=0.0)
         out.steps = [r for s in stats for r in s.steps]
+        for s in stats:
+            out.merge_acceptance(s)
         return out
 
     def _per(self, attr: str) -> list:
