@@ -7,9 +7,11 @@ import pytest
 
 from das_jax.speculation.cost_model import CostModel
 from das_jax.speculation.das_policy import DASConfig, DASPolicy
-from das_jax.engine.generate import Engine, EngineConfig, Request
+from das_jax.engine.generate import Engine, EngineConfig, GenerateStats, Request
 from das_jax.engine.policy import FixedPolicy
 from das_jax.engine.sampling import SamplingParams
+from das_jax.rl.split_rollout import _stats_of, _stats_vector
+from das_jax.rollout import DataParallelStats
 from das_jax.testing import OracleDrafter, tiny_model_config, tiny_params
 
 CFG = tiny_model_config()
@@ -76,10 +78,6 @@ def test_das_calibration_sees_committed_tokens_only(engine_and_future):
 def test_acceptance_counts_per_position_and_source_add_up_and_travel():
     """`GenerateStats.count_acceptance` over steps, `merge_acceptance` (data-parallel replicas)
     and the vector other processes send (`split_rollout`) keep the same counts."""
-    from das_jax.engine.outputs import GenerateStats
-    from das_jax.rl.split_rollout import _stats_of, _stats_vector
-    from das_jax.rollout import DataParallelStats
-
     st = GenerateStats(drafted_tokens=9, accepted_draft_tokens=4)
     st.count_acceptance(np.array([3, 0, 2, 1]), np.array([1, 0, 2, 0]),
                         np.array([0, -1, 2, 1], np.int8))

@@ -2,6 +2,7 @@
 
 Public surface:
   Engine, RequestOutput, GenerateStats                                         (generate.py)
+  add_counts: per-position counters added in place                            (outputs.py)
   EngineConfig, Request, GenerateError                                         (engine_config.py)
   DeviceExecutor (the engine's step executor)                                  (executor.py)
   Programs (the owner of every compiled program), register_program,           (programs.py)
@@ -32,7 +33,7 @@ from das_jax._lazy import lazy_exports
 
 _EXPORTS = {
     "Engine": "generate", "EngineConfig": "engine_config", "Request": "engine_config",
-    "RequestOutput": "generate", "GenerateStats": "generate", "GenerateError": "engine_config",
+    "RequestOutput": "generate", "GenerateStats": "generate", "add_counts": "outputs", "GenerateError": "engine_config",
     "SamplingParams": "sampling", "SamplingError": "sampling", "request_seed": "sampling",
     "SpeculationPolicy": "policy", "FixedPolicy": "policy", "RowView": "policy",
     "RowBatch": "policy",

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from das_jax.engine import add_counts
 from das_jax.rl.compile_watch import CompileWatch, describe_compiles
 from das_jax.rl.console_log import (Phase, fmt_seconds, phase,  # noqa: F401 - re-exported
                                     setup_console_logging)
@@ -227,10 +228,7 @@ class RunLogger:
         d_pos, a_pos, d_src, a_src = [], [], {}, {}
         for r in rows:
             for into, key in ((d_pos, "drafted_by_position"), (a_pos, "accepted_by_position")):
-                counts = r.get(key) or []
-                into.extend([0] * (len(counts) - len(into)))
-                for i, c in enumerate(counts):
-                    into[i] += c
+                add_counts(into, r.get(key) or [])
             for into, key in ((d_src, "drafted_by_source"), (a_src, "accepted_by_source")):
                 for k, v in (r.get(key) or {}).items():
                     into[k] = into.get(k, 0) + v
