@@ -19,7 +19,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("errors", "_lazy", "arg_types", "malloc", "registry"),
     ("models", "data", "parallel"),
     ("drafter", "engine"),
-    ("speculation",),
+    ("speculation", "draft_head"),
     ("config",),
     ("rollout", "testing"),
     ("rl",),

@@ -31,7 +31,9 @@ import time
 
 import numpy as np
 
+from das_jax.arg_types import positive_int
 from das_jax.bench import drafter_batch_bench, drafter_trace
+from das_jax.errors import UserError
 
 VOCAB = 49152
 
@@ -56,6 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per verify step per drafter and epoch on a recorded "
                         "rollout trace instead (e.g. docs/traces/gsm8k-smollm2-135m.jsonl.gz; "
                         "'das' prints its scope ablations too)")
+    parser.add_argument("--head", default=None, metavar="HEAD",
+                        help="with --trace: also a draft head (`das-jax draft-head fit`) alone "
+                        "and chosen per row against das; a head fitted with --holdout is "
+                        "measured on its held-out problems only")
+    parser.add_argument("--head-steps", type=positive_int, default=3,
+                        help="with --head: draft tokens per head draft")
+    parser.add_argument("--head-scale", type=float, default=2.0,
+                        help="with --head: the per-row choice takes the head's draft when its "
+                        "expected accepted length times this beats the history draft's")
     drafter_batch_bench.add_batch_arguments(parser)
 
 
@@ -163,6 +174,9 @@ def _warmup(make):
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "head", None) and not getattr(args, "trace", None):
+        raise UserError("--head measures a draft head on a trace: add --trace TRACE (e.g. "
+                        "docs/traces/gsm8k-smollm2-135m.jsonl.gz)")
     if getattr(args, "trace", None):
         return drafter_trace.trace_main(args)
     args.depth, args.k = args.depth or 24, args.k or 8

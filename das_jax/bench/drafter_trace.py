@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from das_jax.draft_head import HeadDrafter, head_drafts, head_vs_verify
 from das_jax.errors import UserError
 
 
@@ -93,10 +94,13 @@ def simulate_drafts(drafter, rollouts: Iterable[TraceRollout], k: int = 16) -> T
                            {e: 0 for e in epochs})
     rid = 0
     clock = time.perf_counter
+    bind = getattr(drafter, "bind", None)   # drafters that need the recorded rollout (the head)
     for e in epochs:
         for pid, group in by_epoch[e].items():
             live = {}
             for r in group:
+                if bind is not None:
+                    bind(rid, r)
                 drafter.begin(rid, pid, r.prompt_ids)
                 live[rid] = [r.token_ids, 0]
                 rid += 1
@@ -149,9 +153,57 @@ def _makers(names, depth, window) -> list[tuple[str, Callable]]:
     return rows
 
 
+def _head_rows(args, header, rollouts, depth, window):
+    """(rollouts to measure, the head's table rows) for `--head`: the trace's policy runs over
+    the rollouts once (features of every position), then the head's drafts from every anchor."""
+    # deferred import: jax (the head's file module holds its config)
+    from das_jax.draft_head import check_head_for_policy, load_head
+    head = load_head(args.head)
+    model = header.get("model")
+    if not model:
+        raise UserError(f"trace {args.trace}: its header names no model, so the head's policy "
+                        "is unknown")
+    if head.meta.get("model") != model:
+        raise UserError(f"draft head {args.head}: fitted to {head.meta.get('model')!r}, the "
+                        f"trace was recorded with {model!r}; fit a head on this trace with "
+                        "`das-jax draft-head fit`")
+    hold = set(head.meta.get("holdout_problems") or ())
+    if hold:
+        rollouts = [r for r in rollouts if r.problem_id in hold]
+        if not rollouts:
+            raise UserError(f"draft head {args.head}: none of its held-out problems is in "
+                            f"{args.trace}; pass the trace it was fitted on")
+    # deferred import: numba, jax
+    from das_jax.drafter import make_drafter
+    from das_jax.models import load
+    config, params, _ = load(model)
+    check_head_for_policy(head, args.head, model, config)
+    t0 = time.perf_counter()
+    drafts = head_drafts(config, params, head, [r.prompt_ids + r.token_ids for r in rollouts],
+                         args.head_steps)
+    print(f"draft head {args.head}: {head.config.draft_vocab_size} draft tokens, "
+          f"{args.head_steps} steps; measured on "
+          + (f"its {len(hold)} held-out problems" if hold else "every problem (it was fitted "
+             "on them)") + f"; policy features + drafts {time.perf_counter() - t0:.0f} s")
+    t = head_vs_verify(config, params, head, steps=args.head_steps)
+    print(f"head draft call (B={t['batch']}, {t['width']} anchors committed per row, "
+          f"{t['steps']} draft steps, {t['cached']} cached) {t['head_s'] * 1e3:.2f} ms vs the "
+          f"verify step at the same B and width {t['verify_s'] * 1e3:.2f} ms: "
+          f"{t['ratio']:.1%} (target <= 5%)")
+    by_id = {id(r): d for r, d in zip(rollouts, drafts)}
+    rows = [("head", lambda: HeadDrafter(by_id)),
+            ("das+head", lambda: HeadDrafter(by_id, make_drafter(
+                "das", max_depth=depth, window=window), head_scale=args.head_scale))]
+    return rollouts, rows
+
+
 def trace_main(args) -> int:
     """`bench drafter --trace`: the table of tokens per verify step per drafter and epoch."""
     header, rollouts = load_trace_rollouts(args.trace)
+    extra = []
+    if getattr(args, "head", None):
+        rollouts, extra = _head_rows(args, header, rollouts, args.depth or int(
+            header.get("das", {}).get("max_depth", 32)), args.window)
     das = header.get("das", {})
     depth = args.depth or int(das.get("max_depth", 32))
     window = args.window
@@ -167,12 +219,17 @@ def trace_main(args) -> int:
     head = f"{'drafter':24}{cols}{'all':>8}{'drafted':>9}{'prop us':>9}{'app us':>8}"
     print(head)
     print("-" * len(head))
-    for label, make in _makers(names, depth, window):
-        res = simulate_drafts(make(), rollouts, k)
+    for label, make in _makers(names, depth, window) + extra:
+        drafter = make()
+        res = simulate_drafts(drafter, rollouts, k)
         steps, tokens = sum(res.steps.values()), sum(res.tokens.values())
         per = "".join(f"{res.tokens_per_step(e):9.2f}" for e in epochs)
         print(f"{label:24}{per}{res.overall():8.2f}{sum(res.accepted.values()) / tokens:9.1%}"
               f"{res.propose_s / steps * 1e6:9.1f}{res.append_s / steps * 1e6:8.1f}", flush=True)
+        won = getattr(drafter, "source_counts", None)
+        if won is not None and drafter.history is not None:
+            print(f"{'':24}rows drafted from: head {won['head']}, history {won['history']}, "
+                  f"none {won['none']}")
     print("tokens per verify step (tokens emitted / verify steps); drafted = share of emitted "
           "tokens accepted from drafts; prop / app us = microseconds per propose / append call "
           "(per-row calls)")

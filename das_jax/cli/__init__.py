@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "das_jax.cli.bench",      # bench engine|drafter|rollout|replay|main-job
     "das_jax.cli.plan",       # plan
     "das_jax.cli.export",     # export
+    "das_jax.cli.draft_head", # draft-head fit
 )
 
 

@@ -1,0 +1,105 @@
+"""`das-jax draft-head fit`: an EAGLE-3 draft head fitted offline to recorded rollouts."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from das_jax.arg_types import positive_int
+from das_jax.bench.drafter_trace import load_trace_rollouts
+from das_jax.errors import UserError
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "draft-head", help="fit an EAGLE-3 draft head to a policy's recorded rollouts",
+        description="Draft heads (EAGLE-3): one decoder layer fed by three of the policy's "
+                    "blocks, drafting over a reduced vocabulary.")
+    sub = p.add_subparsers(dest="draft_head_command", metavar="SUBCOMMAND", required=True)
+    f = sub.add_parser(
+        "fit", help="fit a head to the rollouts of a trace",
+        description="Runs the trace's rollouts through its policy once (the features of three "
+                    "blocks and the policy's next-token distribution at every position), then "
+                    "fits a head with EAGLE-3's training-time test (soft cross-entropy against "
+                    "the policy, 3 draft steps) on the output positions.",
+        epilog="e.g. das-jax draft-head fit docs/traces/gsm8k-smollm2-135m.jsonl.gz --out "
+               "head.safetensors --holdout 0.5 ; then das-jax bench drafter --trace "
+               "docs/traces/gsm8k-smollm2-135m.jsonl.gz --head head.safetensors")
+    f.add_argument("trace", metavar="TRACE", help="a rollout trace (`das-jax bench rollout` "
+                   "writes DIR/trace.jsonl; one ships as docs/traces/gsm8k-smollm2-135m.jsonl.gz)")
+    f.add_argument("--out", required=True, help="the head file to write (.safetensors)")
+    f.add_argument("--model", default=None,
+                   help="the policy (model source); default: the trace's model")
+    f.add_argument("--holdout", type=_fraction, default=0.0,
+                   help="fraction of the trace's problems (the last ones) never fitted on; the "
+                        "benchmark measures the head on them")
+    f.add_argument("--epochs", type=positive_int, default=4)
+    f.add_argument("--batch", type=positive_int, default=8, help="rollouts per step")
+    f.add_argument("--lr", type=_positive_float, default=2e-3, help="peak AdamW learning rate")
+    f.add_argument("--draft-vocab", type=positive_int, default=4096,
+                   help="draft vocabulary: at most this many of the rollouts' tokens")
+    f.add_argument("--steps", type=positive_int, default=3,
+                   help="draft steps of the training-time test")
+    f.add_argument("--seed", type=int, default=0)
+    f.set_defaults(func=run_fit)
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from das_jax.draft_head.fit import FitConfig, split_problems   # deferred import: jax
+
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"--out {args.out}: directory {out_dir} does not exist; create it first")
+    header, rollouts = load_trace_rollouts(args.trace)
+    model = args.model or header.get("model")
+    if not model:
+        raise UserError(f"trace {args.trace}: its header names no model; pass --model SOURCE")
+    fit_ids, hold_ids = split_problems([r.problem_id for r in rollouts], args.holdout)
+    if not fit_ids:
+        raise UserError(f"--holdout {args.holdout} leaves no problem of {args.trace} to fit on")
+    cfg = FitConfig(epochs=args.epochs, batch=args.batch, lr=args.lr,
+                    draft_vocab=args.draft_vocab, steps=args.steps, seed=args.seed)
+
+    from tqdm import tqdm  # deferred import: tqdm (slow to import; not for --help)
+
+    from das_jax.draft_head import fit_head, save_head
+    from das_jax.models import load
+
+    model_config, params, _ = load(model)
+    top = max(max(r.token_ids + r.prompt_ids, default=0) for r in rollouts)
+    if top >= model_config.vocab_size:
+        raise UserError(f"trace {args.trace}: token id {top} is outside {model}'s vocabulary of "
+                        f"{model_config.vocab_size}; the trace was recorded with another "
+                        "tokenizer: pass the trace's --model")
+
+    def bar(total, desc):
+        return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+    head, _ = fit_head(model_config, params, model, rollouts, cfg, hold_ids, bar=bar,
+                       log=lambda line: tqdm.write(line, file=sys.stderr),
+                       meta={"trace": os.path.abspath(args.trace)})
+    save_head(args.out, head)
+    print(f"wrote {args.out}: draft head for {model} ({head.config.draft_vocab_size} draft "
+          f"tokens, blocks {list(head.config.feature_layers)}), fitted on "
+          f"{len(fit_ids)} problems" + (f", {len(hold_ids)} held out" if hold_ids else ""))
+    return 0

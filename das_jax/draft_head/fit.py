@@ -1,0 +1,166 @@
+"""Fitting a draft head offline to recorded rollouts of its policy (`das-jax draft-head fit`).
+
+The data: each rollout's prompt + output run once through the policy (teacher-forced), keeping
+the three blocks' features at every position and the policy's next-token distribution given the
+draft vocabulary (its top M tokens there; the lm_head reads the draft vocabulary's rows only);
+the loss is `head.draft_loss` (EAGLE-3's training-time test, soft targets) on the output
+positions, optimised with AdamW (linear warm-up, cosine decay, global-norm clip).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from das_jax.draft_head.features import sequence_features
+from das_jax.draft_head.head import HeadConfig, draft_loss, init_head
+from das_jax.draft_head.store import DraftHead, policy_fingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class FitConfig:
+    """epochs: passes over the rollouts; batch: rollouts per step; lr: peak AdamW learning rate;
+    weight_decay; clip: global-norm gradient clip; steps: draft steps of the training-time test;
+    top_m: teacher tokens kept per position; draft_vocab: Vd (the most frequent tokens of the
+    rollouts, at most this many); seed."""
+    epochs: int = 4
+    batch: int = 8
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    steps: int = 3
+    top_m: int = 16
+    draft_vocab: int = 4096
+    seed: int = 0
+
+
+def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int) -> np.ndarray:
+    """The `size` most frequent ids of `sequences` (ties to the smaller id), int32, most frequent
+    first: the head's draft vocabulary."""
+    counts = collections.Counter(t for s in sequences for t in s)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return np.array([t for t, _ in ranked[:size]], np.int32)
+
+
+def split_problems(problem_ids: Sequence[str], holdout: float) -> tuple[list, list]:
+    """(fit problems, holdout problems): the last `ceil(holdout * n)` problems in order of first
+    appearance are held out (never fitted on), so a benchmark can measure the head on problems
+    it has not seen (an epoch 0 for it)."""
+    seen = list(dict.fromkeys(problem_ids))
+    n_hold = int(np.ceil(holdout * len(seen))) if holdout > 0 else 0
+    return seen[:len(seen) - n_hold], seen[len(seen) - n_hold:]
+
+
+def fit_head(model_config, params, model_name: str, rollouts, cfg: FitConfig,
+             holdout_problems: Sequence[str] = (), log: Callable[[str], None] = print,
+             bar=None, meta: dict | None = None) -> tuple[DraftHead, list]:
+    """Fits a head to `rollouts` (`TraceRollout`s) of the policy (`model_config`, `params`),
+    skipping those of `holdout_problems`.
+
+    `bar(total, desc)` returns a progress bar (tqdm-like: `update(n)`, `set_postfix`, `close`);
+    None: no bar. Returns (the head, per-epoch dicts of mean loss and top-1 agreement).
+    """
+    import optax   # deferred import: optax (only a fit needs it)
+
+    hold = set(holdout_problems)
+    rows = [r for r in rollouts if r.problem_id not in hold]
+    if not rows:
+        raise ValueError("no rollouts left to fit on after the holdout")
+    seqs = [list(r.prompt_ids) + list(r.token_ids) for r in rows]
+    d2t = draft_vocabulary([r.token_ids for r in rows], cfg.draft_vocab)
+    hc = HeadConfig.for_policy(model_config, len(d2t))
+
+    log(f"draft head: {len(rows)} rollouts ({sum(map(len, seqs))} tokens) of "
+        f"{len({r.problem_id for r in rows})} problems; draft vocabulary {len(d2t)}; features of "
+        f"blocks {list(hc.feature_layers)}")
+    pb = bar(len(seqs), "policy features") if bar else None
+    # the teacher: the policy's next-token distribution given the draft vocabulary
+    M = min(cfg.top_m, len(d2t))
+    data = sequence_features(model_config, params, seqs, hc.feature_layers, M,
+                             progress=pb.update if pb else None, vocab_ids=d2t)
+    if pb:
+        pb.close()
+
+    B = cfg.batch
+    D3 = 3 * model_config.hidden_size
+    # rows padded to their length bucket (multiples of 128): one compiled step per bucket
+    bucket_of = np.array([-(-len(q) // 128) * 128 for q in seqs])
+
+    def batch_arrays(idx):
+        T = int(bucket_of[idx].max())
+        feats = np.zeros((B, T, D3), np.float32)
+        tok = np.zeros((B, T), np.int32)
+        valid = np.zeros((B, T), bool)
+        target = np.zeros((B, T), bool)
+        tid = np.full((B, T, M), -1, np.int32)
+        tp = np.zeros((B, T, M), np.float32)
+        for r, i in enumerate(idx):
+            n, P = len(seqs[i]), len(rows[i].prompt_ids)
+            f, ids, p = data[i]
+            feats[r, :n], tok[r, :n], valid[r, :n] = f, seqs[i], True
+            target[r, max(P - 1, 0): n - 1] = True
+            tid[r, :n], tp[r, :n] = ids, p
+        return tuple(map(jnp.asarray, (feats, tok, valid, target, tid, tp)))
+
+    def epoch_batches(rng):
+        """Batches of B rows of one length bucket each (a bucket's last batch filled with
+        random rows of the same bucket), in random order."""
+        out = []
+        for T in np.unique(bucket_of):
+            members = rng.permutation(np.flatnonzero(bucket_of == T))
+            for s in range(0, len(members), B):
+                idx = members[s:s + B]
+                if len(idx) < B:
+                    idx = np.concatenate([idx, rng.choice(members, B - len(idx))])
+                out.append(idx)
+        return [out[i] for i in rng.permutation(len(out))]
+
+    embed = jnp.asarray(params["embed"], jnp.float32)
+    rng = np.random.default_rng(cfg.seed)
+    plan = [epoch_batches(rng) for _ in range(cfg.epochs)]
+    total = sum(map(len, plan))
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, total // 20), total,
+                                               cfg.lr * 0.05)
+    opt = optax.chain(optax.clip_by_global_norm(cfg.clip),
+                      optax.adamw(sched, weight_decay=cfg.weight_decay))
+    hp = init_head(hc, jax.random.PRNGKey(cfg.seed))
+    state = opt.init(hp)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(hp, state, feats, tok, valid, target, tid, tp):
+        (loss, m), g = jax.value_and_grad(
+            lambda p: draft_loss(hc, p, embed, feats, tok, valid, target, tid, tp, cfg.steps),
+            has_aux=True)(hp)
+        up, state = opt.update(g, state, hp)
+        return optax.apply_updates(hp, up), state, loss, m
+
+    history = []
+    pb = bar(total, "fit") if bar else None
+    for epoch, batches in enumerate(plan):
+        sums = collections.defaultdict(float)
+        for idx in batches:
+            hp, state, loss, m = step(hp, state, *batch_arrays(idx))
+            sums["loss"] += float(loss)
+            for k, v in m.items():
+                sums[k] += float(v)
+            if pb:
+                pb.update(1)
+                pb.set_postfix(loss=f"{float(loss):.3f}", top1=f"{float(m['top1_step1']):.2f}")
+        rec = {"epoch": epoch, **{k: v / len(batches) for k, v in sums.items()}}
+        history.append(rec)
+        log(f"draft head epoch {epoch}: loss {rec['loss']:.3f}, top-1 agreement with the policy "
+            + ", ".join(f"step {j} {rec[f'top1_step{j}']:.2f}" for j in range(1, cfg.steps + 1)))
+    if pb:
+        pb.close()
+    info = dict(policy_fingerprint(model_name, model_config))
+    info.update(meta or {})
+    info.update({"fit_problems": sorted({r.problem_id for r in rows}),
+                 "holdout_problems": list(holdout_problems), "fit_rollouts": len(rows),
+                 "fit": dataclasses.asdict(cfg), "history": history})
+    head = DraftHead(hc, jax.tree_util.tree_map(np.asarray, hp), d2t, info)
+    return head, history

@@ -1,0 +1,121 @@
+"""The draft head in the trace simulation (`das-jax bench drafter --trace T --head H`).
+
+The head drafts from the policy's features of the committed tokens. On a recorded rollout those
+are the features of a teacher-forced forward over its prompt + output (causal: a position's
+features depend on its prefix only, so they equal what the verify steps would have returned),
+and the head's draft from each position does not depend on how the rollout got there. So
+`head_drafts` computes, in one batched call per rollout, the head's k-token draft and its path
+probabilities from every position; `HeadDrafter` then serves them in the simulation's protocol,
+alone or choosing per row between the head's draft and a history drafter's by their expected
+accepted length (the sum of the path probabilities).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from das_jax.drafter.base import Draft
+
+
+def head_drafts(model_config, params, head, sequences, steps: int, progress=None):
+    """Per sequence (prompt + output ids), the head's draft from every anchor: (tokens int32
+    `[n, steps]`, path probabilities float32 `[n, steps]`); row t is the draft of the tokens
+    after position t + 1 (anchor t, the next token x_{t+1} known)."""
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+    import jax.numpy as jnp
+
+    from das_jax.draft_head.features import sequence_features
+    from das_jax.draft_head.head import draft_all_anchors
+
+    hc = head.config
+    feats = sequence_features(model_config, params, sequences, hc.feature_layers, 0,
+                              progress=progress)
+    hp = jax.tree_util.tree_map(jnp.asarray, head.params)
+    embed = jnp.asarray(params["embed"], jnp.float32)
+    d2t = jnp.asarray(head.draft_to_target)
+
+    @functools.partial(jax.jit, static_argnums=(3,))
+    def run(f, nxt, valid, T):
+        return draft_all_anchors(hc, hp, embed, d2t, f, nxt, valid, steps)
+
+    out = []
+    for seq, (f,) in zip(sequences, feats):
+        n = len(seq)
+        T = -(-n // 64) * 64
+        fp = np.zeros((1, T, f.shape[-1]), np.float32)
+        fp[0, :n] = f
+        nxt = np.zeros((1, T), np.int32)
+        nxt[0, :n - 1] = seq[1:]
+        valid = np.zeros((1, T), bool)
+        valid[0, :n - 1] = True
+        tok, p = run(jnp.asarray(fp), jnp.asarray(nxt), jnp.asarray(valid), T)
+        out.append((np.asarray(tok[0, :n]), np.asarray(p[0, :n])))
+    return out
+
+
+class HeadDrafter:
+    """The `Drafter` protocol over precomputed head drafts (`head_drafts`), for the trace
+    simulation. `drafts_of` maps `id(rollout)` to its `head_drafts` entry; the simulation calls
+    `bind(request_id, rollout)` before `begin`.
+
+    history: optional history drafter; each `propose` then returns whichever of the two drafts
+    has the larger expected accepted length: the sum of its path probabilities, the head's
+    (its softmax probabilities) times `head_scale`, the history's its own count-ratio estimate.
+    `source_counts` counts the rows each source won."""
+
+    def __init__(self, drafts_of: dict, history=None, head_scale: float = 2.0):
+        self.drafts_of = drafts_of
+        self.history = history
+        self.head_scale = head_scale
+        self._drafts, self._len = {}, {}
+        self.source_counts = {"head": 0, "history": 0, "none": 0}
+
+    def bind(self, request_id, rollout) -> None:
+        self._drafts[request_id] = self.drafts_of[id(rollout)]
+
+    def begin(self, request_id, problem_id, prompt_ids) -> None:
+        self._len[request_id] = len(prompt_ids)
+        if self.history is not None:
+            self.history.begin(request_id, problem_id, prompt_ids)
+
+    def propose(self, request_id, max_tokens) -> Draft:
+        n = self._len[request_id]
+        tok, p = self._drafts[request_id]
+        a = n - 2            # anchor: the last position whose features exist
+        head = Draft.empty()
+        if 0 <= a < len(tok) and max_tokens > 0:
+            k = min(max_tokens, tok.shape[1])
+            head = Draft(tok[a, :k].astype(np.int32), p[a, :k].astype(np.float32))
+        if self.history is None:
+            self.source_counts["head" if len(head) else "none"] += 1
+            return head
+        hist = self.history.propose(request_id, max_tokens)
+        h_score = float(np.sum(hist.probs)) if len(hist) else 0.0
+        d_score = self.head_scale * float(np.sum(head.probs)) if len(head) else 0.0
+        if d_score > h_score:
+            self.source_counts["head"] += 1
+            return head
+        self.source_counts["history" if len(hist) else "none"] += 1
+        return hist
+
+    def append(self, request_id, token_ids) -> None:
+        self._len[request_id] += len(token_ids)
+        if self.history is not None:
+            self.history.append(request_id, token_ids)
+
+    def end(self, request_id) -> None:
+        self._drafts.pop(request_id, None)
+        if self.history is not None:
+            self.history.end(request_id)
+
+    def advance_epoch(self) -> None:
+        if self.history is not None:
+            self.history.advance_epoch()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
