@@ -35,8 +35,12 @@ def _seq(n, seed):
 
 
 def test_default_blocks_are_low_middle_high():
-    assert HeadConfig.for_policy(tiny_model_config(num_layers=30), 100).feature_layers == (2, 15, 27)
-    assert HeadConfig.for_policy(CFG, VD).feature_layers == (2, 2, 1)
+    def blocks(L):
+        return HeadConfig.for_policy(tiny_model_config(num_layers=L), 100).feature_layers
+    assert blocks(30) == (2, 15, 27)
+    assert blocks(8) == (2, 4, 5)
+    assert blocks(4) == (2, 2, 2)       # small policies: low <= middle <= high, all in range
+    assert blocks(1) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("use_jit", [False, True])
@@ -59,7 +63,6 @@ def test_a_draft_reads_no_position_after_its_anchor(use_jit):
                             jnp.where(valid, nxt, 5), valid, 3)
         np.testing.assert_array_equal(cut_tok[0, t], tok[0, t])
         np.testing.assert_allclose(cut_p[0, t], p[0, t], rtol=1e-5)
-    assert np.all(np.diff(np.asarray(p), axis=-1) <= 1e-7)   # path probabilities fall
 
 
 def test_training_time_test_is_the_drafting_computation():
@@ -79,6 +82,42 @@ def test_training_time_test_is_the_drafting_computation():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_draft_loss_scores_each_step_against_the_right_position():
+    """The loss, recomputed by hand from the step logits: step j of anchor t is scored against
+    the teacher at position t + j, only where that position is a target and both exist."""
+    from das_jax.draft_head.head import draft_loss
+    hc, hp = _head(11)
+    embed = jnp.asarray(tiny_params(CFG)["embed"])
+    B, T, M, J = 2, 9, 2, 3
+    rng = np.random.default_rng(3)
+    feats = jnp.asarray(rng.normal(size=(B, T, 3 * CFG.hidden_size)).astype(np.float32))
+    tok = np.stack([_seq(T, 12), _seq(T, 13)])
+    valid = np.arange(T)[None] < np.array([[9], [7]])
+    target = np.zeros((B, T), bool)
+    target[:, 3:] = True
+    tid = rng.integers(0, VD, (B, T, M)).astype(np.int32)
+    tid[0, 5, 1] = -1
+    tp = rng.dirichlet(np.ones(M), (B, T)).astype(np.float32)
+    loss, _ = draft_loss(hc, hp, embed, feats, jnp.asarray(tok), jnp.asarray(valid),
+                         jnp.asarray(target), jnp.asarray(tid), jnp.asarray(tp), J)
+    nxt = np.concatenate([tok[:, 1:], np.zeros((B, 1), np.int32)], 1)
+    teach = np.stack([np.concatenate([tok[:, j:], np.zeros((B, j), np.int32)], 1)
+                      for j in range(1, J + 1)], -1)
+    ok_anchor = valid & np.concatenate([valid[:, 1:], np.zeros((B, 1), bool)], 1)
+    outs = run_levels(hc, hp, embed, feats, jnp.asarray(nxt), jnp.asarray(ok_anchor), J,
+                      teacher_tokens_BxTxJ=jnp.asarray(teach))
+    want = 0.0
+    for j, lg in enumerate(outs, start=1):
+        logp = np.asarray(jax.nn.log_softmax(lg, -1))
+        terms = [-sum(tp[b, t + j, m] * logp[b, t, tid[b, t + j, m]] for m in range(M)
+                      if tid[b, t + j, m] >= 0)
+                 for b in range(B) for t in range(T)
+                 if t + j < T and ok_anchor[b, t] and valid[b, t + j] and target[b, t + j]]
+        want += 0.8 ** (j - 1) * np.mean(terms)
+    want /= sum(0.8 ** (j - 1) for j in range(1, J + 1))
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+
+
 def test_block_features_are_the_policy_forward():
     params = tiny_params(CFG)
     tok = jnp.asarray(np.stack([_seq(9, 1), _seq(9, 2)]))
@@ -91,6 +130,21 @@ def test_block_features_are_the_policy_forward():
     from das_jax.models.transformer import rms_norm
     np.testing.assert_allclose(rms_norm(feats[..., 2 * D:], params["final_norm"], 1e-5), h,
                                rtol=1e-4, atol=1e-4)
+    # slots 0 and 1: the outputs of blocks 0 and 1 (a policy cut after that block, renormed)
+    for slot, block in ((0, 0), (1, 1)):
+        cut = tiny_model_config(num_layers=block + 1)
+        cut_params = dict(params, layers=jax.tree_util.tree_map(lambda a: a[:block + 1],
+                                                                params["layers"]))
+        h_cut, _ = forward_hidden(cut, cut_params, tok, jnp.broadcast_to(jnp.arange(9), (2, 9)),
+                                  valid_BxT=valid)
+        got = rms_norm(feats[..., slot * D:(slot + 1) * D], params["final_norm"], 1e-5)
+        np.testing.assert_allclose(got, h_cut, rtol=1e-4, atol=1e-4)
+    # a block named twice fills both its slots
+    twice = block_features(CFG, params, tok, valid, (1, 1, 3))
+    np.testing.assert_array_equal(twice[..., :D], feats[..., D:2 * D])
+    np.testing.assert_array_equal(twice[..., D:2 * D], feats[..., D:2 * D])
+    with pytest.raises(ValueError, match="block 4 is outside the policy's 4 blocks"):
+        block_features(CFG, params, tok, valid, (0, 1, 4))
     np.testing.assert_array_equal(ids[..., 0], jnp.argmax(logits, -1))
     np.testing.assert_allclose(probs[..., 0], jnp.max(jax.nn.softmax(logits, -1), -1),
                                rtol=1e-5)
@@ -134,7 +188,6 @@ def test_fitting_learns_the_policy_and_skips_the_holdout(fitted):
     assert history[-1]["top1_step1"] > history[0]["top1_step1"]
     assert head.meta["fit_problems"] == ["p0", "p1", "p2"]
     assert head.meta["holdout_problems"] == ["p3"]
-    assert head.draft_to_target.size <= VD
 
 
 def test_head_file_round_trip_and_its_errors(fitted, tmp_path):
@@ -183,7 +236,6 @@ def test_trace_simulation_with_the_head(fitted):
     from das_jax.drafter import make_drafter
     both = HeadDrafter({id(r): d for r, d in zip(rs, drafts)}, make_drafter("das"))
     res = simulate_drafts(both, rs, 16)
-    assert res.overall() >= 1.0
     assert sum(both.source_counts.values()) == sum(res.steps.values())
 
 
@@ -235,6 +287,8 @@ def test_the_cached_step_drafts_as_the_whole_sequence_does(use_jit):
             if n[b]:
                 np.testing.assert_array_equal(tok[b], want_tok[b, done[b] - 1])
                 np.testing.assert_allclose(p[b], want_p[b, done[b] - 1], rtol=1e-4, atol=1e-6)
+            else:   # a row that committed nothing has nothing to draft from
+                np.testing.assert_array_equal(p[b], 0.0)
 
 
 def test_bench_head_errors_name_the_input(fitted, tmp_path):

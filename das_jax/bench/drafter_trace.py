@@ -183,8 +183,8 @@ def _head_rows(args, header, rollouts, depth, window):
                          args.head_steps)
     print(f"draft head {args.head}: {head.config.draft_vocab_size} draft tokens, "
           f"{args.head_steps} steps; measured on "
-          + (f"its {len(hold)} held-out problems" if hold else "every problem (it was fitted "
-             "on them)") + f"; policy features + drafts {time.perf_counter() - t0:.0f} s")
+          + (f"its {len(hold)} held-out problems" if hold else "every problem (none held out "
+             "when it was fitted)") + f"; policy features + drafts {time.perf_counter() - t0:.0f} s")
     t = head_vs_verify(config, params, head, steps=args.head_steps)
     print(f"head draft call (B={t['batch']}, {t['width']} anchors committed per row, "
           f"{t['steps']} draft steps, {t['cached']} cached) {t['head_s'] * 1e3:.2f} ms vs the "

@@ -32,9 +32,12 @@ def block_features(config, params, tokens_BxT, valid_BxT, feature_layers, top_m:
     """
     B, T = tokens_BxT.shape
     L = config.num_layers
-    slot_L = np.full((L,), -1, np.int32)
+    hit_Lx3 = np.zeros((L, 3), bool)    # block l fills slot i (a block may fill several)
     for i, li in enumerate(feature_layers):
-        slot_L[li] = i
+        if not 0 <= li < L:
+            raise ValueError(f"feature_layers {tuple(feature_layers)}: block {li} is outside the "
+                             f"policy's {L} blocks")
+        hit_Lx3[li, i] = True
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x = params["embed"][tokens_BxT]
     feats0 = jnp.zeros((3,) + x.shape, jnp.float32)
@@ -43,12 +46,11 @@ def block_features(config, params, tokens_BxT, valid_BxT, feature_layers, top_m:
 
     def body(carry, inputs):
         x, feats = carry
-        lp, slot = inputs
+        lp, hit_3 = inputs
         x, _, _ = decoder_layer(config, inv_freq, x, lp, pos, None, valid_BxT, act)
-        hit = (jnp.arange(3) == slot)[:, None, None, None]
-        return (x, jnp.where(hit, x.astype(jnp.float32)[None], feats)), None
+        return (x, jnp.where(hit_3[:, None, None, None], x.astype(jnp.float32)[None], feats)), None
 
-    (x, feats), _ = run_layers(body, (x, feats0), params["layers"], jnp.asarray(slot_L),
+    (x, feats), _ = run_layers(body, (x, feats0), params["layers"], jnp.asarray(hit_Lx3),
                                config.layer_loop)
     feats_BxTx3D = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
     if not top_m:

@@ -20,6 +20,7 @@ import numpy as np
 from das_jax.draft_head.features import sequence_features
 from das_jax.draft_head.head import HeadConfig, draft_loss, init_head
 from das_jax.draft_head.store import DraftHead, policy_fingerprint
+from das_jax.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,8 @@ def fit_head(model_config, params, model_name: str, rollouts, cfg: FitConfig,
         raise ValueError("no rollouts left to fit on after the holdout")
     seqs = [list(r.prompt_ids) + list(r.token_ids) for r in rows]
     d2t = draft_vocabulary([r.token_ids for r in rows], cfg.draft_vocab)
+    if not len(d2t):
+        raise UserError("the rollouts to fit on hold no output tokens: nothing to draft")
     hc = HeadConfig.for_policy(model_config, len(d2t))
 
     log(f"draft head: {len(rows)} rollouts ({sum(map(len, seqs))} tokens) of "

@@ -65,10 +65,12 @@ class HeadConfig:
 
     @staticmethod
     def for_policy(model_config, draft_vocab_size: int) -> "HeadConfig":
-        """The EAGLE-3 default for a policy `ModelConfig`: blocks 2, L/2 and L-3 fused, one
-        decoder layer shaped as the policy's."""
+        """The EAGLE-3 default for a policy `ModelConfig`: blocks 2, L/2 and L-3 fused (kept in
+        order low <= middle <= high for small L), one decoder layer shaped as the policy's."""
         L = model_config.num_layers
-        layers = (min(2, L - 1), L // 2, max(0, L - 3))
+        low = min(2, L - 1)
+        high = max(low, L - 3)
+        layers = (low, min(max(L // 2, low), high), high)
         return HeadConfig(model_config.hidden_size, layers, model_config.num_heads,
                           model_config.num_kv_heads, model_config.head_dim,
                           model_config.intermediate_size, int(draft_vocab_size),
@@ -299,9 +301,13 @@ def extend_and_draft(hc: HeadConfig, params: Params, embed_VxD, draft_to_target,
         with 0 keeps its cache and drafts nothing useful).
       steps: J draft tokens.
 
+    Precondition: `length_B + n_B <= S` (anchors past the cache are dropped; the length stops
+    at S).
+
     Returns:
       (new cache, draft tokens int32 `[B, J]` in the policy's vocabulary, path probabilities
-      float32 `[B, J]`). Equal to `draft_all_anchors` at each row's last anchor (a test checks).
+      float32 `[B, J]`, 0 for a row that committed nothing). Equal to `draft_all_anchors` at each
+      row's last anchor (a test checks).
     """
     B, W = next_BxW.shape
     S = cache.k.shape[1]
@@ -315,7 +321,7 @@ def extend_and_draft(hc: HeadConfig, params: Params, embed_VxD, draft_to_target,
     def write(c, new):
         return jax.vmap(lambda cb, ib, nb: cb.at[ib].set(nb, mode="drop"))(c, idx_BxW, new)
     kc, vc = write(cache.k, k), write(cache.v, v)
-    new_len = cache.length_B + n_B
+    new_len = jnp.minimum(cache.length_B + n_B, S)
     # the last new anchor of each row: attends to its cache up to and including itself
     last = jnp.maximum(n_B - 1, 0)
     take = lambda x: jnp.take_along_axis(x, last[:, None, None, None], axis=1)  # noqa: E731
@@ -339,4 +345,5 @@ def extend_and_draft(hc: HeadConfig, params: Params, embed_VxD, draft_to_target,
     probs = jax.nn.softmax(lg, axis=-1)
     idx = jnp.argmax(lg, axis=-1)
     p = jnp.take_along_axis(probs, idx[..., None], axis=-1)[..., 0]
-    return HeadCache(kc, vc, new_len), draft_to_target[idx], jnp.cumprod(p, axis=-1)
+    path = jnp.where(n_B[:, None] > 0, jnp.cumprod(p, axis=-1), 0.0)
+    return HeadCache(kc, vc, new_len), draft_to_target[idx], path

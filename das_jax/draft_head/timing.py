@@ -10,8 +10,9 @@ import numpy as np
 def head_vs_verify(model_config, params, head, batch: int = 16, width: int = 4,
                    steps: int = 3, cached: int = 384, repeats: int = 20) -> dict:
     """Median seconds of `extend_and_draft` (B rows, `width` anchors committed each, `steps`
-    draft tokens, `cached` anchors already in the head's cache) and of the engine's packed
-    verify step at the same (B, width) attending `cached` positions; compile excluded."""
+    draft tokens, `cached` anchors already in the head's cache of `max_len` = the power of two
+    >= cached + 2 * width, at least 128) and of the engine's packed verify step at the same
+    (B, width) attending `max_len` positions; compile excluded."""
     # deferred import: jax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
