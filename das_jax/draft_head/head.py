@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from das_jax.models.transformer import rms_norm, rope
+
 Params = dict[str, Any]
 _MASK = -1e30
 
@@ -109,15 +111,16 @@ def init_head(hc: HeadConfig, key: jax.Array, scale: float = 0.02) -> Params:
 
 
 def _rms(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    return w * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps))
+    return rms_norm(x.astype(jnp.float32), w, eps)
 
 
-def _rope(x_BxTxNxK, pos_BxT, inv_freq):
-    f = pos_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    cos, sin = jnp.cos(f)[:, :, None], jnp.sin(f)[:, :, None]
-    x1, x2 = jnp.split(x_BxTxNxK, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def _paths(logits_BxTxJxV, draft_to_target):
+    """(argmax tokens in the policy's vocabulary, path probabilities: the cumulative product of
+    the head's softmax probability of its own argmax) of step logits."""
+    probs = jax.nn.softmax(logits_BxTxJxV, axis=-1)
+    idx = jnp.argmax(logits_BxTxJxV, axis=-1)
+    p = jnp.take_along_axis(probs, idx[..., None], axis=-1)[..., 0]
+    return draft_to_target[idx], jnp.cumprod(p, axis=-1)
 
 
 def fuse(params: Params, feats_BxTx3D: jax.Array) -> jax.Array:
@@ -132,7 +135,7 @@ def _qkv(hc, p, emb_BxTxD, hid_BxTxD, pos_BxT):
     k = jnp.einsum("bte,ehk->bthk", x, p["wk"])
     v = jnp.einsum("bte,ehk->bthk", x, p["wv"])
     inv = hc.inv_freq()
-    return _rope(q, pos_BxT, inv), _rope(k, pos_BxT, inv), v
+    return rope(q, pos_BxT, inv), rope(k, pos_BxT, inv), v
 
 
 def _finish(hc, p, hid_BxTxD, attn_BxTxHxK):
@@ -217,11 +220,7 @@ def draft_all_anchors(hc: HeadConfig, params: Params, embed_VxD, draft_to_target
     its own argmax up to each step: its estimate that the draft's first j tokens are accepted)."""
     outs = run_levels(hc, params, embed_VxD, feats_BxTx3D, next_BxT, valid_BxT, steps,
                       draft_to_target=draft_to_target)
-    lg = jnp.stack(outs, axis=2)
-    probs = jax.nn.softmax(lg, axis=-1)
-    idx = jnp.argmax(lg, axis=-1)
-    p = jnp.take_along_axis(probs, idx[..., None], axis=-1)[..., 0]
-    return draft_to_target[idx], jnp.cumprod(p, axis=-1)
+    return _paths(jnp.stack(outs, axis=2), draft_to_target)
 
 
 def draft_loss(hc: HeadConfig, params: Params, embed_VxD, feats_BxTx3D, tokens_BxT, valid_BxT,
@@ -341,9 +340,5 @@ def extend_and_draft(hc: HeadConfig, params: Params, embed_VxD, draft_to_target,
         a = _finish(hc, params, a, _attend(hc, qj, kc, vc, mask_Bx1xS, jnp.stack(kd),
                                            jnp.stack(vd)))
         outs.append(logits(hc, params, a))
-    lg = jnp.concatenate(outs, axis=1)
-    probs = jax.nn.softmax(lg, axis=-1)
-    idx = jnp.argmax(lg, axis=-1)
-    p = jnp.take_along_axis(probs, idx[..., None], axis=-1)[..., 0]
-    path = jnp.where(n_B[:, None] > 0, jnp.cumprod(p, axis=-1), 0.0)
-    return HeadCache(kc, vc, new_len), draft_to_target[idx], path
+    tok, path = _paths(jnp.concatenate(outs, axis=1), draft_to_target)
+    return HeadCache(kc, vc, new_len), tok, jnp.where(n_B[:, None] > 0, path, 0.0)
