@@ -171,3 +171,33 @@ def test_co_tenant_spins_cores_for_the_block_and_stops():
                           "--paper-replay", "cpu,nope"], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 2 and "nope" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_rollout_with_a_draft_head(tmp_path):
+    """`das+head` runs beside the others: measured, token-identical, drafting from the head,
+    without replay columns (a trace holds no policy features)."""
+    import jax
+
+    from das_jax.draft_head.head import HeadConfig, init_head
+    from das_jax.draft_head.store import DraftHead
+    cfg = tiny_model_config(num_layers=4)
+    params = tiny_params(cfg)
+    hc = HeadConfig.for_policy(cfg, 32)
+    head = DraftHead(hc, {k: np.asarray(v) for k, v in
+                          init_head(hc, jax.random.PRNGKey(0), scale=0.3).items()},
+                     np.arange(2, 34, dtype=np.int32), {})
+    rollout = Rollout(Engine(cfg, params, eos_token_ids=[EOS],
+                             engine_config=EngineConfig(max_slots=4, max_cache_len=128,
+                                                        draft_widths=(1, 4))))
+    rng = np.random.default_rng(3)
+    prompts = [(f"p{i}", tuple(int(t) for t in rng.integers(2, 64, size=8))) for i in range(2)]
+    setup = BenchSetup(rollout=rollout, prompts=prompts, drafters=["das", "das+head"],
+                       epochs=2, temperatures=[1.0], num_generations=2, max_new_tokens=16,
+                       das=DASSection(window=4, max_depth=16, min_token_prob=0.1),
+                       model_name="tiny", calibrate=False, head=(head, 3, 50.0))
+    res = run_bench(setup, str(tmp_path), log=lambda s: None)
+    rows = [r for r in res["runs"] if r["drafter"] == "das+head"]
+    assert len(rows) == 2 and all(r["identity_rate"] == 1.0 for r in rows)
+    assert all("replay" not in r and r["speedup"] > 0 for r in rows)
+    assert sum(r["drafted_by_source"].get("head", 0) for r in rows) > 0
+    assert "| 1.0 | das+head |" in res["table"]

@@ -43,6 +43,9 @@ import pytest
 
 import das_jax.engine.reference  # noqa: F401 - registers the padded programs in PROGRAMS
 from das_jax.config import GRPOSection
+from das_jax.draft_head.head import HeadConfig, init_head
+from das_jax.draft_head.runtime import (HeadAdmitSpec,  # registers the head's programs
+                                        HeadExtendSpec, HeadGatherSpec)
 from das_jax.engine.programs import PROGRAMS, Programs
 from das_jax.engine.reference import PaddedPrefillSpec, PaddedVerifySpec
 from das_jax.engine.specs import (DecodeSpec, GatherSpec, PrefillSpec, SharePagesSpec, ShareSpec,
@@ -62,6 +65,7 @@ DTYPES = ("float32", "bfloat16")
 # Every layout feature of the shipped models; tied (the tiny default) in the fused update's
 # second case.
 CFG = tiny_model_config(attention_bias=True, qk_norm=True, tie_word_embeddings=False)
+HEAD = HeadConfig.for_policy(CFG, 24)   # a draft head of the tiny policy
 TIED = tiny_model_config()
 GREEDY, TOP_P = (0.0, 0, 1.0), (0.6, 20, 0.95)  # sampling keys: argmax; top-k + top-p sort
 
@@ -145,10 +149,28 @@ def _engine_examples(config, dtype) -> dict[type, list]:
         # the padded programs (the tests' oracle, run by `PaddedExecutor`)
         PaddedVerifySpec: [PaddedVerifySpec(config, TOP_P, 4, 4, 64, 32, dtype)],
         PaddedPrefillSpec: [PaddedPrefillSpec(config, GREEDY, 4, 2, 16, 3, 64, dtype)],
+        # with a draft head: the steps also return its blocks' outputs, and its own programs
+        # (float32 head weights; the policy's dtype is the embedding it reads)
+        **({} if config.contraction.exact else {
+            HeadAdmitSpec: [HeadAdmitSpec(HEAD, 4, 2, 16, 64, 3)],
+            HeadExtendSpec: [HeadExtendSpec(HEAD, 4, 4, 64, 3, 36)],
+            HeadGatherSpec: [HeadGatherSpec(HEAD, 4, 2, 64)]}),
     }
 
 
-ENGINE_EXAMPLES = _engine_examples  # (config, dtype) -> {spec type: [specs]}
+def _with_head_features(examples: dict, config, dtype) -> dict:
+    """The verify and prefill examples again with the draft head's `feature_layers`."""
+    layers = HEAD.feature_layers
+    examples[VerifySpec] = examples[VerifySpec] + [
+        VerifySpec(config, TOP_P, 4, 16, 4, 64, 32, dtype, (), layers)]
+    examples[PrefillSpec] = examples[PrefillSpec] + [
+        PrefillSpec(config, GREEDY, 4, 32, 2, 16, 64, dtype, True, (), layers)]
+    return examples
+
+
+def ENGINE_EXAMPLES(config, dtype) -> dict[type, list]:  # noqa: N802 - the table's name
+    """(config, dtype) -> {spec type: [specs]}: `_engine_examples` and the head's features."""
+    return _with_head_features(_engine_examples(config, dtype), config, dtype)
 EXACT = dataclasses.replace(CFG, contraction=cx.EXACT)
 
 
@@ -173,7 +195,7 @@ def test_every_engine_program_has_an_example():
 def test_engine_program_exports(spec, platform):
     program = _engine_program(spec)
     exported = program.export(platform)
-    if type(spec) is not GatherSpec:  # the cache is donated and updated in place
+    if type(spec) not in (GatherSpec, HeadGatherSpec):  # the cache is donated, in place
         cache = program.args[1]
         assert _aliases(exported.mlir_module()) == len(jax.tree_util.tree_leaves(cache))
     if type(spec) is VerifySpec and spec.pages:
@@ -194,6 +216,11 @@ def test_paged_verify_exports_the_triton_kernel_by_name_for_cuda():
 
 @functools.lru_cache(maxsize=None)
 def _engine_program(spec) -> Program:
+    if isinstance(spec, (HeadAdmitSpec, HeadExtendSpec, HeadGatherSpec)):
+        params = {"head": jax.eval_shape(lambda: init_head(HEAD, jax.random.PRNGKey(0))),
+                  "embed": jax.ShapeDtypeStruct((CFG.vocab_size, CFG.hidden_size), jnp.float32),
+                  "draft_to_target": jax.ShapeDtypeStruct((HEAD.draft_vocab_size,), jnp.int32)}
+        return Program(PROGRAMS[type(spec)], *Programs(CFG).abstract(spec, params))
     return Program(PROGRAMS[type(spec)],
                    *Programs(spec.config).abstract(spec, _params(spec.config, spec.dtype)))
 

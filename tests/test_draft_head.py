@@ -143,7 +143,7 @@ def test_block_features_are_the_policy_forward():
     twice = block_features(CFG, params, tok, valid, (1, 1, 3))
     np.testing.assert_array_equal(twice[..., :D], feats[..., D:2 * D])
     np.testing.assert_array_equal(twice[..., D:2 * D], feats[..., D:2 * D])
-    with pytest.raises(ValueError, match="block 4 is outside the policy's 4 blocks"):
+    with pytest.raises(ValueError, match="block 4 is outside the model's 4 blocks"):
         block_features(CFG, params, tok, valid, (0, 1, 4))
     np.testing.assert_array_equal(ids[..., 0], jnp.argmax(logits, -1))
     np.testing.assert_allclose(probs[..., 0], jnp.max(jax.nn.softmax(logits, -1), -1),

@@ -39,6 +39,10 @@ lengths of `none`'s rollouts (median, p90, max, share at the cap: `rollout_repor
 every drafter's in `rollout.json`). `--load-cores N` runs a deterministic co-tenant (N
 processes spinning one core each, `co_tenant.CoTenant`) for the whole run and records it.
 
+A drafter named `X+head` (e.g. `das+head`, with `--set draft_head.path=HEAD.safetensors`) is
+speculation X with the EAGLE-3 draft head beside it (`Rollout.attach_draft_head`); it is
+measured like the others and left out of the replays (a trace holds no policy features).
+
 `--update-policy` runs one GRPO update (`GRPOTrainer.score` + `GRPOTrainer.update`) on the `none`
 rollouts of each epoch (all of them as one batch) before the next epoch, so the policy drifts as
 in training; every drafter then samples from the same updated params.
@@ -63,6 +67,7 @@ from das_jax.bench.co_tenant import CoTenant
 from das_jax.config import (ConfigError, DASSection, apply_compilation_cache, apply_platform,
                             load_config)
 from das_jax.data import load_dataset_from_config, render_prompt
+from das_jax.errors import UserError
 from das_jax.models.tokenizer import encode_prompt
 from das_jax.rollout import speculation_names
 from das_jax.speculation import resolve_cost_model
@@ -156,6 +161,22 @@ class BenchSetup:
     reference_fn: Callable | None = None
     paper: "PaperSpec | None" = None             # paper-scale replay of this run's trace
     load_cores: int = 0                          # cores a co-tenant spins (`co_tenant`)
+    # (DraftHead, steps, scale) for the drafters named "X+head": X with the draft head beside
+    # it (`Rollout.attach_draft_head`); None: no such drafter.
+    head: tuple | None = None
+
+
+HEAD_SUFFIX = "+head"
+
+
+def _bench_rollout(base, name: str, das, head):
+    """The rollout of drafter `name` on `base`'s engine: a speculation, or "X+head" (X with
+    the draft head `head` = (DraftHead, steps, scale) beside it)."""
+    if not name.endswith(HEAD_SUFFIX):
+        return base.with_speculation(name, das)
+    rollout = base.with_speculation(name[:-len(HEAD_SUFFIX)], das)
+    rollout.attach_draft_head(*head)
+    return rollout
 
 
 @dataclasses.dataclass
@@ -222,7 +243,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
     step_traces: dict = {}
 
     for temp in setup.temperatures:
-        rollouts = {name: base.with_speculation(name, das_fitted) for name in names}
+        rollouts = {name: _bench_rollout(base, name, das_fitted, setup.head) for name in names}
         params = base.params
         measured: dict[str, list] = {n: [] for n in names}
         none_epochs: dict[int, list] = {}
@@ -291,7 +312,8 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
     summarize_measured(result)
     if setup.paper is not None:
         header = {"cost_model": coef, "das": dataclasses.asdict(das)}
-        result["paper"] = run_paper(rp.Trace(header, trace_rollouts), names,
+        result["paper"] = run_paper(rp.Trace(header, trace_rollouts),
+                                    [n for n in names if not n.endswith(HEAD_SUFFIX)],
                                     setup.max_new_tokens, das, setup.paper, log)
     result["report"] = report_markdown(result)
     if out_dir:
@@ -333,18 +355,23 @@ def _add_replay(result: dict, measured: dict, none_epochs: dict, names: list[str
         "host_s_per_step": max(0.0, (m0["wall_s"] - m0["decode_s"] - m0["prefill_s"]
                                      - m0["host_s"]) / max(m0["forward_passes"], 1)),
     }
-    predicted = rp.replay_epochs(none_epochs, names, ec, setup.max_new_tokens, coef, das,
+    # the replay runs history drafters on the recorded tokens; a draft head needs the
+    # policy's features, which a trace does not hold, so "X+head" rows are measured only
+    replayed = [n for n in names if not n.endswith(HEAD_SUFFIX)]
+    predicted = rp.replay_epochs(none_epochs, replayed, ec, setup.max_new_tokens, coef, das,
                                  overheads)
     for name in names:
-        for row, pred in zip(measured[name], predicted[name]):
-            row["replay"] = pred
-            row["replay_ratio"] = pred["predicted_s"] / max(row["wall_s"], 1e-9)
-            row["replay_decode_ratio"] = pred["decode_s"] / max(row["decode_s"], 1e-9)
-            row["replay_passes_match"] = pred["forward_passes"] == row["forward_passes"]
+        for row in measured[name]:
             none_row = measured["none"][row["epoch"]]
             row["speedup"] = none_row["wall_s"] / max(row["wall_s"], 1e-9)
-            row["predicted_speedup"] = (predicted["none"][row["epoch"]]["predicted_s"]
-                                        / max(pred["predicted_s"], 1e-9))
+            if name in predicted:
+                pred = predicted[name][row["epoch"]]
+                row["replay"] = pred
+                row["replay_ratio"] = pred["predicted_s"] / max(row["wall_s"], 1e-9)
+                row["replay_decode_ratio"] = pred["decode_s"] / max(row["decode_s"], 1e-9)
+                row["replay_passes_match"] = pred["forward_passes"] == row["forward_passes"]
+                row["predicted_speedup"] = (predicted["none"][row["epoch"]]["predicted_s"]
+                                            / max(pred["predicted_s"], 1e-9))
             result["runs"].append(row)
     result.setdefault("overheads", {})[str(temp)] = overheads
 
@@ -398,8 +425,8 @@ def markdown_table(result: dict) -> str:
             f"| {r['temperature']} | {r['epoch']} | {r['drafter']} | {r['wall_s']:.2f} | "
             f"{r['forward_passes']} | {r['generated_tokens']} | {r['acceptance_length']:.2f} | "
             f"{r['draft_s']:.2f} | {r['speedup']:.2f}x | {r['identity_rate']:.1%} | "
-            f"{r['replay']['predicted_s']:.2f} ({r['replay_ratio']:.2f}) | "
-            f"{r['predicted_speedup']:.2f}x |")
+            + (f"{r['replay']['predicted_s']:.2f} ({r['replay_ratio']:.2f}) | "
+               f"{r['predicted_speedup']:.2f}x |" if "replay" in r else "- | - |"))
     # totals per drafter and temperature
     lines += ["", "| T | drafter | total wall s | speed-up vs none | total replay s | identity |",
               "|---|---|---|---|---|---|"]
@@ -409,10 +436,11 @@ def markdown_table(result: dict) -> str:
         for name in result["drafters"]:
             rs = [r for r in result["runs"] if r["temperature"] == t and r["drafter"] == name]
             tot = sum(r["wall_s"] for r in rs)
-            rep = sum(r["replay"]["predicted_s"] for r in rs)
+            rep = (f"{sum(r['replay']['predicted_s'] for r in rs):.2f}"
+                   if all("replay" in r for r in rs) else "-")
             ident = np.mean([r["identity_rate"] for r in rs])
             lines.append(f"| {t} | {name} | {tot:.2f} | {none_total / max(tot, 1e-9):.2f}x | "
-                         f"{rep:.2f} | {ident:.1%} |")
+                         f"{rep} | {ident:.1%} |")
     return "\n".join(lines)
 
 
@@ -697,11 +725,29 @@ def main(args: argparse.Namespace) -> int:
     temps = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
              else [cfg.rollout.temperature])
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    bad = [d for d in drafters if d not in speculation_names()]
+    bad = [d for d in drafters if d.removesuffix(HEAD_SUFFIX) not in speculation_names()]
     if bad:
         print(f"das-jax bench rollout: unknown drafter(s) {bad}; valid: "
-              f"{', '.join(speculation_names())}", file=sys.stderr)
+              f"{', '.join(speculation_names())}, each also as NAME{HEAD_SUFFIX} (with "
+              "--set draft_head.path=HEAD.safetensors)", file=sys.stderr)
         return 2
+    head_cfg = cfg.draft_head
+    with_head = [d for d in drafters if d.endswith(HEAD_SUFFIX)]
+    if with_head and head_cfg.path is None:
+        print(f"das-jax bench rollout: drafter(s) {with_head} need a draft head; add --set "
+              "draft_head.path=HEAD.safetensors (`das-jax draft-head fit`)", file=sys.stderr)
+        return 2
+    # the base rollouts run without the head; the "X+head" drafters attach it
+    cfg = dataclasses.replace(cfg, draft_head=dataclasses.replace(head_cfg, path=None))
+    fitted = None
+    if with_head:   # read before the model loads: a corrupt file fails fast
+        # deferred import: the draft head's file reader (safetensors), only when one is asked for
+        from das_jax.draft_head.store import check_head_for_policy, load_head
+        try:
+            fitted = load_head(head_cfg.path)
+        except UserError as e:
+            print(f"das-jax bench rollout: {e}", file=sys.stderr)
+            return 2
 
     # deferred import: jax (not loaded by importing this module)
     import jax.numpy as jnp
@@ -726,6 +772,14 @@ def main(args: argparse.Namespace) -> int:
     print(f"loaded {cfg.model.source} and {len(problems)} problems in "
           f"{time.perf_counter() - t0:.1f}s; prompts {min(len(p) for _, p in prompts)}-"
           f"{max(len(p) for _, p in prompts)} tokens", flush=True)
+    head = None
+    if fitted is not None:
+        try:
+            check_head_for_policy(fitted, head_cfg.path, cfg.model.source, model_config)
+        except UserError as e:
+            print(f"das-jax bench rollout: {e}", file=sys.stderr)
+            return 2
+        head = (fitted, head_cfg.steps, head_cfg.scale)
     update_fn = None
     if args.update_policy:
         update_fn = _make_update_fn(cfg, (model_config, params, tokenizer),
@@ -737,7 +791,7 @@ def main(args: argparse.Namespace) -> int:
         das=cfg.das,
         model_name=cfg.model.source,
         calibrate=not args.no_calibrate and args.cost_model is None, update_fn=update_fn,
-        paper=paper, load_cores=args.load_cores)
+        paper=paper, load_cores=args.load_cores, head=head)
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.hf_reference:
         setup.reference_fn = _make_reference_fn(cfg.model.source, tokenizer, args.hf_batches,

@@ -15,7 +15,7 @@ from das_jax.speculation.names import DASSection
 
 __all__ = ["ConfigError", "Config", "ModelSection", "DataSection", "RolloutSection",
            "GRPOSection", "DASSection", "TrainSection", "EvalSection", "MeshSection",
-           "DistributedSection"]
+           "DistributedSection", "DraftHeadSection"]
 
 
 class ConfigError(ValueError):
@@ -292,6 +292,22 @@ class DistributedSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftHeadSection:
+    """An EAGLE-3 draft head (`das_jax.draft_head`) drafting beside the `drafter:` history
+    drafter. path: the head file (`das-jax draft-head fit TRACE --out HEAD.safetensors`, fitted
+    to this run's model); null: no head. steps: the head's draft tokens per verify step (at
+    most the widest `rollout.draft_widths` - 1 are used). scale: each row takes the head's draft
+    when `scale` x the sum of its path probabilities exceeds the history draft's (the head's
+    softmax probabilities under-estimate its acceptance; `das-jax bench drafter --trace T --head
+    H --head-scale S` measures it). With `drafter: none` the head drafts alone. Runs on one
+    rollout engine per process (rollout.replicas 1)."""
+
+    path: Optional[str] = None
+    steps: int = 3
+    scale: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run. drafter: a speculation name (`das_jax.speculation.speculation_names()`: none,
     ngram, suffix, suffix-global, das, das-unlimited, and any registered by the user);
@@ -315,3 +331,4 @@ class Config:
     rewards: RewardsSection = dataclasses.field(default_factory=RewardsSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
+    draft_head: DraftHeadSection = dataclasses.field(default_factory=DraftHeadSection)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from typing import Sequence
 
 from das_jax.config.schema import (Config, ConfigError, DataSection, DistributedSection,
@@ -137,11 +138,20 @@ def validate(cfg: Config) -> Config:
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}")
     _check_mesh(cfg.mesh)
     _check_distributed(cfg.distributed)
+    _check_draft_head(cfg.draft_head)
     rw = cfg.rewards
     _check(rw.workers is None or rw.workers >= 1, f"rewards.workers must be >= 1 or null, got {rw.workers}")
     _check(rw.timeout_s > 0, f"rewards.timeout_s must be > 0 (CPU seconds), got {rw.timeout_s}")
     _check(rw.memory_mb >= 64, f"rewards.memory_mb must be >= 64, got {rw.memory_mb}")
     return dataclasses.replace(cfg, grpo=g)
+
+
+def _check_draft_head(h) -> None:
+    _check(h.steps >= 1, f"draft_head.steps must be >= 1 (draft tokens per step), got {h.steps}")
+    _check(h.scale > 0, f"draft_head.scale must be > 0, got {h.scale}")
+    _check(h.path is None or os.path.isfile(h.path),
+           f"draft_head.path {h.path}: no such file; fit one with `das-jax draft-head fit TRACE "
+           "--out HEAD.safetensors`, or set draft_head.path: null")
 
 
 def _check_mesh(m: MeshSection) -> None:

@@ -8,6 +8,8 @@ Public surface:
   FitConfig, fit_head, draft_vocabulary, split_problems   (fit: offline fitting)
   HeadDrafter, head_drafts   (trace_drafter: the head in the trace simulation)
   head_vs_verify   (timing: the head's draft call against the policy's verify step)
+  HeadRuntime   (runtime: the head in the engine, its programs and cache: a `DraftModel`)
+  HeadDrafts   (drafter: the head's drafts or a history drafter's, per row, calibrated)
 
 Names are imported lazily (PEP 562): importing the package does not import jax.
 """
@@ -24,6 +26,7 @@ _EXPORTS = {
     "FitConfig": "fit", "fit_head": "fit", "draft_vocabulary": "fit", "split_problems": "fit",
     "HeadDrafter": "trace_drafter", "head_drafts": "trace_drafter",
     "head_vs_verify": "timing", "HeadCache": "head", "extend_and_draft": "head",
+    "HeadRuntime": "runtime", "HeadDrafts": "drafter",
 }
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from das_jax.models.layer_loop import run_layers
+from das_jax.models.packed import feature_hits
 from das_jax.models.transformer import (ActivationConfig, decoder_layer, lm_head, rms_norm)
 
 
@@ -31,13 +32,7 @@ def block_features(config, params, tokens_BxT, valid_BxT, feature_layers, top_m:
       probs float32 `[B, T, M]`, sorted by probability, highest first).
     """
     B, T = tokens_BxT.shape
-    L = config.num_layers
-    hit_Lx3 = np.zeros((L, 3), bool)    # block l fills slot i (a block may fill several)
-    for i, li in enumerate(feature_layers):
-        if not 0 <= li < L:
-            raise ValueError(f"feature_layers {tuple(feature_layers)}: block {li} is outside the "
-                             f"policy's {L} blocks")
-        hit_Lx3[li, i] = True
+    hit_Lx3 = feature_hits(config.num_layers, feature_layers)  # block l fills slot i
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x = params["embed"][tokens_BxT]
     feats0 = jnp.zeros((3,) + x.shape, jnp.float32)
@@ -50,7 +45,7 @@ def block_features(config, params, tokens_BxT, valid_BxT, feature_layers, top_m:
         x, _, _ = decoder_layer(config, inv_freq, x, lp, pos, None, valid_BxT, act)
         return (x, jnp.where(hit_3[:, None, None, None], x.astype(jnp.float32)[None], feats)), None
 
-    (x, feats), _ = run_layers(body, (x, feats0), params["layers"], jnp.asarray(hit_Lx3),
+    (x, feats), _ = run_layers(body, (x, feats0), params["layers"], hit_Lx3,
                                config.layer_loop)
     feats_BxTx3D = jnp.concatenate([feats[0], feats[1], feats[2]], axis=-1)
     if not top_m:

@@ -288,7 +288,8 @@ jax.tree_util.register_dataclass(HeadCache, data_fields=["k", "v", "length_B"], 
 
 
 def extend_and_draft(hc: HeadConfig, params: Params, embed_VxD, draft_to_target,
-                     cache: HeadCache, feats_BxWx3D, next_BxW, n_B, steps: int):
+                     cache: HeadCache, feats_BxWx3D, next_BxW, n_B, steps: int,
+                     kv_len: int | None = None):
     """One rollout step of the head, on device: commits each row's new anchors to its cache and
     drafts `steps` tokens from the last one.
 
@@ -299,9 +300,12 @@ def extend_and_draft(hc: HeadConfig, params: Params, embed_VxD, draft_to_target,
         sampled token). n_B: int32 anchors committed per row this step (0 <= n_B <= W; a row
         with 0 keeps its cache and drafts nothing useful).
       steps: J draft tokens.
+      kv_len: static; the drafts attend to the cache's first `kv_len` positions only (>= every
+        row's length after the commit; None: all S). The attention's cost follows the rows'
+        lengths, not the cache's size.
 
     Precondition: `length_B + n_B <= S` (anchors past the cache are dropped; the length stops
-    at S).
+    at S), and `<= kv_len` when given.
 
     Returns:
       (new cache, draft tokens int32 `[B, J]` in the policy's vocabulary, path probabilities
@@ -321,13 +325,15 @@ def extend_and_draft(hc: HeadConfig, params: Params, embed_VxD, draft_to_target,
         return jax.vmap(lambda cb, ib, nb: cb.at[ib].set(nb, mode="drop"))(c, idx_BxW, new)
     kc, vc = write(cache.k, k), write(cache.v, v)
     new_len = jnp.minimum(cache.length_B + n_B, S)
+    A = S if kv_len is None else max(1, min(int(kv_len), S))
+    ka, va = kc[:, :A], vc[:, :A]                       # the positions the drafts attend to
     # the last new anchor of each row: attends to its cache up to and including itself
     last = jnp.maximum(n_B - 1, 0)
     take = lambda x: jnp.take_along_axis(x, last[:, None, None, None], axis=1)  # noqa: E731
     q1 = take(q)
-    mask_Bx1xS = (jnp.arange(S)[None] < new_len[:, None])[:, None]
+    mask_Bx1xA = (jnp.arange(A)[None] < new_len[:, None])[:, None]
     h1 = jnp.take_along_axis(hid, last[:, None, None], axis=1)
-    a = _finish(hc, params, h1, _attend(hc, q1, kc, vc, mask_Bx1xS, None, None))
+    a = _finish(hc, params, h1, _attend(hc, q1, ka, va, mask_Bx1xA, None, None))
     outs = [logits(hc, params, a)]
     pos = (new_len - 1)[:, None]
     kd, vd = [], []
@@ -337,7 +343,7 @@ def extend_and_draft(hc: HeadConfig, params: Params, embed_VxD, draft_to_target,
         qj, kj, vj = _qkv(hc, params, e, a, pos + (j - 1))
         kd.append(kj)
         vd.append(vj)
-        a = _finish(hc, params, a, _attend(hc, qj, kc, vc, mask_Bx1xS, jnp.stack(kd),
+        a = _finish(hc, params, a, _attend(hc, qj, ka, va, mask_Bx1xA, jnp.stack(kd),
                                            jnp.stack(vd)))
         outs.append(logits(hc, params, a))
     tok, path = _paths(jnp.concatenate(outs, axis=1), draft_to_target)

@@ -15,6 +15,7 @@ import functools
 
 import numpy as np
 
+from das_jax.draft_head.drafter import BesideHistory
 from das_jax.drafter.base import Draft
 
 
@@ -55,7 +56,7 @@ def head_drafts(model_config, params, head, sequences, steps: int, progress=None
     return out
 
 
-class HeadDrafter:
+class HeadDrafter(BesideHistory):
     """The `Drafter` protocol over precomputed head drafts (`head_drafts`), for the trace
     simulation. `drafts_of` maps `id(rollout)` to its `head_drafts` entry; the simulation calls
     `bind(request_id, rollout)` before `begin`.
@@ -77,8 +78,7 @@ class HeadDrafter:
 
     def begin(self, request_id, problem_id, prompt_ids) -> None:
         self._len[request_id] = len(prompt_ids)
-        if self.history is not None:
-            self.history.begin(request_id, problem_id, prompt_ids)
+        super().begin(request_id, problem_id, prompt_ids)
 
     def propose(self, request_id, max_tokens) -> Draft:
         n = self._len[request_id]
@@ -102,20 +102,8 @@ class HeadDrafter:
 
     def append(self, request_id, token_ids) -> None:
         self._len[request_id] += len(token_ids)
-        if self.history is not None:
-            self.history.append(request_id, token_ids)
+        super().append(request_id, token_ids)
 
     def end(self, request_id) -> None:
         self._drafts.pop(request_id, None)
-        if self.history is not None:
-            self.history.end(request_id)
-
-    def advance_epoch(self) -> None:
-        if self.history is not None:
-            self.history.advance_epoch()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
+        super().end(request_id)

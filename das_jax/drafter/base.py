@@ -49,9 +49,9 @@ class Draft:
 
 
 # Where a draft comes from (`DraftBatch.source_A` indexes this): the suffix drafter's scopes
-# (`SuffixDrafter`: the problem's trie, the request's own, the global one), and "other" for
-# drafters that do not say.
-DRAFT_SOURCES = ("problem", "request", "global", "other")
+# (`SuffixDrafter`: the problem's trie, the request's own, the global one), a draft head
+# (`das_jax.draft_head`), and "other" for drafters that do not say.
+DRAFT_SOURCES = ("problem", "request", "global", "head", "other")
 OTHER_SOURCE = DRAFT_SOURCES.index("other")
 
 

@@ -24,7 +24,8 @@ import numpy as np
 from das_jax.engine import scheduler
 from das_jax.engine.engine_config import Request
 from das_jax.engine.sampling import SamplingParams, request_seed
-from das_jax.engine.schedule import PromptRows, compact_rows, prefill_chunks, prompt_bucket
+from das_jax.engine.schedule import (PromptRows, bucket, compact_rows, prefill_chunks,
+                                     prompt_bucket)
 from das_jax.engine.specs import (DecodeBatch, DecodeSpec, GatherBatch, GatherSpec, PrefillBatch,
                                   ShareBatch, ShareSpec, VerifyBatch, VerifySpec)
 from das_jax.models.transformer import Params
@@ -38,12 +39,17 @@ class DeviceExecutor:
       requests: the call's requests (request ids index them).
       sampling: the call's `SamplingParams`.
       params: params placed where the engine computes.
+      draft_model: optional `step_io.DraftModel` (a draft head): the prefill and verify
+        programs then also return its features, it drafts on device after each of them, and
+        `model_drafts` gives its latest drafts per row.
     """
 
     share_prompts_supported = True
 
     def __init__(self, engine: Any, requests: Sequence[Request],
-                 sampling: SamplingParams, params: Params):
+                 sampling: SamplingParams, params: Params, draft_model=None):
+        self.draft_model = draft_model
+        self.feature_layers = tuple(draft_model.feature_layers) if draft_model else ()
         self.config = engine.config
         self.engine_config = engine.engine_config
         self.programs = engine.programs
@@ -66,6 +72,16 @@ class DeviceExecutor:
         # positions [0, len), and each such prompt's last-position logits.
         self.prompt_rows = PromptRows(batch)
         self.prompt_logits: dict[tuple, np.ndarray] = {}
+        if self.draft_model is not None:
+            self.draft_model.start(self.programs, batch, cache_len, self.params)
+            J = self.draft_model.steps
+            self.model_tok = np.zeros((batch, J), np.int32)    # latest drafts per row
+            self.model_probs = np.zeros((batch, J), np.float32)
+            # admitted rows whose prefilled positions the draft model has not seen yet (row ->
+            # the tokens prefilled), and each prefilled sequence's features (the prefill's
+            # output block and its row there)
+            self.model_pending: dict[int, tuple] = {}
+            self.prompt_feats: dict[tuple, tuple] = {}
 
     def prefill(self, request_ids: Sequence[int], rows: np.ndarray,
                 batch: int) -> scheduler.Prefilled:
@@ -87,6 +103,9 @@ class DeviceExecutor:
         for k, (ri, row) in enumerate(zip(take, rows)):
             self.pending[row] = first[k]
             self.row_seed[row] = self.seeds[ri]
+        if self.draft_model is not None:
+            for row, p in zip(rows, prompts):
+                self.model_pending[int(row)] = p
         if share:
             self.prompt_rows.admit(rows, prompts)
             held = self.prompt_rows.held()
@@ -121,9 +140,12 @@ class DeviceExecutor:
         lay = self._layout(take, batch, packed=True)
         pb = PrefillBatch.pack(self.config, self.skey, self.S, self.dtype, lay.U, lay.T,
                                lay.prompts, lay.src, rows, self.seeds[take], batch, with_logits,
-                               self.pages)
+                               self.pages, self.feature_layers)
         out = self.programs.run(self.params, self.cache, pb)
         self.cache, first_R, first_logp_R = out[:3]
+        if self.feature_layers:    # device array [U, T, F*D]: prompt u in block row u
+            for u, p in enumerate(lay.prompts):
+                self.prompt_feats[p] = (out[-1], u)
         first[where] = np.asarray(first_R)[:len(take)]
         first_logp[where] = np.asarray(first_logp_R)[:len(take)]
         if with_logits:
@@ -146,7 +168,61 @@ class DeviceExecutor:
         first[where] = np.asarray(tok_B)[:len(take)]
         first_logp[where] = np.asarray(logp_B)[:len(take)]
 
+    # ------------------------------------------------------------------ draft model
+    def model_drafts(self, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`StepExecutor.model_drafts`: the draft model's latest drafts of cache rows `live`
+        (admissions it has not seen yet are committed to it first)."""
+        self._admit_to_model()
+        return self.model_tok[live], self.model_probs[live]
+
+    def _admit_to_model(self) -> None:
+        """Commits the admitted rows' prefilled positions to the draft model (one call for
+        every row admitted since the last), with the token after each position: the next
+        prefilled token, then the row's pending token."""
+        if self.draft_model is None or not self.model_pending:
+            return
+        rows = list(self.model_pending)
+        seqs = [self.model_pending[r] for r in rows]
+        sources: dict[int, list] = {}          # prefill output block -> [(entry, its row)]
+        for k, seq in enumerate(seqs):
+            block, u = self.prompt_feats[seq]
+            sources.setdefault(id(block), [block, []])[1].append((k, u))
+        T = max(int(block.shape[1]) for block, _ in sources.values())
+        R = bucket(len(rows), self.engine_config.batch_buckets)
+        order, parts = [], []
+        for block, entries in sources.values():
+            order += [k for k, _ in entries]
+            part = block[np.array([u for _, u in entries], np.int32)]
+            parts.append(jnp.pad(part, ((0, 0), (0, T - part.shape[1]), (0, 0))))
+        parts.append(self.programs.put(np.zeros((R - len(rows), T, parts[0].shape[-1]),
+                                                np.float32)))
+        feats_RxTxFD = jnp.concatenate(parts)
+        rows_R = np.full(R, self.model_tok.shape[0], np.int32)
+        next_RxT = np.zeros((R, T), np.int32)
+        n_R = np.zeros(R, np.int32)
+        for i, k in enumerate(order):
+            seq = seqs[k]
+            rows_R[i] = rows[k]
+            next_RxT[i, :len(seq)] = seq[1:] + (int(self.pending[rows[k]]),)
+            n_R[i] = len(seq)
+        tok, p = self.draft_model.admit(rows_R, feats_RxTxFD, next_RxT, n_R)
+        self.model_tok[rows_R[:len(rows)]] = np.asarray(tok)[:len(rows)]
+        self.model_probs[rows_R[:len(rows)]] = np.asarray(p)[:len(rows)]
+        self.model_pending = {}
+        held = self.prompt_rows.held() if self.engine_config.share_prompts else set()
+        self.prompt_feats = {p: v for p, v in self.prompt_feats.items() if p in held}
+
+    def _compact_model(self, live: np.ndarray, new_batch: int) -> None:
+        """The draft model's rows follow a compaction."""
+        if self.draft_model is None:
+            return
+        self._admit_to_model()
+        self.draft_model.compact(live, new_batch)
+        self.model_tok, self.model_probs = compact_rows(live, new_batch, self.model_tok, 0,
+                                                        self.model_probs, 0)
+
     def compact(self, live: np.ndarray, new_batch: int) -> None:
+        self._compact_model(live, new_batch)
         nb = new_batch
         rows_nb = np.zeros(nb, np.int32)
         rows_nb[:len(live)] = live
@@ -158,20 +234,32 @@ class DeviceExecutor:
     def _verify_batch(self, st: scheduler.StepInput):
         """The typed batch of the step `st` plans (`VerifyBatch`)."""
         spec = VerifySpec(self.config, self.skey, st.batch, st.num_tokens, st.width, self.S,
-                          st.kv_len, self.dtype, self.pages)
+                          st.kv_len, self.dtype, self.pages, self.feature_layers)
         return VerifyBatch.pack(spec, st.cache_len_B, self.pending, self.row_seed, st.live,
                                 st.drafts_AxK, st.n_draft_B)
 
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
+        self._admit_to_model()
         compiled_before = self.programs.compile_s
         batch = self._verify_batch(st)
         exe = self.programs.executable(batch.spec, self.params, self.cache, batch)
+        compiled_at_t0 = self.programs.compile_s
         t0 = time.perf_counter()
-        self.cache, y_BxW, logp_BxW, n_emit_B = exe(self.params, self.cache, batch)
+        self.cache, y_BxW, logp_BxW, n_emit_B, *feats = exe(self.params, self.cache, batch)
+        drafts = None
+        if self.draft_model is not None:   # dispatched after the step, not waited for
+            live_B = np.zeros(st.batch, bool)
+            live_B[st.live] = True
+            drafts = self.draft_model.extend(live_B, feats[0], y_BxW, n_emit_B,
+                                             st.kv_len + st.width)
         if st.overlap is not None:      # dispatched: host work while the device computes
             st.overlap()
         y_BxW, logp_BxW, n_emit_B = np.asarray(y_BxW), np.asarray(logp_BxW), np.asarray(n_emit_B)
-        seconds = time.perf_counter() - t0
+        if drafts is not None:
+            self.model_tok[st.live] = np.asarray(drafts[0])[st.live]
+            self.model_probs[st.live] = np.asarray(drafts[1])[st.live]
+        # the step's seconds, the draft model's first compile (inside them) excluded
+        seconds = time.perf_counter() - t0 - (self.programs.compile_s - compiled_at_t0)
         n_A = n_emit_B[st.live]
         self.pending[st.live] = y_BxW[st.live, n_A - 1]
         return scheduler.StepOutput(y_BxW[st.live], logp_BxW[st.live], n_A, seconds,

@@ -215,14 +215,15 @@ class Engine:
 
     def precompile(self, requests: Sequence[Request], sampling: SamplingParams,
                    drafting: bool, params: Params | None = None,
-                   max_programs: int = 64) -> int:
+                   max_programs: int = 64, feature_layers: tuple = ()) -> int:
         """Compiles (without running) the packed verify programs of `verify_shapes` (without
         drafting and with `decode_steps` > 1: the multi-step decode programs of those shapes), at
         most `max_programs` of them (in that order), and the packed prefill of one prompt of each
         length among the requests (`refill_prefill_shapes`: the admissions of a running
         call), from abstract arguments (nothing is allocated). The time counts in `compile_s`
         of the running `generate` call. Does nothing for an engine on a mesh. Returns the
-        number of programs compiled now (0 when all were compiled before)."""
+        number of programs compiled now (0 when all were compiled before). `feature_layers`:
+        the blocks a draft model reads (the programs that also return them)."""
         if self.placement is not None:
             return 0
         params = self.params if params is None else params
@@ -231,7 +232,7 @@ class Engine:
         dtype = jnp.dtype(params["embed"].dtype).name
         shapes = self.verify_shapes(requests, sampling, drafting)[:max_programs]
         refills = self.refill_prefill_shapes(requests, sampling)
-        memo = (S, skey, dtype, tuple(shapes), tuple(refills))
+        memo = (S, skey, dtype, tuple(shapes), tuple(refills), tuple(feature_layers))
         if memo in self._precompiled:
             return 0
         logits = self.engine_config.share_prompts
@@ -244,10 +245,10 @@ class Engine:
             specs = [DecodeSpec(self.config, skey, B, N, k, S, kv, stop, dtype, pages)
                      for B, N, W, kv in shapes]
         else:
-            specs = [VerifySpec(self.config, skey, B, N, W, S, kv, dtype, pages)
-                     for B, N, W, kv in shapes]
-        specs += [PrefillSpec(self.config, skey, B, N, 1, T, S, dtype, logits, pages)
-                  for B, N, T in refills]
+            specs = [VerifySpec(self.config, skey, B, N, W, S, kv, dtype, pages,
+                                tuple(feature_layers)) for B, N, W, kv in shapes]
+        specs += [PrefillSpec(self.config, skey, B, N, 1, T, S, dtype, logits, pages,
+                              tuple(feature_layers)) for B, N, T in refills]
         n = self.programs.precompile(specs, params)
         self._precompiled.add(memo)
         return n
@@ -295,7 +296,10 @@ class Engine:
           requests: the rollouts; outputs come back in the same order.
           sampling: `SamplingParams` shared by all requests.
           drafter: None (plain decoding) or an object implementing the Drafter protocol of
-            `das_jax.drafter` (begin / propose / append / end).
+            `das_jax.drafter` (begin / propose / append / end). A drafter with a
+            `draft_model` (a `step_io.DraftModel`, e.g. `das_jax.draft_head.HeadRuntime`) has
+            it run on the device beside the policy's steps and gets its drafts each step
+            (`set_model_drafts(request_ids_A, tokens_AxJ, probs_AxJ)`).
           policy: speculation policy (default `FixedPolicy()`, i.e. draft up to max width - 1).
           params: params to sample from (default: the engine's).
           progress: optional callback(finished_requests, total).
@@ -307,12 +311,13 @@ class Engine:
           GenerateError / SamplingError: bad input, before any compilation.
         """
         self.validate(requests, sampling)
-        executor = self.step_executor(requests, sampling, params)
+        draft_model = getattr(drafter, "draft_model", None)
+        executor = self.step_executor(requests, sampling, params, draft_model)
         compile_before = self.programs.compile_s
         t_start = time.perf_counter()
         if self.engine_config.precompile:
             self.precompile(requests, sampling, drafting=drafter is not None,
-                            params=executor.params)
+                            params=executor.params, feature_layers=executor.feature_layers)
         outputs, stats = scheduler.run_schedule(requests, executor, self.engine_config,
                                                 self.limits(sampling), drafter, policy,
                                                 progress)
@@ -328,10 +333,11 @@ class Engine:
                                 | frozenset(int(t) for t in sampling.stop_token_ids))
 
     def step_executor(self, requests: Sequence[Request], sampling: SamplingParams,
-                      params: Params | None = None) -> DeviceExecutor:
+                      params: Params | None = None, draft_model=None) -> DeviceExecutor:
         """The `scheduler.StepExecutor` `generate` drives for these requests (for tools and tests
-        that run `scheduler.run_schedule` themselves); params default to the engine's."""
+        that run `scheduler.run_schedule` themselves); params default to the engine's;
+        `draft_model`: an optional `step_io.DraftModel` run beside the steps."""
         cls = PagedExecutor if self.engine_config.kv_cache == "paged" else DeviceExecutor
         return cls(self, requests, sampling,
-                   self.place_params(self.params if params is None else params))
+                   self.place_params(self.params if params is None else params), draft_model)
 

@@ -114,6 +114,7 @@ class PagedExecutor(PagedRows, DeviceExecutor):
 
     # ------------------------------------------------------------------ steps
     def compact(self, live: np.ndarray, new_batch: int) -> None:
+        self._compact_model(live, new_batch)
         self.compact_pool(live, new_batch)
         self.pending, self.row_seed = compact_rows(live, new_batch, self.pending, 0,
                                                    self.row_seed, 0)

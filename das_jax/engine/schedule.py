@@ -365,10 +365,11 @@ def tail_bucket(num_live: int, batch: int, batch_buckets: Sequence[int],
 def compact_rows(live, nb: int, *arrays_and_fills):
     """Row state of the live rows packed into a bucket of `nb` rows (padding rows get the fill).
 
-    `arrays_and_fills` alternates host arrays `[B]` and their padding value; returns the new
-    arrays in order.
+    `arrays_and_fills` alternates host arrays `[B, ...]` and their padding value; returns the
+    new arrays in order.
     """
     out = []
     for arr, fill in zip(arrays_and_fills[::2], arrays_and_fills[1::2]):
-        out.append(np.concatenate([arr[live], np.full(nb - len(live), fill, arr.dtype)]))
+        out.append(np.concatenate([arr[live], np.full((nb - len(live),) + arr.shape[1:], fill,
+                                                      arr.dtype)]))
     return out

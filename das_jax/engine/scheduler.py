@@ -164,6 +164,9 @@ class _Run:
         self.overlap = (drafter is not None and bool(getattr(ec, "overlap_host", False))
                         and hasattr(drafter, "flush_appends"))
         self.flushed = True
+        # a draft model on the device (a draft head): its drafts go to the drafter each step
+        self.model_drafts = (drafter is not None and
+                             getattr(executor.executor, "draft_model", None) is not None)
         self.max_new = limits.max_new_tokens
         n = len(requests)
         self.outputs = [RequestOutput(r, [], [], "") for r in requests]
@@ -404,6 +407,9 @@ class _Run:
         rows = RowBatch(req_A, gen_A, self.max_new - gen_A)
         read_kv = self.read_kv(self.cache_len[live])
         step_shape = step_shape_fn(B, kv_len, self.widths, read_kv)
+        if self.model_drafts:
+            tok_AxJ, probs_AxJ = self.executor.model_drafts(live)
+            self.drafter.set_model_drafts(req_A, tok_AxJ, probs_AxJ)
         plan = plan_step(self.drafter, policy, rows, B, self.widths, kv_len, step_shape)
         stats.draft_s += plan.draft_s
         stats.policy_s += plan.policy_s

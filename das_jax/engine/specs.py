@@ -86,7 +86,9 @@ class VerifySpec(OnCache):
     """Static shape of one packed verify step: `batch` cache rows (B) of `cache_len` positions,
     `num_tokens` flat token slots (N), query-block `width` (W: 1 + the longest row's drafts,
     a compiled draft width), attended length `kv_len`; sampling key
-    (`SamplingParams.static_key()`), model config and param/cache dtype name."""
+    (`SamplingParams.static_key()`), model config and param/cache dtype name.
+    `feature_layers`: blocks whose outputs the step also returns (a draft head's features;
+    () for none)."""
 
     config: ModelConfig
     sampling_key: tuple
@@ -97,6 +99,7 @@ class VerifySpec(OnCache):
     kv_len: int
     dtype: str
     pages: tuple = ()
+    feature_layers: tuple = ()
 
     def abstract(self, sharding=None) -> "VerifyBatch":
         B, N = self.batch, self.num_tokens
@@ -230,7 +233,8 @@ class PrefillSpec(OnCache):
     """Static shape of one packed prefill: `batch` cache rows (B) of `cache_len` positions,
     `num_tokens` flat prompt slots (N), an attention block of `rows` prompts (U, a batch
     bucket) x `width` tokens (T, a prompt-length bucket); `with_logits`: also return each
-    entry's last-position logits (for prompt sharing)."""
+    entry's last-position logits (for prompt sharing); `feature_layers`: blocks whose outputs
+    at every prompt position it also returns (a draft head's features; () for none)."""
 
     config: ModelConfig
     sampling_key: tuple
@@ -242,6 +246,7 @@ class PrefillSpec(OnCache):
     dtype: str
     with_logits: bool = False
     pages: tuple = ()
+    feature_layers: tuple = ()
 
     def abstract(self, sharding=None) -> "PrefillBatch":
         B, N = self.batch, self.num_tokens
@@ -270,12 +275,13 @@ class PrefillBatch:
     @classmethod
     def pack(cls, config: ModelConfig, sampling_key: tuple, cache_len: int, dtype: str,
              rows: int, width: int, prompts, src, cache_rows, seeds, batch: int,
-             with_logits: bool = False, pages: tuple = ()) -> "PrefillBatch":
+             with_logits: bool = False, pages: tuple = (),
+             feature_layers: tuple = ()) -> "PrefillBatch":
         """The batch (and its spec) admitting `prompts[src[k]]` into cache row `cache_rows[k]`
         with seed `seeds[k]`; N is the slot bucket of the prompts' total length."""
         N, arrays = pack_prompts(prompts, src, cache_rows, seeds, batch, width)
         spec = PrefillSpec(config, sampling_key, batch, N, rows, width, cache_len, dtype,
-                           with_logits, pages)
+                           with_logits, pages, tuple(feature_layers))
         return cls(spec, *arrays)
 
 

@@ -52,20 +52,26 @@ def prefill_packed(params: Params, cache: KVCache, batch: PrefillBatch):
 
     Returns:
       (cache, first_tokens_B int32, first_logprobs_B float32 under the policy, see
-      `sampling.sample`[, logits_BxV float32 when `spec.with_logits`]).
+      `sampling.sample`[, logits_BxV float32 when `spec.with_logits`][, feats_UxTxFD float32
+      when `spec.feature_layers`: the named blocks' outputs at prompt u's positions, in block
+      row u, `forward_packed_hidden`]).
     """
     spec = batch.spec
     config = spec.config
-    hidden_NxD, scratch = prefill_packed_hidden(config, params, batch.tokens_N, batch.row_N,
-                                                batch.offset_N, rows=spec.rows, width=spec.width,
-                                                cache_dtype=cache.dtype)
+    out = prefill_packed_hidden(config, params, batch.tokens_N, batch.row_N, batch.offset_N,
+                                rows=spec.rows, width=spec.width, cache_dtype=cache.dtype,
+                                feature_layers=spec.feature_layers)
+    hidden_NxD, scratch = out[:2]
     logits_BxV = lm_head(config, params, hidden_NxD[batch.last_B][:, None])[:, 0]
     new_cache = cache.insert_rows(batch.slots_B, scratch, batch.src_B)
     tokens_B, logprobs_B = sampling_lib.sample(logits_BxV, batch.seeds_B, batch.lengths_B,
                                                spec.sampling_key, config.contraction)
+    result = (new_cache, tokens_B, logprobs_B)
     if spec.with_logits:
-        return new_cache, tokens_B, logprobs_B, logits_BxV
-    return new_cache, tokens_B, logprobs_B
+        result += (logits_BxV,)
+    if spec.feature_layers:
+        result += (to_rows(out[2], batch.row_N, batch.offset_N, spec.rows, spec.width),)
+    return result
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -142,22 +148,28 @@ def verify_packed(params: Params, cache: KVCache, batch: VerifyBatch):
     Returns:
       (cache, y_BxW int32, logprobs_BxW float32, n_emit_B int32 in [1, n_draft + 1]), W =
       `spec.width`: row b's column i is slot (b, i); columns past a row's slots, and rows
-      without slots, are garbage.
+      without slots, are garbage. With `spec.feature_layers` (F blocks) a fifth item:
+      feats_BxWxFD float32, the blocks' outputs at each slot (the draft head's features of the
+      positions the step commits, `das_jax.draft_head`).
     """
     spec = batch.spec
     config, B, width = spec.config, cache.batch, spec.width
     row_N, offset_N = batch.row_N, batch.offset_N
     pos_N = slot_positions(batch.cache_len_B, row_N, offset_N)
-    hidden_NxD, cache = forward_packed_hidden(config, params, batch.tokens_N, row_N, offset_N,
-                                              cache, batch.cache_len_B, width=width,
-                                              kv_len=spec.kv_len)
+    out = forward_packed_hidden(config, params, batch.tokens_N, row_N, offset_N, cache,
+                                batch.cache_len_B, width=width, kv_len=spec.kv_len,
+                                feature_layers=spec.feature_layers)
+    hidden_NxD, cache = out[:2]
     logits_NxV = lm_head(config, params, hidden_NxD[None])[0]
     y_N, logp_N = sampling_lib.sample(logits_NxV, batch.seeds_B[jnp.minimum(row_N, B - 1)],
                                       pos_N + 1, spec.sampling_key, config.contraction)
     y_BxW = to_rows(y_N, row_N, offset_N, B, width)
     logp_BxW = to_rows(logp_N, row_N, offset_N, B, width)
     tokens_BxW = to_rows(batch.tokens_N, row_N, offset_N, B, width)
-    return cache, y_BxW, logp_BxW, emitted(tokens_BxW, y_BxW, batch.n_draft_B)
+    result = (cache, y_BxW, logp_BxW, emitted(tokens_BxW, y_BxW, batch.n_draft_B))
+    if spec.feature_layers:
+        result += (to_rows(out[2], row_N, offset_N, B, width),)
+    return result
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

@@ -119,6 +119,47 @@ class StepExecutor(Protocol):
     # Optional: kv_read_page: int | None, the page size when attention reads each row's own
     # pages (a paged cache read by a kernel): the scheduler then prices a step's KV reads by
     # the pages its live rows hold (`schedule.pages_read_kv`), not by the bucket.
+    # Optional: model_drafts(live) -> (tokens_AxJ int32, probs_AxJ float32): the drafts a
+    # draft model (`DraftModel`) made on device for cache rows `live` from the features of
+    # their last committed position (path probabilities 0 where it has none); the scheduler
+    # hands them to the drafter (`set_model_drafts`) before each verify step's plan.
+
+
+class DraftModel(Protocol):
+    """A drafter that runs on the device from the policy's own features (`das_jax.draft_head`'s
+    EAGLE-3 head, `HeadRuntime`). The executor asks the prefill and verify programs for the
+    outputs of the blocks `feature_layers` at every position they commit and hands them over,
+    still on the device:
+
+    * `admit(rows_R, feats_RxTxFD, next_RxT, n_R)`: rows filled by an admission, each with its
+      prefilled positions' features (its first n_R[r] columns) and the token after each
+      position (the next prompt token, then the pending token);
+    * `extend(live_B, feats_BxWxFD, next_BxW, n_emit_B, kv_len)`: after a verify step, not
+      waited for: each live row's committed positions (the first n_emit_B[b]) and the tokens
+      after them (the step's sampled tokens); kv_len bounds every row's length after it (the
+      step's attended bucket + its width);
+    * `compact(live, new_batch)`: the rows move as the KV cache's do.
+
+    `admit` and `extend` commit the positions to the model's own cache and return its drafts
+    from each row's last position: device arrays (tokens int32 `[R or B, steps]`, path
+    probabilities float32, 0 where a row has none)."""
+
+    feature_layers: tuple
+    steps: int
+
+    def start(self, programs, batch: int, cache_len: int, policy_params) -> None:
+        """An empty cache of `batch` rows x `cache_len` positions where the engine computes
+        (`programs`: the engine's `Programs`, which compiles and runs the model's programs);
+        `policy_params`: the params this generate call samples from."""
+
+    def admit(self, rows_R, feats_RxTxFD, next_RxT, n_R):
+        """Commits admitted rows' prefilled positions (their rows reset first)."""
+
+    def extend(self, live_B, feats_BxWxFD, next_BxW, n_emit_B, kv_len: int):
+        """Commits a verify step's positions of the live rows."""
+
+    def compact(self, live: np.ndarray, new_batch: int) -> None:
+        """Moves rows `live` to 0..len(live)-1 of `new_batch` rows."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from das_jax.models.config import ModelConfig
 from das_jax.models.decode_attention import attend_cache
@@ -70,7 +71,8 @@ def forward_packed_hidden(
     *,
     width: int,
     kv_len: int,
-) -> tuple[jax.Array, KVCache]:
+    feature_layers: tuple = (),
+):
     """Runs the decoder stack on packed token slots against the KV cache.
 
     Args:
@@ -87,10 +89,16 @@ def forward_packed_hidden(
       cache_len_B: int32 valid cached positions per row (<= kv_len).
       width: static query-block width W (>= every row's slot count).
       kv_len: static attended-length bucket (>= every live row's cache_len).
+      feature_layers: optional static 0-based block indices whose outputs are also returned
+        (a draft head's features, `das_jax.draft_head`; a block may be named more than once).
 
     Returns:
       (final-normed hidden `[N, D]` in the param dtype, the cache with every real slot's K/V
-      written).
+      written), and with `feature_layers` (F of them) a third item: float32 `[N, F * D]`, the
+      named blocks' outputs concatenated in that order.
+
+    Raises:
+      ValueError: a block of `feature_layers` outside the model's.
     """
     B = kv_cache.batch
     pos_N = slot_positions(cache_len_B, row_N, offset_N)
@@ -100,8 +108,11 @@ def forward_packed_hidden(
     A = kv_cache.read_len(min(kv_len, kv_cache.max_len),
                           in_place=unrolled(params["layers"], config.layer_loop))
 
-    def body(x, inputs):
-        lp, layer = inputs
+    hit_LxF = feature_hits(config.num_layers, feature_layers)
+
+    def body(carry, inputs):
+        x, feats_FxNxD = carry
+        lp, (layer, hit_F) = inputs
         view = kv_cache.attended(layer, A)
 
         def attend(q_1xN, k_1xN, v_1xN):
@@ -109,13 +120,35 @@ def forward_packed_hidden(
             out_BxWxHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_BxW, A)
             return to_slots(out_BxWxHxK, row_N, offset_N)[None]
         x, k, v = decoder_layer(config, inv_freq, x, lp, pos_N[None], attend=attend)
-        return x, (k[0], v[0])
+        if feats_FxNxD is not None:
+            feats_FxNxD = jnp.where(hit_F[:, None, None], x[0].astype(jnp.float32)[None],
+                                    feats_FxNxD)
+        return (x, feats_FxNxD), (k[0], v[0])
 
-    x_1xNxD, (k_LxN, v_LxN) = run_layers(body, x_1xNxD, params["layers"],
-                                          kv_cache.layers(), config.layer_loop)
+    F = len(feature_layers)
+    feats0 = jnp.zeros((F,) + x_1xNxD.shape[1:], jnp.float32) if F else None
+    (x_1xNxD, feats_FxNxD), (k_LxN, v_LxN) = run_layers(
+        body, (x_1xNxD, feats0), params["layers"], (kv_cache.layers(), hit_LxF),
+        config.layer_loop)
     new_cache = kv_cache.write_slots(k_LxN, v_LxN, row_N, pos_N)
     h = rms_norm(x_1xNxD, params["final_norm"], config.rms_norm_eps, config.contraction)
-    return h[0], new_cache
+    if not F:
+        return h[0], new_cache
+    return h[0], new_cache, jnp.concatenate(list(feats_FxNxD), axis=-1)
+
+
+def feature_hits(num_layers: int, feature_layers: tuple) -> jax.Array:
+    """bool `[L, F]`: block l's output fills feature slot i (`forward_packed_hidden`).
+
+    Raises:
+      ValueError: a block outside 0..L-1."""
+    hit = np.zeros((num_layers, len(feature_layers)), bool)
+    for i, layer in enumerate(feature_layers):
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"feature_layers {tuple(feature_layers)}: block {layer} is outside "
+                             f"the model's {num_layers} blocks")
+        hit[layer, i] = True
+    return jnp.asarray(hit)
 
 
 def prefill_packed_hidden(
@@ -128,7 +161,8 @@ def prefill_packed_hidden(
     rows: int,
     width: int,
     cache_dtype,
-) -> tuple[jax.Array, KVCache]:
+    feature_layers: tuple = (),
+):
     """Packed prefill: runs the decoder stack on prompts concatenated into N flat slots.
 
     Prompt u's tokens are consecutive slots with row index u and offsets 0..len_u-1 (absolute
@@ -149,11 +183,14 @@ def prefill_packed_hidden(
       rows: static block rows (>= the number of prompts).
       width: static block width (>= the longest prompt).
       cache_dtype: dtype of the returned scratch cache.
+      feature_layers: as `forward_packed_hidden`'s.
 
     Returns:
       (final-normed hidden `[N, D]`, a scratch `KVCache` of `rows` x `width` positions holding
-      prompt u's K/V at row u, positions 0..len_u-1; other positions are zero).
+      prompt u's K/V at row u, positions 0..len_u-1; other positions are zero), and with
+      `feature_layers` the blocks' outputs float32 `[N, F * D]`.
     """
     scratch = KVCache.zeros(config, rows, width, cache_dtype)
     return forward_packed_hidden(config, params, tokens_N, row_N, offset_N, scratch,
-                                 jnp.zeros((rows,), jnp.int32), width=width, kv_len=0)
+                                 jnp.zeros((rows,), jnp.int32), width=width, kv_len=0,
+                                 feature_layers=feature_layers)

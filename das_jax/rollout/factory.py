@@ -8,8 +8,10 @@ from typing import Sequence
 
 import jax
 
+from das_jax.draft_head.store import check_head_for_policy, load_head
 from das_jax.engine import Engine, EngineConfig, SamplingParams
 from das_jax.engine.engine_config import kv_cache_for
+from das_jax.errors import UserError
 from das_jax.rollout.rollout import Rollout
 from das_jax.rollout.sharded import ShardedRollout
 
@@ -36,9 +38,14 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
     `rollout.replicas` > 1), a `ShardedRollout` of `rollout.replicas` data-parallel replicas
     (default: one per device), each tensor-parallel over devices / replicas devices.
 
+    With `draft_head.path` set, the head is loaded, checked against the model, and drafts beside
+    the speculation's history drafter (`Rollout.attach_draft_head`).
+
     Raises:
       GenerateError: `rollout.replicas` does not divide the device count.
       SpeculationError: an unknown speculation name.
+      UserError: a draft head that is missing, corrupt, fitted to another model, or set with
+        several rollout replicas.
     """
     r = config.rollout
     devices = list(devices) if devices is not None else jax.local_devices()
@@ -66,8 +73,16 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
                               max_new_tokens=r.max_new_tokens,
                               stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)
     rollout = Rollout(engine, speculation or config.drafter, config.das, sampling)
-    if device is not None:
-        return rollout
-    if len(devices) == 1 and replicas in (None, 1):
+    sharded = device is None and not (len(devices) == 1 and replicas in (None, 1))
+    head = getattr(config, "draft_head", None)
+    if head is not None and head.path is not None:
+        if sharded:
+            raise UserError("draft_head runs with one rollout engine per process; set "
+                            "rollout.replicas: 1 (or run one process per device), or "
+                            "draft_head.path: null")
+        fitted = load_head(head.path)
+        check_head_for_policy(fitted, head.path, config.model.source, model_config)
+        rollout.attach_draft_head(fitted, head.steps, head.scale)
+    if not sharded:
         return rollout
     return ShardedRollout.from_rollout(rollout, devices, replicas)

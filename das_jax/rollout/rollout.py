@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from das_jax.draft_head.drafter import HeadDrafts
+from das_jax.draft_head.runtime import HeadRuntime
 from das_jax.drafter.base import set_policy_version
 from das_jax.engine import Engine, SamplingParams
 from das_jax.rollout.multi_device import LockedDrafter
@@ -69,6 +71,19 @@ class Rollout:
             ec = getattr(engine, "engine_config", None)
             self.warm_up_thread = warm_up(speculation, self.das,
                                           (1, 4, 8) if ec is None else ec.draft_widths)
+
+    def attach_draft_head(self, head, steps: int, scale: float) -> None:
+        """Adds an EAGLE-3 draft head (`das_jax.draft_head`): it runs on the engine's device
+        beside every prefill and verify step, and each row takes its draft or the history
+        drafter's (`draft_head.HeadDrafts`; with no history drafter, the head's alone).
+
+        Args:
+          head: a `draft_head.DraftHead` fitted to this engine's model.
+          steps: its draft tokens per step (cut to the widest draft width - 1).
+          scale: the factor on its path probabilities in the choice (`HeadDrafts`)."""
+        widest = max(self.engine.engine_config.draft_widths)
+        steps = max(1, min(int(steps), widest - 1))
+        self.drafter = HeadDrafts(HeadRuntime(head, steps), self.drafter, head_scale=scale)
 
     # ------------------------------------------------------------------ properties
     @property
