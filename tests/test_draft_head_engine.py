@@ -62,6 +62,22 @@ class Recording(HeadDrafts):
         super().set_model_drafts(req_A, tok_AxJ, probs_AxJ)
 
 
+class CountingRuntime(HeadRuntime):
+    """Counts the head cache's compactions and admission calls."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.calls = {"compact": 0, "admit": 0}
+
+    def compact(self, live, new_batch):
+        self.calls["compact"] += 1
+        super().compact(live, new_batch)
+
+    def admit(self, *a):
+        self.calls["admit"] += 1
+        return super().admit(*a)
+
+
 def _requests(n_prompts=3, group=3, seed=0):
     rng = np.random.default_rng(seed)
     out = []
@@ -108,8 +124,10 @@ def test_features_of_the_packed_forward_are_the_blocks_outputs():
                               width=n, kv_len=0, feature_layers=(0, 1, 4))
 
 
-@pytest.mark.parametrize("kv_cache,slots", [("dense", 4), ("paged", 8)])
-def test_engine_head_drafts_are_the_heads_drafts_and_tokens_are_unchanged(kv_cache, slots):
+@pytest.mark.parametrize("kv_cache,slots,share", [("dense", 4, True), ("paged", 8, True),
+                                                  ("dense", 4, False)])
+def test_engine_head_drafts_are_the_heads_drafts_and_tokens_are_unchanged(kv_cache, slots,
+                                                                          share):
     """Every step, each row's head draft equals `draft_all_anchors` of the finished sequence at
     the row's last committed position (so the features of prefill, shared-prompt admissions,
     refills, verify steps and compaction are the right ones, in the right rows); the rollout's
@@ -117,12 +135,19 @@ def test_engine_head_drafts_are_the_heads_drafts_and_tokens_are_unchanged(kv_cac
     head = _head()
     reqs = _requests()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=14, seed=3)
+    # without sharing, prefills of at most 16 slots: one admission runs several prefill calls
     ec = EngineConfig(max_slots=slots, max_cache_len=64, draft_widths=(1, 2, 4),
-                      kv_cache=kv_cache, share_prompts=True)
+                      kv_cache=kv_cache, share_prompts=share,
+                      max_prefill_tokens=None if share else 16)
     eng = Engine(CFG, PARAMS, eos_token_ids=(1,), engine_config=ec)
     plain, _ = eng.generate(reqs, sampling)
-    drafter = Recording(HeadRuntime(head, STEPS))
+    runtime = CountingRuntime(head, STEPS)
+    drafter = Recording(runtime)
     out, stats = eng.generate(reqs, sampling, drafter=drafter)
+    assert runtime.calls["admit"] >= 2                      # refills
+    if kv_cache == "dense":
+        assert runtime.calls["compact"] >= 1                # the tail was compacted
+    assert runtime.cache is None                            # freed when generate ended
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     for o, p in zip(out, plain):
         np.testing.assert_allclose(o.logprobs, p.logprobs, rtol=1e-5, atol=1e-5)
@@ -275,6 +300,8 @@ def test_rollout_from_config_attaches_the_head_and_refuses_bad_ones(tmp_path):
     reqs = _requests(n_prompts=2, group=2)
     out, stats = rollout.generate(reqs)
     assert stats.drafted_by_source.get("head", 0) > 0
+    with pytest.raises(UserError, match="forks sharing its drafter are not supported"):
+        rollout.generate(reqs, request_ids=list(range(10, 10 + len(reqs))))
     none = rollout_from_config(config_from_dict({**raw, "drafter": "none"}), CFG, PARAMS, (1,),
                                device=dev)
     assert none.drafter.history is None                  # the head alone

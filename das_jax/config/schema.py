@@ -296,11 +296,12 @@ class DraftHeadSection:
     """An EAGLE-3 draft head (`das_jax.draft_head`) drafting beside the `drafter:` history
     drafter. path: the head file (`das-jax draft-head fit TRACE --out HEAD.safetensors`, fitted
     to this run's model); null: no head. steps: the head's draft tokens per verify step (at
-    most the widest `rollout.draft_widths` - 1 are used). scale: each row takes the head's draft
-    when `scale` x the sum of its path probabilities exceeds the history draft's (the head's
-    softmax probabilities under-estimate its acceptance; `das-jax bench drafter --trace T --head
-    H --head-scale S` measures it). With `drafter: none` the head drafts alone. Runs on one
-    rollout engine per process (rollout.replicas 1)."""
+    most the widest `rollout.draft_widths` - 1 are used). scale: the starting value of the head's
+    calibration factor: each row takes the head's draft when factor x the sum of its path
+    probabilities exceeds the history draft's (calibrated the same way), the factors learned
+    from the tokens the steps emit (`das_jax.draft_head.HeadDrafts`; `das-jax bench drafter
+    --trace T --head H --head-scale S` measures a good start). With `drafter: none` the head
+    drafts alone. Runs on one rollout engine per process (rollout.replicas 1)."""
 
     path: Optional[str] = None
     steps: int = 3

@@ -17,7 +17,8 @@ as the step emitted (the same censoring for both: beyond the emitted tokens the 
 continuation is unknown). c_s = (prior_s + matched_s) / (prior + predicted_s), the sums over
 the drafter's life; the priors are `head_scale` and 1 tokens per predicted token over
 `prior_tokens` tokens. The speculation policy then sizes each row's chosen draft from its
-probabilities times its source's factor (capped at 1).
+probabilities: a head draft's times c_head (capped at 1), a history draft's as the history
+drafter gave them (the DAS policy calibrates those itself).
 
 Drafts only propose: the verify step samples every token with the position-keyed rule, so
 rollouts are token-identical to decoding without drafts whichever source wins.
@@ -71,7 +72,9 @@ class HeadDrafts(BesideHistory):
       runtime: the `HeadRuntime` (the engine runs it as `draft_model`).
       history: optional history drafter (`SuffixDrafter`, ...); every other attribute of this
         object is the history drafter's.
-      head_scale: the factor on the head's path probabilities (> 0).
+      head_scale: the prior of the head's calibration factor c_head (> 0; worth
+        `prior_tokens` predicted tokens, then learned from the emitted tokens).
+      prior_tokens: the weight of the priors, in predicted tokens.
 
     Attributes:
       source_counts: rows each source won, over the drafter's life ("head", "history",
@@ -147,8 +150,9 @@ class HeadDrafts(BesideHistory):
         c_head, c_hist = self.calibration
         head_p = np.minimum(1.0, c_head * raw_p)
         head_score = head_p.sum(axis=1)
-        hist_score = (c_hist * hist.probs_AxK.sum(axis=1) if hist.probs_AxK.size
-                      else np.zeros(A))
+        # both capped at 1 per position: a draft accepts at most one token per position
+        hist_score = (np.minimum(1.0, c_hist * hist.probs_AxK).sum(axis=1)
+                      if hist.probs_AxK.size else np.zeros(A))
         self._proposed = (request_ids.copy(), tok, raw_p, hist.tokens_AxK.copy(),
                           hist.probs_AxK.astype(np.float64))
         use = (head_score > hist_score) & (head_len > 0)
@@ -161,7 +165,7 @@ class HeadDrafts(BesideHistory):
         tokens = widen(hist.tokens_AxK)
         out_probs = widen(hist.probs_AxK.astype(np.float32))
         support = widen(hist.support_AxK)
-        tokens[use] = widen(tok)[use]
+        tokens[use] = widen(np.where(cols < head_len[:, None], tok, 0))[use]
         out_probs[use] = widen(head_p.astype(np.float32))[use]
         support[use] = 0
         lens = np.where(use, head_len, hist.lens_A).astype(np.int32)
@@ -199,6 +203,8 @@ class HeadDrafts(BesideHistory):
         if self._proposed is None or not len(request_ids):
             return
         req, head_tok, head_p, hist_tok, hist_p = self._proposed
+        if not len(req):
+            return
         order = np.argsort(req, kind="stable")
         at = np.minimum(np.searchsorted(req[order], request_ids), len(req) - 1)
         hit = req[order][at] == request_ids

@@ -18,6 +18,7 @@ program): their specs are registered there and keyed by shape and device as the 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -58,6 +59,7 @@ class HeadAdmitSpec:
     width: int
     cache_len: int
     steps: int
+    embed: tuple = ()       # (vocabulary size, dtype name) of the policy's embedding it reads
 
     @property
     def cache(self) -> _HeadCacheSpec:
@@ -92,6 +94,7 @@ class HeadExtendSpec:
     cache_len: int
     steps: int
     kv_len: int
+    embed: tuple = ()
 
     @property
     def cache(self) -> _HeadCacheSpec:
@@ -124,6 +127,7 @@ class HeadGatherSpec:
     batch: int
     new_batch: int
     cache_len: int
+    embed: tuple = ()
 
     @property
     def cache(self) -> _HeadCacheSpec:
@@ -215,7 +219,7 @@ class HeadRuntime:
         self.config: HeadConfig = head.config
         self.feature_layers = tuple(int(x) for x in head.config.feature_layers)
         self.steps = int(steps)
-        self._device_params = None
+        self._device_params: dict = {}
 
     def start(self, programs, batch: int, cache_len: int, policy_params) -> None:
         """A fresh head cache of `batch` rows x `cache_len` positions on the engine's device;
@@ -224,26 +228,35 @@ class HeadRuntime:
         Raises:
           UserError: an engine on a mesh (the head runs on single-device engines)."""
         if programs.placement is not None:
-            raise UserError("draft_head runs on single-device rollout engines; set "
-                            "rollout.replicas to the device count (one engine per device) or "
-                            "drop draft_head")
+            raise UserError("draft_head runs on a single-device rollout engine (one per "
+                            "process); drop the tensor-parallel rollout mesh (rollout.replicas "
+                            "= the device count, one process per device) or draft_head")
         self.programs = programs
-        if self._device_params is None:
-            self._device_params = {
+        key = programs.device          # the head's weights, placed once per device
+        if key not in self._device_params:
+            self._device_params[key] = {
                 "head": jax.tree_util.tree_map(programs.put, dict(self.head.params)),
                 "draft_to_target": programs.put(np.asarray(self.head.draft_to_target,
                                                            np.int32))}
-        self.bundle = dict(self._device_params, embed=policy_params["embed"])
+        embed = policy_params["embed"]
+        self.embed_key = (int(embed.shape[0]), jnp.dtype(embed.dtype).name)
+        self.bundle = dict(self._device_params[key], embed=embed)
         shape = (batch, cache_len, self.config.num_kv_heads, self.config.head_dim)
-        zeros = np.zeros(shape, np.float32)
-        self.cache = HeadCache(programs.put(zeros), programs.put(zeros),
-                               programs.put(np.zeros(batch, np.int32)))
+        with (jax.default_device(key) if key is not None else contextlib.nullcontext()):
+            self.cache = HeadCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+                                   jnp.zeros((batch,), jnp.int32))
         self.batch, self.cache_len = batch, cache_len
+
+    def stop(self) -> None:
+        """`DraftModel.stop`: drops the cache and the policy's embedding (nothing of the
+        generate call stays alive, e.g. across a training update)."""
+        self.cache = self.bundle = None
 
     def admit(self, rows_R, feats_RxTxFD, next_RxT, n_R):
         """`DraftModel.admit`; returns the entries' drafts (device arrays `[R, J]`)."""
         R, T = next_RxT.shape
-        spec = HeadAdmitSpec(self.config, self.batch, R, T, self.cache_len, self.steps)
+        spec = HeadAdmitSpec(self.config, self.batch, R, T, self.cache_len, self.steps,
+                             self.embed_key)
         b = HeadAdmitBatch(spec, np.asarray(rows_R, np.int32), feats_RxTxFD,
                            np.asarray(next_RxT, np.int32), np.asarray(n_R, np.int32))
         self.cache, tok, p = self.programs.run(self.bundle, self.cache, b)
@@ -255,7 +268,8 @@ class HeadRuntime:
         drafts attend to that many positions."""
         W = int(next_BxW.shape[1])
         kv = self.cache_len if kv_len is None else min(int(kv_len), self.cache_len)
-        spec = HeadExtendSpec(self.config, self.batch, W, self.cache_len, self.steps, kv)
+        spec = HeadExtendSpec(self.config, self.batch, W, self.cache_len, self.steps, kv,
+                              self.embed_key)
         b = HeadExtendBatch(spec, np.asarray(live_B, bool), feats_BxWxFD, next_BxW, n_emit_B)
         self.cache, tok, p = self.programs.run(self.bundle, self.cache, b)
         return tok, p
@@ -264,6 +278,7 @@ class HeadRuntime:
         """`DraftModel.compact`."""
         rows = np.zeros(new_batch, np.int32)
         rows[:len(live)] = live
-        spec = HeadGatherSpec(self.config, self.batch, new_batch, self.cache_len)
+        spec = HeadGatherSpec(self.config, self.batch, new_batch, self.cache_len,
+                              self.embed_key)
         self.cache = self.programs.run(self.bundle, self.cache, HeadGatherBatch(spec, rows))
         self.batch = new_batch

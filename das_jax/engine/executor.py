@@ -78,8 +78,8 @@ class DeviceExecutor:
             self.model_tok = np.zeros((batch, J), np.int32)    # latest drafts per row
             self.model_probs = np.zeros((batch, J), np.float32)
             # admitted rows whose prefilled positions the draft model has not seen yet (row ->
-            # the tokens prefilled), and each prefilled sequence's features (the prefill's
-            # output block and its row there)
+            # the tokens prefilled), and each prefilled sequence's features (device [n, F*D],
+            # kept while a row holds the prompt)
             self.model_pending: dict[int, tuple] = {}
             self.prompt_feats: dict[tuple, tuple] = {}
 
@@ -145,7 +145,7 @@ class DeviceExecutor:
         self.cache, first_R, first_logp_R = out[:3]
         if self.feature_layers:    # device array [U, T, F*D]: prompt u in block row u
             for u, p in enumerate(lay.prompts):
-                self.prompt_feats[p] = (out[-1], u)
+                self.prompt_feats[p] = out[-1][u, :len(p)]
         first[where] = np.asarray(first_R)[:len(take)]
         first_logp[where] = np.asarray(first_logp_R)[:len(take)]
         if with_logits:
@@ -183,28 +183,20 @@ class DeviceExecutor:
             return
         rows = list(self.model_pending)
         seqs = [self.model_pending[r] for r in rows]
-        sources: dict[int, list] = {}          # prefill output block -> [(entry, its row)]
-        for k, seq in enumerate(seqs):
-            block, u = self.prompt_feats[seq]
-            sources.setdefault(id(block), [block, []])[1].append((k, u))
-        T = max(int(block.shape[1]) for block, _ in sources.values())
-        R = bucket(len(rows), self.engine_config.batch_buckets)
-        order, parts = [], []
-        for block, entries in sources.values():
-            order += [k for k, _ in entries]
-            part = block[np.array([u for _, u in entries], np.int32)]
-            parts.append(jnp.pad(part, ((0, 0), (0, T - part.shape[1]), (0, 0))))
-        parts.append(self.programs.put(np.zeros((R - len(rows), T, parts[0].shape[-1]),
-                                                np.float32)))
-        feats_RxTxFD = jnp.concatenate(parts)
+        ec = self.engine_config
+        T = prompt_bucket(max(len(q) for q in seqs), ec.min_prompt_bucket, self.S)
+        R = bucket(len(rows), ec.batch_buckets)
+        parts = [jnp.pad(self.prompt_feats[q], ((0, T - len(q)), (0, 0))) for q in seqs]
+        FD = parts[0].shape[-1]
+        parts += [self.programs.put(np.zeros((T, FD), np.float32))] * (R - len(rows))
+        feats_RxTxFD = jnp.stack(parts)
         rows_R = np.full(R, self.model_tok.shape[0], np.int32)
+        rows_R[:len(rows)] = rows
         next_RxT = np.zeros((R, T), np.int32)
         n_R = np.zeros(R, np.int32)
-        for i, k in enumerate(order):
-            seq = seqs[k]
-            rows_R[i] = rows[k]
-            next_RxT[i, :len(seq)] = seq[1:] + (int(self.pending[rows[k]]),)
-            n_R[i] = len(seq)
+        for i, (row, q) in enumerate(zip(rows, seqs)):
+            next_RxT[i, :len(q)] = q[1:] + (int(self.pending[row]),)
+            n_R[i] = len(q)
         tok, p = self.draft_model.admit(rows_R, feats_RxTxFD, next_RxT, n_R)
         self.model_tok[rows_R[:len(rows)]] = np.asarray(tok)[:len(rows)]
         self.model_probs[rows_R[:len(rows)]] = np.asarray(p)[:len(rows)]

@@ -318,9 +318,13 @@ class Engine:
         if self.engine_config.precompile:
             self.precompile(requests, sampling, drafting=drafter is not None,
                             params=executor.params, feature_layers=executor.feature_layers)
-        outputs, stats = scheduler.run_schedule(requests, executor, self.engine_config,
-                                                self.limits(sampling), drafter, policy,
-                                                progress)
+        try:
+            outputs, stats = scheduler.run_schedule(requests, executor, self.engine_config,
+                                                    self.limits(sampling), drafter, policy,
+                                                    progress)
+        finally:
+            if draft_model is not None:
+                draft_model.stop()
         stats.compile_s = self.programs.compile_s - compile_before
         stats.wall_s = time.perf_counter() - t_start - stats.compile_s
         return outputs, stats

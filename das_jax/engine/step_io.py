@@ -161,6 +161,9 @@ class DraftModel(Protocol):
     def compact(self, live: np.ndarray, new_batch: int) -> None:
         """Moves rows `live` to 0..len(live)-1 of `new_batch` rows."""
 
+    def stop(self) -> None:
+        """The generate call ended: frees the cache and drops the params it was given."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Limits:

@@ -31,6 +31,7 @@ from das_jax.draft_head.drafter import HeadDrafts
 from das_jax.draft_head.runtime import HeadRuntime
 from das_jax.drafter.base import set_policy_version
 from das_jax.engine import Engine, SamplingParams
+from das_jax.errors import UserError
 from das_jax.rollout.multi_device import LockedDrafter
 from das_jax.rollout.warmup import warm_up
 from das_jax.speculation import CostModel, DASSection, calibrate, get_speculation
@@ -131,6 +132,10 @@ class Rollout:
             self.engine.validate(requests, sampling)
             self.calibrate(requests, sampling, params=params)
         drafter = self.drafter
+        if request_ids is not None and getattr(drafter, "draft_model", None) is not None:
+            raise UserError("a draft head runs with one rollout engine per process; forks "
+                            "sharing its drafter are not supported (set draft_head.path: null "
+                            "or rollout.replicas: 1)")
         if request_ids is not None and drafter is not None:
             drafter = LockedDrafter(drafter).view(request_ids)
         return self.engine.generate(requests, sampling, drafter=drafter, policy=self.policy,
