@@ -741,7 +741,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, draft_head=dataclasses.replace(head_cfg, path=None))
     fitted = None
     if with_head:   # read before the model loads: a corrupt file fails fast
-        # deferred import: the draft head's file reader (safetensors), only when one is asked for
+        # deferred import: draft_head.store (jax, through the head's config; the CLI's
+        # registration imports this module without jax), only when a head is asked for
         from das_jax.draft_head.store import check_head_for_policy, load_head
         try:
             fitted = load_head(head_cfg.path)

@@ -49,8 +49,19 @@ class _HeadCacheSpec:
         return HeadCache(_f32(shape, sh), _f32(shape, sh), int32_abstract((self.batch,), sh))
 
 
+class _OnHeadCache:
+    """Base of the head's program specs: `cache`, the head cache's spec (`head`, `batch` rows,
+    `cache_len` positions)."""
+
+    __slots__ = ()
+
+    @property
+    def cache(self) -> _HeadCacheSpec:
+        return _HeadCacheSpec(self.head, self.batch, self.cache_len)
+
+
 @dataclasses.dataclass(frozen=True)
-class HeadAdmitSpec:
+class HeadAdmitSpec(_OnHeadCache):
     """`rows` admitted rows (R, a batch bucket) of a `batch`-row head cache of `cache_len`
     positions, each with up to `width` prefilled positions (T); `steps` draft tokens."""
     head: HeadConfig
@@ -60,10 +71,6 @@ class HeadAdmitSpec:
     cache_len: int
     steps: int
     embed: tuple = ()       # (vocabulary size, dtype name) of the policy's embedding it reads
-
-    @property
-    def cache(self) -> _HeadCacheSpec:
-        return _HeadCacheSpec(self.head, self.batch, self.cache_len)
 
     def abstract(self, sh=None) -> "HeadAdmitBatch":
         R, T, F = self.rows, self.width, 3 * self.head.hidden_size
@@ -85,7 +92,7 @@ class HeadAdmitBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadExtendSpec:
+class HeadExtendSpec(_OnHeadCache):
     """A verify step's commit into a `batch`-row head cache: `width` (W) slots per row; the
     drafts attend to the first `kv_len` positions (>= every row's length after the commit)."""
     head: HeadConfig
@@ -95,10 +102,6 @@ class HeadExtendSpec:
     steps: int
     kv_len: int
     embed: tuple = ()
-
-    @property
-    def cache(self) -> _HeadCacheSpec:
-        return _HeadCacheSpec(self.head, self.batch, self.cache_len)
 
     def abstract(self, sh=None) -> "HeadExtendBatch":
         B, W, F = self.batch, self.width, 3 * self.head.hidden_size
@@ -121,17 +124,13 @@ class HeadExtendBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadGatherSpec:
+class HeadGatherSpec(_OnHeadCache):
     """The head cache's compaction from `batch` to `new_batch` rows."""
     head: HeadConfig
     batch: int
     new_batch: int
     cache_len: int
     embed: tuple = ()
-
-    @property
-    def cache(self) -> _HeadCacheSpec:
-        return _HeadCacheSpec(self.head, self.batch, self.cache_len)
 
     def abstract(self, sh=None) -> "HeadGatherBatch":
         return HeadGatherBatch(self, int32_abstract((self.new_batch,), sh))

@@ -81,7 +81,7 @@ class DeviceExecutor:
             # the tokens prefilled), and each prefilled sequence's features (device [n, F*D],
             # kept while a row holds the prompt)
             self.model_pending: dict[int, tuple] = {}
-            self.prompt_feats: dict[tuple, tuple] = {}
+            self.prompt_feats: dict[tuple, Any] = {}
 
     def prefill(self, request_ids: Sequence[int], rows: np.ndarray,
                 batch: int) -> scheduler.Prefilled:
