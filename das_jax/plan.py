@@ -114,12 +114,12 @@ class MemoryPlan:
                   " GB: XLA_PYTHON_CLIENT_MEM_FRACTION)" if self.mem_fraction != 1.0 else "")
         lines = [f"memory plan: {self.devices} device(s) x {self.device_bytes / GB:.1f} GB{usable}  "
                  + "  ".join(f"{k}={v}" for k, v in self.shapes.items()),
-                 f"  {'per device':<18}{'GB':>10}"]
-        lines += [f"  {k:<18}{v / GB:>10.2f}" for k, v in self.rows.items()]
+                 f"  {'per device':<22}{'GB':>10}"]
+        lines += [f"  {k:<22}{v / GB:>10.2f}" for k, v in self.rows.items()]
         lines += [f"  program {k:<26} temp {m['temp'] / GB:8.2f} GB  args {m['argument'] / GB:8.2f}"
                   f" GB  out {m['output'] / GB:8.2f} GB  aliased {m['alias'] / GB:8.2f} GB"
                   for k, m in self.programs.items()]
-        lines += [f"  peak {k:<13}{v / GB:>10.2f}" for k, v in self.phases.items()]
+        lines += [f"  peak {k:<17}{v / GB:>10.2f}" for k, v in self.phases.items()]
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  {verdict}: peak {self.peak / GB:.2f} GB of {self.device_bytes / GB:.1f} GB "
                      f"({100 * self.headroom:.1f}% headroom)")
@@ -271,6 +271,15 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
             else DenseKVCache.nbytes_for(mc, slots, S, compute))
     ref_b = master_b * compute.itemsize // master.itemsize if g.beta > 0 else 0
     train_rows, train_phases = _update_rows(update_programs, fused_peak, grads_b, opt_b, ref_b)
+    head_rows, head_program = _draft_head_memory(config, mc, slots, S, params_shape, rdtype,
+                                                 g.micro_batch_size, T)
+    if head_program is not None:   # the online head's update: its state, one micro-batch
+        shared = n == 1 and compute == master and t.async_steps == 0
+        train_phases["draft_head_update"] = (
+            master_b + opt_b + ref_b + head_rows["draft_head_optimizer"]
+            + head_program["argument"] - (cparams_b if shared else 0)
+            + head_program["temp"] + head_program["output"])
+        update_programs = {**update_programs, "draft_head_grad": head_program}
     rows = {
         "params": cparams_b, "master": master_b, "optimizer": opt_b,
         "gradients": train_rows["gradients"], "ref_params": ref_b,
@@ -282,15 +291,56 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
                                             if k == "gather_rows" else 0)
                                for k, m in engine_programs.items()),
         "update_scratch": train_rows["update_scratch"],
+        **head_rows,
     }
     phases = _phases(config, n, compute == master, train_phases, master_b + opt_b + ref_b,
-                     cparams_b, kv_b + rows["rollout_scratch"])
+                     cparams_b, kv_b + rows["rollout_scratch"] + sum(head_rows.values()))
     shapes = _plan_shapes(config, mesh, slots, S, W, mb, T, compute, master, fused_peak, rdtype,
                           pages)
     all_programs = {**update_programs, **engine_programs}
     return MemoryPlan(devices, int(device_bytes), {k: int(v) for k, v in rows.items()},
                       {k: int(v) for k, v in phases.items()}, shapes, float(mem_fraction),
                       all_programs)
+
+
+def _draft_head_memory(config, mc, slots: int, S: int, params_shape, rdtype, mb: int, T: int
+                       ) -> tuple[dict[str, int], dict[str, int] | None]:
+    """The draft head's rows (`draft_head:`; {} without one): "draft_head", its weights, its
+    cache (one layer's K/V per slot) and the prompts' features kept for admissions; with online
+    training (`train.draft_loss_weight`) "draft_head_optimizer", its AdamW moments and
+    accumulated gradient. And the memory of the online head's gradient program on one
+    micro-batch of `mb` rows x `T` tokens (None without online training)."""
+    h = getattr(config, "draft_head", None)
+    if h is None or h.path is None:
+        return {}, None
+    # deferred import: jax (not loaded by importing this module)
+    import jax
+    import jax.numpy as jnp
+
+    from das_jax.draft_head.head import init_head
+    from das_jax.draft_head.store import read_head_config
+
+    hc = read_head_config(h.path)
+    head_abs = jax.eval_shape(lambda: init_head(hc, jax.random.PRNGKey(0)))
+    head_b = _tree_bytes(head_abs)
+    cache_b = 2 * slots * S * hc.num_kv_heads * hc.head_dim * 4 + 4 * slots
+    feats_b = min(slots, config.grpo.prompts_per_step) * S * 3 * hc.hidden_size * 4
+    rows = {"draft_head": head_b + cache_b + feats_b}
+    if config.train.draft_loss_weight <= 0:
+        return rows, None
+    # deferred import: optax (the online head's optimizer; not loaded by importing this module)
+    from das_jax.draft_head.online import OnlineConfig, micro_batch_grad
+
+    rows["draft_head_optimizer"] = 3 * head_b
+    cparams_abs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rdtype),
+                                         params_shape)
+    row = jax.ShapeDtypeStruct((mb, T), jnp.int32)
+    mask = jax.ShapeDtypeStruct((mb, T), jnp.bool_)
+    compiled = micro_batch_grad.lower(
+        mc, hc, config.draft_head.steps, OnlineConfig.top_m, cparams_abs, head_abs,
+        jax.ShapeDtypeStruct((hc.draft_vocab_size,), jnp.int32), row, mask, mask,
+        jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    return rows, _mem(compiled)
 
 
 def _phases(config, n_train: int, same_dtype: bool, train_phases: dict, train_state_b: int,

@@ -20,7 +20,7 @@ from das_jax.cli import main
 from das_jax.models import ModelConfig, init_params
 from das_jax.rl import model_loading
 from das_jax.rl import console_log, run_log
-from das_jax.rl.compare import compare_table
+from das_jax.rl.compare import acceptance_by_epoch_table, compare_table
 from das_jax.rl.plots import plot_run
 from das_jax.testing import CharTokenizer
 
@@ -160,6 +160,26 @@ def test_compare_table_uses_the_common_steps_and_ratios():
     assert rows["forward passes, total"] == ["20", "10", "0.50x"]
     assert rows["tokens per forward"] == ["2.00", "4.00", "2.00x"]
     assert rows["accuracy, mean"] == ["-", "-", ""]                     # never logged
+
+
+def test_acceptance_by_epoch_table_per_source_and_the_online_heads_loss():
+    def rec(step, epoch, drafted, accepted, **kw):
+        return _rec(step, epoch, drafted_by_source=drafted, accepted_by_source=accepted, **kw)
+    frozen = [rec(1, 0, {"head": 10, "problem": 4}, {"head": 5, "problem": 1}),
+              rec(2, 0, {"head": 10}, {"head": 1}),
+              rec(3, 1, {"head": 8, "problem": 0}, {"head": 2, "problem": 0})]
+    online = [rec(1, 0, {"head": 10}, {"head": 6}, draft_loss=2.0),
+              rec(2, 0, {"head": 10}, {"head": 4}, draft_loss=1.0),
+              rec(3, 1, {"head": 5}, {"head": 5}, draft_loss=0.5)]
+    rows = [[c.strip() for c in line.split("|")[1:-1]]
+            for line in acceptance_by_epoch_table([("frozen", frozen),
+                                                   ("online", online)]).splitlines()]
+    assert rows[0] == ["epoch", "frozen: head accepted / drafted",
+                       "frozen: problem accepted / drafted", "online: head accepted / drafted",
+                       "online: problem accepted / drafted", "online: draft loss"]
+    assert rows[2] == ["0", "0.300 (20)", "0.250 (4)", "0.500 (20)", "-", "1.500"]
+    assert rows[3] == ["1", "0.250 (8)", "-", "1.000 (5)", "-", "0.500"]
+    assert acceptance_by_epoch_table([("a", [_rec(1, 0)]), ("b", [_rec(1, 0)])]) is None
 
 
 def test_plots_of_old_records_without_the_new_metrics(tmp_path):

@@ -1,4 +1,5 @@
-"""`das-jax draft-head fit`: an EAGLE-3 draft head fitted offline to recorded rollouts."""
+"""`das-jax draft-head fit`: an EAGLE-3 draft head fitted offline to recorded rollouts;
+`das-jax draft-head replay`: its online training (`train.draft_loss_weight`) replayed over them."""
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,8 @@ def _positive_float(text: str) -> float:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "draft-head", help="fit an EAGLE-3 draft head to a policy's recorded rollouts",
+        "draft-head", help="fit an EAGLE-3 draft head to a policy's recorded rollouts, or "
+                           "replay its online training over them",
         description="Draft heads (EAGLE-3): one decoder layer fed by three of the policy's "
                     "blocks, drafting over a reduced vocabulary.")
     sub = p.add_subparsers(dest="draft_head_command", metavar="SUBCOMMAND", required=True)
@@ -62,6 +64,7 @@ def register(subparsers) -> None:
                    help="draft steps of the training-time test")
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(func=run_fit)
+    register_replay(sub)
 
 
 def run_fit(args: argparse.Namespace) -> int:
@@ -102,4 +105,81 @@ def run_fit(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: draft head for {model} ({head.config.draft_vocab_size} draft "
           f"tokens, blocks {list(head.config.feature_layers)}), fitted on "
           f"{len(fit_ids)} problems" + (f", {len(hold_ids)} held out" if hold_ids else ""))
+    return 0
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(not v >= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated learning rates >= 0, got "
+                                         f"{text!r}")
+    return vals
+
+
+def register_replay(sub) -> None:
+    r = sub.add_parser(
+        "replay", help="replay online training of a head over a trace, per learning rate",
+        description="Replays `train.draft_loss_weight` online training over a trace's "
+                    "rollouts in their order, BATCH rollouts per step (as GRPO steps would "
+                    "see them), from the same head for each learning rate (0: the head "
+                    "frozen): each batch is scored by the head before it trains on it, so the "
+                    "printed loss and top-1 agreement per epoch are on rollouts it has not "
+                    "seen. Chooses train.draft_learning_rate without a training run.",
+        epilog="e.g. das-jax draft-head replay docs/traces/gsm8k-smollm2-135m.jsonl.gz --head "
+               "head.safetensors --problems holdout --learning-rates 0,1e-4,3e-4,1e-3")
+    r.add_argument("trace", metavar="TRACE", help="a rollout trace of the head's policy")
+    r.add_argument("--head", required=True, help="the head to start from (.safetensors)")
+    r.add_argument("--learning-rates", type=_rates, default=[0.0, 1e-4, 3e-4, 1e-3],
+                   help="comma-separated AdamW learning rates (0: frozen)")
+    r.add_argument("--problems", choices=("holdout", "fit", "all"), default="holdout",
+                   help="the trace's rollouts replayed: of the problems the head was not "
+                        "fitted on (its holdout), of those it was, or all")
+    r.add_argument("--batch", type=positive_int, default=32, help="rollouts per step")
+    r.add_argument("--micro-batch", type=positive_int, default=8, help="rows per forward")
+    r.set_defaults(func=run_replay)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    # deferred import: jax, safetensors (not for --help)
+    from das_jax.draft_head.store import check_head_for_policy, load_head
+
+    head = load_head(args.head)
+    header, rollouts = load_trace_rollouts(args.trace)
+    model = head.meta.get("model") or header.get("model")
+    hold = set(head.meta.get("holdout_problems") or ())
+    if args.problems != "all":
+        rollouts = [r for r in rollouts if (r.problem_id in hold) == (args.problems == "holdout")]
+    if not rollouts:
+        raise UserError(f"--problems {args.problems}: trace {args.trace} has no rollouts of the "
+                        f"head's {'held-out' if args.problems == 'holdout' else 'fitted'} "
+                        "problems; pass --problems all")
+
+    from tqdm import tqdm  # deferred import: tqdm (slow to import; not for --help)
+
+    from das_jax.draft_head.online import prequential_replay
+    from das_jax.models import load
+
+    model_config, params, _ = load(model)
+    check_head_for_policy(head, args.head, model, model_config)
+    n_batches = -(-len(rollouts) // args.batch)
+    bar = tqdm(total=len(rollouts) + n_batches * len(args.learning_rates), file=sys.stderr,
+               desc="features, then the replays", dynamic_ncols=True)
+    res = prequential_replay(model_config, params, head, rollouts, args.learning_rates,
+                             batch=args.batch, micro_batch=args.micro_batch,
+                             progress=bar.update)
+    bar.close()
+    epochs = sorted({row["epoch"] for rows in res.values() for row in rows})
+    print(f"{len(rollouts)} rollouts of {len({r.problem_id for r in rollouts})} problems "
+          f"({args.problems}), {n_batches} steps of {args.batch}; draft loss / top-1 agreement "
+          "with the policy at draft step 1, each step scored before the head trains on it")
+    print("| learning rate | " + " | ".join(f"epoch {e}" for e in epochs) + " |")
+    print("|---|" + "---|" * len(epochs))
+    for lr, rows in res.items():
+        by = {row["epoch"]: row for row in rows}
+        cells = [f"{by[e]['loss']:.3f} / {by[e]['top1']:.3f}" if e in by else "-"
+                 for e in epochs]
+        print(f"| {lr:g}{' (frozen)' if lr == 0 else ''} | " + " | ".join(cells) + " |")
     return 0

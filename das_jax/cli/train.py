@@ -21,7 +21,7 @@ from das_jax.malloc import configure_allocator
 from das_jax.parallel import distributed as dist
 from das_jax.plan import check_before_training
 from das_jax.rl import run_dir as rd
-from das_jax.rl.compare import RunDirError, compare_table, load_run
+from das_jax.rl.compare import RunDirError, acceptance_by_epoch_table, compare_table, load_run
 from das_jax.rl import model_loading
 from das_jax.rl.rewards import reward_fns_from_config, self_test_rewards
 from das_jax.rl.plots import plot_compare
@@ -243,5 +243,8 @@ def run_compare(args: argparse.Namespace) -> int:
     pairs = list(zip(names, runs))
     plot_compare(pairs, out)
     print(compare_table(pairs))
+    by_epoch = acceptance_by_epoch_table(pairs)
+    if by_epoch is not None:
+        print("\nacceptance per draft source and epoch:\n" + by_epoch)
     print(f"\nplot: {out}")
     return 0

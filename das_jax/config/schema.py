@@ -224,6 +224,16 @@ class TrainSection:
     # rollout then update). A step's rollouts are at most async_steps policy versions old;
     # grpo.importance_sampling_cap bounds the off-policy correction.
     async_steps: int = 0
+    # Online draft head training (das_jax.draft_head.online; needs draft_head.path, the head to
+    # start from): each step also trains the head on the step's rollouts with the loss
+    # draft_loss_weight x EAGLE-3's draft loss, read from the rollout params' features detached
+    # (the policy's loss, gradient and update are unchanged); its own AdamW at
+    # draft_learning_rate (constant) with a global-norm clip of draft_max_grad_norm. The head
+    # drafts in the next rollout with its new params, is checkpointed with the run and written
+    # to <output_dir>/draft_head.safetensors at each checkpoint. 0 keeps the head frozen.
+    draft_loss_weight: float = 0.0
+    draft_learning_rate: float = 3e-4
+    draft_max_grad_norm: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,6 +139,17 @@ def validate(cfg: Config) -> Config:
     _check_mesh(cfg.mesh)
     _check_distributed(cfg.distributed)
     _check_draft_head(cfg.draft_head)
+    _check(t.draft_loss_weight >= 0,
+           f"train.draft_loss_weight must be >= 0 (0: the draft head stays frozen), got "
+           f"{t.draft_loss_weight}")
+    _check(t.draft_loss_weight == 0 or cfg.draft_head.path is not None,
+           f"train.draft_loss_weight={t.draft_loss_weight} trains a draft head, but "
+           "draft_head.path is null; fit one to start from with `das-jax draft-head fit TRACE "
+           "--out HEAD.safetensors` and set draft_head.path, or set train.draft_loss_weight: 0")
+    _check(t.draft_learning_rate > 0,
+           f"train.draft_learning_rate must be > 0, got {t.draft_learning_rate}")
+    _check(t.draft_max_grad_norm > 0,
+           f"train.draft_max_grad_norm must be > 0, got {t.draft_max_grad_norm}")
     rw = cfg.rewards
     _check(rw.workers is None or rw.workers >= 1, f"rewards.workers must be >= 1 or null, got {rw.workers}")
     _check(rw.timeout_s > 0, f"rewards.timeout_s must be > 0 (CPU seconds), got {rw.timeout_s}")

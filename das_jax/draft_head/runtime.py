@@ -220,6 +220,19 @@ class HeadRuntime:
         self.steps = int(steps)
         self._device_params: dict = {}
 
+    def set_params(self, params) -> None:
+        """New weights for the head (same names and shapes: an online update,
+        `das_jax.draft_head.online`); the next `start` places them. A generate call already
+        running keeps the weights it started with.
+
+        Raises:
+          ValueError: other names or shapes than the head's."""
+        old = self.head.params
+        if set(params) != set(old) or any(tuple(np.shape(params[k])) != tuple(np.shape(old[k]))
+                                          for k in old):
+            raise ValueError("the draft head's new params have other names or shapes")
+        self.head = dataclasses.replace(self.head, params=dict(params))
+
     def start(self, programs, batch: int, cache_len: int, policy_params) -> None:
         """A fresh head cache of `batch` rows x `cache_len` positions on the engine's device;
         the policy's embedding (`policy_params["embed"]`, read where it lies) feeds the head.
@@ -231,15 +244,17 @@ class HeadRuntime:
                             "process); drop the tensor-parallel rollout mesh (rollout.replicas "
                             "= the device count, one process per device) or draft_head")
         self.programs = programs
-        key = programs.device          # the head's weights, placed once per device
-        if key not in self._device_params:
-            self._device_params[key] = {
-                "head": jax.tree_util.tree_map(programs.put, dict(self.head.params)),
-                "draft_to_target": programs.put(np.asarray(self.head.draft_to_target,
-                                                           np.int32))}
+        key = programs.device          # the head's weights, placed once per device and head
+        head = self.head               # (set_params may swap it from another thread)
+        placed = self._device_params.get(key)
+        if placed is None or placed[0] is not head:
+            placed = (head, {
+                "head": jax.tree_util.tree_map(programs.put, dict(head.params)),
+                "draft_to_target": programs.put(np.asarray(head.draft_to_target, np.int32))})
+            self._device_params[key] = placed
         embed = policy_params["embed"]
         self.embed_key = (int(embed.shape[0]), jnp.dtype(embed.dtype).name)
-        self.bundle = dict(self._device_params[key], embed=embed)
+        self.bundle = dict(placed[1], embed=embed)
         shape = (batch, cache_len, self.config.num_kv_heads, self.config.head_dim)
         with (jax.default_device(key) if key is not None else contextlib.nullcontext()):
             self.cache = HeadCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),

@@ -46,6 +46,34 @@ def save_head(path: str, head: DraftHead) -> None:
     os.replace(tmp, path)
 
 
+def _read(path: str, tensors: bool):
+    """(config, meta, params, draft_to_target) of the head file at `path`; without `tensors`
+    the metadata only (params and draft_to_target None).
+
+    Raises:
+      UserError: a missing file, or one that is not a das-jax draft head."""
+    if not os.path.isfile(path):
+        raise UserError(f"draft head {path}: no such file; fit one with `das-jax draft-head fit "
+                        "TRACE --out HEAD.safetensors`")
+    params = d2t = None
+    try:
+        with safe_open(path, framework="numpy") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+            if tensors:
+                params = {k[len("params."):]: f.get_tensor(k) for k in f.keys()
+                          if k.startswith("params.")}
+                d2t = f.get_tensor("draft_to_target")
+            config = HeadConfig.from_dict(json.loads(meta["config"]))
+            info = json.loads(meta["meta"])
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"draft head {path}: not a das-jax draft head ({type(e).__name__}: {e}); "
+                        "fit one with `das-jax draft-head fit TRACE --out HEAD.safetensors`"
+                        ) from None
+    return config, info, params, d2t
+
+
 def load_head(path: str) -> DraftHead:
     """Reads a head written by `save_head`.
 
@@ -53,27 +81,20 @@ def load_head(path: str) -> DraftHead:
       UserError: a missing file, or one that is not a das-jax draft head (names the file and
         how to make one).
     """
-    if not os.path.isfile(path):
-        raise UserError(f"draft head {path}: no such file; fit one with `das-jax draft-head fit "
-                        "TRACE --out HEAD.safetensors`")
-    try:
-        with safe_open(path, framework="numpy") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
-            params = {k[len("params."):]: f.get_tensor(k) for k in f.keys()
-                      if k.startswith("params.")}
-            d2t = f.get_tensor("draft_to_target")
-            config = HeadConfig.from_dict(json.loads(meta["config"]))
-            info = json.loads(meta["meta"])
-    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"draft head {path}: not a das-jax draft head ({type(e).__name__}: {e}); "
-                        "fit one with `das-jax draft-head fit TRACE --out HEAD.safetensors`"
-                        ) from None
+    config, info, params, d2t = _read(path, tensors=True)
     if d2t.shape != (config.draft_vocab_size,):
         raise UserError(f"draft head {path}: draft vocabulary has {d2t.shape} entries, its config "
                         f"says {config.draft_vocab_size}; refit it")
     return DraftHead(config, params, d2t.astype(np.int32), info)
+
+
+def read_head_config(path: str) -> HeadConfig:
+    """The `HeadConfig` of the head file at `path`, from its metadata only (no weights read:
+    the memory plan's view of a head).
+
+    Raises:
+      UserError: a missing file or one that is not a das-jax draft head."""
+    return _read(path, tensors=False)[0]
 
 
 def check_head_for_policy(head: DraftHead, path: str, model_name: str, model_config) -> None:

@@ -84,3 +84,36 @@ def compare_table(runs: Sequence[tuple[str, Records]]) -> str:
             cells.append(f"{b / a:.2f}x" if a and b is not None and how != "count" else "")
         lines.append("| " + " | ".join([label, *cells]) + " |")
     return "\n".join(lines)
+
+
+def acceptance_by_epoch_table(runs: Sequence[tuple[str, Records]]) -> str | None:
+    """A markdown table of each draft source's acceptance per epoch (accepted / drafted tokens
+    over the epoch's steps, the drafted count beside it), one column per run and source, and
+    the online draft head's mean loss per epoch where a run trained one
+    (`train.draft_loss_weight`): e.g. a frozen head against one trained online. None when no
+    run logged drafts by source."""
+    names = [n for n, _ in runs]
+    recs = common_steps([r for _, r in runs])
+    sources = sorted({s for rs in recs for r in rs
+                      for s, n in (r.get("drafted_by_source") or {}).items() if n})
+    if not sources:
+        return None
+    losses = [any(r.get("draft_loss") is not None for r in rs) for rs in recs]
+    header = ["epoch", *(f"{n}: {s} accepted / drafted" for n in names for s in sources),
+              *(f"{n}: draft loss" for n, has in zip(names, losses) if has)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    epochs = sorted({r.get("epoch", 0) for rs in recs for r in rs})
+    for e in epochs:
+        cells = [str(e)]
+        by_run = [[r for r in rs if r.get("epoch", 0) == e] for rs in recs]
+        for rs in by_run:
+            for s in sources:
+                d = sum((r.get("drafted_by_source") or {}).get(s, 0) for r in rs)
+                a = sum((r.get("accepted_by_source") or {}).get(s, 0) for r in rs)
+                cells.append(f"{a / d:.3f} ({d})" if d else "-")
+        for rs, has in zip(by_run, losses):
+            if has:
+                vals = [r["draft_loss"] for r in rs if r.get("draft_loss") is not None]
+                cells.append(f"{sum(vals) / len(vals):.3f}" if vals else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -42,7 +42,8 @@ LOCK_FILE = ".lock"
 # if it holds one (a user's own config.yaml or plots/ do not make a run).
 MANIFEST_FILE = "das-jax-run.json"
 # What `das-jax train` writes into a run directory (the only entries `--overwrite` removes).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl",
+             "draft_head.safetensors")   # the head trained online (train.draft_loss_weight)
 RUN_DIRS = ("checkpoints", "checkpoints.unreadable", "tb", "plots")
 PLOT_FILES = ("reward.png", "loss_kl.png", "response_length.png", "speculation.png",
               "rollout_time.png")   # das_jax.rl.plots.plot_run's files

@@ -219,8 +219,9 @@ class RunLogger:
 
     def epoch_acceptance_line(self, record: dict[str, Any]) -> str | None:
         """At the last step of an epoch (or of the run): the epoch's acceptance rate per draft
-        position and per draft source, from this run's records of that epoch; None otherwise
-        or without drafts."""
+        position and per draft source, from this run's records of that epoch (and the online
+        draft head's mean loss and top-1 agreement, when it trains one); None otherwise or
+        without drafts."""
         spe, step = self.steps_per_epoch, record["step"]
         if not spe or (step % spe and step != self.total_steps) or "epoch" not in record:
             return None
@@ -237,9 +238,12 @@ class RunLogger:
         shown = [a / d for a, d in zip(a_pos, d_pos) if d][:8]
         sources = ", ".join(f"{k} {a_src.get(k, 0) / d:.2f} of {d:,}"
                             for k, d in sorted(d_src.items(), key=lambda kv: -kv[1]) if d)
+        head = [r for r in rows if r.get("draft_loss") is not None]   # trained online
+        online = (f"; online draft head: loss {sum(r['draft_loss'] for r in head) / len(head):.3f}"
+                  f", top-1 {sum(r['draft_top1'] for r in head) / len(head):.2f}" if head else "")
         return (f"epoch {record['epoch']} acceptance by draft position "
                 f"{' '.join(f'{x:.2f}' for x in shown)} (positions 1-{len(shown)}); by source "
-                f"(accepted / drafted tokens): {sources}")
+                f"(accepted / drafted tokens): {sources}{online}")
 
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[None]:

@@ -42,6 +42,7 @@ import numpy as np
 
 from das_jax.config import Config
 from das_jax.data import Problem, problems_from_config, render_prompt, reward_kwargs
+from das_jax.draft_head.online import OnlineConfig, OnlineHeadTrainer
 from das_jax.engine import Request, RequestOutput, request_seed
 from das_jax.malloc import release_free_memory, release_trace_caches
 from das_jax.models.loading import load
@@ -165,6 +166,11 @@ class GRPOTrainer:
                                if self.mesh is None else
                                jax.jit(lambda p: cast_params(p, self.compute_dtype),
                                        out_shardings=self.shardings.params)(self.params))
+        # The draft head trained online beside the policy (train.draft_loss_weight > 0): its own
+        # params and AdamW, its loss read from the rollout params' features detached
+        self.draft_trainer = None
+        if c.train.draft_loss_weight > 0:
+            self.draft_trainer = self._online_draft_head()
         self.step = 0
         self.run_dir = Path(c.output_dir)
         self.last_logprob_gap: float | None = None
@@ -182,6 +188,40 @@ class GRPOTrainer:
             serialize = rollout_devices is None and train_devices[0].platform == "cpu"
             self.async_rollouts = AsyncRollouts(self, c.train.async_steps, c.train.steps,
                                                 serialize=serialize)
+
+    def _online_draft_head(self):
+        c = self.config
+        if self.mesh is not None:
+            raise TrainError(
+                f"train.draft_loss_weight={c.train.draft_loss_weight} trains the draft head on "
+                "one device, but this run trains on a mesh of "
+                f"{self.mesh.devices.size} devices; set train.draft_loss_weight: 0 (the head "
+                "stays frozen) or train on one device")
+        head = self.rollouts.draft_head    # loaded and checked against the model by the rollout
+        if head is None:
+            raise TrainError("train.draft_loss_weight > 0 needs a draft head on the rollout; set "
+                             "draft_head.path")
+        return OnlineHeadTrainer(head, self.model_config, OnlineConfig(
+            weight=c.train.draft_loss_weight, learning_rate=c.train.draft_learning_rate,
+            max_grad_norm=c.train.draft_max_grad_norm, steps=c.draft_head.steps,
+            micro_batch_size=c.grpo.micro_batch_size))
+
+    def train_draft_head(self, rb: RolloutBatch) -> dict[str, float]:
+        """One update of the online draft head on `rb` (`das_jax.draft_head.online`), from the
+        current params (before this step's update: the rollout's in a synchronous run); the
+        rollout's head drafts with the new weights from the next `generate`. Returns the
+        head's metrics (draft_loss, draft_top1, draft_grad_norm, draft_train_s: the seconds
+        it took, inside the step's train_s; {} without online training)."""
+        if self.draft_trainer is None:
+            return {}
+        t0 = time.perf_counter()
+        params = self.rollout_params()
+        metrics = self.draft_trainer.update(params, rb.prompt_ids,
+                                            [o.token_ids for o in rb.outputs])
+        del params
+        self.rollouts.set_draft_head_params(self.draft_trainer.params)
+        metrics["draft_train_s"] = time.perf_counter() - t0
+        return metrics
 
     # ------------------------------------------------------------------ data order
     def steps_per_epoch(self) -> int:
@@ -323,6 +363,8 @@ class GRPOTrainer:
 
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         batch, _ = self.build_batch(rb)
+        # the head first: the policy's update donates the params its features are read from
+        head_metrics = self.train_draft_head(rb)
         metrics = {}
         for it in range(self.config.grpo.num_iterations):
             self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch)
@@ -330,6 +372,7 @@ class GRPOTrainer:
             if it == 0 and self.config.grpo.old_logprobs == "rollout":
                 # on-policy first iteration: mean |trainer logp - rollout logp| is the gap
                 self.last_logprob_gap = metrics.get("logprob_gap")
+        metrics.update(head_metrics)
         return metrics
 
     # ------------------------------------------------------------------ one step
@@ -406,6 +449,9 @@ class GRPOTrainer:
             # code samples that used up their CPU time (logged by the code reward, once a step)
             "reward_timeouts": sum(e.get("timeout", 0) for e in reward_events),
         }
+        for k in ("draft_loss", "draft_top1", "draft_grad_norm", "draft_train_s"):  # online head
+            if k in train_metrics:
+                record[k] = train_metrics[k]
         if extra:
             record.update(extra)
             record.update(self.last_is_metrics)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 
 from das_jax.config import config_to_dict
+from das_jax.draft_head.store import save_head
 from das_jax.errors import is_disk_full
 from das_jax.malloc import release_free_memory
+from das_jax.parallel import distributed as dist
 from das_jax.rl.checkpoint import (CheckpointError, CheckpointFormatError, CheckpointManager,
                                    CheckpointMismatchError)
 from das_jax.rl.run_dir import set_aside_checkpoints
@@ -19,6 +21,8 @@ log = logging.getLogger("das_jax.train")
 ROLLOUT_STATE_KEY = "rollout_state"
 SPLIT_STATE_KEY = "rollout_split"     # the process split of groups (several processes only)
 ASYNC_STATE_KEY = "async_rollouts"    # batches generated ahead (train.async_steps > 0 only)
+DRAFT_HEAD_STATE_KEY = "draft_head"    # the head trained online (train.draft_loss_weight > 0)
+DRAFT_HEAD_FILE = "draft_head.safetensors"   # ... and its current weights, for draft_head.path
 
 
 def trainer_meta(trainer) -> dict:
@@ -43,8 +47,15 @@ def save_trainer(trainer, manager: CheckpointManager) -> None:
             state[SPLIT_STATE_KEY] = trainer.split.state_dict()
         if ahead is not None:
             state[ASYNC_STATE_KEY] = ahead.state_dict()
+        online = getattr(trainer, "draft_trainer", None)
+        if online is not None:
+            state[DRAFT_HEAD_STATE_KEY] = online.state_dict()
         manager.save(trainer.step, trainer.params, trainer.opt_state, trainer_meta(trainer),
                      state)
+        if online is not None and dist.is_primary():
+            save_head(str(trainer.run_dir / DRAFT_HEAD_FILE),
+                      online.draft_head({"online_run": str(trainer.run_dir),
+                                         "online_step": trainer.step}))
         release_free_memory()  # tensorstore's write buffers
     except Exception as e:  # noqa: BLE001 - orbax / tensorstore wrap OSErrors in many types
         if not is_disk_full(e):
@@ -116,6 +127,21 @@ def restore_trainer(trainer, manager: CheckpointManager, max_step: int | None = 
             f"{type(e).__name__}: {e}; resume with the run's own drafter and das settings "
             "(drop those --set overrides), or start a new run in another output_dir"
             ) from None
+    online = getattr(trainer, "draft_trainer", None)
+    saved_head = (drafter_state.get(DRAFT_HEAD_STATE_KEY) if isinstance(drafter_state, dict)
+                  else None)
+    if online is not None and saved_head is not None:
+        try:
+            online.load_state_dict(saved_head)
+        except (ValueError, KeyError, TypeError) as e:
+            raise TrainError(
+                f"checkpoint {manager.step_dir(step)}: its online draft head does not fit "
+                f"draft_head.path={trainer.config.draft_head.path} ({e}); resume with the run's "
+                "own draft_head.path, or start a new run in another output_dir") from None
+        trainer.rollouts.set_draft_head_params(online.params)
+    elif online is not None:
+        log.warning("checkpoint step %d holds no online draft head (the run trained none): the "
+                    "head starts from draft_head.path", step)
     trainer.params, trainer.opt_state, trainer.step = params, opt_state, int(meta["step"])
     ahead = getattr(trainer, "async_rollouts", None)
     if ahead is not None:   # the batches generated ahead, saved with their versions

@@ -86,6 +86,23 @@ class Rollout:
         steps = max(1, min(int(steps), widest - 1))
         self.drafter = HeadDrafts(HeadRuntime(head, steps), self.drafter, head_scale=scale)
 
+    @property
+    def draft_head(self):
+        """The attached `draft_head.DraftHead` (its current weights), or None."""
+        runtime = getattr(self.drafter, "draft_model", None)
+        return runtime.head if isinstance(runtime, HeadRuntime) else None
+
+    def set_draft_head_params(self, params) -> None:
+        """New weights for the attached draft head (an online update, same names and shapes);
+        the next `generate` drafts with them.
+
+        Raises:
+          ValueError: no head is attached, or the params do not fit it."""
+        runtime = getattr(self.drafter, "draft_model", None)
+        if not isinstance(runtime, HeadRuntime):
+            raise ValueError("no draft head is attached to this rollout")
+        runtime.set_params(params)
+
     # ------------------------------------------------------------------ properties
     @property
     def name(self) -> str:
