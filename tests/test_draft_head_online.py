@@ -100,11 +100,13 @@ def test_online_head_leaves_the_policy_run_unchanged_and_reaches_the_rollout(tmp
     head_path = _head_file(tmp_path)
     base, base_rec, base_tok = _run(_config(tmp_path, "plain"))
     frozen, frozen_rec, _ = _run(_config(tmp_path, "frozen", head_path))
+    caplog.clear()  # the two runs above logged epoch lines of their own
     with caplog.at_level(logging.INFO, logger="das_jax.train"):
         online, rec, tok = _run(_config(tmp_path, "online", head_path, draft_loss_weight=0.5,
                                         draft_learning_rate=1e-2))
     epoch_lines = [r.getMessage() for r in caplog.records
-                   if r.getMessage().startswith("epoch 0 acceptance")]
+                   if r.getMessage().startswith("epoch 0 acceptance")
+                   and "online draft head" in r.getMessage()]
     want = (sum(r["draft_loss"] for r in rec[:2]) / 2)
     assert len(epoch_lines) == 1 and f"online draft head: loss {want:.3f}" in epoch_lines[0]
     assert tok == base_tok
