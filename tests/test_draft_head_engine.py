@@ -227,12 +227,14 @@ def test_head_beside_a_history_drafter_keeps_tokens():
     sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=0)
     ec = EngineConfig(max_slots=8, max_cache_len=64, draft_widths=(1, 4))
     eng = Engine(CFG, PARAMS, eos_token_ids=(1,), engine_config=ec)
-    plain, _ = eng.generate(reqs, sampling)
+    plain, plain_stats = eng.generate(reqs, sampling)
     drafter = HeadDrafts(HeadRuntime(head, STEPS), make_drafter("das"), head_scale=1.0)
     out, stats = eng.generate(reqs, sampling, drafter=drafter)
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert drafter.source_counts["head"] > 0 and drafter.source_counts["history"] > 0
     assert stats.drafted_by_source.get("head", 0) > 0
+    # the head's admissions are timed (their own counter: not host time, not a step's)
+    assert 0 < stats.draft_model_s < stats.wall_s and plain_stats.draft_model_s == 0
 
 
 def test_calibration_scores_both_sources_on_the_emitted_tokens():
@@ -256,7 +258,7 @@ def test_calibration_scores_both_sources_on_the_emitted_tokens():
     hist = History()
     d = HeadDrafts(Runtime(), hist, head_scale=2.0, prior_tokens=4.0)
     np.testing.assert_allclose(d.calibration, [2.0, 1.0])
-    for _ in range(20):   # the head wins every row (2 x 1.2 > 1.2), never matches
+    for _ in range(20):   # the head wins while its prior holds (2 x 1.2 > 1.2), never matches
         d.set_model_drafts([0, 1], np.array([[3, 3, 3]] * 2, np.int32),
                            np.full((2, 3), 0.4, np.float32))
         out = d.propose_batch(np.array([0, 1]), np.array([3, 3]))
@@ -272,6 +274,22 @@ def test_calibration_scores_both_sources_on_the_emitted_tokens():
     out = d.propose_batch(np.array([0, 1]), np.array([3, 3]))
     assert out.tokens_AxK[:, 0].tolist() == [7, 7]   # the history's drafts win now
     assert out.source_A.tolist() == [DRAFT_SOURCES.index("other")] * 2
+
+    # the calibration and source counts survive a checkpoint (encoded as the trainer saves it)
+    from das_jax.rl.rollout_state_file import decode_state, encode_state
+    hist.state_dict = lambda: {"kind": "stub"}
+    hist.load_state_dict = lambda state: setattr(hist, "loaded", state)
+    tree, arrays = encode_state(d.state_dict())
+    resumed = HeadDrafts(Runtime(), hist, head_scale=2.0, prior_tokens=4.0)
+    resumed.load_state_dict(decode_state(tree, {f"a{i}": a for i, a in enumerate(arrays)}))
+    np.testing.assert_array_equal(resumed.calibration, d.calibration)
+    assert resumed.source_counts == d.source_counts == {"head": 4, "history": 38, "none": 0}
+    assert hist.loaded == {"kind": "stub"}
+    # a checkpoint written before the calibration was kept: the history drafter's state alone
+    old = HeadDrafts(Runtime(), hist, head_scale=2.0, prior_tokens=4.0)
+    old.load_state_dict({"kind": "stub", "x": 1})
+    assert hist.loaded == {"kind": "stub", "x": 1}
+    np.testing.assert_allclose(old.calibration, [2.0, 1.0])
 
 
 def test_rollout_from_config_attaches_the_head_and_refuses_bad_ones(tmp_path):

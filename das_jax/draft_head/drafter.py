@@ -229,3 +229,23 @@ class HeadDrafts(BesideHistory):
         """The history drafter's deferred appends (`append_batch(..., index_later=True)`)."""
         if self.history is not None:
             flush_appends(self.history)
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """The history drafter's state and the calibration (matched / predicted tokens per
+        source, rows each source won), so a resumed run chooses as the uninterrupted one.
+        The head's latest drafts are not kept: a resumed rollout starts with a prefill."""
+        return {"kind": "head", "history": BesideHistory.state_dict(self),
+                "matched": self.matched.copy(), "predicted": self.predicted.copy(),
+                "source_counts": dict(self.source_counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores `state_dict()` output; a state without "kind": "head" is the history
+        drafter's alone (checkpoints written before the calibration was kept)."""
+        if state.get("kind") != "head":
+            BesideHistory.load_state_dict(self, state)
+            return
+        BesideHistory.load_state_dict(self, state["history"])
+        self.matched = np.asarray(state["matched"], np.float64).reshape(2).copy()
+        self.predicted = np.asarray(state["predicted"], np.float64).reshape(2).copy()
+        self.source_counts = {k: int(v) for k, v in state["source_counts"].items()}

@@ -62,6 +62,8 @@ class DeviceExecutor:
                                for r in requests], np.int64).astype(np.int32)
 
     pages: tuple = ()   # the dense cache (`PagedExecutor`: (num_pages, page_size))
+    # seconds of the draft model's calls outside the steps (its admissions; compiles excluded)
+    draft_model_s: float = 0.0
 
     def start(self, batch: int, cache_len: int) -> None:
         self.S = cache_len
@@ -181,6 +183,7 @@ class DeviceExecutor:
         prefilled token, then the row's pending token."""
         if self.draft_model is None or not self.model_pending:
             return
+        t0, compiled_at_t0 = time.perf_counter(), self.programs.compile_s
         rows = list(self.model_pending)
         seqs = [self.model_pending[r] for r in rows]
         ec = self.engine_config
@@ -203,6 +206,8 @@ class DeviceExecutor:
         self.model_pending = {}
         held = self.prompt_rows.held() if self.engine_config.share_prompts else set()
         self.prompt_feats = {p: v for p, v in self.prompt_feats.items() if p in held}
+        self.draft_model_s += (time.perf_counter() - t0
+                               - (self.programs.compile_s - compiled_at_t0))
 
     def _compact_model(self, live: np.ndarray, new_batch: int) -> None:
         """The draft model's rows follow a compaction."""

@@ -37,6 +37,9 @@ class GenerateStats:
     host_s: the host work between the executor's calls (scheduler bookkeeping, drafter and
     policy; draft_s and policy_s are part of it): `run_schedule`'s wall time less the wall
     time of its executor calls (the device steps, or the replay's recorded ones).
+    draft_model_s: a draft model's device calls outside the steps (a draft head committing
+    admitted rows' prefilled positions, `head_admit`); its drafting after each prefill and
+    verify step runs inside those steps' seconds.
     preemptions: rows taken off the device when the paged KV cache ran short of pages (each
     resumed later by a prefill of its prompt and tokens, `StepExecutor.make_room`).
     overlap_s: host work run while the device computed a step (the drafter's deferred
@@ -61,6 +64,7 @@ class GenerateStats:
     host_s: float = 0.0
     wall_s: float = 0.0
     compile_s: float = 0.0
+    draft_model_s: float = 0.0
     prefill_tokens: int = 0
     prefill_calls: int = 0
     preemptions: int = 0

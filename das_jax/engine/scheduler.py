@@ -99,6 +99,7 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
       (outputs in request order, stats); wall_s / compile_s are the caller's to set.
     """
     t_start = time.perf_counter()
+    draft_model_s0 = getattr(executor, "draft_model_s", 0.0)
     run = _Run(requests, _TimedExecutor(executor), engine_config, limits, drafter,
                policy or FixedPolicy(), progress, keep_tokens,
                stats if stats is not None else GenerateStats())
@@ -116,6 +117,7 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
             run.decode(live) if run.decode_k > 1 else run.step(live)
     run.collect()
     run.stats.host_s += time.perf_counter() - t_start - run.executor.seconds
+    run.stats.draft_model_s += getattr(executor, "draft_model_s", 0.0) - draft_model_s0
     return run.outputs, run.stats
 
 

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 Records = Sequence[dict[str, Any]]
 
 _TIME_SPLIT = (("prefill_s", "prefill"), ("decode_s", "decode (verify steps)"),
-               ("draft_s", "drafter"), ("policy_s", "speculation policy"),
+               ("draft_s", "drafter"), ("draft_model_s", "draft head (admissions)"),
+               ("policy_s", "speculation policy"),
                ("compile_s", "engine compile"))
 
 
@@ -147,7 +148,7 @@ def plot_run(records: Records, out_dir: str | Path, *,
     steps = [r["step"] for r in records]
     bottom = [0.0] * len(records)
     for key, label in _TIME_SPLIT:
-        if not _has(records, key):
+        if not any(r.get(key) for r in records):     # absent, or 0 throughout (no head)
             continue
         vals = [r.get(key) or 0.0 for r in records]
         ax.bar(steps, vals, bottom=bottom, width=0.8, label=label)

@@ -18,7 +18,7 @@ FINISH = ("", "stop", "length")
 # GenerateStats counters gathered from every process (the rest are per process)
 _STAT_FIELDS = ("forward_passes", "generated_tokens", "drafted_tokens", "accepted_draft_tokens",
                 "prefill_s", "decode_s", "draft_s", "policy_s", "host_s", "overlap_s", "wall_s",
-                "compile_s", "prefill_tokens", "prefill_calls")
+                "compile_s", "draft_model_s", "prefill_tokens", "prefill_calls")
 
 
 # draft positions whose acceptance counts travel between processes (suffix drafts are at most

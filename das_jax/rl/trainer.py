@@ -442,6 +442,7 @@ class GRPOTrainer:
             "decode_s": st.decode_s,
             "draft_s": st.draft_s,
             "policy_s": st.policy_s,
+            "draft_model_s": st.draft_model_s,
             "host_s": st.host_s,
             "overlap_s": st.overlap_s,
             "train_s": train_s,

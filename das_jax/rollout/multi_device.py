@@ -266,7 +266,7 @@ class DataParallelStats(GenerateStats):
         stats = [s for s in per_device if s is not None]
         for f in ("forward_passes", "generated_tokens", "drafted_tokens",
                   "accepted_draft_tokens", "prefill_s", "decode_s", "draft_s", "policy_s",
-                  "host_s", "overlap_s", "prefill_tokens", "prefill_calls"):
+                  "host_s", "overlap_s", "draft_model_s", "prefill_tokens", "prefill_calls"):
             setattr(out, f, sum(getattr(s, f) for s in stats))
         out.wall_s = max((s.wall_s for s in stats), default=0.0)
         out.compile_s = max((s.compile_s for s in stats), default=0.0)
