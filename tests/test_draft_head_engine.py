@@ -332,3 +332,42 @@ def test_rollout_from_config_attaches_the_head_and_refuses_bad_ones(tmp_path):
         config_from_dict({**raw, "draft_head": {"path": str(good), "steps": 0}})
     with pytest.raises(UserError, match="one rollout engine per process"):
         rollout_from_config(cfg, CFG, PARAMS, (1,), devices=[dev, dev])   # two replicas
+
+
+def test_calibration_times_the_step_with_the_head_beside_it():
+    """With a draft head the cost model's calibration times the step `generate` runs: the
+    verify step that returns the head's features, then the head's drafting on them; the
+    executable it compiles is the one generate's steps reuse."""
+    from das_jax.engine.programs import COMPILED
+    from das_jax.engine.specs import VerifySpec
+    from das_jax.speculation.cost_model import CostModel, calibrate
+
+    head = _head(3)
+    runtime = HeadRuntime(head, STEPS)
+    ec = EngineConfig(max_slots=4, max_cache_len=64, draft_widths=(1, 4))
+    eng = Engine(CFG, PARAMS, eos_token_ids=(1,), engine_config=ec)
+    seen = []
+    extend = runtime.extend
+
+    def counting(live_B, feats, next_BxW, n_emit_B, kv_len=None):
+        seen.append((tuple(feats.shape), tuple(next_BxW.shape), kv_len, int(live_B.sum())))
+        return extend(live_B, feats, next_BxW, n_emit_B, kv_len)
+    runtime.extend = counting
+    FD = len(runtime.feature_layers) * CFG.hidden_size
+    seconds = eng.time_verify_step(4, 4, 16, 64, repeats=2, draft_model=runtime)
+    assert seconds > 0 and seen == [((4, 4, FD), (4, 4), 20, 4)] * 3   # 1 discarded + 2
+    assert runtime.cache is None                       # stopped: nothing kept alive
+    verify_layers = {k for k in COMPILED if isinstance(k, tuple)
+                     and any(isinstance(x, VerifySpec) and x.feature_layers
+                             == runtime.feature_layers for x in k)}
+    assert verify_layers, "the feature-returning verify step was not compiled"
+    # through the cost model: every calibration shape drafts with the head
+    seen.clear()
+    calibrate(eng, CostModel(), cache_len=64, kv_lens=(32,), repeats=1, draft_model=runtime)
+    assert seen and all(s[0][2] == FD for s in seen)
+    # and the tokens generate samples with the calibrated executables are plain decoding's
+    reqs = _requests(n_prompts=1, group=4, seed=5)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+    plain, _ = eng.generate(reqs, sampling)
+    out, _ = eng.generate(reqs, sampling, drafter=HeadDrafts(runtime, head_scale=1.0))
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]

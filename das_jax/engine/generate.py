@@ -261,7 +261,7 @@ class Engine:
 
     def time_verify_step(self, batch: int, width: int, kv_len: int, cache_len: int,
                          repeats: int = 3, sampling_key: tuple = (1.0, 0, 1.0),
-                         num_tokens: int | None = None) -> float:
+                         num_tokens: int | None = None, draft_model=None) -> float:
         """Median seconds of the packed verify step at (B, W, attended length), on dummy tokens.
 
         `num_tokens` slots (default `batch * width`, every row drafting `width - 1` tokens;
@@ -270,14 +270,27 @@ class Engine:
         positions. Compiles the shape once (not timed; the executable is the one `generate`
         uses when `cache_len` and `sampling_key` = `SamplingParams.static_key()` match) and
         discards the first timed call (`Programs.time`). Used by the cost-model calibration and
-        the engine benchmark.
+        the engine benchmark. `draft_model`: a `step_io.DraftModel` (a draft head) run beside
+        the steps as `generate` runs it: the step returns its features and each timed call
+        includes the draft model's drafting on them (every row live).
         """
         params = self.place_params(self.params)
         N = batch * width if num_tokens is None else int(num_tokens)
+        layers = tuple(draft_model.feature_layers) if draft_model is not None else ()
         spec = VerifySpec(self.config, tuple(sampling_key), batch, N, width, cache_len, kv_len,
                           jnp.dtype(params["embed"].dtype).name,
-                          self.engine_config.paging(batch, cache_len))
-        return self.programs.time(spec, params, repeats)
+                          self.engine_config.paging(batch, cache_len), layers)
+        if draft_model is None:
+            return self.programs.time(spec, params, repeats)
+        draft_model.start(self.programs, batch, cache_len, params)
+        live_B = np.ones(batch, bool)
+
+        def drafting(y_BxW, logp_BxW, n_emit_B, feats_BxWxFD):
+            return draft_model.extend(live_B, feats_BxWxFD, y_BxW, n_emit_B, kv_len + width)
+        try:
+            return self.programs.time(spec, params, repeats, drafting)
+        finally:
+            draft_model.stop()
 
     # ------------------------------------------------------------------ generate
     def generate(

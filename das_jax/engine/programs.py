@@ -180,9 +180,12 @@ class Programs:
         return len(COMPILED) - before
 
     # ------------------------------------------------------------------ timing and memory
-    def time(self, spec, params: Params, repeats: int = 3) -> float:
+    def time(self, spec, params: Params, repeats: int = 3, after=None) -> float:
         """Median seconds of `spec`'s program on its dummy batch (`spec.dummy()`) and an empty
-        cache, over `repeats` calls after one discarded call; compiled first (not timed)."""
+        cache, over `repeats` calls after one discarded call; compiled first (not timed).
+        `after(*outputs)`: optional work dispatched on each call's outputs (past the cache) and
+        timed with it (a draft model's drafting after a verify step); what it returns is waited
+        for."""
         cache = self.zeros_cache(spec.batch, spec.cache_len, spec.dtype, spec.pages)
         if spec.pages:   # every row on its own pages (while the pool has them)
             P, mp = spec.pages[0], cache.table.shape[1]
@@ -193,8 +196,10 @@ class Programs:
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            cache, y, *_ = exe(params, cache, batch)
+            cache, y, *rest = exe(params, cache, batch)
+            extra = after(y, *rest) if after is not None else None
             np.asarray(y)
+            jax.block_until_ready(extra)
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
 

@@ -174,7 +174,8 @@ class Rollout:
             calibrate(self.engine, self.cost_model,
                       cache_len=self.engine.cache_len_for(requests, sampling),
                       kv_lens=c.calibrate_kv_lens, repeats=c.calibrate_repeats,
-                      sampling_key=sampling.static_key())
+                      sampling_key=sampling.static_key(),
+                      draft_model=getattr(self.drafter, "draft_model", None))
         finally:
             self.engine.params = own
         self.calibrated = True

@@ -294,14 +294,16 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
 def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
               batches: Iterable[int] | None = None, widths: Iterable[int] | None = None,
               kv_lens: Iterable[int] = (128, 512), repeats: int = 3,
-              sampling_key: tuple = (1.0, 0, 1.0)) -> CostModel:
+              sampling_key: tuple = (1.0, 0, 1.0), draft_model=None) -> CostModel:
     """Times the engine's verify step at several shapes and fits `cost_model` on what each step
     computes: num_tokens (token slots: the packed slot bucket N) and
     attended_kv (B * kv_len), the terms of `predict_step` (see `calibration_shapes`).
 
     Runs on dummy tokens, compiling each shape once (not timed; with `cache_len` equal to what
     `generate` will use, those executables are reused there). The median of `repeats` timed calls
-    per shape is one observation. Returns the fitted model.
+    per shape is one observation. `draft_model`: the draft head `generate` will run beside
+    the steps (its drafting after each step is part of the step's time there, so here too).
+    Returns the fitted model.
     """
     ec = engine.engine_config
     batches = tuple(batches or sorted({1, ec.max_slots}))
@@ -320,7 +322,7 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     for B, W, N, S in shapes:
         c0 = compiled.compile_s if compiled is not None else 0.0
         seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key,
-                                          num_tokens=N)
+                                          num_tokens=N, draft_model=draft_model)
         _observe_step(cost_model, N, B * S, seconds, W)
         if compiled is not None and compiled.compile_s > c0 and hasattr(cost_model,
                                                                         "observe_compile"):
