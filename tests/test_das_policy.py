@@ -428,3 +428,73 @@ def test_plan_step_hands_the_drafts_support_to_the_policy():
 def test_draft_support_must_match_its_tokens():
     with pytest.raises(ValueError, match="support"):
         Draft(np.zeros(3, np.int32), np.ones(3, np.float32), np.ones(2, np.int32))
+
+
+def _two_sources():
+    """Row 0: a long draft of middling path probabilities (the larger expected accepted
+    length: the drafter's pick) with a short confident alternative; row 1: no alternative;
+    row 2: no draft but an alternative."""
+    from das_jax.drafter.base import DraftBatch
+    long_p = [0.45, 0.4, 0.38, 0.36, 0.35, 0.34, 0.33]
+    primary = DraftBatch.empty(3, 7)
+    primary.tokens_AxK[0] = np.arange(11, 18)
+    primary.probs_AxK[0] = long_p
+    primary.tokens_AxK[1, :2] = [5, 6]
+    primary.probs_AxK[1, :2] = [0.9, 0.8]
+    primary.lens_A[:] = [7, 2, 0]
+    alt = DraftBatch.empty(3, 2)
+    alt.tokens_AxK[0] = [21, 22]
+    alt.probs_AxK[0] = [0.97, 0.9]
+    alt.tokens_AxK[2] = [31, 32]
+    alt.probs_AxK[2] = [0.6, 0.5]
+    alt.lens_A[:] = [2, 0, 2]
+    import dataclasses
+    return dataclasses.replace(primary, source_A=np.array([3, 0, -1], np.int8),
+                               alternative=dataclasses.replace(
+                                   alt, source_A=np.array([0, -1, 3], np.int8)))
+
+
+@pytest.mark.parametrize("c_tok, row0", [(0.02, "alternative"), (1e-4, "primary")])
+def test_pick_sources_prices_each_row_with_the_cost_model(c_tok, row0):
+    """The source verified per row is the one with the smaller expected seconds per emitted
+    token under the step's cost model: with verify slots dear, row 0's short confident draft
+    beats its long middling one (whose expected accepted length is larger); with slots cheap
+    the long one wins. A row with no alternative keeps its draft; a row with no draft takes
+    its alternative; das-unlimited keeps the drafter's pick."""
+    db = _two_sources()
+    rows = [RowView(i, "p", 10, 100) for i in range(3)]
+    shape = padded_step_shape(3, (1, 4, 8), 0)
+    pol = DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0),
+                    cost_model=CostModel(c_base=0.05, c_tok=c_tok))
+    out = pol.pick_sources(rows, db, shape)
+    assert out.alternative is None
+    want0 = [21, 22] if row0 == "alternative" else list(range(11, 18))
+    assert out.tokens_AxK[0, :out.lens_A[0]].tolist() == want0
+    assert out.source_A.tolist() == [0 if row0 == "alternative" else 3, 0, 3]
+    assert out.lens_A.tolist() == [len(want0), 2, 2]
+    assert out.tokens_AxK[1, :2].tolist() == [5, 6] and out.tokens_AxK[2, :2].tolist() == [31, 32]
+    n, _ = pol.choose(rows, out, shape)               # the picked drafts are sized as usual
+    assert (n <= out.lens_A).all()
+    unlimited = DASPolicy(config=DASConfig(unlimited=True),
+                          cost_model=CostModel(c_base=0.05, c_tok=c_tok))
+    kept = unlimited.pick_sources(rows, db, shape)
+    assert kept.lens_A.tolist() == [7, 2, 0] and kept.alternative is None
+
+
+def test_plan_step_verifies_the_drafters_pick_without_pick_sources():
+    """A policy without `pick_sources` (FixedPolicy) verifies each row's own draft; the DAS
+    policy's pick goes through `plan_step` to the step."""
+    from das_jax.engine.policy import RowBatch, plan_step
+
+    class Drafter:
+        def propose_batch(self, ids, k_A):
+            return _two_sources()
+    rows = RowBatch.of([RowView(i, "p", 10, 100) for i in range(3)])
+    fixed = plan_step(Drafter(), FixedPolicy(), rows, 3, (1, 4, 8), 0)
+    assert fixed.drafts.lens_A.tolist() == [7, 2, 0] and fixed.drafts.alternative is None
+    das = plan_step(Drafter(), DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0),
+                                         cost_model=CostModel(c_base=0.05, c_tok=0.02)),
+                    rows, 3, (1, 4, 8), 0)
+    assert das.drafts.source_A.tolist() == [0, 0, 3]
+    k = int(das.drafts.lens_A[0])              # sized by `choose` (0 until shapes are measured)
+    assert das.drafts.tokens_AxK[0, :k].tolist() == [21, 22][:k]

@@ -208,16 +208,49 @@ def test_choice_between_head_and_history():
     np.testing.assert_allclose(out.probs_AxK[2], [0.8, 0.4, 0.0])
     assert out.lens_A.tolist() == [3, 3, 2]
     assert out.tokens_AxK[0].tolist() == [5, 6, 7] and not out.has_support_A.any()
+    # each row's losing draft rides along for a policy that prices both (`pick_sources`)
+    assert out.alternative.source_A.tolist() == [0, 2, -1]
+    assert out.alternative.lens_A.tolist() == [2, 2, 0]
+    assert out.alternative.tokens_AxK[:2, :2].tolist() == [[9, 9], [9, 9]]
     d.set_model_drafts([10, 11, 12], np.zeros((3, 3), np.int32),
                        np.array([[0.3, 0.1, 0.0], [0.0] * 3, [0.0] * 3], np.float32))
     out = d.propose_batch(np.array([10, 11, 12]), np.array([3, 3, 3]))
     assert out.source_A.tolist() == [0, 2, -1]          # 0.8 < 1.7; no head draft; none
+    assert out.alternative.source_A.tolist() == [HEAD_SOURCE, -1, -1]
+    assert out.alternative.tokens_AxK[0].tolist() == [0, 0, 0] and out.alternative.lens_A[0] == 3
     assert out.lens_A.tolist() == [2, 2, 0]
     assert out.tokens_AxK[:2, :2].tolist() == [[9, 9], [9, 9]]
     assert d.source_counts == {"head": 3, "history": 2, "none": 1}
     assert DRAFT_SOURCES[HEAD_SOURCE] == "head"
     out = d.propose_batch(np.array([99]), np.array([3]))   # a request it holds no draft of
     assert out.lens_A.tolist() == [2] and out.source_A.tolist() == [0]
+
+
+def test_head_with_the_das_policy_pricing_both_sources_keeps_tokens():
+    """das + head under the DAS policy: each step the policy picks per row between the head's
+    draft and the history's (`pick_sources`), and the tokens equal plain decoding's."""
+    from das_jax.speculation.cost_model import CostModel
+    from das_jax.speculation.das_policy import DASConfig, DASPolicy
+
+    reqs = _requests(n_prompts=2, group=4, seed=3) * 2
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=0)
+    ec = EngineConfig(max_slots=8, max_cache_len=64, draft_widths=(1, 4))
+    eng = Engine(CFG, PARAMS, eos_token_ids=(1,), engine_config=ec)
+    plain, _ = eng.generate(reqs, sampling)
+    policy = DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0),
+                       cost_model=CostModel(c_base=0.05, c_tok=1e-4))
+    picked = []
+    pick = policy.pick_sources
+
+    def counting(rows, drafts, shape):
+        out = pick(rows, drafts, shape)
+        picked.append(int((out.source_A != drafts.source_A).sum()))
+        return out
+    policy.pick_sources = counting
+    drafter = HeadDrafts(HeadRuntime(_head(1), STEPS), make_drafter("das"), head_scale=1.0)
+    out, stats = eng.generate(reqs, sampling, drafter=drafter, policy=policy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert picked and stats.forward_passes < sum(len(o.token_ids) for o in out)
 
 
 def test_head_beside_a_history_drafter_keeps_tokens():

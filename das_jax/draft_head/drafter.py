@@ -30,7 +30,7 @@ import dataclasses
 import numpy as np
 
 from das_jax.drafter.base import (DRAFT_SOURCES, DraftBatch, append_batch, flush_appends,
-                                  propose_batch)
+                                  pick_rows, propose_batch)
 
 HEAD_SOURCE = DRAFT_SOURCES.index("head")
 
@@ -77,8 +77,8 @@ class HeadDrafts(BesideHistory):
       prior_tokens: the weight of the priors, in predicted tokens.
 
     Attributes:
-      source_counts: rows each source won, over the drafter's life ("head", "history",
-        "none").
+      source_counts: rows each source won in the drafter's own comparison, over its life
+        ("head", "history", "none"; a policy with `pick_sources` may verify the other).
     """
 
     def __init__(self, runtime, history=None, head_scale: float = 2.0,
@@ -133,7 +133,9 @@ class HeadDrafts(BesideHistory):
 
     def propose_batch(self, request_ids, max_tokens_A) -> DraftBatch:
         """Per row the head's draft (up to max_tokens_A[b] tokens) or the history drafter's,
-        whichever has the larger expected accepted length (module docstring)."""
+        whichever has the larger expected accepted length (module docstring), with the other
+        as the row's `alternative` (a policy with `pick_sources`, the DAS policy, prices the
+        two under its cost model and may take it instead)."""
         request_ids = np.asarray(request_ids, np.int64)
         max_tokens_A = np.asarray(max_tokens_A, np.int32)
         A = len(request_ids)
@@ -156,33 +158,19 @@ class HeadDrafts(BesideHistory):
         self._proposed = (request_ids.copy(), tok, raw_p, hist.tokens_AxK.copy(),
                           hist.probs_AxK.astype(np.float64))
         use = (head_score > hist_score) & (head_len > 0)
-        K = max(int(hist.tokens_AxK.shape[1]), int(head_len.max(initial=0)))
-
-        def widen(a, fill=0):
-            out = np.full((A, K), fill, a.dtype)
-            out[:, :a.shape[1]] = a[:, :K]
-            return out
-        tokens = widen(hist.tokens_AxK)
-        out_probs = widen(hist.probs_AxK.astype(np.float32))
-        support = widen(hist.support_AxK)
-        tokens[use] = widen(np.where(cols < head_len[:, None], tok, 0))[use]
-        out_probs[use] = widen(head_p.astype(np.float32))[use]
-        support[use] = 0
-        lens = np.where(use, head_len, hist.lens_A).astype(np.int32)
-        has_support = hist.has_support_A & ~use
-        age = None if hist.age_A is None else np.where(use, np.nan, hist.age_A).astype(
-            np.float32)
-        hist_source = (hist.source_A if hist.source_A is not None
-                       else np.where(hist.lens_A > 0, DRAFT_SOURCES.index("other"), -1))
-        source = np.where(use, HEAD_SOURCE, hist_source).astype(np.int8)
+        K_head = int(head_len.max(initial=0))
+        head = DraftBatch(np.where(cols < head_len[:, None], tok, 0)[:, :K_head],
+                          head_p.astype(np.float32)[:, :K_head], np.zeros((A, K_head), np.int32),
+                          head_len, np.zeros(A, bool), source_A=np.where(
+                              head_len > 0, HEAD_SOURCE, -1).astype(np.int8))
+        hist = dataclasses.replace(hist, alternative=None)
         won_head = int(use.sum())
         won_hist = int(((~use) & (hist.lens_A > 0)).sum())
         self.source_counts["head"] += won_head
         self.source_counts["history"] += won_hist
         self.source_counts["none"] += A - won_head - won_hist
-        return dataclasses.replace(hist, tokens_AxK=tokens, probs_AxK=out_probs,
-                                   support_AxK=support, lens_A=lens, has_support_A=has_support,
-                                   age_A=age, source_A=source)
+        return dataclasses.replace(pick_rows(hist, head, use),
+                                   alternative=pick_rows(head, hist, use))
 
     def propose(self, request_id, max_tokens):
         """One row's draft (`propose_batch` of one request)."""

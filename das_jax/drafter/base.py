@@ -75,6 +75,10 @@ class DraftBatch:
       source_A: int8 [A] or None; where row b's draft comes from, an index into
         `DRAFT_SOURCES` (-1: no draft). None: the drafter does not say ("other"). The engine
         counts drafted and accepted tokens per source (`GenerateStats.drafted_by_source`).
+      alternative: a `DraftBatch` of the same A rows or None: each row's draft from another
+        source (a draft head's, where the history's is the row's draft, and the other way
+        round; an empty row where there is none). A policy with `pick_sources` prices the two
+        per row (`engine.policy.plan_step`); other policies verify the row's own draft.
     """
 
     tokens_AxK: np.ndarray
@@ -84,6 +88,7 @@ class DraftBatch:
     has_support_A: np.ndarray
     age_A: np.ndarray | None = None
     source_A: np.ndarray | None = None
+    alternative: "DraftBatch | None" = None
 
     @staticmethod
     def empty(rows: int, width: int = 0) -> "DraftBatch":
@@ -128,15 +133,52 @@ class DraftBatch:
 
     def cut(self, n_A: np.ndarray) -> "DraftBatch":
         """The drafts cut to n_A[b] <= lens_A[b] tokens each (columns past max(n_A) dropped)."""
+        alternative = None if self.alternative is None else self.alternative.cut(n_A)
         n_A = np.minimum(np.asarray(n_A, np.int32), self.lens_A)
         K = int(n_A.max(initial=0))
         if K == self.width and (n_A == self.lens_A).all():
-            return self          # nothing to cut (the drafter kept to its budgets)
+            # nothing to cut (the drafter kept to its budgets)
+            return (self if alternative is self.alternative
+                    else dataclasses.replace(self, alternative=alternative))
         keep_AxK = np.arange(K)[None, :] < n_A[:, None]
         return DraftBatch(np.where(keep_AxK, self.tokens_AxK[:, :K], 0).astype(np.int32),
                           np.where(keep_AxK, self.probs_AxK[:, :K], 0).astype(np.float32),
                           np.where(keep_AxK, self.support_AxK[:, :K], 0).astype(np.int32),
-                          n_A, self.has_support_A & (n_A > 0), self.age_A, self.source_A)
+                          n_A, self.has_support_A & (n_A > 0), self.age_A, self.source_A,
+                          alternative)
+
+    def sources(self) -> np.ndarray:
+        """int8 `[A]`: `source_A`, or where the drafter does not say, "other" for rows with a
+        draft and -1 for rows without."""
+        if self.source_A is not None:
+            return self.source_A
+        return np.where(self.lens_A > 0, OTHER_SOURCE, -1).astype(np.int8)
+
+
+def pick_rows(a: DraftBatch, b: DraftBatch, use_b_A: np.ndarray) -> DraftBatch:
+    """Row by row, `b`'s draft where use_b_A (bool `[A]`) holds, else `a`'s: one `DraftBatch` of
+    K = the wider of the two (ages NaN and sources "other" where a batch gives none; no
+    `alternative`)."""
+    use = np.asarray(use_b_A, bool)
+    K = max(a.width, b.width)
+
+    def both(x, y):
+        out_x = np.zeros((len(use), K), x.dtype)
+        out_x[:, :x.shape[1]] = x
+        out_y = np.zeros((len(use), K), x.dtype)
+        out_y[:, :y.shape[1]] = y
+        return np.where(use[:, None], out_y, out_x)
+
+    def ages(d):
+        return (np.full(len(use), np.nan, np.float32) if d.age_A is None
+                else np.asarray(d.age_A, np.float32))
+    age = None if a.age_A is None and b.age_A is None else np.where(use, ages(b), ages(a))
+    return DraftBatch(both(a.tokens_AxK, b.tokens_AxK),
+                      both(a.probs_AxK, b.probs_AxK.astype(a.probs_AxK.dtype)),
+                      both(a.support_AxK, b.support_AxK.astype(a.support_AxK.dtype)),
+                      np.where(use, b.lens_A, a.lens_A).astype(np.int32),
+                      np.where(use, b.has_support_A, a.has_support_A),
+                      age, np.where(use, b.sources(), a.sources()).astype(np.int8))
 
 
 def propose_batch(drafter, request_ids: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:

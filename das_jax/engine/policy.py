@@ -264,7 +264,9 @@ def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[R
               step_shape: ShapeFn | None = None) -> DraftPlan:
     """Asks the policy for budgets, the drafter for every row's draft in one call
     (`das_jax.drafter.propose_batch`), the policy for n_draft per row; W is the smallest
-    compiled width holding the longest chosen draft.
+    compiled width holding the longest chosen draft. Drafts with an `alternative` (another
+    source's draft per row): a policy with `pick_sources(rows, drafts, step_shape)` picks per
+    row which to verify (timed as policy work); other policies verify the drafter's pick.
 
     step_shape: what a choice costs (default: `padded_step_shape(batch, widths, kv_len)`).
     Shared by `Engine.generate` and the trace-replay simulator, so both take exactly the same
@@ -282,6 +284,10 @@ def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[R
     drafts = drafts.cut(budgets)
     t2 = time.perf_counter()
     shape = step_shape or padded_step_shape(batch, ws, kv_len)
+    if drafts.alternative is not None:
+        pick = getattr(policy, "pick_sources", None)
+        drafts = (pick(rows, drafts, shape) if pick is not None
+                  else dataclasses.replace(drafts, alternative=None))
     n_draft, predicted = policy.choose(rows, drafts, shape)
     t3 = time.perf_counter()
     drafts = drafts.cut(np.minimum(np.asarray(n_draft, np.int32), ws[-1] - 1))

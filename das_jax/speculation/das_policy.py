@@ -84,6 +84,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
+from das_jax.drafter.base import DraftBatch, pick_rows
 from das_jax.engine import StepRecord
 from das_jax.engine.policy import RowBatch, as_draft_batch
 from das_jax.speculation.acceptance import (AGE_BUCKET_LABELS, AGE_BUCKETS, SUPPORT_BUCKETS, age_buckets_of,
@@ -162,6 +163,17 @@ class DASConfig:
             raise ValueError(f"acceptance_ema must be in (0, 1], got {self.acceptance_ema}")
         if self.explore_every < 0:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
+
+
+def _attended(step_shape, lens_A: np.ndarray) -> tuple:
+    """(read_kv or None, the attended cached positions per row) of the steps `step_shape`
+    prices: the same for every choice of drafts."""
+    read_kv = getattr(step_shape, "read_kv", None)
+    if read_kv is not None:
+        return read_kv, read_kv
+    base = step_shape(np.zeros_like(lens_A))
+    read_kv = getattr(base, "read_kv", None)
+    return read_kv, (base[1] if read_kv is None else read_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,6 +513,32 @@ class DASPolicy:
         saved = float((lam_B * (1.0 + cum_q_BxD1[np.arange(len(n)), n])).sum())
         return t - saved, t
 
+    def pick_sources(self, rows, drafts, step_shape) -> DraftBatch:
+        """Per row, its draft or its `alternative` (another source's: a draft head's beside
+        the history's), whichever has the smaller lambda_b, the least expected seconds per
+        emitted token of the row under this step's cost model (`token_values`, with each
+        draft's calibrated acceptance): the choice between sources priced as `choose` prices
+        lengths. das-unlimited (no cost model): the drafter's pick.
+
+        Args:
+          rows: the live rows (`RowBatch`); drafts: a `DraftBatch` (its `alternative` of the
+            same rows, or None); step_shape: as in `choose`.
+        Returns:
+          a `DraftBatch` without `alternative`.
+        """
+        alt = drafts.alternative
+        primary = dataclasses.replace(drafts, alternative=None)
+        if alt is None or self.config.unlimited or not (alt.lens_A > 0).any():
+            return primary
+        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
+        rows = RowBatch.of(rows)
+        _, kv = _attended(step_shape, primary.lens_A)
+        f = self.row_fixed_costs(rows, self.row_weights(rows), kv)
+        c_tok = max(self.cost_model.c_tok, 0.0)
+        lam = [self.token_values(f, c_tok, _bk.prefix_sums(self.calibrated(d)), d.lens_A)[0]
+               for d in (primary, alt)]
+        return pick_rows(primary, alt, lam[1] < lam[0])
+
     def choose(self, rows, drafts, step_shape, draft_support=None):
         """See `SpeculationPolicy.choose` (drafts: a `DraftBatch`, or per-row path
         probabilities with optional `draft_support`)."""
@@ -512,13 +550,7 @@ class DASPolicy:
         from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
         q_BxD = self.calibrated(db)
         cum = _bk.prefix_sums(q_BxD)
-        read_kv = getattr(step_shape, "read_kv", None)   # the same for every choice of drafts
-        if read_kv is None:
-            base = step_shape(np.zeros_like(lens))
-            read_kv = getattr(base, "read_kv", None)
-            kv = base[1] if read_kv is None else read_kv
-        else:
-            kv = read_kv
+        read_kv, kv = _attended(step_shape, lens)
         f = self.row_fixed_costs(rows, self.row_weights(rows), kv)
         self._step_classes = None
         c_tok = max(self.cost_model.c_tok, 0.0)
