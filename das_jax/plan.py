@@ -317,6 +317,7 @@ def _draft_head_memory(config, mc, slots: int, S: int, params_shape, rdtype, mb:
     import jax
     import jax.numpy as jnp
 
+    # deferred import: jax, safetensors (the head's modules; not loaded by importing this one)
     from das_jax.draft_head.head import init_head
     from das_jax.draft_head.store import read_head_config
 

@@ -159,6 +159,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm  # deferred import: tqdm (slow to import; not for --help)
 
+    # deferred import: jax, optax (the model and the replay's programs; not for --help)
     from das_jax.draft_head.online import prequential_replay
     from das_jax.models import load
 
