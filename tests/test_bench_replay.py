@@ -144,6 +144,15 @@ def test_trace_roundtrip_and_replay_epochs(params, tmp_path):
     das = rp.das_from_header(trace.header)
     assert (das.window, das.max_depth, das.min_token_prob) == (4, 16, 0.1)
     assert rp.das_from_header({"das": {"window": 4, "max_depth": 16}}).max_depth == 16
+    # `bench replay --set das.KEY=VALUE` overrides the recorded settings; only das.* ones
+    over = rp.das_from_header(trace.header, ["das.policy.source_calibration=false",
+                                             "das.window=8"])
+    assert over.policy.source_calibration is False and over.window == 8
+    from das_jax.config import ConfigError
+    with pytest.raises(ConfigError, match="only das"):
+        rp.das_from_header(trace.header, ["rollout.max_slots=4"])
+    with pytest.raises(ConfigError, match="sourse_calibration"):
+        rp.das_from_header(trace.header, ["das.policy.sourse_calibration=false"])
     pred = rp.replay_epochs(groups[0.0], ["none", "suffix", "das"], ec, 40, COEF, das)
     assert set(pred) == {"none", "suffix", "das"}
     for name, rows in pred.items():

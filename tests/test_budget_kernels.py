@@ -93,18 +93,25 @@ def test_kernels_equal_the_numpy_formulation(seed, jit):
     rng = np.random.default_rng(seed)
     A, K = int(rng.integers(1, 40)), int(rng.integers(1, 16))
     probs, lens, support, has = _random_drafts(rng, A, K)
-    depth_scale = rng.uniform(0.3, 1.6, K)
+    depth_RxK = rng.uniform(0.3, 1.6, (3, K))       # per-depth factors of 3 draft sources
+    depth_rows = rng.integers(0, 3, A)
     scale_JxS = rng.uniform(0.3, 1.6, (AGE_BUCKETS, 6))
     age_buckets = rng.integers(-1, AGE_BUCKETS, A)
     call = (lambda k: k) if jit else (lambda k: k.py_func)
 
     q = call(bk.calibrate)(probs.astype(np.float64), lens.astype(np.int64),
-                           support.astype(np.int64), has, depth_scale, scale_JxS,
+                           support.astype(np.int64), has, depth_RxK, depth_rows, scale_JxS,
                            np.maximum(age_buckets, 0))
-    q_ref = _ref_calibrated(probs, lens, support, has, depth_scale, scale_JxS, age_buckets)
-    np.testing.assert_array_equal(q, calibrated_paths(probs, lens, support, has, depth_scale,
-                                                      scale_JxS, age_buckets))
+    q_ref = np.zeros_like(q)
+    for r in range(3):    # each row calibrated by its own source's depth factors
+        q_r = _ref_calibrated(probs, lens, support, has, depth_RxK[r], scale_JxS, age_buckets)
+        q_ref[depth_rows == r] = q_r[depth_rows == r]
+    np.testing.assert_array_equal(q, calibrated_paths(probs, lens, support, has, list(depth_RxK),
+                                                      scale_JxS, age_buckets, depth_rows))
     np.testing.assert_array_equal(q, q_ref)
+    one = calibrated_paths(probs, lens, support, has, depth_RxK[1], scale_JxS, age_buckets)
+    np.testing.assert_array_equal(one, _ref_calibrated(probs, lens, support, has, depth_RxK[1],
+                                                       scale_JxS, age_buckets))
     assert np.all(np.diff(q, axis=1) <= 0)
 
     cum = call(bk.prefix_sums)(q)

@@ -118,6 +118,91 @@ def test_draft_loss_scores_each_step_against_the_right_position():
     np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_draft_loss_over_output_anchors_equals_the_whole_sequence(use_jit):
+    """Prompts left-padded to end at one column and only the anchors from P - 1 - steps on
+    drafted (`first_anchor`, what the fit does): the loss and the head's gradient equal those of
+    the right-padded rows drafted from every anchor, for prompts of different lengths."""
+    from das_jax.draft_head.head import draft_loss
+    hc, hp = _head(21)
+    embed = jnp.asarray(tiny_params(CFG)["embed"])
+    J, M = 3, 3
+    prompts, outputs = (4, 7, 2), (6, 3, 9)        # row lengths differ on both sides
+    B, P_pad = len(prompts), max(prompts)
+    T_right = max(p + o for p, o in zip(prompts, outputs))
+    T_left = P_pad + max(outputs)
+    D3 = 3 * CFG.hidden_size
+
+    def layout(T, left):
+        arr = {"feats": np.zeros((B, T, D3), np.float32), "tok": np.zeros((B, T), np.int32),
+               "valid": np.zeros((B, T), bool), "target": np.zeros((B, T), bool),
+               "tid": np.full((B, T, M), -1, np.int32), "tp": np.zeros((B, T, M), np.float32),
+               "pos": np.zeros((B, T), np.int32)}
+        for b, (P, n_out) in enumerate(zip(prompts, outputs)):
+            r = np.random.default_rng(100 + b)
+            n = P + n_out
+            c = P_pad - P if left else 0
+            arr["feats"][b, c:c + n] = r.normal(size=(n, D3))
+            arr["tok"][b, c:c + n] = _seq(n, 200 + b)
+            arr["valid"][b, c:c + n] = True
+            arr["target"][b, c + P - 1:c + n - 1] = True
+            arr["tid"][b, c:c + n] = r.integers(0, VD, (n, M))
+            arr["tp"][b, c:c + n] = r.dirichlet(np.ones(M), n)
+            arr["pos"][b] = np.arange(T) - c
+        return {k: jnp.asarray(v) for k, v in arr.items()}
+
+    def loss_fn(params, a, first):
+        return draft_loss(hc, params, embed, a["feats"], a["tok"], a["valid"], a["target"],
+                          a["tid"], a["tp"], J, pos_BxT=a["pos"], first_anchor=first)
+
+    grad = jax.value_and_grad(loss_fn, has_aux=True)
+    if use_jit:
+        grad = jax.jit(grad, static_argnums=2)
+    (full, m_full), g_full = grad(hp, layout(T_right, False), 0)
+    (part, m_part), g_part = grad(hp, layout(T_left, True), P_pad - 1 - J)
+    assert float(full) > 0
+    np.testing.assert_allclose(part, full, rtol=1e-5)
+    for k in m_full:
+        np.testing.assert_allclose(m_part[k], m_full[k], rtol=1e-6)
+    for k in g_full:
+        np.testing.assert_allclose(g_part[k], g_full[k], rtol=2e-4, atol=1e-6, err_msg=k)
+    with pytest.raises(ValueError, match="first_anchor"):
+        loss_fn(hp, layout(T_left, True), T_left)
+
+
+def test_cast_weights_casts_the_matrices_and_bfloat16_drafts_stay_close():
+    from das_jax.draft_head.head import MATRICES, cast_weights
+    hc, hp = _head(5)
+    embed = jnp.asarray(tiny_params(CFG)["embed"])
+    d2t = jnp.arange(VD, dtype=jnp.int32) + 3
+    T = 16
+    feats = jax.random.normal(jax.random.PRNGKey(2), (2, T, 3 * CFG.hidden_size))
+    nxt = jnp.asarray(np.stack([_seq(T, 7), _seq(T, 8)]))
+    valid = jnp.ones((2, T), bool)
+    f32 = cast_weights(hp, "float32")
+    bf16 = cast_weights(hp, "bfloat16")
+    assert {k for k, v in bf16.items() if v.dtype == jnp.bfloat16} == set(MATRICES)
+    assert all(bf16[k].dtype == jnp.float32 for k in hp if k not in MATRICES)
+    tok, p = draft_all_anchors(hc, hp, embed, d2t, feats, nxt, valid, 3)
+    tok32, p32 = draft_all_anchors(hc, f32, embed, d2t, feats, nxt, valid, 3)
+    np.testing.assert_array_equal(tok32, tok)          # float32: the same computation
+    np.testing.assert_array_equal(p32, p)
+    hb = HeadConfig(**{**hc.to_dict(), "feature_layers": hc.feature_layers,
+                       "dtype": "bfloat16"})
+    tokb, pb = draft_all_anchors(hb, bf16, embed, d2t, feats, nxt, valid, 3)
+    assert pb.dtype == jnp.float32
+    assert float(jnp.mean(tokb[..., 0] == tok[..., 0])) >= 0.9
+    np.testing.assert_allclose(pb[..., 0], p[..., 0], atol=0.05)
+    with pytest.raises(ValueError, match="dtype"):
+        cast_weights(hp, "float16")
+    with pytest.raises(ValueError, match="dtype"):
+        HeadConfig(**{**hc.to_dict(), "feature_layers": hc.feature_layers, "dtype": "int8"})
+    # a head file of before the field reads as float32
+    d = hc.to_dict()
+    del d["dtype"]
+    assert HeadConfig.from_dict(d).dtype == "float32"
+
+
 def test_block_features_are_the_policy_forward():
     params = tiny_params(CFG)
     tok = jnp.asarray(np.stack([_seq(9, 1), _seq(9, 2)]))

@@ -404,3 +404,35 @@ def test_calibration_times_the_step_with_the_head_beside_it():
     plain, _ = eng.generate(reqs, sampling)
     out, _ = eng.generate(reqs, sampling, drafter=HeadDrafts(runtime, head_scale=1.0))
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+
+
+def test_a_bfloat16_head_drafts_from_bfloat16_matrices_and_keeps_tokens():
+    """`HeadRuntime(dtype="bfloat16")` (`draft_head.dtype`) places the head's matrices in
+    bfloat16 (norms float32) under its own compiled programs; its drafts stay close to the
+    float32 head's and the rollout's tokens equal plain decoding's."""
+    from das_jax.errors import UserError
+
+    head = _head()
+    reqs = _requests()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=14, seed=3)
+    ec = EngineConfig(max_slots=4, max_cache_len=64, draft_widths=(1, 2, 4))
+    eng = Engine(CFG, PARAMS, eos_token_ids=(1,), engine_config=ec)
+    plain, _ = eng.generate(reqs, sampling)
+    runtime = HeadRuntime(head, STEPS, "bfloat16")
+    assert runtime.config.dtype == "bfloat16" and head.config.dtype == "float32"
+    drafter = Recording(runtime)
+    out, stats = eng.generate(reqs, sampling, drafter=drafter)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert stats.drafted_by_source.get("head", 0) > 0
+    (placed,) = [p[1]["head"] for p in runtime._device_params.values()]
+    assert placed["wq"].dtype == jnp.bfloat16 and placed["lm_head"].dtype == jnp.bfloat16
+    assert placed["final_norm"].dtype == jnp.float32
+    assert head.params["wq"].dtype == np.float32           # the head keeps float32 weights
+    want = _reference(head, [list(r.prompt_ids) + o.token_ids for r, o in zip(reqs, out)])
+    same, gap = 0, 0.0
+    for rid, held, tok, p in drafter.seen:
+        same += int(tok[0] == want[rid][0][held - 2][0])
+        gap = max(gap, float(np.abs(p[0] - want[rid][1][held - 2][0])))
+    assert same >= 0.9 * len(drafter.seen) and gap < 0.05
+    with pytest.raises(UserError, match="draft_head.dtype='float16'"):
+        HeadRuntime(head, STEPS, "float16")

@@ -142,7 +142,9 @@ def test_calibration_learns_that_drafts_from_an_older_policy_accept_less(on):
     np.testing.assert_array_equal(other.ages_seen, pol.ages_seen)
     np.testing.assert_array_equal(other.drafts_by_age, pol.drafts_by_age)
     np.testing.assert_array_equal(pol.fork().support_by_age, pol.support_by_age)
-    old = {k: v for k, v in pol.state_dict().items() if k != "acceptance_by_age_and_support"}
+    old = {k: v for k, v in pol.state_dict().items()
+           if k not in ("acceptance_by_age_and_support", "acceptance_by_source_age_and_support",
+                        "acceptance_ages_seen_by_source")}
     other.load_state_dict(old)
     np.testing.assert_array_equal(other.support_by_age,
                                   np.tile(pol.support_scale, (AGE_BUCKETS, 1)))

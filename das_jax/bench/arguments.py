@@ -33,6 +33,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="trace .jsonl written by `bench rollout` (DIR/trace.jsonl)")
     p.add_argument("--drafters", default="none,ngram,suffix-global,das,das-unlimited",
                    help="comma-separated speculation names")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="das.KEY=VALUE",
+                   help="override a das setting the trace was recorded with (repeatable), e.g. "
+                   "das.policy.source_calibration=false")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="max_slots of the simulated engine (default: the trace's engine)")
     p.add_argument("--slots", type=int_list(example="16,64", as_text=True), default=None,

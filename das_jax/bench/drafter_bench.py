@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-scale", type=float, default=2.0,
                         help="with --head: the per-row choice takes the head's draft when its "
                         "expected accepted length times this beats the history draft's")
+    parser.add_argument("--head-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="with --head: the head's matrices' dtype in the simulation "
+                        "(`draft_head.dtype`; the timing line prints both)")
     drafter_batch_bench.add_batch_arguments(parser)
 
 

@@ -180,16 +180,18 @@ def _head_rows(args, header, rollouts, depth, window):
     check_head_for_policy(head, args.head, model, config)
     t0 = time.perf_counter()
     drafts = head_drafts(config, params, head, [r.prompt_ids + r.token_ids for r in rollouts],
-                         args.head_steps)
+                         args.head_steps, dtype=args.head_dtype)
     print(f"draft head {args.head}: {head.config.draft_vocab_size} draft tokens, "
-          f"{args.head_steps} steps; measured on "
+          f"{args.head_steps} steps, {args.head_dtype} weights; measured on "
           + (f"its {len(hold)} held-out problems" if hold else "every problem (none held out "
              "when it was fitted)") + f"; policy features + drafts {time.perf_counter() - t0:.0f} s")
-    t = head_vs_verify(config, params, head, steps=args.head_steps)
+    t = head_vs_verify(config, params, head, steps=args.head_steps,
+                       dtypes=("float32", "bfloat16"))
     print(f"head draft call (B={t['batch']}, {t['width']} anchors committed per row, "
-          f"{t['steps']} draft steps, {t['cached']} cached) {t['head_s'] * 1e3:.2f} ms vs the "
-          f"verify step at the same B and width {t['verify_s'] * 1e3:.2f} ms: "
-          f"{t['ratio']:.1%} (target <= 5%)")
+          f"{t['steps']} draft steps, {t['cached']} cached) against the verify step at the same "
+          f"B and width ({params['embed'].dtype} policy) {t['verify_s'] * 1e3:.2f} ms: "
+          + "; ".join(f"{dt} head {s * 1e3:.2f} ms, {t['ratio'][dt]:.1%}"
+                      for dt, s in t["head_s"].items()) + " (target <= 5%)")
     by_id = {id(r): d for r, d in zip(rollouts, drafts)}
     rows = [("head", lambda: HeadDrafter(by_id)),
             ("das+head", lambda: HeadDrafter(by_id, make_drafter(

@@ -65,7 +65,7 @@ import numpy as np
 
 # The engine's own host scheduler and result types: the simulation runs the engine's loop.
 # Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
-from das_jax.config import config_from_dict
+from das_jax.config import ConfigError, apply_overrides, config_from_dict
 from das_jax.engine import (EngineConfig, GenerateStats, Limits, PagedRows, Prefilled, PromptRows,
                             StepInput, StepOutput, prefill_layout, run_schedule)
 from das_jax.rollout import build_speculation
@@ -430,11 +430,17 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
     return stats
 
 
-def das_from_header(header: dict):
+def das_from_header(header: dict, overrides: Sequence[str] = ()):
     """The `das:` settings (`DASSection`) a trace was recorded with (its header's "das"; older
-    traces hold "drafter_kwargs": window, max_depth, min_token_prob). Raises ConfigError for
-    invalid settings."""
-    return config_from_dict({"das": header.get("das", header.get("drafter_kwargs", {}))}).das
+    traces hold "drafter_kwargs": window, max_depth, min_token_prob), with `das.a.b=v`
+    overrides applied (`bench replay --set`). Raises ConfigError for invalid settings or an
+    override outside `das.`."""
+    for text in overrides:
+        if not text.startswith("das."):
+            raise ConfigError(f"--set {text}: a replay takes only das.* settings (e.g. "
+                              "das.policy.source_calibration=false)")
+    raw = {"das": header.get("das", header.get("drafter_kwargs", {}))}
+    return config_from_dict(apply_overrides(raw, overrides)).das
 
 
 def replay_epochs(epochs: dict[int, list[TraceRollout]], names: Sequence[str],

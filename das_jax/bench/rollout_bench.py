@@ -161,7 +161,7 @@ class BenchSetup:
     reference_fn: Callable | None = None
     paper: "PaperSpec | None" = None             # paper-scale replay of this run's trace
     load_cores: int = 0                          # cores a co-tenant spins (`co_tenant`)
-    # (DraftHead, steps, scale) for the drafters named "X+head": X with the draft head beside
+    # (DraftHead, steps, scale, dtype) for the drafters named "X+head": X with the head beside
     # it (`Rollout.attach_draft_head`); None: no such drafter.
     head: tuple | None = None
 
@@ -171,7 +171,7 @@ HEAD_SUFFIX = "+head"
 
 def _bench_rollout(base, name: str, das, head):
     """The rollout of drafter `name` on `base`'s engine: a speculation, or "X+head" (X with
-    the draft head `head` = (DraftHead, steps, scale) beside it)."""
+    the draft head `head` = (DraftHead, steps, scale, dtype) beside it)."""
     if not name.endswith(HEAD_SUFFIX):
         return base.with_speculation(name, das)
     rollout = base.with_speculation(name[:-len(HEAD_SUFFIX)], das)
@@ -782,7 +782,7 @@ def main(args: argparse.Namespace) -> int:
         except UserError as e:
             print(f"das-jax bench rollout: {e}", file=sys.stderr)
             return 2
-        head = (fitted, head_cfg.steps, head_cfg.scale)
+        head = (fitted, head_cfg.steps, head_cfg.scale, head_cfg.dtype or cfg.model.dtype)
     update_fn = None
     if args.update_policy:
         update_fn = _make_update_fn(cfg, (model_config, params, tokenizer),

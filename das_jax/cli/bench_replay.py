@@ -22,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
     paper = args.scale == "paper"
     try:
         trace = rp.read_trace(args.trace)
-        das = rp.das_from_header(trace.header)
+        das = rp.das_from_header(trace.header, args.overrides)
         spec = args.cost_model or (PAPER_COST_MODEL if paper else None)
         coef = resolve_cost_model(spec) if spec else dict(trace.header["cost_model"])
     except (OSError, ValueError) as e:

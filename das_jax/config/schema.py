@@ -311,11 +311,16 @@ class DraftHeadSection:
     probabilities exceeds the history draft's (calibrated the same way), the factors learned
     from the tokens the steps emit (`das_jax.draft_head.HeadDrafts`; `das-jax bench drafter
     --trace T --head H --head-scale S` measures a good start). With `drafter: none` the head
-    drafts alone. Runs on one rollout engine per process (rollout.replicas 1)."""
+    drafts alone. dtype: the dtype of the head's matrices where it drafts, float32 or bfloat16
+    (half the bytes each draft call reads; products accumulate in float32; drafts may differ,
+    rollouts do not: the verify rule decides every token); null: `model.dtype`. Fitting and
+    online training keep float32 weights. Runs on one rollout engine per process
+    (rollout.replicas 1)."""
 
     path: Optional[str] = None
     steps: int = 3
     scale: float = 2.0
+    dtype: Optional[str] = _choices("float32", "bfloat16", default=None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,9 @@ from das_jax.draft_head.store import DraftHead, policy_fingerprint
 from das_jax.errors import UserError
 
 
+OUTPUT_BUCKET = 64    # fit batches pad their outputs to a multiple of this many tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class FitConfig:
     """epochs: passes over the rollouts; batch: rollouts per step; lr: peak AdamW learning rate;
@@ -91,24 +94,34 @@ def fit_head(model_config, params, model_name: str, rollouts, cfg: FitConfig,
 
     B = cfg.batch
     D3 = 3 * model_config.hidden_size
-    # rows padded to their length bucket (multiples of 128): one compiled step per bucket
-    bucket_of = np.array([-(-len(q) // 128) * 128 for q in seqs])
+    # Layout: every prompt left-padded to end at column P_pad (the longest prompt), outputs
+    # after it, right-padded to the batch's output bucket (multiples of OUTPUT_BUCKET): one
+    # compiled step per bucket. The loss's targets are output positions, so the head drafts
+    # only from the anchors of columns >= P_pad - 1 - steps (`draft_loss`'s first_anchor): the
+    # prompts cost their keys and values, not their queries, MLPs and logits.
+    P_pad = max(len(r.prompt_ids) for r in rows)
+    first_anchor = max(P_pad - 1 - cfg.steps, 0)
+    bucket_of = np.array([max(-(-len(r.token_ids) // OUTPUT_BUCKET), 1) * OUTPUT_BUCKET
+                          for r in rows])
 
     def batch_arrays(idx):
-        T = int(bucket_of[idx].max())
+        T = P_pad + int(bucket_of[idx].max())
         feats = np.zeros((B, T, D3), np.float32)
         tok = np.zeros((B, T), np.int32)
+        pos = np.zeros((B, T), np.int32)
         valid = np.zeros((B, T), bool)
         target = np.zeros((B, T), bool)
         tid = np.full((B, T, M), -1, np.int32)
         tp = np.zeros((B, T, M), np.float32)
         for r, i in enumerate(idx):
             n, P = len(seqs[i]), len(rows[i].prompt_ids)
+            c = P_pad - P                       # the row's left padding
             f, ids, p = data[i]
-            feats[r, :n], tok[r, :n], valid[r, :n] = f, seqs[i], True
-            target[r, max(P - 1, 0): n - 1] = True
-            tid[r, :n], tp[r, :n] = ids, p
-        return tuple(map(jnp.asarray, (feats, tok, valid, target, tid, tp)))
+            feats[r, c:c + n], tok[r, c:c + n], valid[r, c:c + n] = f, seqs[i], True
+            pos[r] = np.arange(T) - c
+            target[r, c + max(P - 1, 0): c + n - 1] = True
+            tid[r, c:c + n], tp[r, c:c + n] = ids, p
+        return tuple(map(jnp.asarray, (feats, tok, valid, target, tid, tp, pos)))
 
     def epoch_batches(rng):
         """Batches of B rows of one length bucket each (a bucket's last batch filled with
@@ -135,9 +148,10 @@ def fit_head(model_config, params, model_name: str, rollouts, cfg: FitConfig,
     state = opt.init(hp)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(hp, state, feats, tok, valid, target, tid, tp):
+    def step(hp, state, feats, tok, valid, target, tid, tp, pos):
         (loss, m), g = jax.value_and_grad(
-            lambda p: draft_loss(hc, p, embed, feats, tok, valid, target, tid, tp, cfg.steps),
+            lambda p: draft_loss(hc, p, embed, feats, tok, valid, target, tid, tp, cfg.steps,
+                                 pos_BxT=pos, first_anchor=first_anchor),
             has_aux=True)(hp)
         up, state = opt.update(g, state, hp)
         return optax.apply_updates(hp, up), state, loss, m

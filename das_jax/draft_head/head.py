@@ -38,6 +38,9 @@ from das_jax.models.transformer import rms_norm, rope
 
 Params = dict[str, Any]
 _MASK = -1e30
+WEIGHT_DTYPES = ("float32", "bfloat16")
+# the matrices (`_mm`'s right-hand sides); the norms' weights stay float32
+MATRICES = ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +50,9 @@ class HeadConfig:
     hidden_size: D, the policy's width. feature_layers: the three decoder blocks (0-based) whose
     outputs are fused (EAGLE-3: low, middle, high). num_heads / num_kv_heads / head_dim /
     intermediate_size: the head's decoder layer. draft_vocab_size: Vd. rms_norm_eps and
-    rope_theta: as the policy's."""
+    rope_theta: as the policy's. dtype: the dtype of its matrices where it drafts ("float32" or
+    "bfloat16"; `cast_weights`): their products take inputs in that dtype and accumulate in
+    float32. Fitting and online training keep float32 weights."""
 
     hidden_size: int
     feature_layers: tuple
@@ -58,8 +63,11 @@ class HeadConfig:
     draft_vocab_size: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    dtype: str = "float32"
 
     def __post_init__(self):
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {self.dtype!r}")
         if len(self.feature_layers) != 3:
             raise ValueError(f"feature_layers must name 3 blocks, got {self.feature_layers}")
         if self.num_heads % self.num_kv_heads:
@@ -110,6 +118,21 @@ def init_head(hc: HeadConfig, key: jax.Array, scale: float = 0.02) -> Params:
     return p
 
 
+def cast_weights(params: Params, dtype: str) -> Params:
+    """The head's params with its matrices (`MATRICES`) in `dtype` (one of `WEIGHT_DTYPES`):
+    what a head drafting in bfloat16 reads, half the bytes of float32. Other params unchanged.
+    Works on numpy and JAX arrays alike."""
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+    dt = jnp.dtype(dtype)
+    return {k: (v.astype(dt) if k in MATRICES else v) for k, v in params.items()}
+
+
+def _mm(spec: str, x, w):
+    """einsum(spec, x, w) with x cast to w's dtype, accumulated in float32."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
 def _rms(x, w, eps):
     return rms_norm(x.astype(jnp.float32), w, eps)
 
@@ -125,30 +148,41 @@ def _paths(logits_BxTxJxV, draft_to_target):
 
 def fuse(params: Params, feats_BxTx3D: jax.Array) -> jax.Array:
     """g = fc([h_low; h_mid; h_high]): float32 `[B, T, D]`."""
-    return jnp.einsum("btf,fd->btd", feats_BxTx3D.astype(jnp.float32), params["fc"])
+    return _mm("btf,fd->btd", feats_BxTx3D.astype(jnp.float32), params["fc"])
+
+
+def _qkv_input(hc, p, emb_BxTxD, hid_BxTxD):
+    """The layer's input `[norm(embed); norm(hidden)]`, float32 `[B, T, 2D]`."""
+    return jnp.concatenate([_rms(emb_BxTxD, p["embed_norm"], hc.rms_norm_eps),
+                            _rms(hid_BxTxD, p["hidden_norm"], hc.rms_norm_eps)], axis=-1)
+
+
+def _q(hc, p, x_BxTx2D, pos_BxT):
+    return rope(_mm("bte,ehk->bthk", x_BxTx2D, p["wq"]), pos_BxT, hc.inv_freq())
+
+
+def _kv(hc, p, x_BxTx2D, pos_BxT):
+    k = _mm("bte,ehk->bthk", x_BxTx2D, p["wk"])
+    v = _mm("bte,ehk->bthk", x_BxTx2D, p["wv"])
+    return rope(k, pos_BxT, hc.inv_freq()), v
 
 
 def _qkv(hc, p, emb_BxTxD, hid_BxTxD, pos_BxT):
-    x = jnp.concatenate([_rms(emb_BxTxD, p["embed_norm"], hc.rms_norm_eps),
-                         _rms(hid_BxTxD, p["hidden_norm"], hc.rms_norm_eps)], axis=-1)
-    q = jnp.einsum("bte,ehk->bthk", x, p["wq"])
-    k = jnp.einsum("bte,ehk->bthk", x, p["wk"])
-    v = jnp.einsum("bte,ehk->bthk", x, p["wv"])
-    inv = hc.inv_freq()
-    return rope(q, pos_BxT, inv), rope(k, pos_BxT, inv), v
+    x = _qkv_input(hc, p, emb_BxTxD, hid_BxTxD)
+    return (_q(hc, p, x, pos_BxT),) + _kv(hc, p, x, pos_BxT)
 
 
 def _finish(hc, p, hid_BxTxD, attn_BxTxHxK):
-    h = hid_BxTxD + jnp.einsum("bthk,hkd->btd", attn_BxTxHxK, p["wo"])
+    h = hid_BxTxD + _mm("bthk,hkd->btd", attn_BxTxHxK, p["wo"])
     m = _rms(h, p["mlp_norm"], hc.rms_norm_eps)
-    mlp = jax.nn.silu(m @ p["w_gate"]) * (m @ p["w_up"])
-    return h + mlp @ p["w_down"]
+    mlp = jax.nn.silu(_mm("btd,df->btf", m, p["w_gate"])) * _mm("btd,df->btf", m, p["w_up"])
+    return h + _mm("btf,fd->btd", mlp, p["w_down"])
 
 
 def logits(hc: HeadConfig, params: Params, a_BxTxD: jax.Array) -> jax.Array:
     """Draft-vocabulary logits, float32 `[B, T, Vd]`, of head outputs."""
-    return jnp.einsum("btd,vd->btv", _rms(a_BxTxD, params["final_norm"], hc.rms_norm_eps),
-                      params["lm_head"])
+    return _mm("btd,vd->btv", _rms(a_BxTxD, params["final_norm"], hc.rms_norm_eps),
+               params["lm_head"])
 
 
 def _attend(hc, q_BxTxHxK, k1_BxSxKVHxK, v1_BxSxKVHxK, mask_BxTxS, kd_JxBxTxKVHxK,
@@ -174,7 +208,8 @@ def _attend(hc, q_BxTxHxK, k1_BxSxKVHxK, v1_BxSxKVHxK, mask_BxTxS, kd_JxBxTxKVHx
 def run_levels(hc: HeadConfig, params: Params, embed_VxD: jax.Array, feats_BxTx3D: jax.Array,
                next_BxT: jax.Array, valid_BxT: jax.Array, steps: int,
                teacher_tokens_BxTxJ: jax.Array | None = None,
-               draft_to_target: jax.Array | None = None):
+               draft_to_target: jax.Array | None = None, pos_BxT: jax.Array | None = None,
+               first_anchor: int = 0):
     """Runs `steps` draft steps from every anchor of each row at once.
 
     Args:
@@ -186,22 +221,37 @@ def run_levels(hc: HeadConfig, params: Params, embed_VxD: jax.Array, feats_BxTx3
       teacher_tokens_BxTxJ: training only: int32 policy ids fed to steps 2..J (column j-1 is the
         token step j reads, `x_{t+j}`); None: each step reads the previous step's argmax, mapped
         through `draft_to_target` (drafting).
+      pos_BxT: int32 the position of each column (rows may be left-padded: a column's position
+        is its index less the row's padding); None: the column index. Columns are in position
+        order within a row.
+      first_anchor: static; draft only from the anchors of columns >= it (W = T - first_anchor
+        of them). The level-1 keys and values of every column are still computed, as the
+        drafting anchors attend to them, but the queries, MLPs, logits and later steps are
+        computed for the W anchors only: training on output positions skips the prompt's.
 
     Returns:
-      list of J float32 logits `[B, T, Vd]`: step j's prediction of token `x_{t+j+1}`.
+      list of J float32 logits `[B, W, Vd]`: step j's prediction of token `x_{t+j+1}` for the
+      anchors of columns first_anchor..T-1.
     """
     B, T = next_BxT.shape
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    mask = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None] & valid_BxT[:, None, :]
+    c0 = int(first_anchor)
+    if not 0 <= c0 < T:
+        raise ValueError(f"first_anchor must be in [0, {T}), got {first_anchor}")
+    if pos_BxT is None:
+        pos_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    mask = ((jnp.arange(T)[None, :] <= jnp.arange(c0, T)[:, None])[None]
+            & valid_BxT[:, None, :])                                      # [B, W, T]
     hid = fuse(params, feats_BxTx3D)
     emb = embed_VxD[next_BxT].astype(jnp.float32)
-    q, k1, v1 = _qkv(hc, params, emb, hid, pos)
+    k1, v1 = _kv(hc, params, _qkv_input(hc, params, emb, hid), pos_BxT)
+    hid, emb, pos = hid[:, c0:], emb[:, c0:], pos_BxT[:, c0:]
+    q = _q(hc, params, _qkv_input(hc, params, emb, hid), pos)
     a = _finish(hc, params, hid, _attend(hc, q, k1, v1, mask, None, None))
     outs = [logits(hc, params, a)]
     kd, vd = [], []
     for j in range(2, steps + 1):
         if teacher_tokens_BxTxJ is not None:
-            tok = teacher_tokens_BxTxJ[:, :, j - 1]
+            tok = teacher_tokens_BxTxJ[:, c0:, j - 1]
         else:
             tok = draft_to_target[jnp.argmax(outs[-1], axis=-1)]
         emb = embed_VxD[tok].astype(jnp.float32)
@@ -225,7 +275,7 @@ def draft_all_anchors(hc: HeadConfig, params: Params, embed_VxD, draft_to_target
 
 def draft_loss(hc: HeadConfig, params: Params, embed_VxD, feats_BxTx3D, tokens_BxT, valid_BxT,
                target_BxT, teacher_idx_BxTxM, teacher_p_BxTxM, steps: int = 3,
-               decay: float = 0.8):
+               decay: float = 0.8, pos_BxT=None, first_anchor: int = 0):
     """Training-time-test loss of EAGLE-3 (section 3.2): for each anchor t and step j, soft
     cross-entropy of the head's step-j logits against the policy's (detached) next-token
     distribution at position t + j (given the draft vocabulary), weighted decay^(j-1), averaged
@@ -238,6 +288,10 @@ def draft_loss(hc: HeadConfig, params: Params, embed_VxD, feats_BxTx3D, tokens_B
         output positions: the head drafts only there).
       teacher_idx_BxTxM: int32 draft-vocab ids of the policy's top-M tokens at each position
         (-1: none, e.g. padding); teacher_p_BxTxM: their probabilities.
+      pos_BxT, first_anchor: as in `run_levels` (left-padded rows; only anchors of columns
+        >= first_anchor are drafted from, so targets must lie past first_anchor: with the
+        prompts left-padded to end at column P, first_anchor = P - 1 - steps loses none and
+        skips the prompt's queries, MLPs and logits).
 
     Returns:
       (scalar loss, dict of per-step top-1 agreement with the teacher's argmax, float32).
@@ -252,11 +306,13 @@ def draft_loss(hc: HeadConfig, params: Params, embed_VxD, feats_BxTx3D, tokens_B
     teach = jnp.stack([shift(tokens_BxT, j, 0) for j in range(1, steps + 1)], axis=-1)
     anchor_ok = valid_BxT & shift(valid_BxT, 1, False)
     outs = run_levels(hc, params, embed_VxD, feats_BxTx3D, nxt, anchor_ok, steps,
-                      teacher_tokens_BxTxJ=teach)
+                      teacher_tokens_BxTxJ=teach, pos_BxT=pos_BxT, first_anchor=first_anchor)
+    c0 = int(first_anchor)
     total, weight, metrics = 0.0, 0.0, {}
     for j, lg in enumerate(outs, start=1):
-        ok = anchor_ok & shift(target_BxT & valid_BxT, j, False)
-        idx, p = shift(teacher_idx_BxTxM, j, -1), shift(teacher_p_BxTxM, j, 0.0)
+        ok = (anchor_ok & shift(target_BxT & valid_BxT, j, False))[:, c0:]
+        idx = shift(teacher_idx_BxTxM, j, -1)[:, c0:]
+        p = shift(teacher_p_BxTxM, j, 0.0)[:, c0:]
         logp = jax.nn.log_softmax(lg, axis=-1)
         got = jnp.take_along_axis(logp, jnp.maximum(idx, 0), axis=-1)
         ce = -jnp.sum(jnp.where(idx >= 0, p * got, 0.0), axis=-1)

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from das_jax.draft_head.head import HeadCache, HeadConfig, extend_and_draft
+from das_jax.draft_head.head import (WEIGHT_DTYPES, HeadCache, HeadConfig, cast_weights,
+                                     extend_and_draft)
 from das_jax.engine.programs import register_program
 from das_jax.engine.specs import batch_pytree, int32_abstract
 from das_jax.errors import UserError
@@ -205,17 +206,24 @@ class HeadRuntime:
     Args:
       head: a `store.DraftHead` (its config, float32 params and draft vocabulary).
       steps: J, draft tokens per call (the engine drafts up to max(draft_widths) - 1).
+      dtype: the dtype of its matrices on the device ("float32" or "bfloat16", `head.
+        cast_weights`; None: the head file's, float32). The head keeps its float32 weights
+        (online updates replace them); each placement casts.
 
     Raises:
-      UserError: steps < 1.
+      UserError: steps < 1, or a dtype the head cannot draft in.
     """
 
-    def __init__(self, head, steps: int):
+    def __init__(self, head, steps: int, dtype: str | None = None):
         if int(steps) < 1:
             raise UserError(f"draft_head.steps={steps} must be >= 1 (the head's draft tokens "
                             "per verify step)")
+        if dtype is not None and dtype not in WEIGHT_DTYPES:
+            raise UserError(f"draft_head.dtype={dtype!r}: the head drafts in one of "
+                            f"{', '.join(WEIGHT_DTYPES)}")
         self.head = head
-        self.config: HeadConfig = head.config
+        self.config: HeadConfig = (head.config if dtype is None
+                                   else dataclasses.replace(head.config, dtype=dtype))
         self.feature_layers = tuple(int(x) for x in head.config.feature_layers)
         self.steps = int(steps)
         self._device_params: dict = {}
@@ -249,7 +257,8 @@ class HeadRuntime:
         placed = self._device_params.get(key)
         if placed is None or placed[0] is not head:
             placed = (head, {
-                "head": jax.tree_util.tree_map(programs.put, dict(head.params)),
+                "head": jax.tree_util.tree_map(
+                    programs.put, cast_weights(dict(head.params), self.config.dtype)),
                 "draft_to_target": programs.put(np.asarray(head.draft_to_target, np.int32))})
             self._device_params[key] = placed
         embed = policy_params["embed"]

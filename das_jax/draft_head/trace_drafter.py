@@ -11,6 +11,7 @@ accepted length (the sum of the path probabilities).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -19,21 +20,23 @@ from das_jax.draft_head.drafter import BesideHistory
 from das_jax.drafter.base import Draft
 
 
-def head_drafts(model_config, params, head, sequences, steps: int, progress=None):
+def head_drafts(model_config, params, head, sequences, steps: int, progress=None,
+                dtype: str = "float32"):
     """Per sequence (prompt + output ids), the head's draft from every anchor: (tokens int32
     `[n, steps]`, path probabilities float32 `[n, steps]`); row t is the draft of the tokens
-    after position t + 1 (anchor t, the next token x_{t+1} known)."""
+    after position t + 1 (anchor t, the next token x_{t+1} known). dtype: the head's matrices'
+    dtype (`head.cast_weights`), as the engine would draft with `draft_head.dtype`."""
     # deferred import: jax (not loaded by importing this module)
     import jax
     import jax.numpy as jnp
 
     from das_jax.draft_head.features import sequence_features
-    from das_jax.draft_head.head import draft_all_anchors
+    from das_jax.draft_head.head import cast_weights, draft_all_anchors
 
-    hc = head.config
+    hc = dataclasses.replace(head.config, dtype=dtype)
     feats = sequence_features(model_config, params, sequences, hc.feature_layers, 0,
                               progress=progress)
-    hp = jax.tree_util.tree_map(jnp.asarray, head.params)
+    hp = jax.tree_util.tree_map(jnp.asarray, cast_weights(dict(head.params), dtype))
     embed = jnp.asarray(params["embed"], jnp.float32)
     d2t = jnp.asarray(head.draft_to_target)
 

@@ -82,7 +82,8 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
                             "draft_head.path: null")
         fitted = load_head(head.path)
         check_head_for_policy(fitted, head.path, config.model.source, model_config)
-        rollout.attach_draft_head(fitted, head.steps, head.scale)
+        rollout.attach_draft_head(fitted, head.steps, head.scale,
+                                  dtype=head.dtype or config.model.dtype)
     if not sharded:
         return rollout
     return ShardedRollout.from_rollout(rollout, devices, replicas)

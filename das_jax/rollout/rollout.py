@@ -73,7 +73,8 @@ class Rollout:
             self.warm_up_thread = warm_up(speculation, self.das,
                                           (1, 4, 8) if ec is None else ec.draft_widths)
 
-    def attach_draft_head(self, head, steps: int, scale: float) -> None:
+    def attach_draft_head(self, head, steps: int, scale: float,
+                          dtype: str | None = None) -> None:
         """Adds an EAGLE-3 draft head (`das_jax.draft_head`): it runs on the engine's device
         beside every prefill and verify step, and each row takes its draft or the history
         drafter's (`draft_head.HeadDrafts`; with no history drafter, the head's alone).
@@ -81,10 +82,11 @@ class Rollout:
         Args:
           head: a `draft_head.DraftHead` fitted to this engine's model.
           steps: its draft tokens per step (cut to the widest draft width - 1).
-          scale: the factor on its path probabilities in the choice (`HeadDrafts`)."""
+          scale: the factor on its path probabilities in the choice (`HeadDrafts`).
+          dtype: its matrices' dtype on the device (`HeadRuntime`; None: float32)."""
         widest = max(self.engine.engine_config.draft_widths)
         steps = max(1, min(int(steps), widest - 1))
-        self.drafter = HeadDrafts(HeadRuntime(head, steps), self.drafter, head_scale=scale)
+        self.drafter = HeadDrafts(HeadRuntime(head, steps, dtype), self.drafter, head_scale=scale)
 
     @property
     def draft_head(self):

@@ -30,12 +30,13 @@ def _bucket(support, buckets):
 
 
 @_jit
-def calibrate(probs_AxK, lens_A, support_AxK, has_support_A, depth_scale, scale_JxS,
+def calibrate(probs_AxK, lens_A, support_AxK, has_support_A, depth_RxD, depth_row_A, scale_JxS,
               age_bucket_A):
     """float64 `[A, D]`, D = max(lens_A): q_b,d (`acceptance.calibrated_paths`). probs_AxK
-    float64, lens_A int64, support_AxK int64, has_support_A bool, depth_scale float64 `[>= D]`,
-    scale_JxS float64 `[age buckets, support buckets]` (one factor per history age and support
-    bucket), age_bucket_A int64 `[A]` (the row's age bucket; -1, no age: bucket 0)."""
+    float64, lens_A int64, support_AxK int64, has_support_A bool, depth_RxD float64 `[R, >= D]`
+    (one row of per-depth factors per draft source) and depth_row_A int64 `[A]` (each row's),
+    scale_JxS float64 `[table rows, support buckets]` (one factor per history age, or source
+    and age, and support bucket), age_bucket_A int64 `[A]` (the row's table row; -1: 0)."""
     A = lens_A.shape[0]
     nb = scale_JxS.shape[1]
     D = 0
@@ -57,8 +58,9 @@ def calibrate(probs_AxK, lens_A, support_AxK, has_support_A, depth_scale, scale_
                 prev = p
         else:
             run = np.inf
+            r = depth_row_A[b]
             for d in range(n):
-                x = min(max(probs_AxK[b, d] * depth_scale[d], 0.0), 1.0)
+                x = min(max(probs_AxK[b, d] * depth_RxD[r, d], 0.0), 1.0)
                 run = min(run, x)
                 q[b, d] = run
     return q

@@ -99,21 +99,27 @@ def _age_rows(age_bucket_A, rows: int, table: np.ndarray) -> np.ndarray:
 
 
 def calibrated_paths(probs_AxK: np.ndarray, lens_A: np.ndarray, support_AxK: np.ndarray,
-                     has_support_A: np.ndarray, depth_scale: np.ndarray,
-                     support_scale: np.ndarray,
-                     age_bucket_A: np.ndarray | None = None) -> np.ndarray:
+                     has_support_A: np.ndarray, depth_scale, support_scale: np.ndarray,
+                     age_bucket_A: np.ndarray | None = None,
+                     depth_row_A: np.ndarray | None = None) -> np.ndarray:
     """float64 `[A, D]` (D = max(lens_A)): q_b,d, the calibrated chance that row b's first
     d + 1 draft tokens are accepted (module docstring; 0 past a row's draft, nonincreasing
-    along d). depth_scale: float64 `[>= D]`; support_scale: float64 `[SUPPORT_BUCKETS]` or
-    `[AGE_BUCKETS, SUPPORT_BUCKETS]`; age_bucket_A: int64 `[A]` (`age_bucket`; None or -1:
-    bucket 0). One compiled pass over the rows (`_budget_kernels.calibrate`)."""
+    along d). depth_scale: float64 `[>= 1]` (every row's), or a sequence of R such vectors (one
+    per draft source) with depth_row_A int64 `[A]` naming each row's; support_scale: float64
+    `[SUPPORT_BUCKETS]` or `[table rows, SUPPORT_BUCKETS]` (one per age bucket, or per source
+    and age); age_bucket_A: int64 `[A]` each row's table row (`age_bucket`; None or -1: row 0).
+    One compiled pass over the rows (`_budget_kernels.calibrate`)."""
     from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
     lens_A = np.asarray(lens_A, np.int64)
     table = _as_table(support_scale)
+    D = max(int(lens_A.max(initial=0)), 1)
+    if depth_row_A is None:
+        depth_scale, depth_row_A = [depth_scale], np.zeros(lens_A.shape[0], np.int64)
+    depth_RxD = np.stack([grow_depth_scale(np.asarray(d, np.float64), D)[:D]
+                          for d in depth_scale])
     return _bk.calibrate(np.asarray(probs_AxK, np.float64), lens_A,
                          np.asarray(support_AxK, np.int64), np.asarray(has_support_A, bool),
-                         grow_depth_scale(np.asarray(depth_scale, np.float64),
-                                          int(lens_A.max(initial=0))),
+                         depth_RxD, np.asarray(depth_row_A, np.int64),
                          table, _age_rows(age_bucket_A, lens_A.shape[0], table))
 
 

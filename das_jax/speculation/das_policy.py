@@ -56,9 +56,15 @@ Decides how much to speculate, for whom, at each decode step:
    policy versions: under 1, 1, 2-3, 4-7, 8-15, 16+), each bucket learning from its own rows,
    a bucket seen for the first time starting from the nearest younger bucket's factors
    (`age_calibration`). A draft without support is calibrated per depth instead (an EMA of committed
-   accepted tokens at each depth over the predicted ones). Every `explore_every`-th step whose
-   best choice is no drafts although drafts exist verifies the best speculative candidate anyway,
-   so the cost model and the calibration keep learning.
+   accepted tokens at each depth over the predicted ones). Both factor sets are kept per draft
+   source (`DraftBatch.source_A`: the history's problem, request and global tries, a draft
+   head, other drafters; `source_calibration`): the global trie's counts come from other
+   problems and a request's own from its loops, so a count ratio means something else in each,
+   and a head's softmax probabilities are calibrated apart from any other support-less
+   drafter's. A source's (age) row seen for the first time starts from its nearest younger
+   age's factors, else from the problem trie's (off by default: `source_calibration`). Every
+   `explore_every`-th step whose best choice is no drafts although drafts exist verifies the
+   best speculative candidate anyway, so the cost model and the calibration keep learning.
 5. Admission. Predicted-long requests enter slots first, so they start early.
 6. Measured shapes. With a cost model that keeps measured times per step shape (`CostModel`
    with a width: `CostModel.predict_step`), a choice is priced by its shape's measured time.
@@ -84,7 +90,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from das_jax.drafter.base import DraftBatch, pick_rows
+from das_jax.drafter.base import DRAFT_SOURCES, OTHER_SOURCE, DraftBatch, pick_rows
 from das_jax.engine import StepRecord
 from das_jax.engine.policy import RowBatch, as_draft_batch
 from das_jax.speculation.acceptance import (AGE_BUCKET_LABELS, AGE_BUCKETS, SUPPORT_BUCKETS, age_buckets_of,
@@ -97,6 +103,8 @@ __all__ = ["DASPolicy", "DASConfig", "SHORT", "MEDIUM", "LONG", "SUPPORT_BUCKETS
            "step_ratios", "support_bucket", "support_prior"]
 
 SHORT, MEDIUM, LONG = "short", "medium", "long"
+N_SOURCES = len(DRAFT_SOURCES)
+PROBLEM_SOURCE = DRAFT_SOURCES.index("problem")
 CLASS_NAMES = (SHORT, MEDIUM, LONG)     # class codes 0, 1, 2 (ordered: a longer class is larger)
 _ORDER = {name: i for i, name in enumerate(CLASS_NAMES)}
 _NONE = -1                 # no class recorded (a request not begun): counts as medium
@@ -130,6 +138,12 @@ class DASConfig:
     age_calibration: scale each draft by a factor per age of the history it comes from (policy
       versions since its rollouts were sampled; calibrated online, module docstring item 4);
       false: every history is trusted as if sampled by the current policy.
+    source_calibration: keep the calibration factors per draft source (`DRAFT_SOURCES`,
+      module docstring item 4); false (the default): drafts with support share the problem
+      trie's factors and drafts without share one set of per-depth factors, whatever their
+      source. Off by default: the factors move by a fixed EMA weight per step, so splitting a
+      step's trials among sources makes each source's factors noisier, and in the paper-scale
+      replay that cost more than the split gained (docs/results/draft-head.md).
     """
 
     short_quantile: float = 1 / 3
@@ -148,6 +162,7 @@ class DASConfig:
     explore_every: int = 16
     unlimited: bool = False
     age_calibration: bool = True
+    source_calibration: bool = False
 
     def __post_init__(self):
         if not 0 < self.short_quantile < self.long_quantile < 1:
@@ -212,10 +227,13 @@ class DASPolicy:
         self.cost_model = cost_model or CostModel()
         self.finished_lengths: collections.deque = collections.deque(maxlen=config.length_history)
         self._class_R = np.full(0, _NONE, np.int8)   # class code by request id
-        self.depth_scale = np.zeros(0)     # per-depth calibration factors (grown on demand)
-        # factors per (history age bucket, support bucket); rows of ages seen (trials) so far
-        self.support_by_age = np.tile(support_prior(), (AGE_BUCKETS, 1))
-        self.ages_seen = np.zeros(AGE_BUCKETS, bool)
+        # per-depth calibration factors of drafts without support, per source index (grown on
+        # demand; a source not in it starts at 1.0)
+        self.depth_by_source: dict[int, np.ndarray] = {}
+        # factors per (source, history age bucket, support bucket); (source, age) rows with
+        # trials so far
+        self.support_by_source = np.tile(support_prior(), (N_SOURCES, AGE_BUCKETS, 1))
+        self.ages_seen_by_source = np.zeros((N_SOURCES, AGE_BUCKETS), bool)
         # draft tokens verified / accepted per history age bucket, cumulative (rows with an age)
         self.drafts_by_age = np.zeros((2, AGE_BUCKETS), np.int64)
         self._pending = None               # (n_draft, probabilities, supports) of last choice
@@ -346,18 +364,65 @@ class DASPolicy:
         `engine.policy.as_draft_batch`)."""
         db = as_draft_batch(drafts, draft_support)
         D = int(db.lens_A.max(initial=0))
-        self.depth_scale = grow_depth_scale(self.depth_scale, D)
-        ages = self._age_buckets(db)
-        if ages is not None:
-            self._adopt_new_ages(ages)
+        src = self._sources(db)
+        for k in np.unique(src[~db.has_support_A & (db.lens_A > 0)]):
+            self.depth_by_source[int(k)] = grow_depth_scale(
+                self.depth_by_source.get(int(k), np.zeros(0)), D)
+        age0 = self._table_ages(db)
+        self._adopt_new_ages(src[db.has_support_A], age0[db.has_support_A])
         return calibrated_paths(db.probs_AxK, db.lens_A, db.support_AxK, db.has_support_A,
-                                self.depth_scale, self.support_by_age, ages)
+                                [self.depth_by_source.get(k, np.zeros(0))
+                                 for k in range(N_SOURCES)],
+                                self._support_table(), src * AGE_BUCKETS + age0, src)
+
+    def _sources(self, db) -> np.ndarray:
+        """int64 `[A]`: the calibration source of each row (an index into `DRAFT_SOURCES`): its
+        `source_A`; where unknown, "problem" for a draft with support and "other" without;
+        with `source_calibration` off, those two for every row."""
+        default = np.where(db.has_support_A, PROBLEM_SOURCE, OTHER_SOURCE).astype(np.int64)
+        if not self.config.source_calibration or db.source_A is None:
+            return default
+        s = np.asarray(db.source_A, np.int64)
+        return np.where(s >= 0, s, default)
+
+    def _table_ages(self, db) -> np.ndarray:
+        """int64 `[A]`: each row's age bucket in the support table (unknown or off: 0)."""
+        ages = self._age_buckets(db)
+        return np.zeros(len(db), np.int64) if ages is None else np.maximum(ages, 0)
+
+    def _support_table(self) -> np.ndarray:
+        """`support_by_source` as `[N_SOURCES * AGE_BUCKETS, SUPPORT_BUCKETS]` (a view: row
+        source * AGE_BUCKETS + age)."""
+        return self.support_by_source.reshape(N_SOURCES * AGE_BUCKETS, SUPPORT_BUCKETS)
+
+    @property
+    def depth_scale(self) -> np.ndarray:
+        """float64 `[D]`: the per-depth factors of drafts without support of the "other"
+        source (drafters that do not say theirs; every such draft with `source_calibration`
+        off)."""
+        return self.depth_by_source.setdefault(OTHER_SOURCE, np.zeros(0))
+
+    @depth_scale.setter
+    def depth_scale(self, value) -> None:
+        self.depth_by_source[OTHER_SOURCE] = np.asarray(value, np.float64)
+
+    @property
+    def support_by_age(self) -> np.ndarray:
+        """float64 `[AGE_BUCKETS, SUPPORT_BUCKETS]`: the support factors of the problem trie's
+        drafts (and of drafts with support whose source is unknown) per history age. A view
+        of `support_by_source`."""
+        return self.support_by_source[PROBLEM_SOURCE]
+
+    @property
+    def ages_seen(self) -> np.ndarray:
+        """bool `[AGE_BUCKETS]`: the problem source's age rows with trials so far (a view)."""
+        return self.ages_seen_by_source[PROBLEM_SOURCE]
 
     @property
     def support_scale(self) -> np.ndarray:
         """float64 `[SUPPORT_BUCKETS]`: the support factors of fresh histories (age bucket 0;
         also those of every draft without an age, and all drafts with `age_calibration`
-        off). A view of `support_by_age[0]`."""
+        off) of the problem source. A view of `support_by_age[0]`."""
         return self.support_by_age[0]
 
     def _age_buckets(self, db) -> np.ndarray | None:
@@ -367,19 +432,24 @@ class DASPolicy:
             return None
         return age_buckets_of(db.age_A, len(db))
 
-    def _adopt_new_ages(self, ages: np.ndarray) -> None:
-        """Age buckets among `ages` with no trials yet take the factors of the nearest younger
-        bucket that has some (none: they keep the prior)."""
-        present = np.zeros(AGE_BUCKETS, bool)
-        present[ages[ages >= 0]] = True
-        present[0] |= bool((ages < 0).any())
-        new = present & ~self.ages_seen
+    def _adopt_new_ages(self, src: np.ndarray, ages: np.ndarray) -> None:
+        """(source, age bucket) rows among the pairs (`src`, `ages`) with no trials yet take the
+        factors of the same source's nearest younger bucket that has some, else of the problem
+        source's nearest bucket at or below theirs (none: they keep the prior)."""
+        present = np.zeros((N_SOURCES, AGE_BUCKETS), bool)
+        present[src, ages] = True
+        new = present & ~self.ages_seen_by_source
         if not new.any():
             return
-        for j in np.flatnonzero(new):
-            younger = np.flatnonzero(self.ages_seen[:j])
+        g, seen = self.support_by_source, self.ages_seen_by_source
+        for k, j in zip(*np.nonzero(new)):
+            younger = np.flatnonzero(seen[k, :j])
             if len(younger):
-                self.support_by_age[j] = self.support_by_age[younger[-1]]
+                g[k, j] = g[k, younger[-1]]
+                continue
+            base = np.flatnonzero(seen[PROBLEM_SOURCE, :j + 1])
+            if k != PROBLEM_SOURCE and len(base):
+                g[k, j] = g[PROBLEM_SOURCE, base[-1]]
 
     @property
     def acceptance_scale(self) -> float:
@@ -610,14 +680,15 @@ class DASPolicy:
                    and len(record.accepted_per_row) == len(n))
         acc = np.asarray(record.accepted_per_row, np.int64) if per_row else None
         with_support = db.has_support_A & (n > 0)
+        src = self._sources(db)
         if per_row and with_support.any():
-            # Support buckets (per history age): each token verified after an accepted prefix is
-            # a trial of its per-token ratio; the factor tracks accepted trials over predicted
-            # ones.
+            # Support buckets (per source and history age): each token verified after an
+            # accepted prefix is a trial of its per-token ratio; the factor tracks accepted
+            # trials over predicted ones.
+            self.ages_seen_by_source |= update_support_scale(
+                self._support_table(), n, acc, db.probs_AxK, db.support_AxK, with_support, a,
+                src * AGE_BUCKETS + self._table_ages(db)).reshape(N_SOURCES, AGE_BUCKETS)
             ages = self._age_buckets(db)
-            self.ages_seen |= update_support_scale(
-                self.support_by_age, n, acc, db.probs_AxK, db.support_AxK, with_support, a,
-                ages)
             if ages is not None:
                 aged = with_support & (ages >= 0)
                 np.add.at(self.drafts_by_age[0], ages[aged], n[aged])
@@ -625,8 +696,14 @@ class DASPolicy:
             n = np.where(with_support, 0, n)
             if not n.any():
                 return
-        self.depth_scale = update_depth_scale(self.depth_scale, n, acc, record.accepted,
-                                              db.probs_AxK, a)
+        # Per-depth factors, per source (without per-row counts every drafted row counts, as
+        # "other" where it has support)
+        src = np.where(db.has_support_A, OTHER_SOURCE, src)
+        for k in np.unique(src[n > 0]):
+            k = int(k)
+            self.depth_by_source[k] = update_depth_scale(
+                self.depth_by_source.get(k, np.zeros(0)), np.where(src == k, n, 0), acc,
+                record.accepted, db.probs_AxK, a)
 
     def end(self, request_id: int, num_tokens: int) -> None:
         if 0 <= request_id < len(self._class_R):
@@ -651,9 +728,9 @@ class DASPolicy:
         p = DASPolicy(lengths_fn, self.config, copy.deepcopy(self.cost_model))
         p.finished_lengths.extend(self.finished_lengths)
         p._finished_count += 1
-        p.depth_scale = self.depth_scale.copy()
-        p.support_by_age = self.support_by_age.copy()
-        p.ages_seen = self.ages_seen.copy()
+        p.depth_by_source = {k: v.copy() for k, v in self.depth_by_source.items()}
+        p.support_by_source = self.support_by_source.copy()
+        p.ages_seen_by_source = self.ages_seen_by_source.copy()
         return p
 
     def acceptance_by_age(self) -> dict[str, list]:
@@ -675,6 +752,11 @@ class DASPolicy:
                 "acceptance_by_support": [float(x) for x in self.support_scale],
                 "acceptance_by_age_and_support": self.support_by_age.tolist(),
                 "acceptance_ages_seen": [bool(x) for x in self.ages_seen],
+                "acceptance_by_source_and_depth": {
+                    DRAFT_SOURCES[k]: [float(x) for x in v]
+                    for k, v in sorted(self.depth_by_source.items())},
+                "acceptance_by_source_age_and_support": self.support_by_source.tolist(),
+                "acceptance_ages_seen_by_source": self.ages_seen_by_source.tolist(),
                 "drafts_by_age": self.drafts_by_age.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -684,21 +766,37 @@ class DASPolicy:
         for k, v in state.get("cost_model", {}).items():
             setattr(self.cost_model, k, int(v) if k == "compile_count" else float(v))
         if "acceptance_by_depth" in state:
-            self.depth_scale = np.asarray(state["acceptance_by_depth"], np.float64)
+            depth = np.asarray(state["acceptance_by_depth"], np.float64)
         else:   # a checkpoint of the single-factor calibration
-            self.depth_scale = np.full(1, float(state.get("acceptance_scale", 1.0)))
+            depth = np.full(1, float(state.get("acceptance_scale", 1.0)))
+        by_source = state.get("acceptance_by_source_and_depth")
+        if by_source is not None:
+            self.depth_by_source = {DRAFT_SOURCES.index(k): np.asarray(v, np.float64)
+                                    for k, v in by_source.items() if k in DRAFT_SOURCES}
+        else:   # one set of depth factors served every source without support
+            self.depth_by_source = {OTHER_SOURCE: depth,
+                                    DRAFT_SOURCES.index("head"): depth.copy()}
         support = state.get("acceptance_by_support")
         fresh = (np.asarray(support, np.float64) if support is not None
                  and len(support) == SUPPORT_BUCKETS else support_prior())
         table = state.get("acceptance_by_age_and_support")
+        sources = state.get("acceptance_by_source_age_and_support")
+        self.ages_seen_by_source = np.zeros((N_SOURCES, AGE_BUCKETS), bool)
+        if sources is not None and np.shape(sources) == (N_SOURCES, AGE_BUCKETS,
+                                                         SUPPORT_BUCKETS):
+            self.support_by_source = np.array(sources, np.float64)
+            self.ages_seen_by_source[:] = np.asarray(
+                state["acceptance_ages_seen_by_source"], bool)
+        elif table is not None and np.shape(table) == (AGE_BUCKETS, SUPPORT_BUCKETS):
+            # a checkpoint from before sources: every source starts from the one table
+            self.support_by_source = np.tile(np.asarray(table, np.float64), (N_SOURCES, 1, 1))
+            self.ages_seen_by_source[PROBLEM_SOURCE] = np.asarray(
+                state.get("acceptance_ages_seen", [True] * AGE_BUCKETS), bool)
+        else:   # a checkpoint from before ages: every age starts from its support factors
+            self.support_by_source = np.tile(fresh, (N_SOURCES, AGE_BUCKETS, 1))
+            self.ages_seen_by_source[PROBLEM_SOURCE, 0] = support is not None
         if table is not None and np.shape(table) == (AGE_BUCKETS, SUPPORT_BUCKETS):
-            self.support_by_age = np.asarray(table, np.float64)
-            self.ages_seen = np.asarray(state.get("acceptance_ages_seen",
-                                                  [True] * AGE_BUCKETS), bool)
             self.drafts_by_age = np.asarray(state.get(
                 "drafts_by_age", np.zeros((2, AGE_BUCKETS))), np.int64).reshape(2, AGE_BUCKETS)
-        else:   # a checkpoint from before ages: every age starts from its support factors
-            self.support_by_age = np.tile(fresh, (AGE_BUCKETS, 1))
-            self.ages_seen = np.zeros(AGE_BUCKETS, bool)
-            self.ages_seen[0] = support is not None
+        else:
             self.drafts_by_age = np.zeros((2, AGE_BUCKETS), np.int64)
