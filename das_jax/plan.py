@@ -305,10 +305,11 @@ def plan_in_process(config, devices: int, device_bytes: int, model_config=None,
 
 def _draft_head_memory(config, mc, slots: int, S: int, params_shape, rdtype, mb: int, T: int
                        ) -> tuple[dict[str, int], dict[str, int] | None]:
-    """The draft head's rows (`draft_head:`; {} without one): "draft_head", its weights, its
-    cache (one layer's K/V per slot) and the prompts' features kept for admissions; with online
-    training (`train.draft_loss_weight`) "draft_head_optimizer", its AdamW moments and
-    accumulated gradient. And the memory of the online head's gradient program on one
+    """The draft head's rows (`draft_head:`; {} without one): "draft_head", its weights as the
+    rollout places them (matrices in `draft_head.dtype`, default `model.dtype`), its cache (one
+    layer's K/V per slot) and the prompts' features kept for admissions; with online training
+    (`train.draft_loss_weight`) "draft_head_optimizer", its AdamW moments and accumulated
+    gradient (float32), and its float32 weights where the rollout's are cast. And the memory of the online head's gradient program on one
     micro-batch of `mb` rows x `T` tokens (None without online training)."""
     h = getattr(config, "draft_head", None)
     if h is None or h.path is None:
@@ -318,21 +319,23 @@ def _draft_head_memory(config, mc, slots: int, S: int, params_shape, rdtype, mb:
     import jax.numpy as jnp
 
     # deferred import: jax, safetensors (the head's modules; not loaded by importing this one)
-    from das_jax.draft_head.head import init_head
+    from das_jax.draft_head.head import cast_weights, init_head
     from das_jax.draft_head.store import read_head_config
 
     hc = read_head_config(h.path)
     head_abs = jax.eval_shape(lambda: init_head(hc, jax.random.PRNGKey(0)))
     head_b = _tree_bytes(head_abs)
+    placed_b = _tree_bytes(jax.eval_shape(
+        lambda p: cast_weights(p, h.dtype or config.model.dtype), head_abs))
     cache_b = 2 * slots * S * hc.num_kv_heads * hc.head_dim * 4 + 4 * slots
     feats_b = min(slots, config.grpo.prompts_per_step) * S * 3 * hc.hidden_size * 4
-    rows = {"draft_head": head_b + cache_b + feats_b}
+    rows = {"draft_head": placed_b + cache_b + feats_b}
     if config.train.draft_loss_weight <= 0:
         return rows, None
     # deferred import: optax (the online head's optimizer; not loaded by importing this module)
     from das_jax.draft_head.online import OnlineConfig, micro_batch_grad
 
-    rows["draft_head_optimizer"] = 3 * head_b
+    rows["draft_head_optimizer"] = 3 * head_b + (head_b if placed_b != head_b else 0)
     cparams_abs = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rdtype),
                                          params_shape)
     row = jax.ShapeDtypeStruct((mb, T), jnp.int32)

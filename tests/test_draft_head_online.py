@@ -19,7 +19,7 @@ import pytest
 from das_jax.config import ConfigError, config_from_dict
 from das_jax.data import Problem
 from das_jax.draft_head.features import block_features
-from das_jax.draft_head.head import HeadConfig, draft_loss, init_head
+from das_jax.draft_head.head import MATRICES, HeadConfig, draft_loss, init_head
 from das_jax.draft_head.online import OnlineConfig, OnlineHeadTrainer
 from das_jax.draft_head.store import DraftHead, load_head, policy_fingerprint, save_head
 from das_jax.rl.trainer import GRPOTrainer
@@ -266,6 +266,16 @@ def test_memory_plan_counts_the_head_and_its_online_update(tmp_path):
     assert online.programs["draft_head_grad"]["output"] >= head_b
     assert online.phases["draft_head_update"] > online.rows["draft_head_optimizer"]
     assert online.phases["rollout"] == frozen.phases["rollout"] + 3 * head_b
+    # a head drafting in bfloat16: its matrices at half the bytes on the rollout side; online,
+    # the trainer's float32 weights beside the moments
+    mats = 2 * sum(int(np.prod(np.shape(v))) for k, v in _head().params.items()
+                   if k in MATRICES)
+    bf16 = {**base, "draft_head": {"path": str(head_path), "dtype": "bfloat16"}}
+    half = plan_in_process(config_from_dict(bf16), 1, int(1e9), model_config=CFG)
+    assert half.rows["draft_head"] == frozen.rows["draft_head"] - mats
+    half_online = plan_in_process(config_from_dict({**bf16, "train": {"draft_loss_weight": 1.0}}),
+                                  1, int(1e9), model_config=CFG)
+    assert half_online.rows["draft_head_optimizer"] == 4 * head_b
 
 
 def test_prequential_replay_scores_each_batch_before_training_on_it(tmp_path):
