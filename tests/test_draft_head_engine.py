@@ -436,3 +436,32 @@ def test_a_bfloat16_head_drafts_from_bfloat16_matrices_and_keeps_tokens():
     assert same >= 0.9 * len(drafter.seen) and gap < 0.05
     with pytest.raises(UserError, match="draft_head.dtype='float16'"):
         HeadRuntime(head, STEPS, "float16")
+
+
+def test_an_admissions_compile_is_not_charged_to_the_verify_step():
+    """A step record's `compile_s` (what the DAS policy prices a new step shape by) holds the
+    verify program's and the head's drafting compiles, not the compile of the head's admission
+    call that runs before the step."""
+    from das_jax.engine.policy import FixedPolicy
+
+    class Recording(FixedPolicy):
+        records = []
+
+        def observe(self, record):
+            self.records.append(record)
+
+    class SlowAdmissions(HeadRuntime):
+        def admit(self, *a):
+            self.programs.compile_s += 100.0      # as if the admission compiled for 100 s
+            return super().admit(*a)
+
+    reqs = _requests()
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3)
+    ec = EngineConfig(max_slots=4, max_cache_len=64, draft_widths=(1, 2, 4))
+    eng = Engine(CFG, PARAMS, eos_token_ids=(1,), engine_config=ec)
+    policy = Recording()
+    _, stats = eng.generate(reqs, sampling, drafter=HeadDrafts(SlowAdmissions(_head(), STEPS)),
+                            policy=policy)
+    assert stats.compile_s >= 200.0                     # >= 2 admissions, counted in the run
+    assert policy.records and max(r.compile_s for r in policy.records) < 100.0
+    assert any(r.compile_s > 0 for r in policy.records)  # the verify steps' own compiles

@@ -237,6 +237,8 @@ class DeviceExecutor:
 
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
         self._admit_to_model()
+        # the step's compile: its verify program's and the draft model's drafting after it (an
+        # admission's compile above is not the step shape's price)
         compiled_before = self.programs.compile_s
         batch = self._verify_batch(st)
         exe = self.programs.executable(batch.spec, self.params, self.cache, batch)
