@@ -365,15 +365,18 @@ class DASPolicy:
         db = as_draft_batch(drafts, draft_support)
         D = int(db.lens_A.max(initial=0))
         src = self._sources(db)
-        for k in np.unique(src[~db.has_support_A & (db.lens_A > 0)]):
+        # the per-depth factors of the sources whose drafts have no support, only those
+        bare = np.unique(src[~db.has_support_A & (db.lens_A > 0)])
+        for k in bare:
             self.depth_by_source[int(k)] = grow_depth_scale(
                 self.depth_by_source.get(int(k), np.zeros(0)), D)
+        depth = [self.depth_by_source[int(k)] for k in bare] or [np.zeros(0)]
+        depth_row = np.minimum(np.searchsorted(bare, src), len(depth) - 1)
         age0 = self._table_ages(db)
         self._adopt_new_ages(src[db.has_support_A], age0[db.has_support_A])
         return calibrated_paths(db.probs_AxK, db.lens_A, db.support_AxK, db.has_support_A,
-                                [self.depth_by_source.get(k, np.zeros(0))
-                                 for k in range(N_SOURCES)],
-                                self._support_table(), src * AGE_BUCKETS + age0, src)
+                                depth, self._support_table(), src * AGE_BUCKETS + age0,
+                                depth_row)
 
     def _sources(self, db) -> np.ndarray:
         """int64 `[A]`: the calibration source of each row (an index into `DRAFT_SOURCES`): its
