@@ -135,6 +135,11 @@ class MemoryPlan:
                     f"{self.rows['kv_cache'] / GB:.1f} GB beside the train state); give the "
                     "rollouts devices of their own (mesh.rollout_devices), lower "
                     "rollout.max_slots (or rollout.kv_memory_gb), or set train.async_steps: 0")
+        if worst == "train+snapshots":
+            return (f"{need} with the update beside the params snapshots of the rollouts ahead "
+                    f"(train.async_steps={config.train.async_steps}); lower train.async_steps, "
+                    "give the rollouts devices of their own (mesh.rollout_devices), or use more "
+                    "devices (das-jax plan --devices N)")
         if worst == "rollout":
             return (f"{need} in the rollout phase (KV cache {self.rows['kv_cache'] / GB:.1f} GB for "
                     f"rollout.max_slots={self.shapes['slots']}); lower rollout.max_slots (or set "
@@ -351,7 +356,9 @@ def _phases(config, n_train: int, same_dtype: bool, train_phases: dict, train_st
             cparams_b: int, engine_b: int) -> dict:
     """Bytes per device of each phase of the run: the rollout (with the train state it keeps
     resident, when colocated) and the update's phases (`train_phases`); an asynchronous
-    colocated run adds `train+rollout`, the update beside a rollout and k params snapshots.
+    colocated run adds `train+rollout`, the update beside a rollout and k params snapshots
+    (`train+snapshots`, without the rollout, when the two take turns: train.async_overlap
+    false).
     train_state_b: master params + optimizer state + reference params; cparams_b: the compute
     dtype params; engine_b: the KV cache and the engine's scratch."""
     k, r_dev = config.train.async_steps, config.mesh.rollout_devices
@@ -361,8 +368,11 @@ def _phases(config, n_train: int, same_dtype: bool, train_phases: dict, train_st
     # (not in an asynchronous run: each rollout samples from a snapshot, the update donates).
     shared = n_train == 1 and same_dtype and k == 0
     phases = {"rollout": train_state_b + (0 if shared else cparams_b) + engine_b, **train_phases}
-    if k > 0:   # colocated async: the update runs beside a rollout and k params snapshots
+    if k > 0 and config.train.async_overlap:
+        # colocated async: the update runs beside a rollout and k params snapshots
         phases["train+rollout"] = max(train_phases.values()) + k * cparams_b + engine_b
+    elif k > 0:  # taking turns: the update beside the k snapshots the rollouts ahead sample from
+        phases["train+snapshots"] = max(train_phases.values()) + k * cparams_b
     return phases
 
 

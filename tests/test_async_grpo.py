@@ -327,6 +327,12 @@ def test_memory_plan_of_a_colocated_async_run_counts_both_sides():
         assert p.peak == p.phases["train+rollout"] > sync.peak
         small = plan_in_process(cfg, 1, (sync.peak + p.peak) // 2, model_config=CFG)
         assert not small.fits and "mesh.rollout_devices" in small.advice(cfg)
+        # taking turns (async_overlap: false): the update beside the snapshots, no rollout
+        turns = config_from_dict(base, [f"train.async_steps={k}", "train.async_overlap=false"])
+        q = plan_in_process(turns, 1, int(1e9), model_config=CFG)
+        assert "train+rollout" not in q.phases
+        assert q.phases["train+snapshots"] == train_peak + k * q.rows["params"]
+        assert q.phases["train+snapshots"] < p.phases["train+rollout"]
 
 
 def test_close_with_cancel_stops_a_running_rollout(tmp_path):
@@ -395,16 +401,8 @@ def test_the_drafter_history_is_tagged_with_the_sampling_policy_version(tmp_path
     assert trainer.rollouts.policy.support_by_age.shape == (6, 6)
 
 
-def test_colocated_on_cpu_a_rollout_and_an_update_never_run_at_once(tmp_path):
-    """On CPU devices two XLA programs at once compete for the same cores, so a colocated
-    asynchronous run lets a whole rollout and a whole update take turns (`device_lock`); the
-    versions stay those of the schedule."""
-    import threading
+def _timed_spans(trainer):
     import time
-
-    from das_jax.rl.async_rollouts import AsyncRollouts
-    trainer = make_trainer(make_config(tmp_path, steps=4, save_every=0, async_steps=1))
-    assert isinstance(trainer.async_rollouts.device_lock, type(threading.Lock()))
     spans = {"generate": [], "update": []}
 
     def timed(name, fn):
@@ -417,12 +415,39 @@ def test_colocated_on_cpu_a_rollout_and_an_update_never_run_at_once(tmp_path):
         return wrapper
     trainer.generate = timed("generate", trainer.generate)
     trainer.update = timed("update", trainer.update)
+    return spans
+
+
+def test_colocated_with_async_overlap_false_a_rollout_and_an_update_never_run_at_once(
+        tmp_path):
+    """`train.async_overlap: false`: a colocated asynchronous run lets a whole rollout and a
+    whole update take turns (`device_lock`); the versions stay those of the schedule, and the
+    run equals the overlapping one (default) in everything but its times."""
+    import threading
+
+    from das_jax.rl.async_rollouts import AsyncRollouts
+    overlap = make_trainer(make_config(tmp_path / "overlap", steps=4, save_every=0,
+                                       async_steps=1))
+    assert not isinstance(overlap.async_rollouts.device_lock, type(threading.Lock()))
+    overlap_spans = _timed_spans(overlap)
+    overlap_records = overlap.train(progress=False)
+    cfg = make_config(tmp_path / "turns", steps=4, save_every=0, async_steps=1)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, async_overlap=False))
+    trainer = make_trainer(cfg)
+    assert isinstance(trainer.async_rollouts.device_lock, type(threading.Lock()))
+    spans = _timed_spans(trainer)
     records = trainer.train(progress=False)
     assert [r["policy_version"] for r in records] == [0, 0, 1, 2]
     assert len(spans["generate"]) == 4 and len(spans["update"]) == 4
     for g0, g1 in spans["generate"]:
         for u0, u1 in spans["update"]:
             assert g1 <= u0 or u1 <= g0, (spans, "a rollout overlapped an update")
+    # overlapping: the same steps (versions, tokens, rewards, losses), and the rollouts of the
+    # steps ahead ran during updates
+    for key in ("policy_version", "reward_mean", "generated_tokens", "loss", "grad_norm"):
+        assert [r[key] for r in overlap_records] == [r[key] for r in records], key
+    assert any(g0 < u1 and u0 < g1 for g0, g1 in overlap_spans["generate"]
+               for u0, u1 in overlap_spans["update"]), overlap_spans
     # elsewhere (a rollout engine with devices of its own) the lock is a no-op
     free = AsyncRollouts(trainer, 1, 4, serialize=False)
     with free.device_lock:

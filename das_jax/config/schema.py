@@ -224,6 +224,12 @@ class TrainSection:
     # rollout then update). A step's rollouts are at most async_steps policy versions old;
     # grpo.importance_sampling_cap bounds the off-policy correction.
     async_steps: int = 0
+    # With async_steps > 0 and the rollout colocated with the update (mesh.rollout_devices: 0):
+    # true runs a rollout and an update at once (their programs share the devices: on a CPU the
+    # cores, where neither side's programs keep both cores busy alone); false lets a whole
+    # rollout and a whole update take turns (only the host work of a step overlaps: rewards,
+    # logging). Ignored with rollout devices of their own (the two sides always run at once).
+    async_overlap: bool = True
     # Online draft head training (das_jax.draft_head.online; needs draft_head.path, the head to
     # start from): each step also trains the head on the step's rollouts with the loss
     # draft_loss_weight x EAGLE-3's draft loss, read from the rollout params' features detached

@@ -16,14 +16,16 @@ e.g. one restored by a run resumed with a smaller `async_steps`, is dropped, cou
 `dropped_groups`, and generated again from the current params).
 
 Placement (`mesh.rollout_devices`): colocated (0) -- the worker thread and the update share the
-devices (JAX runs their programs as they are dispatched) and the host work of either side (the
-rollout's scheduler, drafter and DAS policy; the update's batch building) runs while the other
-side's programs run. On CPU devices the two sides' programs would compete for the same cores
-(each XLA:CPU program spreads over every core, so two at once run each several times slower),
-so there a whole rollout and a whole update never run at once (`device_lock`): the schedule and the versions are the same, and what
-overlaps is the rest (rewards, batch building, logging, checkpoints and evaluations wait less);
-or disaggregated (> 0) -- the rollout engine has devices of its own, the
-train mesh the others, and the params reach the engine device to device (`Engine.place_params`).
+devices. With `train.async_overlap: true` (the default) their programs run at once, as they are
+dispatched: on a GPU they queue on the device and each side's host work (the rollout's
+scheduler, drafter and DAS policy; the update's batch building) runs while the other's programs
+run; on CPU devices both sides' XLA programs share the cores, which neither keeps busy alone
+(the main job's steps on 2 cores: docs/results/async-grpo.md). With `async_overlap: false` a
+whole rollout and a whole update never run at once (`device_lock`): the schedule and the
+versions are the same, and what overlaps is the rest (rewards, logging, checkpoints and
+evaluations wait less). Disaggregated (> 0) -- the rollout engine has devices of its own, the
+train mesh the others, and the params reach the engine device to device
+(`Engine.place_params`).
 A rollout never crosses an update: each one samples from its own snapshot of the params (a copy
 when the compute dtype is the master dtype, which the update donates), and its KV cache lives
 for that rollout only. The drafter's history holds token ids only (independent of the weights;
@@ -93,8 +95,8 @@ class AsyncRollouts:
       async_steps: k >= 1, the steps generated ahead (the staleness bound).
       total_steps: `train.steps` (nothing is generated for a step at or past it).
       serialize: a rollout and the update never run at once: the worker holds `device_lock`
-        for each rollout, the trainer for each update (colocated on CPU devices; module
-        docstring). False: `device_lock` is a no-op.
+        for each rollout, the trainer for each update (colocated with `train.async_overlap:
+        false`; module docstring). False: `device_lock` is a no-op.
 
     Raises:
       ValueError: async_steps < 1.

@@ -184,8 +184,8 @@ class GRPOTrainer:
                     f"train.async_steps={c.train.async_steps} runs in one process, but this run "
                     f"has {dist.process_count()}; set train.async_steps: 0 for a multi-process "
                     "run")
-            # colocated on CPU devices a rollout and an update take turns (`device_lock`)
-            serialize = rollout_devices is None and train_devices[0].platform == "cpu"
+            # colocated: a rollout and an update run at once, or take turns (`device_lock`)
+            serialize = rollout_devices is None and not c.train.async_overlap
             self.async_rollouts = AsyncRollouts(self, c.train.async_steps, c.train.steps,
                                                 serialize=serialize)
 
