@@ -406,3 +406,40 @@ def test_zero_acceptance_warns_and_each_epoch_reports_acceptance_by_position_and
                      "4, global 0.00 of 2"]       # epoch 1 drafted nothing: no line
     saved = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert saved[0]["drafted_by_source"] == {"problem": 4, "global": 2}
+
+
+def test_a_named_model_is_fetched_with_one_phase_line_per_process(tmp_path, monkeypatch):
+    """`das-jax train` fetches a named source before its memory plan and again in
+    `load_model`: the second call returns the path without a second "fetching" line."""
+    import logging
+
+    from das_jax.config import config_from_dict
+    from das_jax.models import loading
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x")
+    calls = []
+    monkeypatch.setattr(loading, "resolve_source",
+                        lambda src: calls.append(src) or ("gguf", str(gguf)))
+    monkeypatch.setattr(model_loading, "_FETCHED", {})
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("das_jax.train")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        cfg = config_from_dict({"model": {"source": "smollm2-135m-instruct"}})
+        assert model_loading.fetch_named_source(cfg) == str(gguf)
+        assert model_loading.fetch_named_source(cfg) == str(gguf)
+        assert model_loading._fetch(cfg) == str(gguf)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    fetching = [r.getMessage() for r in records if "fetching the model" in r.getMessage()]
+    assert len(fetching) == 2 and "done in" in fetching[1], fetching   # its start and end
+    assert calls == ["smollm2-135m-instruct"]
+    gguf.unlink()       # the file is gone since: fetched again
+    monkeypatch.setattr(model_loading, "_FETCHED", {"smollm2-135m-instruct": str(gguf)})
+    model_loading.fetch_named_source(cfg)
+    assert calls == ["smollm2-135m-instruct"] * 2

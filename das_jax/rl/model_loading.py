@@ -9,16 +9,23 @@ from das_jax.models import sources
 from das_jax.rl.run_log import phase
 
 
+# named sources fetched by this process (source -> local path): the phase line is printed once
+_FETCHED: dict[str, str] = {}
+
+
 def fetch_named_source(config) -> str | None:
     """Fetches `config.model.source` when it is a named source (`das_jax.models.sources`), with a
     phase line that says when it downloads; returns its local path, or None for any other source.
     `das-jax train` and `das-jax plan` call it before the memory plan, which reads the model's
-    config (so the download is never silent)."""
+    config (so the download is never silent); a later call for a source this process fetched
+    returns its path without another line."""
     # deferred import: jax (not loaded by importing this module)
     from das_jax.models.loading import resolve_source
     src = config.model.source
     if src not in sources.SOURCES:
         return None
+    if src in _FETCHED and os.path.isfile(_FETCHED[src]):
+        return _FETCHED[src]
     what = f"fetching the model {src}"
     if not os.path.isfile(sources.cached_path(src)):
         what += (f" (not cached yet: downloading "
@@ -26,6 +33,7 @@ def fetch_named_source(config) -> str | None:
     with phase(what) as ph:
         _, path = resolve_source(src)
         ph.detail = path
+    _FETCHED[src] = path
     return path
 
 
