@@ -112,6 +112,7 @@ def pytest_xdist_make_scheduler(config, log):
 # after it (`python -m pytest -q -m slow`). Entries are node ids (a name without a parameter id
 # covers all its parameters); one that matches no collected test of its file is an error.
 _SLOW_TESTS = (
+    "tests/test_async_train_bench.py::test_end_to_end_on_a_tiny_model",
     "tests/test_async_grpo.py::test_kill_9_and_resume_loses_and_repeats_no_step[update]",
     "tests/test_async_grpo.py::test_kill_9_and_resume_loses_and_repeats_no_step[logged]",
     "tests/test_async_grpo.py::test_kill_9_and_resume_loses_and_repeats_no_step[checkpoint]",

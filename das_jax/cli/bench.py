@@ -1,5 +1,5 @@
-"""`das-jax bench {engine,drafter,rollout,replay,async-replay,main-job}` (registration imports
-no jax).
+"""`das-jax bench {engine,drafter,rollout,replay,async-replay,async-train,main-job}`
+(registration imports no jax).
 
   das-jax bench engine --model smollm2-135m-instruct [--quick] [--json PATH]
       decode tok/s of the verify step (B in {1,16}, W in {1,8}) and of Engine.generate, vs HF
@@ -17,6 +17,9 @@ no jax).
   das-jax bench async-replay TRACE.jsonl [--gpus 8] [--rollout-gpus 2,4,6] [--async-steps 1]
       GRPO step time of sync and async schedules (rollout GPUs apart), none and das, at paper
       scale: rollouts replayed under the h200-7b cost model, training from a stated FLOP model.
+  das-jax bench async-train [--config CONFIG] [--seeds 0,1,2] [--out DIR]
+      the main job's GRPO step time, synchronous vs asynchronous, side by side: an lr-0 pair
+      (identical work) and each seed's pair of learning runs, with a fit at equal work.
   das-jax bench main-job RUN_DIR [--from-step K] [--steps N]
       a training run's rollout batches after its checkpoint, with its drafter and with none,
       side by side in one process (the main job's das / none rollout time).
@@ -26,13 +29,15 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from das_jax.arg_types import float_list, int_at_least, name_list, positive_int, set_type
-from das_jax.bench import arguments, async_replay, drafter_bench, main_job_bench, rollout_bench
+from das_jax.arg_types import (float_list, int_at_least, int_list, name_list, positive_int,
+                              set_type)
+from das_jax.bench import (arguments, async_replay, async_train_bench, drafter_bench,
+                           main_job_bench, rollout_bench)
 from das_jax.rollout import speculation_names
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: engine, drafter, rollout, replay, main-job",
+    p = subparsers.add_parser("bench", help="benchmarks: engine, drafter, rollout, replay, async, main-job",
                               description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
 
@@ -63,6 +68,13 @@ def register(subparsers) -> None:
         set_type(pa, flag, positive_int)
     set_type(pa, "--drafters", name_list(speculation_names, as_text=True))
     pa.set_defaults(func=_run("das_jax.bench.async_replay"))
+
+    pt = sub.add_parser("async-train", help="the main job's step time, sync vs async GRPO, "
+                        "side by side (real training runs, one after the other)")
+    async_train_bench.add_arguments(pt)
+    set_type(pt, "--seeds", int_list(minimum=0, example="0,1,2"))
+    set_type(pt, "--async-steps", positive_int)
+    pt.set_defaults(func=async_train_bench.main)
 
     pm = sub.add_parser("main-job", help="a training run's rollouts with its drafter vs none, "
                         "side by side from a checkpoint")
