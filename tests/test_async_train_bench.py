@@ -157,6 +157,31 @@ def test_a_run_that_fails_with_a_user_error_is_reported_in_one_line(capsys, tmp_
     assert (tmp_path / "o" / "sync-s0.log").is_file()
 
 
+def test_a_failed_run_reports_the_runs_before_it(capsys, tmp_path, monkeypatch):
+    """The first run (faked: it writes its metrics) is summarised and reported, its checkpoints
+    removed; the second fails with a user error, which ends the bench in one line."""
+    def fake_run(plan, config, overrides, out):
+        if plan.label == "async-s0":
+            (out / f"{plan.label}.log").write_text("das-jax train: error: disk full\n")
+            return 1.0, 0.5, 2
+        run = out / plan.label
+        (run / "checkpoints" / "2").mkdir(parents=True)
+        recs = _records([9.0, 2.0, 4.0], [0.5] * 3, [100] * 3, [0.25] * 3)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return 30.0, 2.5, 0
+    monkeypatch.setattr(atb, "_run_one", fake_run)
+    rc, out, err = run_cli(capsys, ["bench", "async-train", "--config", atb_tiny_yaml(),
+                                    "--seeds", "0", "--no-same-work", "--out", tmp_path])
+    assert_one_line_error(rc, err, "run async-s0: das-jax train exited 2: das-jax train: "
+                          "error: disk full", PROG)
+    assert "sync-s0: 3.00 s per step (steps 2-3)" in out
+    assert "async-s0 failed; the 1 runs before it:" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["label"] for r in summary["runs"]] == ["sync-s0"]
+    assert summary["runs"][0]["groups"] == [1, 1]           # tiny.yaml: 2 prompts per step
+    assert not (tmp_path / "sync-s0" / "checkpoints").exists()
+
+
 def atb_tiny_yaml() -> str:
     from pathlib import Path
     return str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
@@ -171,7 +196,7 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
     hf_export.save_hf_model(model, LLAMA, random_params(LLAMA), TOK, "float32")
     rc = main(["bench", "async-train", "--config", atb_tiny_yaml(), "--seeds", "0,1",
                "--out", str(tmp_path / "out"), "--set", f"model.source={model}",
-               "--set", "train.steps=3", "--set", "train.save_every=0"])
+               "--set", "train.steps=3"])
     out = capsys.readouterr().out
     assert rc == 0, out
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -186,3 +211,4 @@ def test_end_to_end_on_a_tiny_model(tmp_path, capsys):
         runs["same-async-s0"]["mean_step_s"] / runs["same-sync-s0"]["mean_step_s"])
     assert "same work (learning rate 0): async / sync per step" in out
     assert (tmp_path / "out" / "async-s1" / "metrics.jsonl").is_file()
+    assert not list((tmp_path / "out").glob("*/checkpoints"))   # removed after each run

@@ -30,7 +30,8 @@ replay's, `das-jax bench async-replay`).
 
 Each main-job run takes ~4 min on 2 cores; the defaults (2 same-work runs + 3 seeds x 2) take
 ~35 min. Writes `--out`/summary.json (every number printed) and keeps each run's directory and
-log there.
+log there, less its checkpoints (`--keep-checkpoints` keeps them). When a run fails, the runs
+before it are reported before the error.
 """
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(rollout and update take turns)")
     p.add_argument("--async-steps", type=int, default=1,
                    help="train.async_steps of the asynchronous runs (default 1)")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each run's checkpoints (default: removed once the run is "
+                        "summarised; each holds the params and optimizer state, ~1.5 GB for "
+                        "the main job)")
     p.add_argument("--out", default=None,
                    help="directory for the runs, their logs and summary.json; must be new or "
                         "empty (default: a temporary directory, removed at the end)")
@@ -295,6 +300,9 @@ def main(args: argparse.Namespace) -> int:
             if rc != 0:
                 tail = (out / f"{r.label}.log").read_text().strip().splitlines()[-1:]
                 what = f"run {r.label}: das-jax train exited {rc}: {' '.join(tail)}"
+                if results:   # what the finished runs measured is not lost
+                    print(f"{r.label} failed; the {len(results)} runs before it:", flush=True)
+                    _write_report(results, args, seeds, out, cleanup is None)
                 if rc == 2:   # the run's own one-line user error: the same input fails here
                     raise UserError(what)
                 print(f"{what} (log {out / r.label}.log)", file=sys.stderr)
@@ -302,20 +310,27 @@ def main(args: argparse.Namespace) -> int:
             res = summarise_run(r, read_metrics(out / r.label / "metrics.jsonl"), prompts,
                                 wall_s=wall, peak_rss_gib=rss)
             results.append(res)
+            if not args.keep_checkpoints:
+                shutil.rmtree(out / r.label / "checkpoints", ignore_errors=True)
             print(f"{r.label}: {res.mean_step_s:.2f} s per step (steps 2-{len(res.step_s) + 1}), "
                   f"wall {wall:.0f} s, peak RSS {rss:.2f} GiB", flush=True)
-        lines, summary = report(results)
-        print("\n".join(lines))
-        summary["command"] = " ".join(["das-jax bench async-train", "--config", args.config]
-                                      + [f"--set {o}" for o in args.overrides]
-                                      + [f"--seeds {','.join(map(str, seeds))}"])
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        if cleanup is None:
-            print(f"runs, logs and summary.json in {out}")
+        _write_report(results, args, seeds, out, cleanup is None)
         return 0
     finally:
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
+
+
+def _write_report(results: list[RunResult], args, seeds, out: Path, kept: bool) -> None:
+    """Prints the report of `results` and writes it to out/summary.json."""
+    lines, summary = report(results)
+    print("\n".join(lines), flush=True)
+    summary["command"] = " ".join(["das-jax bench async-train", "--config", args.config]
+                                  + [f"--set {o}" for o in args.overrides]
+                                  + [f"--seeds {','.join(map(str, seeds))}"])
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if kept:
+        print(f"runs, logs and summary.json in {out}", flush=True)
 
 
 if __name__ == "__main__":   # pragma: no cover
