@@ -38,6 +38,8 @@ def _records(step_s, frac_zero, tokens, rewards, lag=0, eval_acc=None):
         recs.append({"step": i + 1, "step_s": s, "frac_reward_zero_std": f,
                      "generated_tokens": t, "reward_mean": rw,
                      "version_lag": 0 if i == 0 else lag, "dropped_groups": 0})
+        if lag:   # an async run logs the version that sampled the batch
+            recs[-1]["policy_version"] = max(i - lag, 0)
     if eval_acc is not None:
         recs.append({"kind": "eval", "step": len(step_s), "eval_accuracy": eval_acc})
     return recs
@@ -52,6 +54,12 @@ def test_summarise_run_leaves_step_one_out_and_counts_groups_with_a_reward_sprea
     assert r.groups == [4, 6, 8, 0]
     assert r.tokens == [200, 300, 400, 500]
     assert r.reward_blocks == [0.5, 1.0]           # steps 1-4, step 5
+    # versions 0 (steps 1, 2), 1, 2, 3 (steps 3-5): the per-version means, in blocks of 4
+    assert r.version_blocks == [np.mean([0.25, 1.0, 0.5, 1.0])]
+    sync = atb.summarise_run(atb.RunPlan("sync-s0", "sync", 0, False),
+                             _records([3.0] * 5, [0.0] * 5, [1] * 5, [0.0, 0.5, 1.0, 0.5, 1.0]),
+                             8, wall_s=0, peak_rss_gib=0)
+    assert sync.version_blocks == sync.reward_blocks  # step s samples from version s - 1
     assert r.eval_accuracy == 0.75 and r.max_version_lag == 1
     with pytest.raises(ValueError, match="needs >= 2"):
         atb.summarise_run(plan, recs[:2], 8, wall_s=0, peak_rss_gib=0)
@@ -59,7 +67,8 @@ def test_summarise_run_leaves_step_one_out_and_counts_groups_with_a_reward_sprea
 
 def _result(label, schedule, step_s, groups, tokens, same=False, rewards=(0.5,), acc=None):
     return atb.RunResult(label, schedule, 0, same, list(step_s), list(groups), list(tokens),
-                         list(rewards), acc, int(schedule != "sync"), 0, 1.0, 1.0)
+                         list(rewards), list(rewards), acc, int(schedule != "sync"), 0, 1.0,
+                         1.0)
 
 
 def _fit_runs(d_true, seed=0, noise=0.01):
@@ -113,16 +122,21 @@ def test_report_of_learning_runs_gives_ratio_fit_and_reward_spread():
     for r, rw in zip(runs, [(0.2, 0.5), (0.3, 0.6), (0.1, 0.4), (0.2, 0.9), (0.3, 0.7),
                             (0.25, 0.45)]):
         r.reward_blocks = list(rw)
+        r.version_blocks = [x + 0.1 for x in rw]
     lines, summary = atb.report(runs)
     text = "\n".join(lines)
     sync = [r.mean_step_s for r in runs if r.schedule == "sync"]
     asyn = [r.mean_step_s for r in runs if r.schedule == "async"]
     assert summary["learning_ratio"] == pytest.approx(np.mean(asyn) / np.mean(sync))
     assert "SLOWER" in text                         # d = +0.4 s, s.e. ~0.005
-    rw = summary["reward"]
+    rw = summary["reward"]["reward_blocks"]
     assert rw["sync_low"] == [0.1, 0.4] and rw["sync_high"] == [0.3, 0.7]
     assert rw["async_mean"] == pytest.approx([0.25, 0.65])
     assert rw["blocks_inside"] == 2
+    rv = summary["reward"]["version_blocks"]
+    assert rv["sync_low"] == pytest.approx([0.2, 0.5])
+    assert rv["async_mean"] == pytest.approx([0.35, 0.75]) and rv["blocks_inside"] == 2
+    assert "async mean inside the sync range in 2/2 blocks" in text
     assert "not slower" in "\n".join(atb.report(_fit_runs(-0.2))[0])
 
 

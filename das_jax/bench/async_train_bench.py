@@ -21,7 +21,10 @@ own process (a fresh JAX, its own peak RSS), into `--out`:
 
 Step time is the trainer's `step_s` (rollout, rewards, update, and for async the wait for the
 rollout), steps 2..N: step 1 compiles every program and is left out. The reward curve is
-printed in blocks of 4 steps with the synchronous seeds' range beside the asynchronous ones.
+printed in blocks of 4 steps, and in blocks of 4 of the policy versions that sampled the
+batches (an async step s samples from version s - 1 - k, a sync one from s - 1: the by-version
+curve compares learning per update), with the synchronous seeds' range beside the asynchronous
+seeds' mean.
 Nothing is shared between runs but the machine: run it on a quiet one (two cores cannot run
 both sides of a colocated async step at full speed, so the gain of the overlap itself is the
 replay's, `das-jax bench async-replay`).
@@ -100,6 +103,7 @@ class RunResult:
     groups: list[int]
     tokens: list[int]
     reward_blocks: list[float]
+    version_blocks: list[float]
     eval_accuracy: float | None
     max_version_lag: int
     dropped_groups: int
@@ -147,13 +151,19 @@ def summarise_run(plan: RunPlan, records: list[dict], prompts_per_step: int, *,
     kept = steps[1:]
     rewards = [r["reward_mean"] for r in steps]
     blocks = [float(np.mean(rewards[i:i + BLOCK])) for i in range(0, len(rewards), BLOCK)]
+    by_version: dict[int, list[float]] = {}   # a sync step s samples from version s - 1
+    for r in steps:
+        v = r.get("policy_version")
+        by_version.setdefault(r["step"] - 1 if v is None else int(v), []).append(r["reward_mean"])
+    per_v = [float(np.mean(by_version[v])) for v in sorted(by_version)]
+    v_blocks = [float(np.mean(per_v[i:i + BLOCK])) for i in range(0, len(per_v), BLOCK)]
     evals = [r for r in records if r.get("kind") == "eval" and "eval_accuracy" in r]
     return RunResult(
         plan.label, plan.schedule, plan.seed, plan.same_work,
         step_s=[float(r["step_s"]) for r in kept],
         groups=[round(prompts_per_step * (1.0 - r["frac_reward_zero_std"])) for r in kept],
         tokens=[int(r["generated_tokens"]) for r in kept],
-        reward_blocks=blocks,
+        reward_blocks=blocks, version_blocks=v_blocks,
         eval_accuracy=float(evals[-1]["eval_accuracy"]) if evals else None,
         max_version_lag=max(int(r.get("version_lag") or 0) for r in steps),
         dropped_groups=sum(int(r.get("dropped_groups") or 0) for r in steps),
@@ -231,22 +241,27 @@ def report(results: list[RunResult]) -> tuple[list[str], dict]:
 
 
 def _reward_spread(sync: list[RunResult], asyn: list[RunResult], lines: list[str]) -> dict:
-    """Per block of steps: the sync seeds' range and the async seeds' mean; appends its lines."""
-    n = min(len(r.reward_blocks) for r in sync + asyn)
-    lo = [min(r.reward_blocks[i] for r in sync) for i in range(n)]
-    hi = [max(r.reward_blocks[i] for r in sync) for i in range(n)]
-    mean_a = [float(np.mean([r.reward_blocks[i] for r in asyn])) for i in range(n)]
-    inside = sum(lo[i] <= mean_a[i] <= hi[i] for i in range(n))
-    lines.append("reward by block, sync range | async mean: " + "  ".join(
-        f"{lo[i]:.2f}-{hi[i]:.2f}|{mean_a[i]:.2f}" for i in range(n))
-        + f"; async mean inside the sync range in {inside}/{n} blocks")
+    """Per block of steps, and per block of the versions that sampled the batches: the sync
+    seeds' range and the async seeds' mean; appends their lines."""
+    out = {}
+    for key, what in (("reward_blocks", f"reward by {BLOCK} steps"),
+                      ("version_blocks", f"reward by {BLOCK} sampling versions")):
+        n = min(len(getattr(r, key)) for r in sync + asyn)
+        lo = [min(getattr(r, key)[i] for r in sync) for i in range(n)]
+        hi = [max(getattr(r, key)[i] for r in sync) for i in range(n)]
+        mean_a = [float(np.mean([getattr(r, key)[i] for r in asyn])) for i in range(n)]
+        inside = sum(lo[i] <= mean_a[i] <= hi[i] for i in range(n))
+        lines.append(f"{what}, sync range | async mean: " + "  ".join(
+            f"{lo[i]:.2f}-{hi[i]:.2f}|{mean_a[i]:.2f}" for i in range(n))
+            + f"; async mean inside the sync range in {inside}/{n} blocks")
+        out[key] = {"sync_low": lo, "sync_high": hi, "async_mean": mean_a,
+                    "blocks_inside": inside, "blocks": n}
     acc_s = [r.eval_accuracy for r in sync if r.eval_accuracy is not None]
     acc_a = [r.eval_accuracy for r in asyn if r.eval_accuracy is not None]
     if acc_s and acc_a:
         lines.append(f"held-out accuracy at the end: sync {min(acc_s):.3f}-{max(acc_s):.3f}, "
                      f"async {min(acc_a):.3f}-{max(acc_a):.3f}")
-    return {"sync_low": lo, "sync_high": hi, "async_mean": mean_a, "blocks_inside": inside,
-            "blocks": n}
+    return out
 
 
 def _run_one(plan: RunPlan, config: str, overrides: list[str], out: Path) -> tuple[float, float, int]:
