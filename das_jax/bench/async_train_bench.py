@@ -51,11 +51,12 @@ from pathlib import Path
 
 import numpy as np
 
+from das_jax.arg_types import int_list, positive_int
+from das_jax.config import MAIN_JOB_CONFIG as DEFAULT_CONFIG
 from das_jax.config import ConfigError, load_config
 from das_jax.errors import UserError
 from das_jax.rl.run_files import read_metrics
 
-DEFAULT_CONFIG = "configs/smollm2-135m-arith.yaml"   # the main job (as `das-jax train`'s)
 BLOCK = 4                                             # steps per reward-curve block
 
 
@@ -64,14 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the training config (default: the main job, {DEFAULT_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value in every run (as `das-jax train --set`)")
-    p.add_argument("--seeds", default="0,1,2",
+    p.add_argument("--seeds", type=int_list(minimum=0, example="0,1,2"), default="0,1,2",
                    help="train.seed of the learning runs, each run sync and async (default 0,1,2)")
     p.add_argument("--same-work", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the learning-rate-0 pair (identical work; default: on)")
     p.add_argument("--turns", action="store_true",
                    help="also run the same-work async run with train.async_overlap=false "
                         "(rollout and update take turns)")
-    p.add_argument("--async-steps", type=int, default=1,
+    p.add_argument("--async-steps", type=positive_int, default=1,
                    help="train.async_steps of the asynchronous runs (default 1)")
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep each run's checkpoints (default: removed once the run is "
@@ -283,8 +284,7 @@ def _run_one(plan: RunPlan, config: str, overrides: list[str], out: Path) -> tup
 
 
 def main(args: argparse.Namespace) -> int:
-    seeds = args.seeds if isinstance(args.seeds, tuple) else \
-        tuple(int(s) for s in str(args.seeds).split(","))
+    seeds = args.seeds
     if not Path(args.config).is_file():
         raise ConfigError(f"--config {args.config}: no such file; pass a training config "
                           f"(the main job is {DEFAULT_CONFIG}, run from the repository root)")

@@ -29,8 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from das_jax.arg_types import (float_list, int_at_least, int_list, name_list, positive_int,
-                              set_type)
+from das_jax.arg_types import float_list, int_at_least, name_list, positive_int, set_type
 from das_jax.bench import (arguments, async_replay, async_train_bench, drafter_bench,
                            main_job_bench, rollout_bench)
 from das_jax.rollout import speculation_names
@@ -72,8 +71,6 @@ def register(subparsers) -> None:
     pt = sub.add_parser("async-train", help="the main job's step time, sync vs async GRPO, "
                         "side by side (real training runs, one after the other)")
     async_train_bench.add_arguments(pt)
-    set_type(pt, "--seeds", int_list(minimum=0, example="0,1,2"))
-    set_type(pt, "--async-steps", positive_int)
     pt.set_defaults(func=async_train_bench.main)
 
     pm = sub.add_parser("main-job", help="a training run's rollouts with its drafter vs none, "

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from das_jax.arg_types import nonnegative_int
-from das_jax.config import ConfigError, apply_compilation_cache, apply_platform, load_config
+from das_jax.config import (MAIN_JOB_CONFIG, ConfigError, apply_compilation_cache,
+                            apply_platform, load_config)
 from das_jax.data import problems_from_config
 from das_jax.errors import one_line
 from das_jax.malloc import configure_allocator
@@ -27,8 +28,6 @@ from das_jax.rl.rewards import reward_fns_from_config, self_test_rewards
 from das_jax.rl.plots import plot_compare
 from das_jax.rl.run_log import (SAMPLES_FILE, format_sample, phase, read_jsonl,
                                 setup_console_logging)
-
-DEFAULT_CONFIG = "configs/smollm2-135m-arith.yaml"
 
 
 def register(subparsers) -> None:
@@ -45,7 +44,7 @@ def register(subparsers) -> None:
                "dir gets das-jax-run.json (the mark of a das-jax run), metrics.jsonl, "
                "samples.jsonl, plots/*.png, tb/ (TensorBoard) and checkpoints/.")
     p.add_argument("--config", help="YAML run config (default: the built-in defaults of "
-                                    f"das_jax/config/schema.py; the main job is {DEFAULT_CONFIG})")
+                                    f"das_jax/config/schema.py; the main job is {MAIN_JOB_CONFIG})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set grpo.beta=0.04 --set drafter=none")
     p.add_argument("--resume", metavar="RUN_DIR",

@@ -17,15 +17,15 @@ The package: `schema` (the sections), `loader` (YAML, overrides, coercion, save,
 """
 from __future__ import annotations
 
-from das_jax.config.loader import (apply_compilation_cache, apply_overrides, apply_platform,
-                                   compilation_cache_dir, config_from_dict,
+from das_jax.config.loader import (MAIN_JOB_CONFIG, apply_compilation_cache, apply_overrides,
+                                   apply_platform, compilation_cache_dir, config_from_dict,
                                    config_to_dict, load_config, parse_override, save_config)
 from das_jax.config.schema import (Config, ConfigError, DASSection, DataSection,
                                    DistributedSection, DraftHeadSection, EvalSection,
                                    GRPOSection, MeshSection, ModelSection, RewardsSection, RolloutSection, TrainSection)
 from das_jax.config.validation import validate
 
-__all__ = ["Config", "ConfigError", "DASSection", "DataSection", "DistributedSection",
+__all__ = ["MAIN_JOB_CONFIG", "Config", "ConfigError", "DASSection", "DataSection", "DistributedSection",
            "DraftHeadSection",
            "EvalSection", "GRPOSection", "MeshSection", "ModelSection", "RewardsSection", "RolloutSection",
            "TrainSection", "apply_compilation_cache", "apply_overrides", "apply_platform",

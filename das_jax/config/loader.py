@@ -224,6 +224,11 @@ def config_from_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = (
     return validate(_from_dict(Config, raw))
 
 
+# The main job's config, relative to the repository root (`das-jax train`'s documented default
+# run, and the job `das-jax bench async-train` times).
+MAIN_JOB_CONFIG = "configs/smollm2-135m-arith.yaml"
+
+
 def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
     """Loads a YAML config file (None: all defaults), applies `--set` overrides, validates.
 
