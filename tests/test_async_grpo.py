@@ -40,14 +40,19 @@ def test_async_steps_zero_is_the_synchronous_loop(tmp_path):
     assert "version_lag" not in r0[0]   # the synchronous records are unchanged
 
 
-def test_async_loss_is_the_off_policy_grpo_loss(tmp_path):
+@pytest.mark.parametrize("old_logprobs", ["recompute", "rollout"])
+def test_async_loss_is_the_off_policy_grpo_loss(tmp_path, old_logprobs):
     """Every step's loss equals the truncated-IS GRPO loss computed here from the recorded
-    behaviour log-probs and the pre-update params (dapo, beta 0, one iteration)."""
+    behaviour log-probs and the pre-update params (dapo, beta 0, one iteration), whether the
+    trainer recomputes the pre-update log-probs or the train step takes them from its own
+    forward pass (`rollout`: the decoupled objective); so do the importance-weight metrics."""
     cap = 1.5   # low enough that some weights are truncated
     cfg = make_config(tmp_path, steps=4, save_every=0, async_steps=1)
-    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo,
-                                                            importance_sampling_cap=cap))
+    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(
+        cfg.grpo, importance_sampling_cap=cap, old_logprobs=old_logprobs, num_iterations=1))
     trainer = make_trainer(cfg)
+    assert (trainer.train_step.loss_and_grad.loss_config.decoupled_is_cap ==
+            (cap if old_logprobs == "rollout" else None))
     seen = []   # per step: (behaviour version, rollout batch, params before the update)
     take, step_fn = trainer.async_rollouts.take, trainer.train_step
 
@@ -77,16 +82,23 @@ def test_async_loss_is_the_off_policy_grpo_loss(tmp_path):
         logits = logits_fn(params, tokens, positions)
         logp_all = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32) / T, -1))
         adv = np.asarray(trainer.advantage_fn(jnp.asarray(rb.rewards), cfg.grpo))
-        num, count = 0.0, 0
+        num, count, ws, raws = 0.0, 0, [], []
         for b, (p, o) in enumerate(zip(prompts, rb.outputs)):
             for j, (tok, behaviour) in enumerate(zip(o.token_ids, o.logprobs)):
                 t = len(p) + j                       # target position; predicted at t - 1
                 old = logp_all[b, t - 1, tok]        # pre-update params
                 w = min(np.exp(old - behaviour), cap)
                 truncated += np.exp(old - behaviour) > cap
+                ws.append(w)
+                raws.append(np.exp(old - behaviour))
                 num += -w * adv[b]                   # ratio 1 at the pre-update params
                 count += 1
         assert record["loss"] == pytest.approx(num / count, abs=1e-6), record["step"]
+        assert record["is_weight_mean"] == pytest.approx(np.mean(ws), abs=1e-5)
+        assert record["is_weight_max"] == pytest.approx(np.max(raws), rel=1e-4)
+        assert record["is_truncated_fraction"] == pytest.approx(np.mean(np.array(raws) > cap),
+                                                                abs=1e-6)
+        assert record["clip_fraction"] == 0.0        # the ratio is 1 at the pre-update params
     assert truncated > 0                             # the cap was exercised
     assert all(r["dropped_groups"] == 0 for r in records)
 

@@ -50,7 +50,7 @@ def _max_rel(a, b):
 
 
 @pytest.mark.parametrize("case", ["dapo_clipped", "grpo_kl_unclipped", "no_clip_untied",
-                                  "dapo_clipped_untied"])
+                                  "dapo_clipped_untied", "grpo_kl_decoupled"])
 def test_fused_update_equals_unfused(case):
     config = CFG
     # adam_epsilon 1e-4: AdamW's first step is lr * g / (|g| + eps), so for an element with |g|
@@ -58,7 +58,11 @@ def test_fused_update_equals_unfused(case):
     # (the tied head's tiniest entries, ~1e-8 after the clip, otherwise); a larger eps keeps the
     # comparison of the two summation orders well conditioned, the math is the same
     kw = dict(micro_batch_size=9, learning_rate=3e-2, adam_epsilon=1e-4)
-    if case == "dapo_clipped":
+    step_kw = {}
+    if case == "grpo_kl_decoupled":   # the decoupled objective's truncated weights (cap 1.3)
+        kw.update(loss_type="grpo", beta=0.04, max_grad_norm=0.05)
+        step_kw = dict(decoupled_is_cap=1.3)
+    elif case == "dapo_clipped":
         kw.update(loss_type="dapo", max_grad_norm=0.05)  # the clip triggers
     elif case == "grpo_kl_unclipped":
         kw.update(loss_type="grpo", beta=0.04, max_grad_norm=1e3)  # it does not
@@ -76,8 +80,10 @@ def test_fused_update_equals_unfused(case):
     for b in batches:
         real = np.asarray(b.tokens_BxT)[np.asarray(b.valid_BxT)]
         assert len(np.unique(real)) < len(real)
-    p_ref, s_ref, m_ref = _run(config, grpo, batches, fused=False)
-    p_new, s_new, m_new = _run(config, grpo, batches, fused=True)
+    p_ref, s_ref, m_ref = _run(config, grpo, batches, fused=False, **step_kw)
+    p_new, s_new, m_new = _run(config, grpo, batches, fused=True, **step_kw)
+    if step_kw:   # some weights truncated, some not
+        assert all(0 < m["is_truncated_fraction"] < 1 for m in m_ref), m_ref
     assert _max_rel(p_new, p_ref) < PARAM_TOL
     assert _max_rel(s_new, s_ref) < PARAM_TOL  # moments and step counts
     assert jax.tree_util.tree_structure(s_new) == jax.tree_util.tree_structure(s_ref)

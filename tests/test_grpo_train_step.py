@@ -140,6 +140,45 @@ def test_skip_zero_advantage_rows_same_loss_and_gradient(params, loss_type):
     np.testing.assert_allclose(float(loss_k), float(want_k), rtol=1e-6)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_decoupled_objective_is_the_recomputed_loss_with_truncated_weights(params, loss_type):
+    """The decoupled objective (old log-probs = the behaviour policy's; the ratio's proximal
+    policy = the params trained, detached) equals the plain loss with old log-probs recomputed
+    from the params and each token weighted by min(exp(logp - behaviour), cap): loss, gradient
+    (one and two micro-batches: the max metric combines across them) and the importance-weight
+    metrics against numpy."""
+    cap = 1.3
+    b = _batch(params, seed=4)        # old log-probs: the current ones perturbed (behaviour)
+    cur = np.asarray(compute_logprobs(CFG, params, b.tokens_BxT, b.positions_BxT, b.valid_BxT,
+                                      TEMP))
+    T = cur.shape[1]
+    cm = (np.asarray(b.completion_mask_BxT).astype(bool) & np.asarray(b.valid_BxT)
+          & (np.arange(T) > 0))
+    behaviour = np.asarray(b.old_logprobs_BxT)
+    raw = np.exp(np.where(cm, cur - behaviour, 0.0))
+    w = np.where(cm, np.minimum(raw, cap), 0.0).astype(np.float32)
+    assert 0 < (raw[cm] > cap).mean() < 1
+    cfg = _grpo(loss_type=loss_type, beta=0.04, micro_batch_size=6)
+    recomputed = b.replace(old_logprobs_BxT=jnp.asarray(cur * cm), is_weights_BxT=jnp.asarray(w))
+    want_loss, want_g, _ = make_loss_and_grad(CFG, cfg, temperature=TEMP)(params, recomputed)
+    for mb in (6, 4):
+        fn = make_loss_and_grad(CFG, dataclasses.replace(cfg, micro_batch_size=mb),
+                                temperature=TEMP, decoupled_is_cap=cap)
+        loss, g, m = fn(params, b)
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+        assert _tree_rel_err(g, want_g) <= 1e-5, (mb, _tree_rel_err(g, want_g))
+        np.testing.assert_allclose(float(m["is_weight_mean"]), w[cm].mean(), rtol=1e-5)
+        np.testing.assert_allclose(float(m["is_weight_max"]), raw[cm].max(), rtol=1e-5)
+        np.testing.assert_allclose(float(m["is_truncated_fraction"]), (raw[cm] > cap).mean(),
+                                   rtol=1e-6)
+        np.testing.assert_allclose(float(m["logprob_gap"]),
+                                   np.abs(cur - behaviour)[cm].mean(), rtol=1e-4)
+        assert float(m["clip_region"]) == 0.0      # the ratio is 1 in value
+    # without the cap the same batch is the plain loss against the behaviour policy
+    plain, _, m = make_loss_and_grad(CFG, cfg, temperature=TEMP)(params, b)
+    assert abs(float(plain) - float(want_loss)) > 1e-3 and "is_weight_mean" not in m
+
+
 def test_train_step_jit_and_eager_decrease_loss_and_move_params(params):
     b = _batch(params, seed=3)
     # on-policy old log-probs (as with num_iterations == 1): ratio 1 at the first step

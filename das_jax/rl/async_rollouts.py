@@ -33,12 +33,15 @@ drafts never change a sampled token) and is fed by the worker in step order, exa
 synchronous loop feeds it; it advances one epoch before the first rollout of each pass over
 the data.
 
-Off-policy correction (`GRPOTrainer.build_batch`): with `grpo.old_logprobs: recompute` the
-importance ratio's old policy is the pre-update params (version t) and each token's loss is
-weighted by min(pi_t(y) / pi_behaviour(y), `grpo.importance_sampling_cap`) from the rollout's
-own log-probs (truncated importance sampling, Yao et al. 2025); with `old_logprobs: rollout`
-the ratio is taken against the behaviour policy itself (PPO's clip bounds it) and the weight
-is 1.
+Off-policy correction: the importance ratio's old policy is the pre-update params (version t)
+and each token's loss is weighted by min(pi_t(y) / pi_behaviour(y),
+`grpo.importance_sampling_cap`) from the rollout's own log-probs (truncated importance
+sampling, Yao et al. 2025). With `grpo.old_logprobs: recompute` the trainer recomputes pi_t
+with a forward pass (`GRPOTrainer.build_batch`, `truncated_importance_weights`); with
+`old_logprobs: rollout` and one iteration the train step takes pi_t from its own forward pass
+(the decoupled objective, `das_jax.rl.losses.policy_terms`; `decoupled_is_cap`): the same loss
+and gradient without the extra pass. With `rollout` and several iterations the ratio is taken
+against the behaviour policy itself (PPO's clip bounds it) and the weight is 1.
 
 Checkpoints drain the worker first (`drain`): the saved state holds the finished batches of
 the steps after the checkpoint with their versions (`state_dict`), so a resumed run takes
@@ -60,7 +63,8 @@ import numpy as np
 from das_jax.engine import GenerateStats, Request, RequestOutput
 from das_jax.rl.rollout_batch import RolloutBatch
 
-__all__ = ["VersionedBatch", "AsyncRollouts", "RolloutCancelled"]
+__all__ = ["VersionedBatch", "AsyncRollouts", "RolloutCancelled", "IS_METRICS", "decoupled_is_cap",
+           "truncated_importance_weights"]
 
 
 class RolloutCancelled(Exception):
@@ -288,6 +292,24 @@ def _batch_from_state(trainer, b: dict[str, Any]) -> VersionedBatch:
                           list(b.get("reward_events") or []))
 
 
+# the off-policy correction's metrics in an asynchronous run's records
+IS_METRICS = ("is_weight_mean", "is_weight_max", "is_truncated_fraction")
+
+
+def decoupled_is_cap(config) -> float | None:
+    """The train step's decoupled-objective cap for a run (`das_jax.rl.losses.policy_terms`):
+    `grpo.importance_sampling_cap` in an asynchronous run (`train.async_steps > 0`) whose old
+    log-probs are the rollout's (`grpo.old_logprobs: rollout`) with one update per batch
+    (`grpo.num_iterations: 1`); None otherwise: a synchronous run samples from the params it
+    trains, `recompute` weighs the batch in `GRPOTrainer.build_batch`
+    (`truncated_importance_weights`), and several iterations take the behaviour policy as PPO's
+    old policy."""
+    if (config.train.async_steps > 0 and config.grpo.old_logprobs == "rollout"
+            and config.grpo.num_iterations == 1):
+        return float(config.grpo.importance_sampling_cap)
+    return None
+
+
 def truncated_importance_weights(old_BxT: np.ndarray, behaviour_BxT: np.ndarray,
                                  cmask_BxT: np.ndarray, cap: float):
     """(float32 `[N, T]` weights, metrics): min(exp(old - behaviour), cap) on the completion
@@ -300,7 +322,7 @@ def truncated_importance_weights(old_BxT: np.ndarray, behaviour_BxT: np.ndarray,
     raw = np.exp(np.where(cmask_BxT, old_BxT - behaviour_BxT, 0.0)).astype(np.float32)
     w = np.where(cmask_BxT, np.minimum(raw, cap), 0.0).astype(np.float32)
     n = int(cmask_BxT.sum())
-    metrics = {"is_weight_mean": float(w[cmask_BxT].mean()) if n else 1.0,
-               "is_weight_max": float(raw[cmask_BxT].max()) if n else 1.0,
-               "is_truncated_fraction": float((raw[cmask_BxT] > cap).mean()) if n else 0.0}
+    metrics = dict(zip(IS_METRICS, (float(w[cmask_BxT].mean()) if n else 1.0,
+                                    float(raw[cmask_BxT].max()) if n else 1.0,
+                                    float((raw[cmask_BxT] > cap).mean()) if n else 0.0)))
     return w, metrics

@@ -188,9 +188,8 @@ def _pre_head(spec: FusedSpec, mb: PackedMicroBatch, x_GxSxD, final_norm):
 def _post_head(spec: FusedSpec, mb: PackedMicroBatch, logp, ent):
     """(the loss, the metric sums) from the target log-probs `[R, W]`."""
     logp = jnp.where(mb.completion_mask, logp, 0.0)
-    terms = losses.get_loss(spec.loss_config.loss_type).per_token(
-        logp, mb.old_logprobs, mb.advantages, mb.completion_mask, mb.ref_logprobs,
-        spec.loss_config)
+    terms = losses.policy_terms(logp, mb.old_logprobs, mb.advantages, mb.completion_mask,
+                                mb.ref_logprobs, spec.loss_config)
     return jnp.sum(mb.weights * terms.loss_BxT), losses.metric_sums(terms, mb.completion_mask, ent)
 
 

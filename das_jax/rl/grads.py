@@ -63,14 +63,13 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
     Returns:
       (scalar loss, grads pytree in float32, dict of metric sums `losses.metric_sums`).
     """
-    loss_fn = losses.get_loss(loss_config.loss_type)
     params_c = cast_params(params, compute_dtype)
 
     def mb_loss(p, x):
         logp, entropy = micro_batch_logprobs(x, model_config, p, loss_config.temperature,
                                              activation)
-        terms = loss_fn.per_token(logp, x.old_logprobs, x.advantages, x.completion_mask,
-                                  x.ref_logprobs, loss_config)
+        terms = losses.policy_terms(logp, x.old_logprobs, x.advantages, x.completion_mask,
+                                    x.ref_logprobs, loss_config)
         return (jnp.sum(x.weights * terms.loss_BxT),
                 losses.metric_sums(terms, x.completion_mask, entropy))
 
@@ -83,7 +82,7 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
         (loss, sums), g = grad_fn(params_c, x)
         g_acc = jax.tree_util.tree_map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
         # a registered loss may not produce every metric (e.g. no log-ratio): those stay 0
-        s_acc = {k: s_acc[k] + sums[k] if k in sums else s_acc[k] for k in s_acc}
+        s_acc = losses.add_metric_sums(s_acc, sums)
         return (loss_acc + loss, g_acc, s_acc), None
 
     carry, _ = jax.lax.scan(body, carry, xs)
@@ -91,9 +90,11 @@ def accumulate_grads(model_config: ModelConfig, loss_config: losses.LossConfig, 
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _add_trees(a, b):
-    """`a + b` leaf by leaf (an accumulator plus one micro-batch's result), in place."""
-    return jax.tree_util.tree_map(jnp.add, a, b)
+def _add_carries(a, b):
+    """An accumulator `(loss, grads, sums)` plus one micro-batch's result, in place (the
+    sums by `losses.add_metric_sums`)."""
+    return (a[0] + b[0], jax.tree_util.tree_map(jnp.add, a[1], b[1]),
+            losses.add_metric_sums(a[2], b[2]))
 
 
 class _ShardedKernels:
@@ -149,6 +150,9 @@ class LossAndGrad:
     (`micro_batch_size` rounded up to a multiple of that split, the extra rows being zero-weight
     padding), the accumulator donated. Every process must call it with the same batch.
 
+    `decoupled_is_cap` (None: the registered loss as it is): the decoupled objective of
+    `das_jax.rl.losses` (`policy_terms`), the batch's old log-probs being the behaviour policy's.
+
     Raises:
       ValueError: temperature <= 0, an unregistered `loss_type`, or micro_batch_size < 1.
     """
@@ -156,12 +160,14 @@ class LossAndGrad:
     def __init__(self, model_config: ModelConfig, grpo_config, *, temperature: float = 1.0,
                  activation: ActivationConfig | None = ActivationConfig(),
                  compute_dtype: str | None = None, group_by_length: bool = True,
-                 skip_zero_advantage: bool = False, mesh=None, share_prompts: bool = True):
+                 skip_zero_advantage: bool = False, mesh=None, share_prompts: bool = True,
+                 decoupled_is_cap: float | None = None):
         if not temperature > 0:
             raise ValueError(f"training needs temperature > 0 (got {temperature}); log-probs of "
                              "a greedy (temperature 0) sampler are undefined")
         self.model_config = model_config
-        self.loss_config = losses.LossConfig.from_grpo(grpo_config, temperature)
+        self.loss_config = losses.LossConfig.from_grpo(grpo_config, temperature,
+                                                       decoupled_is_cap)
         self.loss_fn = losses.get_loss(self.loss_config.loss_type)
         self.micro_batch_size = int(grpo_config.micro_batch_size)
         if self.micro_batch_size < 1:
@@ -245,7 +251,7 @@ class LossAndGrad:
         # donated add: at most one accumulator and one micro-batch gradient.
         out = accumulate_grads(self.model_config, self.loss_config, params, xs,
                                activation=self.activation, compute_dtype=self.compute_dtype)
-        return out if carry is None else _add_trees(carry, out)
+        return out if carry is None else _add_carries(carry, out)
 
     def _sharded_kernels(self, params) -> _ShardedKernels:
         key = jax.tree_util.tree_structure(params)
@@ -270,7 +276,8 @@ class LossAndGrad:
         loss, grads, sums = carry
         grads = jax.tree_util.tree_map(lambda g, p: g if g.dtype == p.dtype else g.astype(p.dtype),
                                        grads, params)
-        metrics = losses.finalize_metrics(sums, self.loss_config.beta)
+        metrics = losses.finalize_metrics(sums, self.loss_config.beta,
+                                          self.loss_config.decoupled_is_cap is not None)
         metrics["loss"] = loss
         return loss, grads, metrics
 

@@ -33,6 +33,23 @@ Each aggregation is a `Loss` registered by name (`@register_loss("dapo")`); a ne
 `Loss` (per-token terms and weights) and is selected by `LossConfig.loss_type`, the one hashable
 static loss argument of the train-step kernels.
 
+Decoupled objective (`LossConfig.decoupled_is_cap`; Hilton et al. 2021, "Batch
+size-invariance for policy optimization", eq. 4; AReaL's decoupled PPO loss, Fu et al. 2025):
+when the batch was sampled by an older behaviour policy than the params being trained (an
+asynchronous run) and the batch takes one update, the proximal ("old") policy of the ratio is
+the current params detached, so the ratio is 1 in value and only its gradient acts, and each
+token's whole term is weighted by the truncated importance weight of the proximal policy over
+the behaviour policy (truncated importance sampling, Yao et al. 2025):
+
+  w_t       = min(exp(sg(logp_t) - behaviour_t), cap)
+  loss_t    = w_t * [-min(r_t A, clip(r_t) A) + beta * kl_t],   r_t = exp(logp_t - sg(logp_t))
+
+`old_logp` then carries the behaviour log-probs. The value and gradient equal those of the
+plain loss with `old_logp` recomputed from the current params and weights `w` (no extra forward
+pass: the proximal log-probs are the train step's own). Metrics add is_weight_mean (truncated),
+is_weight_max (before truncation) and is_truncated_fraction; logprob_gap is then mean
+|sg(logp) - behaviour|.
+
 Clip metrics follow TRL: a token is "low clipped" when `ratio < 1 - epsilon` and `A < 0`, "high
 clipped" when `ratio > 1 + epsilon_high` and `A > 0` (the cases where the clipped branch is the
 active one and the gradient is zero); "region" is their union. Metrics are token means over the
@@ -58,6 +75,8 @@ class LossConfig:
     beta: KL coefficient (0 disables the KL term and the reference log-probs).
     max_completion_length: the Dr. GRPO normaliser (tokens).
     temperature: the sampling temperature the logits are divided by (> 0).
+    decoupled_is_cap: None (the plain loss), or the truncation cap (>= 1) of the decoupled
+      objective (module docstring; `policy_terms`): `old_logp` is then the behaviour policy's.
     """
 
     loss_type: str = "dapo"
@@ -66,19 +85,22 @@ class LossConfig:
     beta: float = 0.0
     max_completion_length: int | None = None
     temperature: float = 1.0
+    decoupled_is_cap: float | None = None
 
     @property
     def epsilon_hi(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     @classmethod
-    def from_grpo(cls, grpo_config, temperature: float = 1.0) -> "LossConfig":
+    def from_grpo(cls, grpo_config, temperature: float = 1.0,
+                  decoupled_is_cap: float | None = None) -> "LossConfig":
         """From a `config.GRPOSection` (or any object with its attribute names)."""
         eh = grpo_config.epsilon_high
         return cls(loss_type=str(grpo_config.loss_type), epsilon=float(grpo_config.epsilon),
                    epsilon_high=None if eh is None else float(eh), beta=float(grpo_config.beta),
                    max_completion_length=grpo_config.max_completion_length,
-                   temperature=float(temperature))
+                   temperature=float(temperature),
+                   decoupled_is_cap=None if decoupled_is_cap is None else float(decoupled_is_cap))
 
 
 class Loss:
@@ -181,6 +203,9 @@ class PerTokenTerms(NamedTuple):
     high_clip_BxT: jax.Array   # 1.0 where high-clipped
     ratio_BxT: jax.Array       # importance ratio (1 off the mask)
     log_ratio_BxT: jax.Array | None = None  # logp - old_logp (0 off the mask)
+    # the decoupled objective only (`policy_terms`): truncated / raw importance weights
+    is_weight_BxT: jax.Array | None = None
+    is_weight_raw_BxT: jax.Array | None = None
 
 
 def token_loss_weights(completion_mask_BxT, loss_type: str, max_completion_length: int | None = None,
@@ -244,15 +269,46 @@ def per_token_terms(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT, *
                          jax.lax.stop_gradient(log_ratio_BxT))
 
 
+def policy_terms(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT, ref_logp_BxT,
+                 cfg: LossConfig) -> PerTokenTerms:
+    """The per-token terms the train step sums: the registered loss's `per_token`, or with
+    `cfg.decoupled_is_cap` the decoupled objective (module docstring), `old_logp_BxT` then being
+    the behaviour policy's log-probs. Shapes and dtypes as `per_token_terms`; elementwise over
+    tokens."""
+    loss_fn = get_loss(cfg.loss_type)
+    cap = cfg.decoupled_is_cap
+    if cap is None:
+        return loss_fn.per_token(logp_BxT, old_logp_BxT, advantages_B, completion_mask_BxT,
+                                 ref_logp_BxT, cfg)
+    mask = jnp.asarray(completion_mask_BxT).astype(bool)
+    prox_BxT = jax.lax.stop_gradient(logp_BxT.astype(jnp.float32))
+    terms = loss_fn.per_token(logp_BxT, prox_BxT, advantages_B, completion_mask_BxT,
+                              ref_logp_BxT, cfg)
+    log_w_BxT = jnp.where(mask, prox_BxT - old_logp_BxT.astype(jnp.float32), 0.0)
+    raw_BxT = jnp.exp(log_w_BxT)
+    w_BxT = jnp.where(mask, jnp.minimum(raw_BxT, cap), 0.0)
+    return terms._replace(loss_BxT=terms.loss_BxT * w_BxT, log_ratio_BxT=log_w_BxT,
+                          is_weight_BxT=w_BxT, is_weight_raw_BxT=raw_BxT)
+
+
 def entropy_from_logits(logits_BxTxV, temperature: float = 1.0) -> jax.Array:
     """Entropy (nats) of softmax(logits / temperature) per position: float32 `[B, T]`."""
     logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
     return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
-# every key `metric_sums` can produce (a registered loss may leave some out: they sum to 0)
+# every key `metric_sums` can produce (a registered loss may leave some out: they sum to 0);
+# the keys of METRIC_MAX_KEYS combine by max, not sum (`add_metric_sums`)
 METRIC_SUM_KEYS = ("num_tokens", "kl", "clip_low", "clip_high", "clip_region", "entropy",
-                   "abs_log_ratio")
+                   "abs_log_ratio", "is_weight", "is_truncated", "is_weight_max")
+METRIC_MAX_KEYS = ("is_weight_max",)
+
+
+def add_metric_sums(a: dict, b: dict) -> dict:
+    """`a` combined with `b` (two micro-batches' `metric_sums`): sums, max for METRIC_MAX_KEYS;
+    a key missing from `b` keeps `a`'s value."""
+    return {k: a[k] if k not in b else
+            (jnp.maximum(a[k], b[k]) if k in METRIC_MAX_KEYS else a[k] + b[k]) for k in a}
 
 
 def metric_sums(terms: PerTokenTerms, completion_mask_BxT, entropy_BxT=None) -> dict[str, jax.Array]:
@@ -270,11 +326,19 @@ def metric_sums(terms: PerTokenTerms, completion_mask_BxT, entropy_BxT=None) -> 
         sums["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy_BxT) * m)
     if terms.log_ratio_BxT is not None:  # |logp - old_logp|: the sampler/trainer log-prob gap
         sums["abs_log_ratio"] = jnp.sum(jnp.abs(terms.log_ratio_BxT) * m)
+    if terms.is_weight_BxT is not None:   # the decoupled objective's importance weights
+        raw = jax.lax.stop_gradient(terms.is_weight_raw_BxT)
+        sums["is_weight"] = jnp.sum(jax.lax.stop_gradient(terms.is_weight_BxT) * m)
+        sums["is_truncated"] = jnp.sum((raw > jax.lax.stop_gradient(terms.is_weight_BxT)) * m)
+        sums["is_weight_max"] = jnp.max(jnp.where(m > 0, raw, 0.0), initial=0.0)
     return sums
 
 
-def finalize_metrics(sums: dict[str, jax.Array], beta: float) -> dict[str, jax.Array]:
-    """Token means from `metric_sums` (TRL `masked_batch_mean`); "kl" only when beta != 0."""
+def finalize_metrics(sums: dict[str, jax.Array], beta: float,
+                     importance_weights: bool = False) -> dict[str, jax.Array]:
+    """Token means from `metric_sums` (TRL `masked_batch_mean`); "kl" only when beta != 0;
+    `importance_weights` (the decoupled objective): is_weight_mean, is_weight_max and
+    is_truncated_fraction too (1, 1 and 0 without completion tokens)."""
     denom = jnp.maximum(sums["num_tokens"], 1.0)
     out = {"num_completion_tokens": sums["num_tokens"]}
     for name in ("clip_low", "clip_high", "clip_region", "entropy") + (("kl",) if beta else ()):
@@ -282,6 +346,11 @@ def finalize_metrics(sums: dict[str, jax.Array], beta: float) -> dict[str, jax.A
             out[name] = sums[name] / denom
     if "abs_log_ratio" in sums:  # mean |logp - old_logp| over completion tokens
         out["logprob_gap"] = sums["abs_log_ratio"] / denom
+    if importance_weights:
+        some = sums["num_tokens"] > 0
+        out["is_weight_mean"] = jnp.where(some, sums["is_weight"] / denom, 1.0)
+        out["is_weight_max"] = jnp.where(some, sums["is_weight_max"], 1.0)
+        out["is_truncated_fraction"] = sums["is_truncated"] / denom
     return out
 
 

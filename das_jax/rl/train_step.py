@@ -66,10 +66,15 @@ class TrainStep:
         trained by `das_jax.rl.fused_update` (AdamW applied layer by layer inside the backward
         pass, two backward passes for the clip: the whole gradient never exists; same math).
         Other batches take the unfused path.
+      decoupled_is_cap: None, or the decoupled objective's truncation cap
+        (`das_jax.rl.losses`: the batch's old log-probs are then the behaviour policy's, the
+        ratio's proximal policy the params being trained; for one update per batch sampled by
+        older params, an asynchronous run's `grpo.old_logprobs: rollout`).
 
     Metrics (float32 scalars): loss, grad_norm (before clipping), update_norm,
     num_completion_tokens, clip_low, clip_high, clip_region, entropy, logprob_gap (mean
-    |logp - old_logp| over completion tokens), and kl when beta > 0.
+    |logp - old_logp| over completion tokens), kl when beta > 0, and with `decoupled_is_cap`
+    is_weight_mean, is_weight_max, is_truncated_fraction.
 
     Attributes:
       loss_and_grad: the `LossAndGrad` of the unfused path.
@@ -84,11 +89,12 @@ class TrainStep:
                  activation: ActivationConfig | None = ActivationConfig(),
                  compute_dtype: str | None = None, group_by_length: bool = True,
                  skip_zero_advantage: bool = False, mesh=None, leafwise: bool = False,
-                 fused: bool = False):
+                 fused: bool = False, decoupled_is_cap: float | None = None):
         self.loss_and_grad = LossAndGrad(model_config, grpo_config, temperature=temperature,
                                          activation=activation, compute_dtype=compute_dtype,
                                          group_by_length=group_by_length,
-                                         skip_zero_advantage=skip_zero_advantage, mesh=mesh)
+                                         skip_zero_advantage=skip_zero_advantage, mesh=mesh,
+                                         decoupled_is_cap=decoupled_is_cap)
         self.optimizer, self.mesh, self.donate = optimizer, mesh, donate
         own = isinstance(optimizer, Optimizer) and jit and donate and mesh is None
         self._whole_tree = functools.partial(apply_updates, optimizer)
@@ -128,7 +134,8 @@ class TrainStep:
         if fusable:
             params, opt_state, loss, sums, norms = fused_update(self._fused_spec, params,
                                                                 opt_state, xs)
-            metrics = losses.finalize_metrics(sums, self.loss_and_grad.loss_config.beta)
+            lc = self.loss_and_grad.loss_config
+            metrics = losses.finalize_metrics(sums, lc.beta, lc.decoupled_is_cap is not None)
             metrics["loss"] = loss
             metrics.update(norms)
             return params, opt_state, metrics

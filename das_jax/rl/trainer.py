@@ -52,7 +52,8 @@ from das_jax.parallel import distributed as dist
 from das_jax.parallel.rollout_split import GroupSplit
 from das_jax.parallel.sharding import TrainShardings, place, replicated
 from das_jax.rl.advantages import advantage_metrics
-from das_jax.rl.async_rollouts import AsyncRollouts, truncated_importance_weights
+from das_jax.rl.async_rollouts import (IS_METRICS, AsyncRollouts, decoupled_is_cap,
+                                      truncated_importance_weights)
 from das_jax.rl.batches import make_batch
 from das_jax.rl.checkpoint import CheckpointManager
 from das_jax.rl.logprobs import cast_params, compute_logprobs
@@ -157,7 +158,8 @@ class GRPOTrainer:
                                     activation=self.activation, compute_dtype=self.compute_dtype,
                                     mesh=self.mesh,
                                     skip_zero_advantage=c.train.skip_zero_advantage,
-                                    leafwise=True, fused=c.train.fused_update)
+                                    leafwise=True, fused=c.train.fused_update,
+                                    decoupled_is_cap=decoupled_is_cap(c))
         # The reference policy: a copy in the compute dtype (the master params are donated),
         # sharded like the master params on a mesh.
         self.ref_params = None
@@ -370,8 +372,11 @@ class GRPOTrainer:
             self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch)
             metrics = {k: float(v) for k, v in m.items()}
             if it == 0 and self.config.grpo.old_logprobs == "rollout":
-                # on-policy first iteration: mean |trainer logp - rollout logp| is the gap
+                # first iteration: mean |trainer logp - rollout logp| is the gap (on-policy, or
+                # the decoupled objective's proximal vs behaviour log-probs)
                 self.last_logprob_gap = metrics.get("logprob_gap")
+            if it == 0 and "is_weight_mean" in metrics:   # the decoupled objective's weights
+                self.last_is_metrics = {k: metrics[k] for k in IS_METRICS}
         metrics.update(head_metrics)
         return metrics
 
