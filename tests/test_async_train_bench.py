@@ -3,12 +3,14 @@ report's verdicts, its one-line errors, and (slow) an end-to-end invocation on a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from das_jax.bench import async_train_bench as atb
 from das_jax.cli import main
+from das_jax.config import MAIN_JOB_CONFIG, main_job_config
 
 from test_cli_errors import assert_one_line_error, run_cli
 
@@ -154,6 +156,18 @@ def test_bad_input_is_a_one_line_error_before_any_run(capsys, tmp_path, argv, fr
     assert not (tmp_path / "out").exists()           # nothing ran
 
 
+def test_the_default_config_is_the_main_job_from_any_directory(capsys, tmp_path, monkeypatch):
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    assert main_job_config() == MAIN_JOB_CONFIG
+    monkeypatch.chdir(tmp_path)                      # not the checkout: its file all the same
+    assert Path(main_job_config()) == repo / MAIN_JOB_CONFIG
+    # the bench without --config reads it (so a typo in --set is the error, not a missing file)
+    rc, out, err = run_cli(capsys, ["bench", "async-train", "--out", tmp_path / "out",
+                                    "--set", "train.step=3"])
+    assert_one_line_error(rc, err, "did you mean 'train.steps'", PROG)
+
+
 def test_a_non_empty_out_dir_is_refused(capsys, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     rc, out, err = run_cli(capsys, ["bench", "async-train", "--config", atb_tiny_yaml(),
@@ -197,7 +211,6 @@ def test_a_failed_run_reports_the_runs_before_it(capsys, tmp_path, monkeypatch):
 
 
 def atb_tiny_yaml() -> str:
-    from pathlib import Path
     return str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 
 

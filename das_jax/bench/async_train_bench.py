@@ -53,6 +53,7 @@ import numpy as np
 
 from das_jax.arg_types import int_list, positive_int
 from das_jax.config import MAIN_JOB_CONFIG as DEFAULT_CONFIG
+from das_jax.config import main_job_config
 from das_jax.config import ConfigError, load_config
 from das_jax.errors import UserError
 from das_jax.rl.run_files import read_metrics
@@ -61,8 +62,9 @@ BLOCK = 4                                             # steps per reward-curve b
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help=f"the training config (default: the main job, {DEFAULT_CONFIG})")
+    p.add_argument("--config", default=None,
+                   help=f"the training config (default: the main job, {DEFAULT_CONFIG} of the "
+                        "working directory or of the checkout das_jax runs from)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value in every run (as `das-jax train --set`)")
     p.add_argument("--seeds", type=int_list(minimum=0, example="0,1,2"), default="0,1,2",
@@ -285,6 +287,7 @@ def _run_one(plan: RunPlan, config: str, overrides: list[str], out: Path) -> tup
 
 def main(args: argparse.Namespace) -> int:
     seeds = args.seeds
+    args.config = args.config or main_job_config()
     if not Path(args.config).is_file():
         raise ConfigError(f"--config {args.config}: no such file; pass a training config "
                           f"(the main job is {DEFAULT_CONFIG}, run from the repository root)")

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from das_jax.config.loader import (MAIN_JOB_CONFIG, apply_compilation_cache, apply_overrides,
                                    apply_platform, compilation_cache_dir, config_from_dict,
-                                   config_to_dict, load_config, parse_override, save_config)
+                                   config_to_dict, load_config, main_job_config, parse_override,
+                                   save_config)
 from das_jax.config.schema import (Config, ConfigError, DASSection, DataSection,
                                    DistributedSection, DraftHeadSection, EvalSection,
                                    GRPOSection, MeshSection, ModelSection, RewardsSection, RolloutSection, TrainSection)
 from das_jax.config.validation import validate
 
-__all__ = ["MAIN_JOB_CONFIG", "Config", "ConfigError", "DASSection", "DataSection", "DistributedSection",
+__all__ = ["MAIN_JOB_CONFIG", "main_job_config", "Config", "ConfigError", "DASSection", "DataSection", "DistributedSection",
            "DraftHeadSection",
            "EvalSection", "GRPOSection", "MeshSection", "ModelSection", "RewardsSection", "RolloutSection",
            "TrainSection", "apply_compilation_cache", "apply_overrides", "apply_platform",

@@ -229,6 +229,16 @@ def config_from_dict(raw: Mapping[str, Any] | None, overrides: Sequence[str] = (
 MAIN_JOB_CONFIG = "configs/smollm2-135m-arith.yaml"
 
 
+def main_job_config() -> str:
+    """The main job's config file: `MAIN_JOB_CONFIG` under the working directory when it is
+    there, else in the checkout das_jax runs from (a source or editable install), else
+    `MAIN_JOB_CONFIG` itself (for the caller's "no such file" error)."""
+    if Path(MAIN_JOB_CONFIG).is_file():
+        return MAIN_JOB_CONFIG
+    checkout = Path(__file__).resolve().parents[2] / MAIN_JOB_CONFIG
+    return str(checkout) if checkout.is_file() else MAIN_JOB_CONFIG
+
+
 def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
     """Loads a YAML config file (None: all defaults), applies `--set` overrides, validates.
 

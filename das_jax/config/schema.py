@@ -169,9 +169,10 @@ class GRPOSection:
     # tokens, under the same distribution the trainer scores: the temperature-scaled full softmax,
     # whatever top_k / top_p). rollout_logprob_gap is reported in both modes.
     old_logprobs: str = _choices("recompute", "rollout", default="recompute")
-    # With train.async_steps > 0 and old_logprobs: recompute, each completion token's loss is
-    # weighted by the truncated importance weight min(pi_old / pi_behaviour, cap): pi_old the
-    # pre-update params the trainer recomputes with, pi_behaviour the (older) params the rollout
+    # With train.async_steps > 0, each completion token's loss is weighted by the truncated
+    # importance weight min(pi_old / pi_behaviour, cap): pi_old the pre-update params (recomputed
+    # by the trainer, or with old_logprobs: rollout and num_iterations: 1 the train step's own
+    # log-probs, detached: the decoupled objective), pi_behaviour the (older) params the rollout
     # sampled with (truncated importance sampling, Yao et al. 2025, "Your Efficient RL Framework
     # Secretly Brings You Off-Policy RL Training"; TRL's vllm_importance_sampling_cap).
     importance_sampling_cap: float = 2.0

@@ -323,7 +323,9 @@ class GRPOTrainer:
     def build_batch(self, rb: RolloutBatch):
         """(the `TrainBatch` of `rb`, its advantages `[N]`). Recomputes the old log-probs
         (`grpo.old_logprobs: recompute`) and, in an asynchronous run, the truncated importance
-        weights (`das_jax.rl.async_rollouts`; their metrics in `last_is_metrics`)."""
+        weights (`das_jax.rl.async_rollouts`; their metrics in `last_is_metrics`). With
+        `rollout` the batch carries the engine's log-probs, and an asynchronous run's train
+        step weighs the tokens itself (`decoupled_is_cap`)."""
         c = self.config
         advantages = np.asarray(self.advantage_fn(
             jnp.asarray(rb.rewards), c.grpo))
