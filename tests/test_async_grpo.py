@@ -40,14 +40,15 @@ def test_async_steps_zero_is_the_synchronous_loop(tmp_path):
     assert "version_lag" not in r0[0]   # the synchronous records are unchanged
 
 
-@pytest.mark.parametrize("old_logprobs", ["recompute", "rollout"])
-def test_async_loss_is_the_off_policy_grpo_loss(tmp_path, old_logprobs):
+@pytest.mark.parametrize("old_logprobs, async_steps", [("recompute", 1), ("rollout", 1),
+                                                       ("rollout", 2)])
+def test_async_loss_is_the_off_policy_grpo_loss(tmp_path, old_logprobs, async_steps):
     """Every step's loss equals the truncated-IS GRPO loss computed here from the recorded
     behaviour log-probs and the pre-update params (dapo, beta 0, one iteration), whether the
     trainer recomputes the pre-update log-probs or the train step takes them from its own
     forward pass (`rollout`: the decoupled objective); so do the importance-weight metrics."""
     cap = 1.5   # low enough that some weights are truncated
-    cfg = make_config(tmp_path, steps=4, save_every=0, async_steps=1)
+    cfg = make_config(tmp_path, steps=4, save_every=0, async_steps=async_steps)
     cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(
         cfg.grpo, importance_sampling_cap=cap, old_logprobs=old_logprobs, num_iterations=1))
     trainer = make_trainer(cfg)
@@ -67,8 +68,10 @@ def test_async_loss_is_the_off_policy_grpo_loss(tmp_path, old_logprobs):
 
     trainer.async_rollouts.take, trainer.train_step = recording_take, recording_step
     records = trainer.train(progress=False)
-    assert [r["policy_version"] for r in records] == [0, 0, 1, 2]
-    assert [r["version_lag"] for r in records] == [0, 1, 1, 1]   # never more than async_steps
+    versions = [max(s - async_steps, 0) for s in range(4)]   # step s + 1 samples version s - k
+    assert [r["policy_version"] for r in records] == versions
+    assert [r["version_lag"] for r in records] == [s - v for s, v in enumerate(versions)]
+    assert max(r["version_lag"] for r in records) == async_steps   # never more than async_steps
     T = cfg.rollout.temperature
     logits_fn = jax.jit(lambda p, t, q: forward(CFG, p, t, q)[0])
     truncated = 0
