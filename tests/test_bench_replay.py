@@ -248,6 +248,21 @@ def test_replay_cli_cost_model_flag(params, tmp_path, capsys):
     assert (res["kv_cache"], res["page_size"], res["kv_pages"]) == ("paged", 16, 2 * 16)
     assert res["predicted"]["none"][0]["generated_tokens"] == sum(
         len(r.token_ids) for r in rollouts[0])
+    # the memory bound of plain decoding on that pool: printed and stored, below none's time
+    assert res["pool_positions"] == 2 * 16 * 16
+    (bound,) = res["none_memory_bound"]
+    assert 0 < bound["device_s"] <= res["predicted"]["none"][0]["device_s"]
+    assert "memory bound for none (any schedule on a cache of 512 positions)" in capsys.readouterr().out
+    assert res["predicted"]["none"][0]["token_slots"] >= res["predicted"]["none"][0][
+        "live_token_slots"] == res["predicted"]["none"][0]["generated_tokens"] - len(rollouts[0])
+    # the clairvoyant what-if: the same tokens, admitted longest first, the same bound
+    assert replay_cli.main(p.parse_args([str(trace), "--drafters", "none", "--kv-cache",
+                                         "paged", "--kv-rows", "2", "--admit-longest-first",
+                                         "--json", str(out_json)])) == 0
+    res2 = json.loads(out_json.read_text())["results"][0]
+    assert res2["none_memory_bound"] == res["none_memory_bound"]
+    assert (res2["predicted"]["none"][0]["generated_tokens"]
+            == res["predicted"]["none"][0]["generated_tokens"])
     assert (res["overlap_host"], res["realtime"]) == (True, False)
     # the flags reach the simulated engine: appends completed before each draft, steps slept
     assert replay_cli.main(p.parse_args([str(trace), "--drafters", "suffix", "--no-overlap",

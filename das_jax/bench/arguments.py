@@ -80,6 +80,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-rows", type=positive_int, default=None,
                    help="paged: a pool with the memory of this many dense rows (each "
                         "max_cache_len positions); default: one per slot (never runs short)")
+    p.add_argument("--admit-longest-first", action="store_true",
+                   help="a what-if: admit each epoch's requests in the order of their recorded "
+                        "lengths, longest first (a clairvoyant length-aware admission; the "
+                        "engine admits in the policy's order)")
     p.add_argument("--realtime", action="store_true",
                    help="sleep each device step's predicted time on another thread while the "
                         "host runs the work it overlaps, so the exposed host time is measured "

@@ -201,6 +201,8 @@ class SimStats(GenerateStats):
 
     def summary(self, overheads: dict | None = None) -> dict:
         rows = sum(s.active for s in self.steps)
+        slots = sum(s.num_tokens if s.num_tokens is not None else s.batch * s.width
+                    for s in self.steps)
         return {"forward_passes": self.forward_passes, "generated_tokens": self.generated_tokens,
                 "drafted_tokens": self.drafted_tokens,
                 "accepted_draft_tokens": self.accepted_draft_tokens,
@@ -209,6 +211,8 @@ class SimStats(GenerateStats):
                 "prefill_tokens": self.prefill_tokens, "prefill_calls": self.prefill_calls,
                 "preemptions": self.preemptions,
                 "mean_live_rows": rows / max(self.forward_passes, 1),
+                "token_slots": slots,
+                "live_token_slots": rows + sum(s.drafted for s in self.steps),
                 "device_s": self.device_s(overheads), "host_s": self.host_s + self.overlap_s,
                 "overlapped_host_s": self.overlap_s,
                 "exposed_host_s": self.host_s + self.exposed_overlap_s,

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from das_jax.bench import replay as rp
+from das_jax.bench.memory_bound import epoch_bounds
 from das_jax.engine import EngineConfig, cache_len_for
 from das_jax.speculation import resolve_cost_model
 
@@ -62,6 +63,9 @@ def main(args: argparse.Namespace) -> int:
         if args.temperature is not None:
             groups = {t: g for t, g in groups.items() if abs(t - args.temperature) < 1e-9}
         max_new = int(h["max_new_tokens"])
+    if getattr(args, "admit_longest_first", False):
+        groups = {t: {e: sorted(rs, key=lambda r: -len(r.token_ids)) for e, rs in g.items()}
+                  for t, g in groups.items()}
     print(f"cost model ({args.cost_model or (PAPER_COST_MODEL if paper else 'trace')}): "
           f"c_base={coef['c_base'] * 1e3:.3f} ms, c_tok={coef['c_tok'] * 1e6:.3f} us/token slot, "
           f"c_kv={coef['c_kv'] * 1e9:.3f} ns/attended position; widths {widths}", flush=True)
@@ -82,12 +86,16 @@ def main(args: argparse.Namespace) -> int:
                                     log=lambda s: print(s, flush=True),
                                     realtime=getattr(args, "realtime", False))
             sim_s = time.perf_counter() - t0
+            pool = pool_positions(ec)
+            bounds = epoch_bounds(epochs, pool, coef)
             results.append({"temperature": temp, "max_slots": ms, "widths": list(widths),
                             "kv_cache": ec.kv_cache, "kv_pages": ec.kv_pages,
                             "page_size": ec.page_size, "overlap_host": ec.overlap_host,
                             "realtime": bool(getattr(args, "realtime", False)),
-                            "cost_model": coef, "predicted": pred, "sim_s": sim_s})
+                            "cost_model": coef, "predicted": pred, "sim_s": sim_s,
+                            "pool_positions": pool, "none_memory_bound": bounds})
             print(table(pred, temp, ms))
+            print(bound_table(pred, bounds, pool, coef))
             print(f"(simulated in {sim_s:.1f}s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -109,6 +117,34 @@ def engine_config(args, max_slots: int, widths, max_cache_len: int) -> EngineCon
                         kv_cache="paged", page_size=args.page_size,
                         kv_pages=None if args.kv_rows is None else args.kv_rows * per_row,
                         overlap_host=overlap)
+
+
+def pool_positions(ec: EngineConfig) -> int:
+    """KV positions the simulated cache holds: the paged pool's pages x page size (one row's
+    pages per slot when `kv_pages` is unset), else slots x `max_cache_len`."""
+    if ec.kv_cache == "paged":
+        pages, page, _ = ec.paging(ec.max_slots, ec.max_cache_len)
+        return int(pages) * int(page)
+    return int(ec.max_slots) * int(ec.max_cache_len)
+
+
+def bound_table(pred: dict, bounds: list[dict], pool: int, coef: dict) -> str:
+    """Per epoch: `none`'s device time, the same with its token slots priced at the live rows
+    only (no batch-bucket padding), and the fastest plain decoding any cache of `pool`
+    positions allows under the cost model (`memory_bound.none_memory_bound`)."""
+    lines = [f"\nmemory bound for none (any schedule on a cache of {pool:,} positions):",
+             "| epoch | none device s | none without padding s | bound device s "
+             "(base + tok + kv) | bound passes | none passes | none / bound |",
+             "|---|---|---|---|---|---|---|"]
+    for r, b in zip(pred["none"], bounds):
+        unpadded = r["device_s"] - float(coef["c_tok"]) * (r["token_slots"]
+                                                            - r["live_token_slots"])
+        lines.append(f"| {b['epoch']} | {r['device_s']:.2f} | {unpadded:.2f} | "
+                     f"{b['device_s']:.2f} "
+                     f"({b['base_s']:.1f} + {b['tok_s']:.1f} + {b['kv_s']:.1f}) | "
+                     f"{b['passes']} | {r['forward_passes']} | "
+                     f"{r['device_s'] / max(b['device_s'], 1e-12):.3f} |")
+    return "\n".join(lines)
 
 
 def paper_groups(trace, args):
