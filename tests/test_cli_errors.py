@@ -235,8 +235,10 @@ def test_platform_gpu_without_gpu_is_one_line_before_the_model(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("das-jax train: error: platform='gpu': JAX "
-                                                   "cannot use a GPU on this machine")
+                                                   "cannot use a GPU (CUDA or ROCm) on this "
+                                                   "machine (JAX says: ")
     assert "set platform: cpu" in lines[0]
+    assert not (tmp_path / "run").exists()    # refused before it wrote anything: no run dir
 
 
 def test_real_command_prints_exactly_one_line(tmp_path):
@@ -350,3 +352,16 @@ def test_a_bad_set_value_is_blamed_on_the_set_not_the_file(tmp_path, capsys):
                                   "--set", "rollout.max_cache_len=8"])
     assert_one_line_error(rc, err, "error: --set rollout.max_cache_len=8: rollout.max_cache_len=8 "
                                    "must exceed rollout.max_new_tokens=16", "das-jax train")
+
+
+def test_help_shows_no_default_for_flags(capsys):
+    """`--no-x` flags do not print "(default: True)" (it would not say which way is on); options
+    with a value still show their default."""
+    from das_jax.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "rollout", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skip the HF reference (also under --preset readme) --hf-batches" in out
+    assert "(default: True)" not in out
+    assert "(default: 0)" in out    # --load-cores N

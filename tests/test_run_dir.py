@@ -74,6 +74,29 @@ def test_lock_is_reentrant_within_a_process_and_released_at_the_end(tmp_path, ho
     holder(run).release()                      # free after the outer block
 
 
+def test_a_new_directory_left_with_only_the_lock_is_removed(tmp_path, holder):
+    """A run refused by a check inside the lock (bad platform, memory plan) leaves no empty
+    run directory behind; one that wrote anything, or a directory that existed, stays."""
+    run = tmp_path / "deep" / "run"
+    with pytest.raises(ValueError):
+        with rd.lock_run_dir(run):
+            assert (run / rd.LOCK_FILE).exists()
+            raise ValueError("refused")
+    assert not run.exists() and (tmp_path / "deep").is_dir()
+    with rd.lock_run_dir(run):
+        (run / "config.yaml").write_text("x: 1\n")
+    assert sorted(p.name for p in run.iterdir()) == [rd.LOCK_FILE, "config.yaml"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with rd.lock_run_dir(empty):
+        pass
+    assert [p.name for p in empty.iterdir()] == [rd.LOCK_FILE]
+    holder(tmp_path / "other").release()      # another process's new, empty directory too
+    assert not (tmp_path / "other").exists()
+    with rd.lock_run_dir(tmp_path / "other"):  # and the name can be locked again at once
+        assert (tmp_path / "other" / rd.LOCK_FILE).exists()
+
+
 def test_output_dir_that_is_a_file(tmp_path):
     f = tmp_path / "f"
     f.write_text("x")

@@ -36,12 +36,14 @@ def _unshown(default) -> bool:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` shows each option's default, unless it is None / False or the help already
+    """`--help` shows each option's default, unless it is None / False, the option is a flag
+    (`--x` / `--no-x`: "default: True" would not say which way it is on), or the help already
     names it."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if _unshown(action.default) or action.default == argparse.SUPPRESS or "default" in text:
+        if (_unshown(action.default) or action.default == argparse.SUPPRESS
+                or action.nargs == 0 or "default" in text):
             return text
         return super()._get_help_string(action)
 

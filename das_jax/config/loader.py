@@ -376,7 +376,9 @@ def apply_platform(cfg: Config) -> None:
         jax.devices()
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        kind = "GPU (CUDA or ROCm)" if cfg.platform == "gpu" else cfg.platform.upper()
         raise ConfigError(
-            f"platform={cfg.platform!r}: JAX cannot use a {cfg.platform.upper()} on this machine "
-            f"({first}); set platform: cpu (or null to let JAX choose), or install a jax build "
-            f"with {cfg.platform.upper()} support (e.g. pip install -U 'jax[cuda12]')") from None
+            f"platform={cfg.platform!r}: JAX cannot use a {kind} on this machine "
+            f"(JAX says: {first}); set platform: cpu (or null to let JAX choose), or install a "
+            f"jax build with {cfg.platform.upper()} support (e.g. pip install -U 'jax[cuda12]' "
+            "for an NVIDIA GPU)") from None

@@ -92,7 +92,9 @@ def plot_run(records: Records, out_dir: str | Path, *,
         ax.fill_between(x, [a - s for a, s in zip(y, std)], [a + s for a, s in zip(y, std)],
                         alpha=0.15, label="reward ± std")
     if _has(records, "accuracy"):
-        ax.plot(*_series(records, "accuracy"), marker="s", label="accuracy")
+        # dashed, hollow markers: the reward line stays visible where the two are equal
+        ax.plot(*_series(records, "accuracy"), marker="s", markerfacecolor="none",
+                linestyle="--", label="accuracy")
     for k in sorted({k for r in records for k in r if k.startswith("reward/")}):
         if _series(records, k) == _series(records, "accuracy"):
             continue   # the accuracy reward, already drawn as accuracy

@@ -79,11 +79,14 @@ def check_run_dir_path(run_dir: str | os.PathLike) -> Path:
 @contextlib.contextmanager
 def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
     """Holds an exclusive lock on `run_dir` (created if needed) for the duration of the block.
+    A directory this call created is removed again if the block leaves nothing in it but the
+    lock (a run refused by a check before it wrote anything leaves no empty run directory).
 
     Raises:
       RunDirError: another live process holds the lock (the message gives its pid), or the
         directory is not usable (see `check_run_dir_path`).
     """
+    created = not os.path.lexists(run_dir)
     path = check_run_dir_path(run_dir)
     key = os.path.realpath(path)
     if key in _held:
@@ -94,7 +97,37 @@ def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
             _held[key][1] -= 1
         return
     lock_path = path / LOCK_FILE
+    for attempt in range(3):
+        fd = _open_lock(path, lock_path)
+        # A process that removed its new, empty directory (below) unlinked the file this one
+        # may have opened first: a lock on it locks nothing, so take the lock file again.
+        if os.fstat(fd).st_nlink or attempt == 2:
+            break
+        os.close(fd)
+        path = check_run_dir_path(run_dir)
     try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except OSError:
+        pass  # the lock is what matters; the note is for messages only
+    _held[key] = [fd, 1]
+    try:
+        yield path
+    finally:
+        _held[key][1] -= 1
+        if _held[key][1] == 0:
+            del _held[key]
+            if created:
+                _remove_if_only_lock(path, lock_path)
+            os.close(fd)   # releases the flock
+
+
+def _open_lock(path: Path, lock_path: Path) -> int:
+    """Opens (creating) the lock file and takes its flock; the fd. Raises RunDirError."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:   # the directory was just removed by a refused run: recreate
+        check_run_dir_path(path)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise RunDirError(f"cannot create the lock file {str(lock_path)!r}: {e.strerror}; "
@@ -113,19 +146,17 @@ def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
         raise RunDirError(f"output_dir {str(path)!r} is in use by another run ({holder}); wait "
                           "for it to finish or choose another output_dir (--set output_dir=DIR)"
                           ) from None
+    return fd
+
+
+def _remove_if_only_lock(path: Path, lock_path: Path) -> None:
+    """Removes the lock file and `path` when nothing else is in it (still holding the lock)."""
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        if [p.name for p in path.iterdir()] == [LOCK_FILE]:
+            os.unlink(lock_path)
+            path.rmdir()
     except OSError:
-        pass  # the lock is what matters; the note is for messages only
-    _held[key] = [fd, 1]
-    try:
-        yield path
-    finally:
-        _held[key][1] -= 1
-        if _held[key][1] == 0:
-            del _held[key]
-            os.close(fd)   # releases the flock
+        pass   # something appeared meanwhile, or it is not ours to remove: keep it
 
 
 # What a lock file holds: the note `lock_run_dir` writes, "pid 123 on host".
