@@ -382,8 +382,8 @@ def part_generate(ck: Check) -> dict:
         out[name] = {**st.to_dict(), "decode_steps": k, "host_s_per_step": host / n,
                      "draft_policy_s_per_step": (st.draft_s + st.policy_s) / n,
                      "decode_s_per_step": st.decode_s / n}
-        steps[0] += sum(s.num_tokens or s.batch * s.width for s in st.steps)
-        steps[1] += sum(s.attended_kv or s.batch * s.kv_len for s in st.steps)
+        steps[0] += sum(s.step_shape()[0] for s in st.steps)
+        steps[1] += sum(s.step_shape()[1] for s in st.steps)
         steps[2] += st.forward_passes
         prefill = [prefill[0] + st.prefill_tokens, 0, prefill[2] + st.prefill_calls]
         print(f"  generate {name}: {st.forward_passes} steps, host {host / n * 1e3:.2f} ms/step, "
@@ -515,7 +515,7 @@ def part_host(ck: Check) -> dict:
             calls = list(st.steps)
             shapes = {}
             for s in calls:   # the compiled slot bucket of the step's token slots
-                n_slots = s.num_tokens or s.batch * s.width
+                n_slots = s.step_shape()[0]
                 buckets = verify_token_buckets(s.batch, max(sh.gen_widths))
                 key = (s.batch, bucket(n_slots, buckets), s.width, s.kv_len)
                 shapes[key] = shapes.get(key, 0) + 1
@@ -537,7 +537,7 @@ def part_host(ck: Check) -> dict:
                     0.0, st.wall_s - st.prefill_s - st.compile_s - alone * n) / n
             res[name] = r
             passes += st.forward_passes
-            slots += sum(s.num_tokens or s.batch * s.width for s in calls)
+            slots += sum(s.step_shape()[0] for s in calls)
             print(f"  host {rows} rows {name}: {st.forward_passes} passes, host "
                   f"{r['host_ms_per_step']:.2f} ms/step ({r['host_us_per_row']:.1f} us/row), "
                   f"device call {r['device_call_ms_per_step']:.2f} ms/step, alone "

@@ -63,17 +63,17 @@ def none_memory_bound(prompt_lens: Sequence[int], gen_lens: Sequence[int], pool_
     k_min = int((p * d).sum()) + held
     passes = int(d.max()) if len(d) else 0
     if held:
-        # G(s) = sum_i min(s, d_i) for s = 1..max d; past max d the rows are done, so the
-        # memory term cannot need more steps than max d (G(max d) = sum d_i holds everything).
+        # max d steps hold at most sum_{s <= max d} min(pool, G(s)), G(s) = sum_i min(s, d_i);
+        # past max d every row is done (G = sum d_i > pool if the pool ever capped), so each
+        # further step adds the pool
         d_sorted = np.sort(d)
         s = np.arange(1, passes + 1, dtype=np.int64)
         done = np.searchsorted(d_sorted, s, side="left")          # rows with d_i < s
         below = np.concatenate([[0], np.cumsum(d_sorted)])[done]  # their sum
         g = below + s * (len(d) - done)
-        cum = np.cumsum(np.minimum(g, int(pool_positions)))
-        need = int(np.searchsorted(cum, held, side="left")) + 1
-        passes = max(passes, need) if need <= len(cum) else passes + int(
-            -(-(held - int(cum[-1])) // int(pool_positions)))
+        short = held - int(np.minimum(g, int(pool_positions)).sum())
+        if short > 0:
+            passes += -(-short // int(pool_positions))
     c_base, c_tok, c_kv = (float(coef["c_base"]), float(coef["c_tok"]),
                            float(coef.get("c_kv", 0.0)))
     out = {"passes": passes, "token_slots": n_min, "attended": k_min,

@@ -42,10 +42,8 @@ def step_shapes(stats) -> list[tuple[int, int]]:
     when a record leaves them None: batch*width and batch*kv_len)."""
     out = []
     for s in stats.steps:
-        n = s.num_tokens if s.num_tokens is not None else s.batch * s.width
-        k = (s.read_kv if s.read_kv is not None else
-             s.attended_kv if s.attended_kv is not None else s.batch * s.kv_len)
-        out.append((int(n), int(k)))
+        n, k = s.step_shape()
+        out.append((n, int(s.read_kv) if s.read_kv is not None else k))
     return out
 
 

@@ -201,8 +201,7 @@ class SimStats(GenerateStats):
 
     def summary(self, overheads: dict | None = None) -> dict:
         rows = sum(s.active for s in self.steps)
-        slots = sum(s.num_tokens if s.num_tokens is not None else s.batch * s.width
-                    for s in self.steps)
+        slots = sum(s.step_shape()[0] for s in self.steps)
         return {"forward_passes": self.forward_passes, "generated_tokens": self.generated_tokens,
                 "drafted_tokens": self.drafted_tokens,
                 "accepted_draft_tokens": self.accepted_draft_tokens,
