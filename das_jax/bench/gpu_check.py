@@ -26,8 +26,9 @@ shapes below on this machine's device first (longer than a lease allows for both
    the datasheet models `h100-7b` / `h200-7b`, and prints the table (das vs none, vs the best
    baseline, and the regime of each model).
 
-The trace defaults to the one shipped with the repository (`docs/traces/`, recorded by
-`das-jax bench rollout` with SmolLM2-135M on GSM8K). `--smoke` runs every part on a tiny model
+The trace defaults to the long-tailed one shipped with the repository
+(`docs/traces/gsm8k-longtail-smollm2-135m.jsonl.gz`, recorded by `das-jax bench rollout
+--preset longtail` with SmolLM2-135M on GSM8K: rollouts of up to 1,024 tokens). `--smoke` runs every part on a tiny model
 with small shapes (the unit test runs it on the CPU). Prints a JSON line with everything
 (also written to `DIR/gpu_check.json`).
 """
@@ -47,7 +48,7 @@ from das_jax.speculation import CostModel, save_cost_model
 from das_jax.testing import tiny_model_config
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = _ROOT / "docs" / "traces" / "gsm8k-smollm2-135m.jsonl.gz"
+DEFAULT_TRACE = _ROOT / "docs" / "traces" / "gsm8k-longtail-smollm2-135m.jsonl.gz"
 
 # Published configs (config.json of Qwen/Qwen2-1.5B and Qwen/Qwen2-7B on the Hugging Face hub).
 MODELS = {

@@ -109,7 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the paper-scale replay under cpu, h100-7b and h200-7b; longtail: the "
                         "same in the paper's regime -- configs/bench-longtail.yaml (8 problems x "
                         "8 samples up to 1,024 tokens, a long tail of lengths), 3 epochs; "
-                        "explicit flags override either")
+                        "explicit flags override either. The report's targets table uses the "
+                        "preset's targets (without one: readme's)")
     p.add_argument("--load-cores", type=int, default=0, metavar="N",
                    help="a deterministic co-tenant: N processes each spinning one core for the "
                         "run's duration (a reproducible 'under load' measurement; 0: none)")
@@ -161,6 +162,7 @@ class BenchSetup:
     reference_fn: Callable | None = None
     paper: "PaperSpec | None" = None             # paper-scale replay of this run's trace
     load_cores: int = 0                          # cores a co-tenant spins (`co_tenant`)
+    targets: str = "readme"                      # the report's targets: `rollout_report.TARGETS`
     # (DraftHead, steps, scale, dtype) for the drafters named "X+head": X with the head beside
     # it (`Rollout.attach_draft_head`); None: no such drafter.
     head: tuple | None = None
@@ -217,6 +219,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
     result: dict[str, Any] = {
         "model": setup.model_name, "drafters": names, "epochs": setup.epochs,
         "num_problems": len(setup.prompts), "num_generations": setup.num_generations,
+        "targets": setup.targets,
         "max_new_tokens": setup.max_new_tokens, "temperatures": setup.temperatures,
         "engine": {"max_slots": ec.max_slots, "max_cache_len": ec.max_cache_len,
                    "draft_widths": list(ec.draft_widths), "exact": ec.exact,
@@ -511,15 +514,18 @@ def run_paper(trace, names, max_new_tokens: int, das, spec: "PaperSpec", log=pri
 
 
 def report_markdown(result: dict) -> str:
-    """The benchmark's report: the targets table (first temperature), identity per drafter, the
-    HF reference and the paper-scale replay per cost model."""
+    """The benchmark's report: the targets table (first temperature; the targets of the preset
+    the run used, `rollout_report.TARGETS[result["targets"]]`), identity per drafter, the HF
+    reference and the paper-scale replay per cost model."""
     t = str(result["temperatures"][0])
     summ = result["summary"][t]
     hf = result.get("hf_reference")
     paper = result.get("paper", {}).get("models")
-    rows = rr.targets_rows(summ["speedups"], hf, summ["identity"], paper)
-    out = [f"### Targets (T={t}, {result['num_problems']} problems x {result['num_generations']} "
-           f"samples x {result['max_new_tokens']} tokens x {result['epochs']} epochs)", "",
+    preset = result.get("targets", "readme")
+    rows = rr.targets_rows(summ["speedups"], hf, summ["identity"], paper, rr.TARGETS[preset])
+    out = [f"### Targets of `--preset {preset}` (T={t}, {result['num_problems']} problems x "
+           f"{result['num_generations']} samples x {result['max_new_tokens']} tokens x "
+           f"{result['epochs']} epochs)", "",
            rr.targets_markdown(rows)]
     if paper:
         w = result["paper"]["workload"]
@@ -794,7 +800,7 @@ def main(args: argparse.Namespace) -> int:
         das=cfg.das,
         model_name=cfg.model.source,
         calibrate=not args.no_calibrate and args.cost_model is None, update_fn=update_fn,
-        paper=paper, load_cores=args.load_cores, head=head)
+        paper=paper, load_cores=args.load_cores, head=head, targets=args.preset or "readme")
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.hf_reference:
         setup.reference_fn = _make_reference_fn(cfg.model.source, tokenizer, args.hf_batches,
