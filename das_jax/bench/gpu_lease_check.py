@@ -382,8 +382,10 @@ def part_generate(ck: Check) -> dict:
         out[name] = {**st.to_dict(), "decode_steps": k, "host_s_per_step": host / n,
                      "draft_policy_s_per_step": (st.draft_s + st.policy_s) / n,
                      "decode_s_per_step": st.decode_s / n}
-        steps[0] += sum(s.step_shape()[0] for s in st.steps)
-        steps[1] += sum(s.step_shape()[1] for s in st.steps)
+        for s in st.steps:
+            n_slots, attended = s.step_shape()
+            steps[0] += n_slots
+            steps[1] += attended
         steps[2] += st.forward_passes
         prefill = [prefill[0] + st.prefill_tokens, 0, prefill[2] + st.prefill_calls]
         print(f"  generate {name}: {st.forward_passes} steps, host {host / n * 1e3:.2f} ms/step, "
