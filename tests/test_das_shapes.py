@@ -80,6 +80,34 @@ def test_budget_follows_measured_cost_not_the_fit():
     assert n.tolist() == [1] * 4 and t == pytest.approx(0.055)
 
 
+def test_split_query_block_is_its_own_measured_shape():
+    """A step where one of 16 rows drafts runs the split query block (R = 2 at W = 8): the cost
+    model keys it apart from the one-block step of the same (N, K, W), the policy prices a
+    choice by the shape it will run and learns its time from the step's record."""
+    cm = CostModel(c_base=0.05, c_tok=1e-3, c_kv=0.0, table_min=2)
+    for _ in range(2):
+        cm.observe_step(24, 2048, 0.200, width=8)                 # one [16, 8] block
+        cm.observe_step(24, 2048, 0.150, width=8, wide_rows=2)    # [16, 1] + [2, 8]
+        cm.observe_step(16, 2048, 0.120, width=1)
+    assert cm.seen(24, 2048, 8) and cm.seen(24, 2048, 8, 2) and not cm.seen(24, 2048, 8, 4)
+    assert cm.predict_step(24, 2048, width=8) == pytest.approx(0.200)
+    assert cm.predict_step(24, 2048, width=8, wide_rows=2) == pytest.approx(0.150)
+    rows = [RowView(i, "p", 5, 500) for i in range(16)]
+    probs = [np.full(7, 0.9)] + [np.zeros(0)] * 15
+    one = step_shape_fn(16, 128, (1, 8))
+    split = step_shape_fn(16, 128, (1, 8), wide_buckets=(2, 4))
+    pol = _policy(cm)
+    n, t = pol.choose(rows, probs, split)
+    assert n[0] == 7 and t == pytest.approx(0.150)
+    n1, t1 = _policy(cm).choose(rows, probs, one)
+    assert t1 in (pytest.approx(0.200), pytest.approx(0.120))
+    s = split(n)
+    pol.observe(StepRecord(batch=16, active=16, width=s.width, kv_len=128, drafted=7,
+                           accepted=7, emitted=23, seconds=0.140, num_tokens=s[0],
+                           attended_kv=2048, wide_rows=s.wide_rows))
+    assert len(cm.table[(24, 2048, 8, 2)]) == 3 and len(cm.table[(24, 2048, 8)]) == 2
+
+
 def _record(shape, n, seconds, compile_s=0.0):
     s = shape(n)
     return StepRecord(batch=4, active=4, width=s.width, kv_len=128, drafted=int(n.sum()),

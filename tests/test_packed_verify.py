@@ -59,11 +59,12 @@ def run_padded(config, params, cache, cache_len, tokens_BxW, n_draft_B, seeds, k
 
 
 def run_packed(config, params, cache, cache_len, tokens_BxW, n_draft_B, seeds, kv_len, rows, N,
-               width):
+               width, wide_rows=0):
     B = cache_len.shape[0]
     t, r, o = pack(tokens_BxW, n_draft_B, rows, N, B)
     c = jax.tree_util.tree_map(jnp.copy, cache)
-    spec = VerifySpec(config, SKEY, B, N, width, cache.max_len, kv_len, str(cache.dtype))
+    spec = VerifySpec(config, SKEY, B, N, width, cache.max_len, kv_len, str(cache.dtype),
+                      wide_rows=wide_rows)
     c, y, lp, ne = step_lib.verify_packed(params, c, VerifyBatch(spec, cache_len, t, r, o,
                                                                  n_draft_B, seeds))
     return c, np.asarray(y), np.asarray(lp), np.asarray(ne)
@@ -110,6 +111,45 @@ def test_packed_step_equals_padded_step_with_ragged_drafts(params, exact, seed):
     # Padding rows' cache rows are untouched by the packed step.
     for b in (4, 5):
         np.testing.assert_array_equal(np.asarray(c2.k[:, b]), np.asarray(cache.k[:, b]))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+@pytest.mark.parametrize("drafting,wide_rows", [((2,), 1), ((0, 5), 2), ((1, 3), 4), ((), 2)],
+                         ids=["one-of-1", "two-of-2", "two-of-4", "none-of-2"])
+def test_split_query_block_equals_padded_step(params, exact, drafting, wide_rows):
+    """A step whose few drafting rows attend in their own `[R, W]` block (the rest at width 1)
+    gives the padded step's tokens, log-probs, emitted counts and cache writes; the drafting
+    rows include the first and last cache row, and R above their count."""
+    config = EXACT_CFG if exact else CFG
+    rng = np.random.default_rng(3)
+    B, W, S, kv_len = 6, 8, 256, 128
+    cache = random_cache(B, S, 4)
+    cache_len = rng.integers(1, 120, size=B).astype(np.int32)
+    n_draft = np.zeros(B, np.int32)
+    for b in drafting:
+        n_draft[b] = W - 1 - b % 3
+    tokens = rng.integers(0, CFG.vocab_size, size=(B, W)).astype(np.int32)
+    seeds = rng.integers(0, 2**31 - 1, size=B).astype(np.int32)
+    _, y_ref, _, _ = run_padded(config, params, cache, cache_len, tokens, n_draft, seeds, kv_len)
+    for b in drafting:                  # the first drafts right, so acceptance is exercised
+        tokens[b, 1] = y_ref[b, 0]
+    live = [0, 1, 3, 5] if not drafting or 2 not in drafting else [0, 2, 4]
+    live = sorted(set(live) | set(drafting))
+    need = int(sum(n_draft[b] + 1 for b in live))
+    N = next(n for n in token_buckets(B * W) if n >= need)
+    c1, y1, l1, e1 = run_padded(config, params, cache, cache_len, tokens, n_draft, seeds, kv_len)
+    c2, y2, l2, e2 = run_packed(config, params, cache, cache_len, tokens, n_draft, seeds, kv_len,
+                                live, N, W, wide_rows=wide_rows)
+    tol = 0 if exact else 1e-5
+    for b in live:
+        n = int(n_draft[b]) + 1
+        np.testing.assert_array_equal(y2[b, :n], y1[b, :n])
+        np.testing.assert_allclose(l2[b, :n], l1[b, :n], atol=tol, rtol=0)
+        assert e2[b] == e1[b]
+        written = slice(int(cache_len[b]), int(cache_len[b]) + n)
+        for a, c in zip(kv_by_position(c1), kv_by_position(c2)):
+            np.testing.assert_allclose(c[:, b, :, written], a[:, b, :, written], atol=tol, rtol=0)
+    assert all(e1[b] >= 2 for b in drafting)
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
@@ -200,6 +240,49 @@ def test_generate_packed_equals_padded_and_plain(params):
             < sum(s.batch * s.width for s in padded_steps))
 
 
+class FewRowsOracle(RaggedOracle):
+    """The ragged oracle's drafts for every third request only (the rest draft nothing), so a
+    step's drafting rows are few: the split query block's case."""
+
+    def propose(self, request_id, max_tokens):
+        d = super().propose(request_id, max_tokens)
+        return d if request_id % 3 == 0 else dataclasses.replace(d, tokens=d.tokens[:0],
+                                                                 probs=d.probs[:0])
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_split_query_block_in_generate_changes_no_token(params, kv_cache):
+    """`wide_row_buckets`: steps where a few of 8 rows draft run the split query block (a
+    `[B, 1]` and an `[R, W]` attention block); in exact mode the tokens and log-probs are those
+    of one `[B, W]` block bit for bit, with the same forward passes and accepted drafts; the
+    records carry R and the policy's cost model keys the shape by it."""
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=12, seed=4)
+    reqs = make_requests(10, seed=2)
+    kw = dict(max_slots=8, draft_widths=(1, 8), exact=True, kv_cache=kv_cache)
+    config = EXACT_CFG
+    base, _ = Engine(config, params, eos_token_ids=[EOS],
+                     engine_config=EngineConfig(max_cache_len=256, **kw)).generate(reqs, sampling)
+    futures = {i: o.token_ids for i, o in enumerate(base)}
+    res = {}
+    for wide in ((), (2, 4)):
+        eng = Engine(config, params, eos_token_ids=[EOS],
+                     engine_config=EngineConfig(max_cache_len=256, wide_row_buckets=wide, **kw))
+        res[wide] = eng.generate(reqs, sampling, drafter=FewRowsOracle(futures, seed=1))
+    (one, s_one), (split, s_split) = res[()], res[(2, 4)]
+    for a, b, c in zip(one, split, base):
+        assert a.token_ids == b.token_ids == c.token_ids
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert s_one.forward_passes == s_split.forward_passes
+    assert s_one.accepted_draft_tokens == s_split.accepted_draft_tokens > 0
+    assert all(s.wide_rows == 0 for s in s_one.steps)
+    wide_steps = [s for s in s_split.steps if s.wide_rows]
+    assert wide_steps and all(s.wide_rows in (2, 4) and s.width == 8 and s.batch == 8
+                              for s in wide_steps)
+    assert all(s.wide_rows == 0 for s in s_split.steps if s.width == 1)
+    assert s_split.split_steps == len(wide_steps) == s_split.to_dict()["split_steps"]
+    assert s_one.split_steps == 0
+
+
 def test_schedule_helpers():
     assert token_buckets(128) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
     assert token_buckets(1) == (1,) and token_buckets(5) == (1, 2, 4, 5)
@@ -207,6 +290,25 @@ def test_schedule_helpers():
     assert packed_width([3, 0], (1, 4, 8)) == 4 and packed_width([4], (1, 4, 8)) == 8
     # One row drafting 7 among 16: 23 slots -> bucket 24, not 16 x 8 = 128.
     assert step_shape_fn(16, 256, (1, 4, 8))([7] + [0] * 15) == (24, 16 * 256)
+    # The split query block: R holds the drafting rows, and computes < half the block's rows.
+    from das_jax.engine import wide_rows_for
+    assert wide_rows_for([7] + [0] * 15, 16, 8, (2, 4, 8)) == 2
+    assert wide_rows_for([7, 3, 1] + [0] * 13, 16, 8, (2, 4, 8)) == 4
+    assert wide_rows_for([7] * 5 + [0] * 11, 16, 8, (2, 4, 8)) == 0    # 2 (16 + 64) >= 128
+    assert wide_rows_for([3, 3] + [0] * 14, 16, 4, (2, 4, 8)) == 2     # 2 (16 + 8) < 64
+    assert wide_rows_for([3] * 3 + [0] * 13, 16, 4, (2, 4, 8)) == 0    # R = 4: 2 (16 + 16) = 64
+    assert wide_rows_for([0] * 16, 16, 1, (2, 4, 8)) == 0
+    assert wide_rows_for([7] + [0] * 15, 16, 8, ()) == 0
+    assert wide_rows_for([7, 0], 2, 8, (2,)) == 0                      # R must be < B
+    shape = step_shape_fn(16, 256, (1, 4, 8), wide_buckets=(2, 4, 8))
+    n_CxA = np.array([[7] + [0] * 15, [7, 3, 1] + [0] * 13, [7] * 5 + [0] * 11, [0] * 16,
+                      [3, 3] + [0] * 14])
+    many = shape.many(n_CxA)
+    for c, n in enumerate(n_CxA):
+        one = shape(n)
+        assert (tuple(one), one.width, one.wide_rows) == (
+            (many[0][c], many[1][c]), many[2][c], many[3][c])
+    assert many[3].tolist() == [2, 4, 0, 0, 2]
     for n in range(1, 5000, 37):
         b = kv_len_bucket(np.array([n, 1]), 1 << 14)
         assert b >= n and b % 128 == 0

@@ -14,7 +14,8 @@ from das_jax.engine import programs as programs_lib
 from das_jax.engine import step as step_lib
 from das_jax.engine.schedule import share_order
 from das_jax.engine.specs import DecodeSpec, PrefillSpec, ShareBatch, ShareSpec, VerifySpec
-from das_jax.speculation.cost_model import calibration_shapes
+from das_jax.speculation.cost_model import (calibration_shapes,
+                                           calibration_wide_rows)
 from das_jax.engine.generate import Engine, EngineConfig
 from das_jax.engine.policy import FixedPolicy
 from das_jax.engine.sampling import SamplingParams, sample
@@ -62,11 +63,19 @@ def test_calibration_shapes_are_precompiled(params):
     kv = sorted({s[3] for s in shapes})
     assert kv == [128] and {s[0] for s in shapes} == {1, 2, 4, 8, 16}
     assert {s[2] for s in shapes} == {1, 4, 8}
-    assert all(N <= B * W for B, N, W, _ in shapes)
-    for B, W, N, S in calibration_shapes(eng, (1, 16), (1, 4, 8), kv):
-        assert (B, N, W, S) in shapes
+    assert all(N <= B * W for B, N, W, _, _ in shapes)
+    calibrated = [(B, N, W, S, calibration_wide_rows(eng, B, W, N))
+                  for B, W, N, S in calibration_shapes(eng, (1, 16), (1, 4, 8), kv)]
+    assert (16, 24, 8, 128, 2) in calibrated and (16, 24, 4, 128, 2) in calibrated
+    assert all(c in shapes for c in calibrated)
+    # split query blocks (wide_row_buckets 2, 4, 8): R where 2 (B + R W) < B W, with the slot
+    # buckets B < N <= bucket(B + R (W - 1))
+    split = {(B, W, R): sorted(N for b, N, w, _, r in shapes if (b, w, r) == (B, W, R))
+             for B, _, W, _, R in shapes if R}
+    assert set(split) == {(16, 4, 2), (16, 8, 2), (16, 8, 4), (8, 8, 2)}
+    assert split[(16, 8, 2)] == [24, 32] and split[(16, 8, 4)] == [24, 32, 48]
     plain = eng.verify_shapes(reqs, sampling, drafting=False)
-    assert plain == [(B, B, 1, 128) for B in (16, 8, 4, 2, 1)]
+    assert plain == [(B, B, 1, 128, 0) for B in (16, 8, 4, 2, 1)]
 
 
 @pytest.mark.parametrize("drafting", [True, False])

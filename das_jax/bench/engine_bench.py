@@ -16,7 +16,8 @@ memory-bandwidth floor, measured side by side in one process.
    `torch.set_num_threads(--threads)`), the same prompts (left-padded at B = 16), greedy, the same
    max_new_tokens; tok/s counts tokens up to and including the first eos per row.
 
-5. A ragged B = 16 step (one row drafting 7 tokens) packed vs padded, and the KV term
+5. A ragged B = 16 step (one row drafting 7 tokens) packed vs padded; the split query block
+   against one block at 768 cached positions (`split_block_terms`); and the KV term
    (step time slope per cached position-row between 128 and 1024 attended positions) against
    bytes per position / bandwidth (`packed_and_kv_terms`).
 6. With `--paged`: the paged KV cache against the dense one, side by side (`paged_vs_dense`):
@@ -112,6 +113,7 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
     out["ragged_step_s"] = {"packed_N24": t_packed, "padded_16x8": t_padded}
     print(f"ragged step B=16 (one row drafts 7): packed N=24 {t_packed * 1e3:.1f} ms, padded "
           f"16x8 {t_padded * 1e3:.1f} ms ({t_padded / t_packed:.2f}x)", flush=True)
+    out["split_block_s"] = split_block_terms(engine, repeats)
     lo, hi = 128, 1024
     t_lo = engine.time_verify_step(16, 1, lo, hi + 16, repeats, (0.0, 0, 1.0))
     t_hi = engine.time_verify_step(16, 1, hi, hi + 16, repeats, (0.0, 0, 1.0))
@@ -125,6 +127,32 @@ def packed_and_kv_terms(engine, config, params, bandwidth: float, prompt_len: in
           f"{per_pos * 1e6:.2f} us per cached position-row; {nbytes / 1e3:.1f} KB / "
           f"{bandwidth / 1e9:.1f} GB/s = {floor * 1e6:.2f} us ({per_pos / floor:.2f}x the floor)",
           flush=True)
+    return out
+
+
+SPLIT_KV = 768      # attended positions of the split query block's measurement (a long context)
+
+
+def split_block_terms(engine, repeats: int, rounds: int = 3) -> dict:
+    """The split query block against one block (`EngineConfig.wide_row_buckets`), printed and
+    returned: the B = 16, W = 8 step at `SPLIT_KV` attended positions with one row drafting 7
+    (N = 24) and two (N = 32), each as one `[16, 8]` block and split (`[16, 1]` + `[2, 8]`,
+    R = 2), beside the step without drafts (N = 16, W = 1); rounds alternate the variants and
+    each reports its median round (seconds)."""
+    cases = {"plain_N16": (1, 16, 0), "one_block_N24": (8, 24, 0), "split_N24": (8, 24, 2),
+             "one_block_N32": (8, 32, 0), "split_N32": (8, 32, 2)}
+    runs: dict = {k: [] for k in cases}
+    for _ in range(rounds):
+        for k, (W, N, R) in cases.items():
+            runs[k].append(engine.time_verify_step(16, W, SPLIT_KV, SPLIT_KV + 16, repeats,
+                                                   (0.0, 0, 1.0), num_tokens=N, wide_rows=R))
+    out = {k: float(np.median(v)) for k, v in runs.items()}
+    print(f"split query block (B=16, W=8, {SPLIT_KV} cached positions; no drafts "
+          f"{out['plain_N16'] * 1e3:.1f} ms): one row drafts 7: one block "
+          f"{out['one_block_N24'] * 1e3:.1f} ms, split {out['split_N24'] * 1e3:.1f} ms "
+          f"({out['split_N24'] / out['one_block_N24']:.2f}x); two rows: one block "
+          f"{out['one_block_N32'] * 1e3:.1f} ms, split {out['split_N32'] * 1e3:.1f} ms "
+          f"({out['split_N32'] / out['one_block_N32']:.2f}x)", flush=True)
     return out
 
 
@@ -300,6 +328,10 @@ def summary_table(res: dict) -> str:
     rs = res["ragged_step_s"]
     rows.append(f"| ragged step B=16 (1 row drafts 7): packed N=24 / padded 16x8 | "
                 f"{rs['packed_N24'] * 1e3:.1f} / {rs['padded_16x8'] * 1e3:.1f} ms | | |")
+    sb = res["split_block_s"]
+    rows.append(f"| split query block B=16 W=8 at {SPLIT_KV} positions, 1 / 2 rows draft 7: "
+                f"split / one block | {sb['split_N24'] / sb['one_block_N24']:.2f}x / "
+                f"{sb['split_N32'] / sb['one_block_N32']:.2f}x | | |")
     kt = res["kv_term"]
     rows.append(f"| KV term per cached position-row | {kt['s_per_position_row'] * 1e6:.2f} us "
                 f"({kt['ratio_to_floor']:.2f}x bytes/bandwidth) | <= 1.5x | "

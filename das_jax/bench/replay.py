@@ -76,7 +76,7 @@ class FrozenCostModel(CostModel):
     """A cost model that ignores observations (the replay plans with fixed coefficients)."""
 
     def observe_step(self, num_tokens, attended_kv, seconds, refit=True, width=None,
-                     read_kv=None):
+                     read_kv=None, wide_rows=0):
         pass
 
     def observe_compile(self, seconds):

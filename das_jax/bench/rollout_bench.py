@@ -285,6 +285,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
                 log(f"T={temp} epoch {epoch} {name:14} wall {stats.wall_s:7.2f}s  passes "
                     f"{stats.forward_passes:5d}  tokens {stats.generated_tokens:6d}  accept len "
                     f"{stats.acceptance_length:.2f}  draft {stats.draft_s:.2f}s"
+                    + (f"  split {stats.split_steps}" if stats.split_steps else "")
                     + (f" (+ head admissions {stats.draft_model_s:.2f}s)"
                        if stats.draft_model_s else "") + "  identity "
                     f"{row['identity_rate']:.1%} ({div['divergences_per_1k']:.2f} div/1k tok)  "

@@ -127,6 +127,11 @@ class RolloutSection:
     # while the device computes the next step (drafts from a trie one step behind; the sampled
     # tokens never change); false: every append completes before the next draft.
     overlap_host: bool = True
+    # A verify step where at most R of its B rows draft (R the smallest of these holding them)
+    # runs attention as a [B, 1] block plus an [R, W] block of the drafting rows, when that is
+    # under half the query rows of one [B, W] block: a few rows' drafts stop costing attention
+    # for every row. Same tokens; each R is another compiled program. []: one block always.
+    wide_row_buckets: tuple[int, ...] = (2, 4, 8)
 
 
 @dataclasses.dataclass(frozen=True)

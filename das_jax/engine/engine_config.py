@@ -116,6 +116,15 @@ class EngineConfig:
       `DenseKVCache.read_len`; compiles 15-30x longer: on an H200 the 7B verify step at 32 x
       16K positions took 16.7 ms unrolled vs 40.8 ms scanned, 49 s vs 1.6 s to compile,
       docs/gpu.md). Same tokens up to float rounding.
+    wide_row_buckets: the verify step's split query block: when at most R of its B rows draft
+      (R the smallest of these holding them, R < B) and the split computes under half the
+      query rows (2 (B + R W) < B W), attention runs as a `[B, 1]` block of the pending tokens
+      and an `[R, W]` block of the drafting rows (`models.packed`) instead of one `[B, W]`
+      block: a step where a few rows draft pays attention arithmetic for those rows, not for
+      all (on a 2-core CPU at 768 cached positions, B = 16, W = 8, one or two rows drafting 7:
+      0.76-0.80x the one-block step). Each R is another compiled program per (B, N, W) it applies to, bought
+      like any other shape by the DAS policy. Same tokens (exact mode: the same bits). ():
+      one block always.
     kv_pages: pages of the paged pool (set by `size_slots` from the KV budget; None: the dense
       cache's positions, `batch x ceil(cache_len / page_size)`, which never run short). With a
       budget the slots stay `max_slots`: requests are admitted by free pages and rows are
@@ -140,6 +149,7 @@ class EngineConfig:
     paged_attention: str = "auto"
     overlap_host: bool = True
     layer_loop: str = "scan"
+    wide_row_buckets: tuple[int, ...] = (2, 4, 8)
 
     def __post_init__(self):
         if self.layer_loop not in LAYER_LOOPS:
@@ -172,6 +182,11 @@ class EngineConfig:
             raise GenerateError(f"draft_widths must include 1 (plain decoding), got "
                                 f"{self.draft_widths}")
         object.__setattr__(self, "draft_widths", widths)
+        wide = tuple(self.wide_row_buckets)
+        if any(isinstance(r, bool) or int(r) != r or r < 1 for r in wide):
+            raise GenerateError(f"wide_row_buckets must be integers >= 1, got "
+                                f"{self.wide_row_buckets}")
+        object.__setattr__(self, "wide_row_buckets", tuple(sorted(set(int(r) for r in wide))))
 
     def paging(self, batch: int, cache_len: int) -> tuple:
         """The `pages` of the programs of a call whose first batch is `batch` rows of

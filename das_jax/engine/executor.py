@@ -231,7 +231,8 @@ class DeviceExecutor:
     def _verify_batch(self, st: scheduler.StepInput):
         """The typed batch of the step `st` plans (`VerifyBatch`)."""
         spec = VerifySpec(self.config, self.skey, st.batch, st.num_tokens, st.width, self.S,
-                          st.kv_len, self.dtype, self.pages, self.feature_layers)
+                          st.kv_len, self.dtype, self.pages, self.feature_layers,
+                          st.wide_rows)
         return VerifyBatch.pack(spec, st.cache_len_B, self.pending, self.row_seed, st.live,
                                 st.drafts_AxK, st.n_draft_B)
 

@@ -40,7 +40,7 @@ from das_jax.engine.placement import MeshPlacement
 from das_jax.engine.policy import SpeculationPolicy
 from das_jax.engine.programs import Programs
 from das_jax.engine.schedule import (bucket, cache_len_for, kv_len_bucket,
-                                     precompile_token_buckets, step_shape_fn)
+                                     precompile_token_buckets, step_shape_fn, wide_rows_for)
 from das_jax.engine.scheduler import GenerateStats, RequestOutput
 from das_jax.engine.sampling import SamplingError, SamplingParams, validate_stop_ids
 from das_jax.engine.specs import DecodeSpec, PrefillSpec, VerifySpec
@@ -172,13 +172,16 @@ class Engine:
         return batch * max(self.engine_config.draft_widths)
 
     def verify_shapes(self, requests: Sequence[Request], sampling: SamplingParams,
-                      drafting: bool) -> list[tuple[int, int, int, int]]:
-        """The packed verify shapes (B, N, W, kv_len) `generate(requests, sampling)` can reach
-        and `precompile` compiles: every batch bucket up to the call's first batch, every
+                      drafting: bool) -> list[tuple[int, int, int, int, int]]:
+        """The packed verify shapes (B, N, W, kv_len, R) `generate(requests, sampling)` can
+        reach and `precompile` compiles: every batch bucket up to the call's first batch, every
         attended-length bucket its rows can reach (prompt lengths .. longest prompt +
         max_new_tokens), N = B with W = 1, and with `drafting`, for every width W > 1 of
         `draft_widths`, the slot buckets N of `schedule.precompile_token_buckets` with
-        B < N <= B * W. Sorted by attended length, then batch (largest first)."""
+        B < N <= B * W (R = 0: one query block), then the split query blocks
+        (`wide_row_buckets`: each R that `schedule.wide_rows_for` can pick at (B, W), with the
+        slot buckets B < N <= B + R * (W - 1)). Sorted by attended length, then batch (largest
+        first)."""
         ec = self.engine_config
         S = self.cache_len_for(requests, sampling)
         lens = [len(r.prompt_ids) for r in requests]
@@ -189,10 +192,16 @@ class Engine:
         out = []
         for kv in kvs:
             for B in sorted((b for b in ec.batch_buckets if b <= top), reverse=True):
-                out.append((B, B, 1, kv))
+                out.append((B, B, 1, kv, 0))
                 if drafting:
-                    out.extend((B, N, W, kv) for W in ec.draft_widths if W > 1
+                    out.extend((B, N, W, kv, 0) for W in ec.draft_widths if W > 1
                                for N in precompile_token_buckets(B, wmax) if B < N <= B * W)
+                    out.extend((B, N, W, kv, R) for W in ec.draft_widths if W > 1
+                               for R in ec.wide_row_buckets
+                               if wide_rows_for([1] * R, B, W, ec.wide_row_buckets) == R
+                               for N in precompile_token_buckets(B, wmax)
+                               if B < N <= bucket(B + R * (W - 1),
+                                                  precompile_token_buckets(B, wmax)))
         return list(dict.fromkeys(out))
 
     def refill_prefill_shapes(self, requests: Sequence[Request], sampling: SamplingParams
@@ -243,10 +252,10 @@ class Engine:
         if not drafting and k > 1:   # plain decoding runs k steps per call (`step.decode_steps`)
             stop = tuple(sorted(self.limits(sampling).stop_ids))
             specs = [DecodeSpec(self.config, skey, B, N, k, S, kv, stop, dtype, pages)
-                     for B, N, W, kv in shapes]
+                     for B, N, W, kv, _ in shapes]
         else:
             specs = [VerifySpec(self.config, skey, B, N, W, S, kv, dtype, pages,
-                                tuple(feature_layers)) for B, N, W, kv in shapes]
+                                tuple(feature_layers), R) for B, N, W, kv, R in shapes]
         specs += [PrefillSpec(self.config, skey, B, N, 1, T, S, dtype, logits, pages,
                               tuple(feature_layers)) for B, N, T in refills]
         n = self.programs.precompile(specs, params)
@@ -257,11 +266,13 @@ class Engine:
         """`step_shape(n_draft_B) -> (num_tokens, attended_kv)` of this engine's verify step at
         batch bucket `batch` and attended length `kv_len`, for per-row draft lengths of the live
         rows (the cost model's inputs)."""
-        return step_shape_fn(batch, kv_len, widths or self.engine_config.draft_widths)
+        return step_shape_fn(batch, kv_len, widths or self.engine_config.draft_widths,
+                             wide_buckets=self.engine_config.wide_row_buckets)
 
     def time_verify_step(self, batch: int, width: int, kv_len: int, cache_len: int,
                          repeats: int = 3, sampling_key: tuple = (1.0, 0, 1.0),
-                         num_tokens: int | None = None, draft_model=None) -> float:
+                         num_tokens: int | None = None, draft_model=None,
+                         wide_rows: int = 0) -> float:
         """Median seconds of the packed verify step at (B, W, attended length), on dummy tokens.
 
         `num_tokens` slots (default `batch * width`, every row drafting `width - 1` tokens;
@@ -272,14 +283,15 @@ class Engine:
         discards the first timed call (`Programs.time`). Used by the cost-model calibration and
         the engine benchmark. `draft_model`: a `step_io.DraftModel` (a draft head) run beside
         the steps as `generate` runs it: the step returns its features and each timed call
-        includes the draft model's drafting on them (every row live).
+        includes the draft model's drafting on them (every row live). `wide_rows`: the split
+        query block's R (`VerifySpec.wide_rows`; the full-width rows are then at most R).
         """
         params = self.place_params(self.params)
         N = batch * width if num_tokens is None else int(num_tokens)
         layers = tuple(draft_model.feature_layers) if draft_model is not None else ()
         spec = VerifySpec(self.config, tuple(sampling_key), batch, N, width, cache_len, kv_len,
                           jnp.dtype(params["embed"].dtype).name,
-                          self.engine_config.paging(batch, cache_len), layers)
+                          self.engine_config.paging(batch, cache_len), layers, wide_rows)
         if draft_model is None:
             return self.programs.time(spec, params, repeats)
         draft_model.start(self.programs, batch, cache_len, params)

@@ -128,9 +128,16 @@ class GenerateStats:
         return {k: self.accepted_by_source.get(k, 0) / d
                 for k, d in self.drafted_by_source.items() if d}
 
+    @property
+    def split_steps(self) -> int:
+        """Verify steps that ran the split query block (`StepRecord.wide_rows` > 0: a `[B, 1]`
+        and an `[R, W]` attention block, `EngineConfig.wide_row_buckets`)."""
+        return sum(1 for s in self.steps if getattr(s, "wide_rows", 0))
+
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
         d["acceptance_length"] = self.acceptance_length
+        d["split_steps"] = self.split_steps
         if with_steps:
             d["steps"] = [dataclasses.asdict(s) for s in self.steps]
         return d

@@ -96,7 +96,8 @@ class StepRecord:
     tokens of each live row, in the order of the rows the policy was shown (None: unknown);
     compile_s: seconds spent compiling the step's program, when the step was the first of its
     shape (0.0 otherwise; not part of `seconds`, and not compared: a program compiled by an
-    earlier run of the process is not compiled again).
+    earlier run of the process is not compiled again); wide_rows: the split query block's R
+    (`schedule.wide_rows_for`; 0: one `[B, W]` block).
     """
 
     batch: int
@@ -114,6 +115,7 @@ class StepRecord:
     accepted_per_row: tuple[int, ...] | None = None
     read_kv: int | None = None
     compile_s: float = dataclasses.field(default=0.0, compare=False)
+    wide_rows: int = 0
 
     def step_shape(self) -> tuple[int, int]:
         """(num_tokens, attended_kv) of the step (from batch, width, kv_len when not given)."""

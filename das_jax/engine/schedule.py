@@ -281,24 +281,50 @@ def packed_width(n_draft: Sequence[int], widths: Sequence[int]) -> int:
     return next((w for w in sorted(widths) if w >= need), max(widths))
 
 
+def wide_rows_for(n_draft: Sequence[int], batch: int, width: int,
+                  wide_buckets: Sequence[int]) -> int:
+    """R of the split query block (`VerifySpec.wide_rows`) for per-row draft lengths `n_draft`
+    at batch bucket B and query-block width W: the smallest of `wide_buckets` holding the rows
+    that draft, when that split computes less than half the one block's query rows
+    (2 * (B + R * W) < B * W); 0 (one `[B, W]` block) otherwise, at W = 1 or without buckets.
+    """
+    if width <= 1 or not len(wide_buckets):
+        return 0
+    n = int(np.count_nonzero(np.asarray(n_draft) > 0))
+    R = next((r for r in sorted(wide_buckets) if r >= n), 0)
+    return R if R and R < batch and 2 * (batch + R * width) < batch * width else 0
+
+
 def _slot_bucket(n_draft_B: Sequence[int], buckets: Sequence[int]) -> int:
     """The slot bucket of sum_b (1 + n_b)."""
     return bucket(max(len(n_draft_B) + int(np.sum(n_draft_B)), 1), buckets)
 
 
 class StepShape(tuple):
-    """(num_tokens, attended_kv), plus the query-block width W the step runs at as `.width`
-    and the cached positions it actually reads as `.read_kv` (attended_kv, but on a paged
-    cache read by a kernel: `pages_read_kv`) (compares and unpacks as the plain pair)."""
+    """(num_tokens, attended_kv), plus the query-block width W the step runs at as `.width`,
+    the cached positions it actually reads as `.read_kv` (attended_kv, but on a paged
+    cache read by a kernel: `pages_read_kv`) and the split query block's R as `.wide_rows`
+    (`wide_rows_for`; 0: one block) (compares and unpacks as the plain pair)."""
 
     width: int
     read_kv: int
+    wide_rows: int
 
-    def __new__(cls, num_tokens: int, attended_kv: int, width: int, read_kv: int | None = None):
+    def __new__(cls, num_tokens: int, attended_kv: int, width: int, read_kv: int | None = None,
+                wide_rows: int = 0):
         out = super().__new__(cls, (num_tokens, attended_kv))
         out.width = int(width)
         out.read_kv = int(attended_kv if read_kv is None else read_kv)
+        out.wide_rows = int(wide_rows)
         return out
+
+
+def shape_key(num_tokens: int, attended_kv: int, width: int | None, wide_rows: int = 0
+              ) -> tuple:
+    """The compiled program of a step shape, as the cost model's tables key it: (num_tokens,
+    attended_kv, width), and R appended for a split query block."""
+    key = (int(num_tokens), int(attended_kv), None if width is None else int(width))
+    return key + (int(wide_rows),) if wide_rows else key
 
 
 def pages_read_kv(cache_len_A, page_size: int) -> int:
@@ -314,7 +340,10 @@ class PackedStepShape:
     `many(n_CxA)`: the shapes of C choices at once (arrays), for a policy that prices many."""
 
     def __init__(self, batch: int, kv_len: int, widths: Sequence[int],
-                 read_kv: int | None = None):
+                 read_kv: int | None = None, wide_buckets: Sequence[int] = ()):
+        self.batch = int(batch)
+        self.wide_buckets = np.array(sorted(int(r) for r in wide_buckets if 0 < r < batch),
+                                     np.int64)
         self.widths = np.array(sorted(int(w) for w in widths), np.int64)
         # once: the policy prices many choices
         self.buckets = np.array(verify_token_buckets(batch, int(self.widths[-1])), np.int64)
@@ -323,22 +352,36 @@ class PackedStepShape:
         self.read_kv = int(self.attended if read_kv is None else read_kv)
 
     def __call__(self, n_draft_A) -> "StepShape":
-        return StepShape(int(_slot_bucket(n_draft_A, self.buckets)), int(self.attended),
-                         int(packed_width(n_draft_A, self.widths)), self.read_kv)
+        W = int(packed_width(n_draft_A, self.widths))
+        return StepShape(int(_slot_bucket(n_draft_A, self.buckets)), int(self.attended), W,
+                         self.read_kv, wide_rows_for(n_draft_A, self.batch, W,
+                                                     self.wide_buckets))
 
-    def many(self, n_CxA: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int64 `[C]` each (num_tokens, attended_kv, width) of choices `n_CxA` (row c: one
-        draft length per live row), equal to calling the shape function on each row."""
+    def many(self, n_CxA: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """int64 `[C]` each (num_tokens, attended_kv, width, wide_rows) of choices `n_CxA`
+        (row c: one draft length per live row), equal to calling the shape function on each
+        row."""
         n_CxA = np.asarray(n_CxA, np.int64)
+        C = len(n_CxA)
         slots = np.maximum(n_CxA.shape[1] + n_CxA.sum(axis=1), 1)
         i = np.minimum(np.searchsorted(self.buckets, slots), len(self.buckets) - 1)
         need = 1 + n_CxA.max(axis=1, initial=0)
-        w = np.minimum(np.searchsorted(self.widths, need), len(self.widths) - 1)
-        return self.buckets[i], np.full(len(n_CxA), self.attended, np.int64), self.widths[w]
+        w = self.widths[np.minimum(np.searchsorted(self.widths, need), len(self.widths) - 1)]
+        R = np.zeros(C, np.int64)
+        if len(self.wide_buckets):
+            n_rows = np.count_nonzero(n_CxA > 0, axis=1)
+            j = np.searchsorted(self.wide_buckets, n_rows)
+            r = self.wide_buckets[np.minimum(j, len(self.wide_buckets) - 1)]
+            ok = (j < len(self.wide_buckets)) & (w > 1) & (2 * (self.batch + r * w)
+                                                           < self.batch * w)
+            R = np.where(ok, r, 0)
+        return self.buckets[i], np.full(C, self.attended, np.int64), w, R
 
 
 def step_shape_fn(batch: int, kv_len: int, widths: Sequence[int],
-                  read_kv: int | None = None) -> PackedStepShape:
+                  read_kv: int | None = None, wide_buckets: Sequence[int] = ()
+                  ) -> PackedStepShape:
     """`step_shape(n_draft_B) -> StepShape (num_tokens, attended_kv; .width W, .read_kv)` of
     the packed verify step at batch bucket `batch` and attended length `kv_len`, for per-row
     draft lengths of the live rows: num_tokens is the slot bucket of sum_b (1 + n_b)
@@ -346,10 +389,11 @@ def step_shape_fn(batch: int, kv_len: int, widths: Sequence[int],
     = `batch * kv_len` (every cache row of the batch bucket attends the step's `kv_len`: the
     compiled program), W is `packed_width` (the smallest compiled width holding the longest
     row), read_kv the cached positions the step reads (`read_kv`; default attended_kv; a paged
-    cache read by a kernel: `pages_read_kv`). Shared by the engine and the trace replay, so
-    both price a choice of drafts the same way (`PackedStepShape.many` prices many choices at
-    once)."""
-    return PackedStepShape(batch, kv_len, widths, read_kv)
+    cache read by a kernel: `pages_read_kv`), and wide_rows the split query block's R
+    (`wide_rows_for` over `wide_buckets`, `EngineConfig.wide_row_buckets`). Shared by the
+    engine and the trace replay, so both price a choice of drafts the same way
+    (`PackedStepShape.many` prices many choices at once)."""
+    return PackedStepShape(batch, kv_len, widths, read_kv, wide_buckets)
 
 
 def tail_bucket(num_live: int, batch: int, batch_buckets: Sequence[int],

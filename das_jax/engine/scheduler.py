@@ -153,6 +153,7 @@ class _Run:
         self.drafter, self.policy, self.progress = drafter, policy, progress
         self.keep_tokens, self.stats = keep_tokens, stats
         self.widths = ec.draft_widths if drafter is not None else (1,)
+        self.wide_buckets = getattr(ec, "wide_row_buckets", ())
         # plain decoding: up to `decode_steps` steps per device call when the executor can
         self.decode_k = (int(getattr(ec, "decode_steps", 1)) if drafter is None
                          and hasattr(executor.executor, "decode") else 1)
@@ -408,7 +409,7 @@ class _Run:
         gen_A = self.generated_R[req_A]
         rows = RowBatch(req_A, gen_A, self.max_new - gen_A)
         read_kv = self.read_kv(self.cache_len[live])
-        step_shape = step_shape_fn(B, kv_len, self.widths, read_kv)
+        step_shape = step_shape_fn(B, kv_len, self.widths, read_kv, self.wide_buckets)
         if self.model_drafts:
             tok_AxJ, probs_AxJ = self.executor.model_drafts(live)
             self.drafter.set_model_drafts(req_A, tok_AxJ, probs_AxJ)
@@ -419,13 +420,15 @@ class _Run:
         n_draft_A = plan.drafts.lens_A
         n_draft_B = np.zeros(B, np.int32)
         n_draft_B[live] = n_draft_A
-        num_tokens, attended_kv = step_shape(n_draft_A)
+        shape = step_shape(n_draft_A)
+        num_tokens, attended_kv = shape
         out = self.executor.verify(StepInput(
             batch=B, live=live, request_ids=req_A, generated=gen_A,
             cache_len_B=self.cache_len, kv_len=kv_len, width=plan.width,
             drafts_AxK=plan.drafts.tokens_AxK, n_draft_B=n_draft_B, num_tokens=num_tokens,
             attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds,
-            read_kv=read_kv, overlap=None if self.flushed else self.flush))
+            read_kv=read_kv, overlap=None if self.flushed else self.flush,
+            wide_rows=shape.wide_rows))
         if not self.flushed:            # an executor that does not overlap
             self.flush()
         stats.decode_s += out.seconds
@@ -450,7 +453,7 @@ class _Run:
                             predicted_seconds=plan.predicted_seconds, classes=classes,
                             num_tokens=num_tokens, attended_kv=attended_kv,
                             accepted_per_row=tuple(accepted_A.tolist()), read_kv=read_kv,
-                            compile_s=out.compile_s)
+                            compile_s=out.compile_s, wide_rows=shape.wide_rows)
         stats.steps.append(record)
         t0 = time.perf_counter()
         policy.observe(record)

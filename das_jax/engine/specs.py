@@ -88,7 +88,9 @@ class VerifySpec(OnCache):
     a compiled draft width), attended length `kv_len`; sampling key
     (`SamplingParams.static_key()`), model config and param/cache dtype name.
     `feature_layers`: blocks whose outputs the step also returns (a draft head's features;
-    () for none)."""
+    () for none). `wide_rows`: R, the step's attention split into a `[B, 1]` block and an
+    `[R, W]` block of the (at most R) rows that draft (`models.packed`); 0: one `[B, W]`
+    block."""
 
     config: ModelConfig
     sampling_key: tuple
@@ -100,6 +102,7 @@ class VerifySpec(OnCache):
     dtype: str
     pages: tuple = ()
     feature_layers: tuple = ()
+    wide_rows: int = 0
 
     def abstract(self, sharding=None) -> "VerifyBatch":
         B, N = self.batch, self.num_tokens
@@ -111,6 +114,8 @@ class VerifySpec(OnCache):
         B, W, N = self.batch, self.width, self.num_tokens
         rows, offs = [], []
         full = max(0, min(B, (N - B) // max(W - 1, 1))) if W > 1 else 0
+        if self.wide_rows:
+            full = min(full, self.wide_rows)
         for b in range(B):
             for o in range(W if b < full else 1):
                 if len(rows) < N:

@@ -143,7 +143,8 @@ def verify_packed(params: Params, cache: KVCache, batch: VerifyBatch):
     accepted, the step emits y_0..y_{n_acc} (the accepted drafts and the correction or bonus
     token). Rejected positions are rolled back by the caller advancing cache_len by n_emit only.
     Every row attends `spec.kv_len` cached positions (>= every live row's cache_len); the query
-    block is `spec.width` >= 1 + max_b n_draft_B[b].
+    block is `spec.width` >= 1 + max_b n_draft_B[b] (with `spec.wide_rows` R > 0: split into a
+    `[B, 1]` block and an `[R, W]` block of the rows with drafts, at most R of them).
 
     Returns:
       (cache, y_BxW int32, logprobs_BxW float32, n_emit_B int32 in [1, n_draft + 1]), W =
@@ -158,7 +159,7 @@ def verify_packed(params: Params, cache: KVCache, batch: VerifyBatch):
     pos_N = slot_positions(batch.cache_len_B, row_N, offset_N)
     out = forward_packed_hidden(config, params, batch.tokens_N, row_N, offset_N, cache,
                                 batch.cache_len_B, width=width, kv_len=spec.kv_len,
-                                feature_layers=spec.feature_layers)
+                                feature_layers=spec.feature_layers, wide_rows=spec.wide_rows)
     hidden_NxD, cache = out[:2]
     logits_NxV = lm_head(config, params, hidden_NxD[None])[0]
     y_N, logp_N = sampling_lib.sample(logits_NxV, batch.seeds_B[jnp.minimum(row_N, B - 1)],

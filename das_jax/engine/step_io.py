@@ -37,7 +37,8 @@ class StepInput:
     (a paged cache read by a kernel, `schedule.pages_read_kv`; None: attended_kv); overlap:
     host work that does not need this step's outputs (the drafter's deferred appends): the
     executor calls it once, after dispatching the step and before waiting for its outputs, so
-    it runs while the device computes; it returns its seconds (None: nothing to run).
+    it runs while the device computes; it returns its seconds (None: nothing to run);
+    wide_rows: the split query block's R (`schedule.wide_rows_for`; 0: one `[B, W]` block).
     """
 
     batch: int
@@ -54,6 +55,7 @@ class StepInput:
     predicted_seconds: float | None
     read_kv: int | None = None
     overlap: Callable[[], float] | None = None
+    wide_rows: int = 0
 
     def draft(self, j: int) -> np.ndarray:
         """int32 `[n]`: the draft tokens of live row j."""

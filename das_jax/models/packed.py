@@ -18,6 +18,13 @@ Design:
   attention arithmetic; the alternative, attention on the flat slots with each slot gathering its
   row's cache, would read a row's cache once per slot (`N * kv` bytes instead of `B * kv`), the
   wrong trade for memory-bound attention. Results are gathered back to the N slots.
+* Split query block (`wide_rows` R, 0 < R < B): when only a few rows draft, the block is two:
+  `[B, 1]` for every row's pending token and `[R, W]` for the R drafting rows (their cache
+  views gathered), so the arithmetic is `B + R * W` query rows instead of `B * W`; the
+  drafting rows' caches are read twice. Where attention is compute-bound (long contexts on a
+  CPU: at 768 cached positions a B = 16 step with one row drafting 7 costs 1.5x the step
+  without drafts in one block, 1.2x split) this is much of a narrow step's price; on a GPU
+  decode it costs the R rows' extra reads.
 * The cache is written once per step after the layer loop: slot i's K/V at
   `(row_N[i], cache_len[row] + offset_N[i])` (`KVCache.write_slots`).
 * Exact mode: every dense contraction is a `contraction.einsum` over the N slot rows (row-count
@@ -28,6 +35,8 @@ Tensor names carry shapes: N slots, B cache rows, W query-block width, D model w
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +45,7 @@ from das_jax.models.config import ModelConfig
 from das_jax.models.decode_attention import attend_cache
 from das_jax.models.kv_cache import KVCache
 from das_jax.models.layer_loop import run_layers, unrolled
+from das_jax.models.paged_attention import PagedView
 from das_jax.models.transformer import Params, decoder_layer, rms_norm
 
 
@@ -60,6 +70,31 @@ def to_slots(a_BxWxE: jax.Array, row_N: jax.Array, offset_N: jax.Array) -> jax.A
     return a_BxWxE[jnp.minimum(row_N, B - 1), jnp.minimum(offset_N, W - 1)]
 
 
+def view_rows(view, rows_R: jax.Array):
+    """The attended cache view (`KVCache.attended`) of cache rows `rows_R` (int32 `[R]`, each
+    `< B`): a dense view's rows gathered (a copy of R rows), a paged view's page-table rows."""
+    if isinstance(view, PagedView):
+        return dataclasses.replace(view, table_BxMP=view.table_BxMP[rows_R])
+    k, v = view
+    return k[rows_R], v[rows_R]
+
+
+def wide_slots(row_N: jax.Array, offset_N: jax.Array, batch: int, wide_rows: int):
+    """The split query block's layout: (rows_R int32 `[R]`, the drafting rows -- rows with a
+    slot at offset >= 1 -- in ascending order, padded with B; wrow_N int32 `[N]`, each slot's
+    row in the `[R, W]` block, R for a slot of a row without drafts or a padding slot). More
+    than R drafting rows is the caller's error: the rest would be computed as rows without
+    drafts."""
+    B, R = batch, wide_rows
+    drafting_B = jnp.zeros((B,), jnp.int32).at[row_N].max(
+        (offset_N > 0).astype(jnp.int32), mode="drop") > 0
+    rows_R = jnp.nonzero(drafting_B, size=R, fill_value=B)[0].astype(jnp.int32)
+    pos_B = jnp.full((B,), R, jnp.int32).at[rows_R].set(jnp.arange(R, dtype=jnp.int32),
+                                                         mode="drop")
+    wrow_N = jnp.where(row_N < B, pos_B[jnp.minimum(row_N, B - 1)], R)
+    return rows_R, wrow_N
+
+
 def forward_packed_hidden(
     config: ModelConfig,
     params: Params,
@@ -72,6 +107,7 @@ def forward_packed_hidden(
     width: int,
     kv_len: int,
     feature_layers: tuple = (),
+    wide_rows: int = 0,
 ):
     """Runs the decoder stack on packed token slots against the KV cache.
 
@@ -91,6 +127,9 @@ def forward_packed_hidden(
       kv_len: static attended-length bucket (>= every live row's cache_len).
       feature_layers: optional static 0-based block indices whose outputs are also returned
         (a draft head's features, `das_jax.draft_head`; a block may be named more than once).
+      wide_rows: static R; with 0 < R < B and width > 1 the attention runs as a `[B, 1]` block
+        of the rows without drafts and a `[R, W]` block of the rows with drafts (at most R of
+        them: rows with a slot at offset >= 1); 0 (or >= B): one `[B, W]` block.
 
     Returns:
       (final-normed hidden `[N, D]` in the param dtype, the cache with every real slot's K/V
@@ -102,7 +141,18 @@ def forward_packed_hidden(
     """
     B = kv_cache.batch
     pos_N = slot_positions(cache_len_B, row_N, offset_N)
-    valid_BxW = to_rows(jnp.ones(tokens_N.shape, bool), row_N, offset_N, B, width, False)
+    ones_N = jnp.ones(tokens_N.shape, bool)
+    valid_BxW = to_rows(ones_N, row_N, offset_N, B, width, False)
+    R = int(wide_rows) if 0 < wide_rows < B and width > 1 else 0
+    if R:
+        rows_R, wrow_N = wide_slots(row_N, offset_N, B, R)
+        rows_c_R = jnp.minimum(rows_R, B - 1)
+        cache_len_R = jnp.where(rows_R < B, cache_len_B[rows_c_R], 0)
+        wide_N = wrow_N < R
+        zero_N = jnp.zeros_like(offset_N)
+        nrow_N = jnp.where(wide_N | (offset_N > 0), B, row_N)   # rows without drafts
+        valid_Bx1 = to_rows(ones_N, nrow_N, zero_N, B, 1, False)
+        valid_RxW = to_rows(ones_N, wrow_N, offset_N, R, width, False)
     x_1xNxD = params["embed"][tokens_N][None]
     inv_freq = config.rope_inv_freq()
     A = kv_cache.read_len(min(kv_len, kv_cache.max_len),
@@ -116,9 +166,19 @@ def forward_packed_hidden(
         view = kv_cache.attended(layer, A)
 
         def attend(q_1xN, k_1xN, v_1xN):
-            q, k, v = (to_rows(a[0], row_N, offset_N, B, width) for a in (q_1xN, k_1xN, v_1xN))
-            out_BxWxHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_BxW, A)
-            return to_slots(out_BxWxHxK, row_N, offset_N)[None]
+            if not R:
+                q, k, v = (to_rows(a[0], row_N, offset_N, B, width)
+                           for a in (q_1xN, k_1xN, v_1xN))
+                out_BxWxHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_BxW, A)
+                return to_slots(out_BxWxHxK, row_N, offset_N)[None]
+            q, k, v = (to_rows(a[0], nrow_N, zero_N, B, 1) for a in (q_1xN, k_1xN, v_1xN))
+            out_Bx1xHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_Bx1, A)
+            q, k, v = (to_rows(a[0], wrow_N, offset_N, R, width)
+                       for a in (q_1xN, k_1xN, v_1xN))
+            out_RxWxHxK = attend_cache(config, q, k, v, view_rows(view, rows_c_R),
+                                       cache_len_R, valid_RxW, A)
+            return jnp.where(wide_N[:, None, None], to_slots(out_RxWxHxK, wrow_N, offset_N),
+                             to_slots(out_Bx1xHxK, nrow_N, zero_N))[None]
         x, k, v = decoder_layer(config, inv_freq, x, lp, pos_N[None], attend=attend)
         if feats_FxNxD is not None:
             feats_FxNxD = jnp.where(hit_F[:, None, None], x[0].astype(jnp.float32)[None],

@@ -68,7 +68,8 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
                                                paged_attention=r.paged_attention,
                                                max_prefill_tokens=r.max_prefill_tokens,
                                                overlap_host=r.overlap_host,
-                                               layer_loop=r.layer_loop))
+                                               layer_loop=r.layer_loop,
+                                               wide_row_buckets=tuple(r.wide_row_buckets)))
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens,
                               stop_token_ids=tuple(r.stop_token_ids), seed=config.train.seed)

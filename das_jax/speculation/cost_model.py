@@ -47,7 +47,8 @@ from typing import Iterable
 
 import numpy as np
 
-from das_jax.engine import kv_len_bucket, precompile_token_buckets
+from das_jax.engine import (kv_len_bucket, precompile_token_buckets, shape_key,
+                            wide_rows_for)
 from das_jax.speculation.gpu_cost import resolve_cost_model
 
 log = logging.getLogger("das_jax.engine")
@@ -118,7 +119,8 @@ class CostModel:
       observations: the window, (num_tokens, attended_kv, seconds) tuples, oldest first.
       table_window / table_min: measured seconds kept per shape (N, K, W), and how many are
         needed before `predict_step` with a width returns their median instead of the fit.
-      table: {(num_tokens, attended_kv, width): deque of recent seconds}.
+      table: {(num_tokens, attended_kv, width[, wide_rows]): deque of recent seconds}
+        (`schedule.shape_key`).
       table_read: {the same keys: deque of the cached positions those steps read} (their
         `read_kv`; the key's attended_kv when not given).
       compile_s: seconds to compile one new verify-step shape: the prior, replaced by the mean of
@@ -156,17 +158,18 @@ class CostModel:
 
     # ----- the step-shape interface (shared contract with the packed engine) -------------------
     def predict_step(self, num_tokens: int, attended_kv: int, width: int | None = None,
-                     read_kv: int | None = None) -> float:
+                     read_kv: int | None = None, wide_rows: int = 0) -> float:
         """Predicted seconds of a verify step computing `num_tokens` token slots that attend
         `attended_kv` cached positions in total (summed over rows), with query-block `width`
         W when known: the median of the shape's recent measured times once `table_min` are
         there, else (and without a width) the linear fit. `read_kv`: the cached positions the
         step actually reads when that is not `attended_kv` (a paged cache read by a kernel,
         module docstring): the fit's KV term, and the median shifted by c_kv times its
-        difference from the measured steps' median read."""
+        difference from the measured steps' median read. `wide_rows`: the split query block's R
+        (`schedule.wide_rows_for`), part of the shape's key."""
         read = attended_kv if read_kv is None else read_kv
         if width is not None:
-            key = (int(num_tokens), int(attended_kv), int(width))
+            key = shape_key(num_tokens, attended_kv, width, wide_rows)
             ts = self.table.get(key)
             if ts is not None and len(ts) >= self.table_min:
                 med = self._medians.get(key)
@@ -179,20 +182,21 @@ class CostModel:
                 return max(med[0] + shift, 0.0)
         return self.c_base + self.c_tok * num_tokens + self.c_kv * read
 
-    def seen(self, num_tokens: int, attended_kv: int, width: int) -> bool:
+    def seen(self, num_tokens: int, attended_kv: int, width: int, wide_rows: int = 0) -> bool:
         """Whether a step of this shape has been measured (so its program is compiled)."""
-        return (int(num_tokens), int(attended_kv), int(width)) in self.table
+        return shape_key(num_tokens, attended_kv, width, wide_rows) in self.table
 
     def observe_step(self, num_tokens: int, attended_kv: int, seconds: float,
                      refit: bool = True, width: int | None = None,
-                     read_kv: int | None = None) -> None:
+                     read_kv: int | None = None, wide_rows: int = 0) -> None:
         """Adds one measured step to the window (dropping the oldest beyond `history`) and, with
         `refit`, refits the coefficients; with its query-block `width`, also to the shape's
         entry of `table`. `read_kv`: the cached positions the step read, when not
-        `attended_kv` (the fit's KV term; see `predict_step`)."""
+        `attended_kv` (the fit's KV term; see `predict_step`); `wide_rows`: its split query
+        block's R (0: one block)."""
         read = int(attended_kv if read_kv is None else read_kv)
         if width is not None:
-            key = (int(num_tokens), int(attended_kv), int(width))
+            key = shape_key(num_tokens, attended_kv, width, wide_rows)
             self._medians.pop(key, None)
             self.table.setdefault(key, collections.deque(maxlen=self.table_window)).append(
                 float(seconds))
@@ -256,12 +260,16 @@ class CostModel:
 
 
 def _observe_step(cost_model, num_tokens: int, attended_kv: int, seconds: float,
-                  width: int) -> None:
+                  width: int, wide_rows: int = 0) -> None:
     """One calibration observation in the step terms (num_tokens, attended_kv, query-block
-    width): through `observe_step` where the model has it, else as the old (batch 1, width N,
-    kv attended)."""
+    width, split block's R): through `observe_step` where the model has it, else as the old
+    (batch 1, width N, kv attended)."""
     if hasattr(cost_model, "observe_step"):
-        cost_model.observe_step(num_tokens, attended_kv, seconds, width=width)
+        if wide_rows:
+            cost_model.observe_step(num_tokens, attended_kv, seconds, width=width,
+                                    wide_rows=wide_rows)
+        else:
+            cost_model.observe_step(num_tokens, attended_kv, seconds, width=width)
     else:
         cost_model.observe(1, num_tokens, attended_kv, seconds, refit=False)
 
@@ -289,6 +297,19 @@ def calibration_shapes(engine, batches: Iterable[int], widths: Iterable[int],
             out.extend((B, W, n, S) for W in widths if W > 1 and B == max(batches)
                        for n in precompile_token_buckets(B, wmax)[1:2] if n <= B * W)
     return list(dict.fromkeys(out))
+
+
+def calibration_wide_rows(engine, batch: int, width: int, num_tokens: int) -> int:
+    """R of the split query block the engine runs for the timing layout of (B, W, N)
+    (`VerifySpec.dummy`: the first (N - B) // (W - 1) rows draft W - 1 tokens, the others
+    none; `schedule.wide_rows_for` over `EngineConfig.wide_row_buckets`), so the calibration
+    times the program generation runs for that layout."""
+    if width <= 1:
+        return 0
+    full = max(0, min(batch, (num_tokens - batch) // (width - 1)))
+    n_draft = [width - 1] * full + [0] * (batch - full)
+    return wide_rows_for(n_draft, batch, width,
+                         getattr(engine.engine_config, "wide_row_buckets", ()))
 
 
 def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
@@ -321,9 +342,11 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     compiled = getattr(engine, "programs", None)     # the engine's compile counter
     for B, W, N, S in shapes:
         c0 = compiled.compile_s if compiled is not None else 0.0
+        R = calibration_wide_rows(engine, B, W, N)
+        kw = {"wide_rows": R} if R else {}
         seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key,
-                                          num_tokens=N, draft_model=draft_model)
-        _observe_step(cost_model, N, B * S, seconds, W)
+                                          num_tokens=N, draft_model=draft_model, **kw)
+        _observe_step(cost_model, N, B * S, seconds, W, R)
         if compiled is not None and compiled.compile_s > c0 and hasattr(cost_model,
                                                                         "observe_compile"):
             cost_model.observe_compile(compiled.compile_s - c0)

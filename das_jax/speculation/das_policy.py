@@ -91,7 +91,7 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from das_jax.drafter.base import DRAFT_SOURCES, OTHER_SOURCE, DraftBatch, pick_rows
-from das_jax.engine import StepRecord
+from das_jax.engine import StepRecord, shape_key
 from das_jax.engine.policy import RowBatch, as_draft_batch
 from das_jax.speculation.acceptance import (AGE_BUCKET_LABELS, AGE_BUCKETS, SUPPORT_BUCKETS, age_buckets_of,
                                             calibrated_paths, grow_depth_scale, step_ratios,
@@ -473,42 +473,47 @@ class DASPolicy:
                               n_opt is not None)
 
     def _shapes(self, step_shape, n_CxA: np.ndarray) -> list[tuple]:
-        """The step shape (num_tokens, attended_kv, width or None) of each choice: through
-        `step_shape.many` when the shape function has it, else one call per choice."""
+        """The shape key (`schedule.shape_key`: num_tokens, attended_kv, width or None, and R
+        of a split query block) of each choice: through `step_shape.many` when the shape
+        function has it, else one call per choice."""
         many = getattr(step_shape, "many", None)
         if many is not None:
-            return list(zip(*(a.tolist() for a in many(n_CxA))))
+            return [k[:3] if len(k) > 3 and not k[3] else k
+                    for k in zip(*(a.tolist() for a in many(n_CxA)))]
         return [self._shape_key(step_shape(n)) for n in n_CxA]
 
     def _predict(self, shape) -> float:
         """Predicted seconds of a step shape (`schedule.StepShape`): its measured time when the
         cost model has one for the shape's width, else the linear fit
         (`CostModel.predict_step`)."""
-        return float(self.cost_model.predict_step(shape[0], shape[1],
-                                                  width=getattr(shape, "width", None),
-                                                  read_kv=getattr(shape, "read_kv", None)))
+        return self._predict_key(self._shape_key(shape), getattr(shape, "read_kv", None))
 
     def _seen(self, shape) -> bool:
         """Whether the cost model has measured this shape (its program is compiled). True when
         the model has measured nothing yet (then it prices every shape alike)."""
-        width = getattr(shape, "width", None)
-        return width is None or not self.cost_model.table or self.cost_model.seen(
-            shape[0], shape[1], width)
+        return self._seen_key(self._shape_key(shape))
 
     def _predict_key(self, key: tuple, read_kv: int | None = None) -> float:
-        """`_predict` of a shape key (num_tokens, attended_kv, width or None) whose step reads
-        `read_kv` cached positions (None: attended_kv)."""
+        """`_predict` of a shape key (`_shape_key`) whose step reads `read_kv` cached positions
+        (None: attended_kv)."""
+        if len(key) > 3:
+            return float(self.cost_model.predict_step(key[0], key[1], width=key[2],
+                                                      read_kv=read_kv, wide_rows=key[3]))
         return float(self.cost_model.predict_step(key[0], key[1], width=key[2],
                                                   read_kv=read_kv))
 
     def _seen_key(self, key: tuple) -> bool:
-        """`_seen` of a shape key (num_tokens, attended_kv, width or None)."""
+        """`_seen` of a shape key (`_shape_key`)."""
         return key[2] is None or not self.cost_model.table or self.cost_model.seen(*key)
 
     @staticmethod
     def _shape_key(shape) -> tuple:
-        """The compiled program a step shape runs: (num_tokens, attended_kv, width)."""
-        return (int(shape[0]), int(shape[1]), getattr(shape, "width", None))
+        """The compiled program a step shape runs: (num_tokens, attended_kv, width), and the
+        split query block's R when it has one (`schedule.shape_key`)."""
+        width = getattr(shape, "width", None)
+        if width is None:
+            return (int(shape[0]), int(shape[1]), None)
+        return shape_key(shape[0], shape[1], width, getattr(shape, "wide_rows", 0))
 
     def _measured_drafting(self) -> bool:
         """Whether the cost model has measured any step shape with drafts (width > 1)."""
@@ -669,9 +674,15 @@ class DASPolicy:
         return n.astype(np.int32), float(sc.t[best])
 
     def observe(self, record: StepRecord) -> None:
-        self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width,
-                                     read_kv=record.read_kv)
-        self._regret.pop((*record.step_shape(), record.width), None)
+        wide = getattr(record, "wide_rows", 0)
+        if wide:
+            self.cost_model.observe_step(*record.step_shape(), record.seconds,
+                                         width=record.width, read_kv=record.read_kv,
+                                         wide_rows=wide)
+        else:
+            self.cost_model.observe_step(*record.step_shape(), record.seconds,
+                                         width=record.width, read_kv=record.read_kv)
+        self._regret.pop(shape_key(*record.step_shape(), record.width, wide), None)
         if record.compile_s > 0:
             self.cost_model.observe_compile(record.compile_s)
         pending, self._pending = self._pending, None
