@@ -20,7 +20,7 @@ Public surface:
     acceptance_length, padded_step_shape, packed_step_shape, width_for         (policy.py)
   bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
   token_buckets, packed_width, step_shape_fn, StepShape, shape_key, wide_rows_for,
-    pages_read_kv,
+    full_width_rows, pages_read_kv,
     verify_token_buckets, precompile_token_buckets, PromptRows (prompt sharing's row
     bookkeeping)                                                               (schedule.py)
 
@@ -48,7 +48,7 @@ _EXPORTS = {
     "precompile_token_buckets": "schedule", "PromptRows": "schedule",
     "DeviceExecutor": "executor", "Programs": "programs", "register_program": "programs",
     "compiled_memory": "programs",
-    "VerifySpec": "specs", "VerifyBatch": "specs", "DecodeSpec": "specs",
+    "VerifySpec": "specs", "VerifyBatch": "specs", "full_width_rows": "schedule", "DecodeSpec": "specs",
     "DecodeBatch": "specs", "PrefillSpec": "specs",
     "PrefillBatch": "specs", "ShareSpec": "specs", "ShareBatch": "specs", "GatherSpec": "specs",
     "GatherBatch": "specs", "CacheSpec": "specs", "StepShape": "schedule",

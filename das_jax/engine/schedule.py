@@ -295,6 +295,12 @@ def wide_rows_for(n_draft: Sequence[int], batch: int, width: int,
     return R if R and R < batch and 2 * (batch + R * width) < batch * width else 0
 
 
+def full_width_rows(batch: int, width: int, num_tokens: int) -> int:
+    """Rows that draft `width - 1` tokens in the timing layout of `num_tokens` slots over
+    `batch` rows (`specs.VerifySpec.dummy`: those rows first, then one slot per remaining row)."""
+    return max(0, min(batch, (num_tokens - batch) // (width - 1))) if width > 1 else 0
+
+
 def _slot_bucket(n_draft_B: Sequence[int], buckets: Sequence[int]) -> int:
     """The slot bucket of sum_b (1 + n_b)."""
     return bucket(max(len(n_draft_B) + int(np.sum(n_draft_B)), 1), buckets)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from das_jax.engine.schedule import pack_prompts
+from das_jax.engine.schedule import full_width_rows, pack_prompts
 from das_jax.models.config import ModelConfig
 from das_jax.models.paged_kv_cache import PagedKVCache
 from das_jax.models.transformer import KVCache
@@ -113,7 +113,7 @@ class VerifySpec(OnCache):
         remaining row, then padding; every row attends `kv_len` positions; token 7."""
         B, W, N = self.batch, self.width, self.num_tokens
         rows, offs = [], []
-        full = max(0, min(B, (N - B) // max(W - 1, 1))) if W > 1 else 0
+        full = full_width_rows(B, W, N)
         if self.wide_rows:
             full = min(full, self.wide_rows)
         for b in range(B):

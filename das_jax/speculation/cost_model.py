@@ -47,8 +47,8 @@ from typing import Iterable
 
 import numpy as np
 
-from das_jax.engine import (kv_len_bucket, precompile_token_buckets, shape_key,
-                            wide_rows_for)
+from das_jax.engine import (full_width_rows, kv_len_bucket, precompile_token_buckets,
+                            shape_key, wide_rows_for)
 from das_jax.speculation.gpu_cost import resolve_cost_model
 
 log = logging.getLogger("das_jax.engine")
@@ -265,11 +265,9 @@ def _observe_step(cost_model, num_tokens: int, attended_kv: int, seconds: float,
     width, split block's R): through `observe_step` where the model has it, else as the old
     (batch 1, width N, kv attended)."""
     if hasattr(cost_model, "observe_step"):
-        if wide_rows:
-            cost_model.observe_step(num_tokens, attended_kv, seconds, width=width,
-                                    wide_rows=wide_rows)
-        else:
-            cost_model.observe_step(num_tokens, attended_kv, seconds, width=width)
+        # a split block's R only where there is one: duck-typed models may lack the keyword
+        kw = {"wide_rows": wide_rows} if wide_rows else {}
+        cost_model.observe_step(num_tokens, attended_kv, seconds, width=width, **kw)
     else:
         cost_model.observe(1, num_tokens, attended_kv, seconds, refit=False)
 
@@ -304,9 +302,7 @@ def calibration_wide_rows(engine, batch: int, width: int, num_tokens: int) -> in
     (`VerifySpec.dummy`: the first (N - B) // (W - 1) rows draft W - 1 tokens, the others
     none; `schedule.wide_rows_for` over `EngineConfig.wide_row_buckets`), so the calibration
     times the program generation runs for that layout."""
-    if width <= 1:
-        return 0
-    full = max(0, min(batch, (num_tokens - batch) // (width - 1)))
+    full = full_width_rows(batch, width, num_tokens)
     n_draft = [width - 1] * full + [0] * (batch - full)
     return wide_rows_for(n_draft, batch, width,
                          getattr(engine.engine_config, "wide_row_buckets", ()))
@@ -343,9 +339,8 @@ def calibrate(engine, cost_model: CostModel, cache_len: int | None = None,
     for B, W, N, S in shapes:
         c0 = compiled.compile_s if compiled is not None else 0.0
         R = calibration_wide_rows(engine, B, W, N)
-        kw = {"wide_rows": R} if R else {}
         seconds = engine.time_verify_step(B, W, S, cache_len, repeats, sampling_key,
-                                          num_tokens=N, draft_model=draft_model, **kw)
+                                          num_tokens=N, draft_model=draft_model, wide_rows=R)
         _observe_step(cost_model, N, B * S, seconds, W, R)
         if compiled is not None and compiled.compile_s > c0 and hasattr(cost_model,
                                                                         "observe_compile"):

@@ -496,11 +496,9 @@ class DASPolicy:
     def _predict_key(self, key: tuple, read_kv: int | None = None) -> float:
         """`_predict` of a shape key (`_shape_key`) whose step reads `read_kv` cached positions
         (None: attended_kv)."""
-        if len(key) > 3:
-            return float(self.cost_model.predict_step(key[0], key[1], width=key[2],
-                                                      read_kv=read_kv, wide_rows=key[3]))
         return float(self.cost_model.predict_step(key[0], key[1], width=key[2],
-                                                  read_kv=read_kv))
+                                                  read_kv=read_kv,
+                                                  wide_rows=key[3] if len(key) > 3 else 0))
 
     def _seen_key(self, key: tuple) -> bool:
         """`_seen` of a shape key (`_shape_key`)."""
@@ -674,15 +672,9 @@ class DASPolicy:
         return n.astype(np.int32), float(sc.t[best])
 
     def observe(self, record: StepRecord) -> None:
-        wide = getattr(record, "wide_rows", 0)
-        if wide:
-            self.cost_model.observe_step(*record.step_shape(), record.seconds,
-                                         width=record.width, read_kv=record.read_kv,
-                                         wide_rows=wide)
-        else:
-            self.cost_model.observe_step(*record.step_shape(), record.seconds,
-                                         width=record.width, read_kv=record.read_kv)
-        self._regret.pop(shape_key(*record.step_shape(), record.width, wide), None)
+        self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width,
+                                     read_kv=record.read_kv, wide_rows=record.wide_rows)
+        self._regret.pop(shape_key(*record.step_shape(), record.width, record.wide_rows), None)
         if record.compile_s > 0:
             self.cost_model.observe_compile(record.compile_s)
         pending, self._pending = self._pending, None
