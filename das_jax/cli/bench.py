@@ -36,8 +36,10 @@ from das_jax.rollout import speculation_names
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: engine, drafter, rollout, replay, async, main-job",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser("bench", help="benchmarks: engine, drafter, rollout, replay, "
+                              "async-replay, async-train, main-job",
+                              description="Benchmarks of das-jax: engine, drafter, rollout, "
+                              "replay, async-replay, async-train, main-job.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
 
     pe = sub.add_parser("engine", help="decode throughput of the engine vs HF transformers")
