@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from das_jax.bench import replay as rp
-from das_jax.bench.rollout_bench import BenchSetup, run_bench
+from das_jax.bench.rollout_bench import BenchSetup, head_variant, run_bench
 from das_jax.config import DASSection, load_config
 from das_jax.engine import Engine, EngineConfig
 from das_jax.rollout import Rollout
@@ -150,6 +150,11 @@ def test_bench_rollout_preset_and_bad_paper_model():
                           "--load-cores", "-1"], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 2 and "--load-cores must be >= 0" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "das_jax.cli", "bench", "rollout",
+                          "--drafters", "none,ngram+head+tree"], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2 and "ngram+head+tree" in out.stderr and "das+head+tree" in \
+        out.stderr and "Traceback" not in out.stderr
 
 
 def test_co_tenant_spins_cores_for_the_block_and_stops():
@@ -191,13 +196,20 @@ def test_bench_rollout_with_a_draft_head(tmp_path):
                                                         draft_widths=(1, 4))))
     rng = np.random.default_rng(3)
     prompts = [(f"p{i}", tuple(int(t) for t in rng.integers(2, 64, size=8))) for i in range(2)]
-    setup = BenchSetup(rollout=rollout, prompts=prompts, drafters=["das", "das+head"],
+    setup = BenchSetup(rollout=rollout, prompts=prompts,
+                       drafters=["das", "das+head", "das+head+tree"],
                        epochs=2, temperatures=[1.0], num_generations=2, max_new_tokens=16,
                        das=DASSection(window=4, max_depth=16, min_token_prob=0.1),
                        model_name="tiny", calibrate=False, head=(head, 3, 50.0))
     res = run_bench(setup, str(tmp_path), log=lambda s: None)
-    rows = [r for r in res["runs"] if r["drafter"] == "das+head"]
-    assert len(rows) == 2 and all(r["identity_rate"] == 1.0 for r in rows)
-    assert all("replay" not in r and r["speedup"] > 0 for r in rows)
-    assert sum(r["drafted_by_source"].get("head", 0) for r in rows) > 0
-    assert "| 1.0 | das+head |" in res["table"]
+    for name in ("das+head", "das+head+tree"):
+        rows = [r for r in res["runs"] if r["drafter"] == name]
+        assert len(rows) == 2 and all(r["identity_rate"] == 1.0 for r in rows)
+        assert all("replay" not in r and r["speedup"] > 0 for r in rows)
+        assert sum(r["drafted_by_source"].get("head", 0) for r in rows) > 0
+        assert f"| 1.0 | {name} |" in res["table"]
+    # the tree variant is das+head with das.policy.tree on; plain das+head never verifies two
+    assert all(r["tree_steps"] == 0 for r in res["runs"] if r["drafter"] != "das+head+tree")
+    assert head_variant("das+head+tree") == ("das", True, True)
+    assert head_variant("das+head") == ("das", True, False) and head_variant("ngram")[1:] == (
+        False, False)

@@ -467,9 +467,12 @@ def test_pick_sources_prices_each_row_with_the_cost_model(c_tok, row0):
     pol = DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0),
                     cost_model=CostModel(c_base=0.05, c_tok=c_tok))
     out = pol.pick_sources(rows, db, shape)
-    assert out.alternative is None
     want0 = [21, 22] if row0 == "alternative" else list(range(11, 18))
+    other0 = list(range(11, 18)) if row0 == "alternative" else [21, 22]
     assert out.tokens_AxK[0, :out.lens_A[0]].tolist() == want0
+    # each row's other draft rides along as the alternative (a token tree's second branch)
+    o = out.alternative
+    assert o.tokens_AxK[0, :o.lens_A[0]].tolist() == other0 and o.lens_A.tolist()[1:] == [0, 0]
     assert out.source_A.tolist() == [0 if row0 == "alternative" else 3, 0, 3]
     assert out.lens_A.tolist() == [len(want0), 2, 2]
     assert out.tokens_AxK[1, :2].tolist() == [5, 6] and out.tokens_AxK[2, :2].tolist() == [31, 32]

@@ -324,6 +324,33 @@ def test_trace_simulation_with_the_head(fitted):
     assert sum(both.source_counts.values()) == sum(res.steps.values())
 
 
+def test_trace_simulation_verifies_both_drafts_as_a_tree():
+    """`HeadDrafter(tree=True)`: each step verifies the history's and the head's drafts and
+    emits the longer accepted one, so with an oracle head it emits the head's k + 1 tokens
+    whatever the history drafts, and it never takes more steps than the per-row choice."""
+    rs = _rollouts()
+    oracle, half = {}, {}
+    for r in rs:
+        seq = r.prompt_ids + r.token_ids
+        n, k = len(seq), 3
+        tok = np.array([[seq[t + 2 + j] if t + 2 + j < n else 0 for j in range(k)]
+                        for t in range(n)], np.int32)
+        oracle[id(r)] = (tok, np.full((n, k), 0.1, np.float32).cumprod(-1))   # unconfident
+        bad = tok.copy()
+        bad[::2] = (bad[::2] + 1) % CFG.vocab_size          # every other anchor wrong
+        half[id(r)] = (bad, np.full((n, k), 0.9, np.float32).cumprod(-1))
+    from das_jax.drafter import make_drafter
+    tree = simulate_drafts(HeadDrafter(oracle, make_drafter("das"), tree=True), rs, 3)
+    assert tree.overall() == pytest.approx(sum(len(r.token_ids) for r in rs) / sum(
+        -(-len(r.token_ids) // 4) for r in rs))
+    assert all(tree.drafted[e] >= 3 * tree.steps[e] for e in tree.epochs)   # the head: 3 each
+    pick = simulate_drafts(HeadDrafter(oracle, make_drafter("das")), rs, 3)
+    assert pick.overall() < tree.overall()          # the unconfident oracle loses the choice
+    t2 = simulate_drafts(HeadDrafter(half, make_drafter("das"), tree=True), rs, 3)
+    p2 = simulate_drafts(HeadDrafter(half, make_drafter("das")), rs, 3)
+    assert sum(t2.steps.values()) <= sum(p2.steps.values())
+
+
 def test_fit_cli_one_line_errors(tmp_path):
     def run(*argv):
         return subprocess.run([sys.executable, "-m", "das_jax.cli", "draft-head", "fit", *argv],

@@ -67,14 +67,16 @@ def load_trace_rollouts(path: str) -> tuple[dict, list[TraceRollout]]:
 
 @dataclasses.dataclass
 class TraceDraftResult:
-    """Per epoch (sorted): tokens emitted, verify steps, tokens accepted from drafts; drafting
-    time. `tokens_per_step(e)` / `overall()` give the acceptance figure."""
+    """Per epoch (sorted): tokens emitted, verify steps, tokens accepted from drafts, draft
+    tokens verified; drafting time. `tokens_per_step(e)` / `overall()` give the acceptance
+    figure."""
     epochs: list
     tokens: dict
     steps: dict
     accepted: dict
     propose_s: float = 0.0
     append_s: float = 0.0
+    drafted: dict = dataclasses.field(default_factory=dict)
 
     def tokens_per_step(self, epoch: int) -> float:
         return self.tokens[epoch] / max(1, self.steps[epoch])
@@ -83,18 +85,30 @@ class TraceDraftResult:
         return sum(self.tokens.values()) / max(1, sum(self.steps.values()))
 
 
+def _accepted(draft, out, pos: int) -> int:
+    """Leading draft tokens equal to the recorded continuation out[pos:]."""
+    n = 0
+    while n < len(draft) and pos + n < len(out) and draft[n] == out[pos + n]:
+        n += 1
+    return n
+
+
 def simulate_drafts(drafter, rollouts: Iterable[TraceRollout], k: int = 16) -> TraceDraftResult:
     """Runs the protocol of the module docstring with `drafter` (the `Drafter` protocol) over
-    `rollouts`; `advance_epoch` between epochs. k >= 0 draft tokens per verify step."""
+    `rollouts`; `advance_epoch` between epochs. k >= 0 draft tokens per verify step. A drafter
+    with a true `tree` attribute has both of its drafts verified in each step
+    (`propose_both`: a two-branch token tree, `engine.step.verify_packed`): the step emits the
+    longer accepted one."""
     by_epoch: dict[int, dict[str, list[TraceRollout]]] = {}
     for r in rollouts:
         by_epoch.setdefault(r.epoch, {}).setdefault(r.problem_id, []).append(r)
     epochs = sorted(by_epoch)
     res = TraceDraftResult(epochs, {e: 0 for e in epochs}, {e: 0 for e in epochs},
-                           {e: 0 for e in epochs})
+                           {e: 0 for e in epochs}, drafted={e: 0 for e in epochs})
     rid = 0
     clock = time.perf_counter
     bind = getattr(drafter, "bind", None)   # drafters that need the recorded rollout (the head)
+    tree = bool(getattr(drafter, "tree", False))   # both drafts verified in one step
     for e in epochs:
         for pid, group in by_epoch[e].items():
             live = {}
@@ -108,11 +122,11 @@ def simulate_drafts(drafter, rollouts: Iterable[TraceRollout], k: int = 16) -> T
                 for q in list(live):
                     out, pos = live[q]
                     t0 = clock()
-                    draft = drafter.propose(q, k).tokens
+                    drafts = ([d.tokens for d in drafter.propose_both(q, k)] if tree
+                              else [drafter.propose(q, k).tokens])
                     t1 = clock()
-                    n = 0
-                    while n < len(draft) and pos + n < len(out) and draft[n] == out[pos + n]:
-                        n += 1
+                    n = max(_accepted(d, out, pos) for d in drafts)
+                    res.drafted[e] += sum(len(d) for d in drafts)
                     emit = out[pos: pos + n + 1]
                     drafter.append(q, emit)
                     res.propose_s += t1 - t0
@@ -195,7 +209,9 @@ def _head_rows(args, header, rollouts, depth, window):
     by_id = {id(r): d for r, d in zip(rollouts, drafts)}
     rows = [("head", lambda: HeadDrafter(by_id)),
             ("das+head", lambda: HeadDrafter(by_id, make_drafter(
-                "das", max_depth=depth, window=window), head_scale=args.head_scale))]
+                "das", max_depth=depth, window=window), head_scale=args.head_scale)),
+            ("das+head (tree)", lambda: HeadDrafter(by_id, make_drafter(
+                "das", max_depth=depth, window=window), tree=True))]
     return rollouts, rows
 
 
@@ -218,7 +234,8 @@ def trace_main(args) -> int:
           f"output tokens median {int(np.median(lengths))} max {int(lengths.max())}; "
           f"drafts of up to k={k}, max_depth={depth}, window={window}; siblings round robin")
     cols = "".join(f"{'epoch ' + str(e):>9}" for e in epochs)
-    head = f"{'drafter':24}{cols}{'all':>8}{'drafted':>9}{'prop us':>9}{'app us':>8}"
+    head = (f"{'drafter':24}{cols}{'all':>8}{'drafted':>9}{'slots':>7}{'prop us':>9}"
+            f"{'app us':>8}")
     print(head)
     print("-" * len(head))
     for label, make in _makers(names, depth, window) + extra:
@@ -227,12 +244,13 @@ def trace_main(args) -> int:
         steps, tokens = sum(res.steps.values()), sum(res.tokens.values())
         per = "".join(f"{res.tokens_per_step(e):9.2f}" for e in epochs)
         print(f"{label:24}{per}{res.overall():8.2f}{sum(res.accepted.values()) / tokens:9.1%}"
+              f"{sum(res.drafted.values()) / steps:7.1f}"
               f"{res.propose_s / steps * 1e6:9.1f}{res.append_s / steps * 1e6:8.1f}", flush=True)
         won = getattr(drafter, "source_counts", None)
-        if won is not None and drafter.history is not None:
+        if won is not None and drafter.history is not None and not drafter.tree:
             print(f"{'':24}rows drafted from: head {won['head']}, history {won['history']}, "
                   f"none {won['none']}")
     print("tokens per verify step (tokens emitted / verify steps); drafted = share of emitted "
-          "tokens accepted from drafts; prop / app us = microseconds per propose / append call "
-          "(per-row calls)")
+          "tokens accepted from drafts; slots = draft tokens verified per step (a tree: both "
+          "drafts); prop / app us = microseconds per propose / append call (per-row calls)")
     return 0

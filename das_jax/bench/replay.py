@@ -76,7 +76,7 @@ class FrozenCostModel(CostModel):
     """A cost model that ignores observations (the replay plans with fixed coefficients)."""
 
     def observe_step(self, num_tokens, attended_kv, seconds, refit=True, width=None,
-                     read_kv=None, wide_rows=0):
+                     read_kv=None, wide_rows=0, branch_rows=0):
         pass
 
     def observe_compile(self, seconds):
@@ -303,15 +303,15 @@ class TraceExecutor:
         # The pending token is rec[g - 1]; the target token after it is rec[g], so draft token i
         # is accepted while it equals rec[g + i] (and the prefix before it was accepted), and
         # never past the recorded end.
-        lim_A = np.minimum(n_draft_A, self.len_R[ri_A] - g_A - 1)
-        K = st.drafts_AxK.shape[1]
-        col = np.arange(K + 1)[None, :]
-        pos_AxK1 = np.minimum(self.start_R[ri_A, None] + g_A[:, None] + col,
-                              len(self.tokens_T) - 1)
-        rec_AxK1 = self.tokens_T[pos_AxK1]
-        miss_AxK = (st.drafts_AxK != rec_AxK1[:, :K]) | (col[:, :K] >= lim_A[:, None])
-        acc_A = np.where(miss_AxK.any(axis=1), miss_AxK.argmax(axis=1), K) if K else \
-            np.zeros(len(ri_A), np.int64)
+        acc_A, rec_AxK1 = self._accepted(ri_A, g_A, st.drafts_AxK, n_draft_A)
+        won_A = None
+        if st.n_alt_B is not None and st.alt_AxK is not None:   # a two-branch token tree
+            n_alt_A = np.asarray(st.n_alt_B)[st.live].astype(np.int64)
+            acc_alt_A, rec_alt = self._accepted(ri_A, g_A, st.alt_AxK, n_alt_A)
+            won_A = acc_alt_A > acc_A
+            acc_A = np.maximum(acc_A, acc_alt_A)
+            if rec_alt.shape[1] > rec_AxK1.shape[1]:
+                rec_AxK1 = rec_alt
         n_A = acc_A + 1
         done_A = g_A + n_A >= self.len_R[ri_A]
         ends = np.where(done_A, self.reason_R[ri_A], "")
@@ -319,7 +319,22 @@ class TraceExecutor:
                                                      read_kv=st.read_kv))
         self._run_step(seconds, st.overlap)
         return StepOutput(rec_AxK1, np.zeros(rec_AxK1.shape, np.float32), n_A.astype(np.int32),
-                          seconds, ends)
+                          seconds, ends, won_A=won_A)
+
+    def _accepted(self, ri_A, g_A, drafts_AxK, n_draft_A):
+        """(accepted drafts per row, the recorded tokens `[A, K + 1]` from each row's pending
+        position on): draft token i is accepted while it equals the recorded token after the
+        accepted prefix, and never past the recorded end."""
+        lim_A = np.minimum(n_draft_A, self.len_R[ri_A] - g_A - 1)
+        K = drafts_AxK.shape[1]
+        col = np.arange(K + 1)[None, :]
+        pos_AxK1 = np.minimum(self.start_R[ri_A, None] + g_A[:, None] + col,
+                              len(self.tokens_T) - 1)
+        rec_AxK1 = self.tokens_T[pos_AxK1]
+        miss_AxK = (drafts_AxK != rec_AxK1[:, :K]) | (col[:, :K] >= lim_A[:, None])
+        acc_A = np.where(miss_AxK.any(axis=1), miss_AxK.argmax(axis=1), K) if K else \
+            np.zeros(len(ri_A), np.int64)
+        return acc_A, rec_AxK1
 
 
     def _run_step(self, seconds: float, overlap) -> None:

@@ -42,6 +42,8 @@ processes spinning one core each, `co_tenant.CoTenant`) for the whole run and re
 A drafter named `X+head` (e.g. `das+head`, with `--set draft_head.path=HEAD.safetensors`) is
 speculation X with the EAGLE-3 draft head beside it (`Rollout.attach_draft_head`); it is
 measured like the others and left out of the replays (a trace holds no policy features).
+`das+head+tree` is `das+head` with `das.policy.tree` on: a row may verify the head's and the
+history's drafts in one step (a two-branch token tree), side by side with `das+head`.
 
 `--update-policy` runs one GRPO update (`GRPOTrainer.score` + `GRPOTrainer.update`) on the `none`
 rollouts of each epoch (all of them as one batch) before the next epoch, so the policy drifts as
@@ -169,14 +171,30 @@ class BenchSetup:
 
 
 HEAD_SUFFIX = "+head"
+TREE_SUFFIX = "+head+tree"
+TREE_SPECULATIONS = ("das",)     # the DAS policy's `tree` setting: a speculation planned by it
+
+
+def head_variant(name: str) -> tuple[str, bool, bool]:
+    """(speculation, with the draft head beside it, as a token tree) of a drafter name of the
+    benchmark: X, X+head or X+head+tree."""
+    if name.endswith(TREE_SUFFIX):
+        return name[:-len(TREE_SUFFIX)], True, True
+    if name.endswith(HEAD_SUFFIX):
+        return name[:-len(HEAD_SUFFIX)], True, False
+    return name, False, False
 
 
 def _bench_rollout(base, name: str, das, head):
-    """The rollout of drafter `name` on `base`'s engine: a speculation, or "X+head" (X with
-    the draft head `head` = (DraftHead, steps, scale, dtype) beside it)."""
-    if not name.endswith(HEAD_SUFFIX):
+    """The rollout of drafter `name` on `base`'s engine: a speculation, "X+head" (X with the
+    draft head `head` = (DraftHead, steps, scale, dtype) beside it) or "X+head+tree" (that,
+    with `das.policy.tree` on)."""
+    spec, with_head, tree = head_variant(name)
+    if not with_head:
         return base.with_speculation(name, das)
-    rollout = base.with_speculation(name[:-len(HEAD_SUFFIX)], das)
+    if tree:
+        das = dataclasses.replace(das, policy=dataclasses.replace(das.policy, tree=True))
+    rollout = base.with_speculation(spec, das)
     rollout.attach_draft_head(*head)
     return rollout
 
@@ -319,7 +337,7 @@ def run_bench(setup: BenchSetup, out_dir: str | None = None, log: Callable = pri
     if setup.paper is not None:
         header = {"cost_model": coef, "das": dataclasses.asdict(das)}
         result["paper"] = run_paper(rp.Trace(header, trace_rollouts),
-                                    [n for n in names if not n.endswith(HEAD_SUFFIX)],
+                                    [n for n in names if not head_variant(n)[1]],
                                     setup.max_new_tokens, das, setup.paper, log)
     result["report"] = report_markdown(result)
     if out_dir:
@@ -363,7 +381,7 @@ def _add_replay(result: dict, measured: dict, none_epochs: dict, names: list[str
     }
     # the replay runs history drafters on the recorded tokens; a draft head needs the
     # policy's features, which a trace does not hold, so "X+head" rows are measured only
-    replayed = [n for n in names if not n.endswith(HEAD_SUFFIX)]
+    replayed = [n for n in names if not head_variant(n)[1]]
     predicted = rp.replay_epochs(none_epochs, replayed, ec, setup.max_new_tokens, coef, das,
                                  overheads)
     for name in names:
@@ -734,14 +752,16 @@ def main(args: argparse.Namespace) -> int:
     temps = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
              else [cfg.rollout.temperature])
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    bad = [d for d in drafters if d.removesuffix(HEAD_SUFFIX) not in speculation_names()]
+    bad = [d for d in drafters if head_variant(d)[0] not in speculation_names()
+           or head_variant(d)[2] and head_variant(d)[0] not in TREE_SPECULATIONS]
     if bad:
         print(f"das-jax bench rollout: unknown drafter(s) {bad}; valid: "
               f"{', '.join(speculation_names())}, each also as NAME{HEAD_SUFFIX} (with "
-              "--set draft_head.path=HEAD.safetensors)", file=sys.stderr)
+              "--set draft_head.path=HEAD.safetensors), and "
+              + ", ".join(n + TREE_SUFFIX for n in TREE_SPECULATIONS), file=sys.stderr)
         return 2
     head_cfg = cfg.draft_head
-    with_head = [d for d in drafters if d.endswith(HEAD_SUFFIX)]
+    with_head = [d for d in drafters if head_variant(d)[1]]
     if with_head and head_cfg.path is None:
         print(f"das-jax bench rollout: drafter(s) {with_head} need a draft head; add --set "
               "draft_head.path=HEAD.safetensors (`das-jax draft-head fit`)", file=sys.stderr)

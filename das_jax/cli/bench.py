@@ -98,7 +98,8 @@ def _check_rollout_arguments(p: argparse.ArgumentParser) -> None:
     """Converters naming the flag for the options `rollout_bench` defines as plain strings/ints."""
     def with_head():      # every speculation, also as NAME+head (the draft head beside it)
         names = tuple(speculation_names())
-        return names + tuple(n + rollout_bench.HEAD_SUFFIX for n in names)
+        return (names + tuple(n + rollout_bench.HEAD_SUFFIX for n in names)
+                + tuple(n + rollout_bench.TREE_SUFFIX for n in rollout_bench.TREE_SPECULATIONS))
     set_type(p, "--drafters", name_list(with_head, as_text=True))
     set_type(p, "--temperatures", float_list(minimum=0.0, as_text=True))
     for flag in ("--epochs", "--num-problems", "--max-new-tokens", "--hf-batches", "--hf-threads",

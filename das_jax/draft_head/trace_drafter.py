@@ -67,12 +67,16 @@ class HeadDrafter(BesideHistory):
     history: optional history drafter; each `propose` then returns whichever of the two drafts
     has the larger expected accepted length: the sum of its path probabilities, the head's
     (its softmax probabilities) times `head_scale`, the history's its own count-ratio estimate.
-    `source_counts` counts the rows each source won."""
+    `source_counts` counts the rows each source won. `tree`: the simulation verifies both
+    drafts in one step instead (`propose_both`: a two-branch token tree, as
+    `engine.step.verify_packed` verifies them)."""
 
-    def __init__(self, drafts_of: dict, history=None, head_scale: float = 2.0):
+    def __init__(self, drafts_of: dict, history=None, head_scale: float = 2.0,
+                 tree: bool = False):
         self.drafts_of = drafts_of
         self.history = history
         self.head_scale = head_scale
+        self.tree = tree and history is not None
         self._drafts, self._len = {}, {}
         self.source_counts = {"head": 0, "history": 0, "none": 0}
 
@@ -83,14 +87,25 @@ class HeadDrafter(BesideHistory):
         self._len[request_id] = len(prompt_ids)
         super().begin(request_id, problem_id, prompt_ids)
 
-    def propose(self, request_id, max_tokens) -> Draft:
+    def _head(self, request_id, max_tokens) -> Draft:
         n = self._len[request_id]
         tok, p = self._drafts[request_id]
         a = n - 2            # anchor: the last position whose features exist
-        head = Draft.empty()
         if 0 <= a < len(tok) and max_tokens > 0:
             k = min(max_tokens, tok.shape[1])
-            head = Draft(tok[a, :k].astype(np.int32), p[a, :k].astype(np.float32))
+            return Draft(tok[a, :k].astype(np.int32), p[a, :k].astype(np.float32))
+        return Draft.empty()
+
+    def propose_both(self, request_id, max_tokens) -> tuple[Draft, Draft]:
+        """(the history's draft, the head's draft), each up to `max_tokens` (the head's up to
+        its steps); the history's empty without a history drafter."""
+        head = self._head(request_id, max_tokens)
+        hist = (self.history.propose(request_id, max_tokens) if self.history is not None
+                else Draft.empty())
+        return hist, head
+
+    def propose(self, request_id, max_tokens) -> Draft:
+        head = self._head(request_id, max_tokens)
         if self.history is None:
             self.source_counts["head" if len(head) else "none"] += 1
             return head

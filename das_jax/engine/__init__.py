@@ -20,7 +20,7 @@ Public surface:
     acceptance_length, padded_step_shape, packed_step_shape, width_for         (policy.py)
   bucket, pow2_at_least, cache_len_for, kv_len_bucket, tail_bucket, compact_rows (schedule.py)
   token_buckets, packed_width, step_shape_fn, StepShape, shape_key, wide_rows_for,
-    full_width_rows, pages_read_kv,
+    full_width_rows, pages_read_kv, branch_rows_for,
     verify_token_buckets, precompile_token_buckets, PromptRows (prompt sharing's row
     bookkeeping)                                                               (schedule.py)
 
@@ -53,6 +53,7 @@ _EXPORTS = {
     "PrefillBatch": "specs", "ShareSpec": "specs", "ShareBatch": "specs", "GatherSpec": "specs",
     "GatherBatch": "specs", "CacheSpec": "specs", "StepShape": "schedule",
     "pages_read_kv": "schedule", "shape_key": "schedule", "wide_rows_for": "schedule",
+    "branch_rows_for": "schedule",
     "PagedRows": "paged_rows",
     "time_verify_padded": "reference",
     "StepExecutor": "step_io", "StepInput": "step_io",

@@ -232,9 +232,9 @@ class DeviceExecutor:
         """The typed batch of the step `st` plans (`VerifyBatch`)."""
         spec = VerifySpec(self.config, self.skey, st.batch, st.num_tokens, st.width, self.S,
                           st.kv_len, self.dtype, self.pages, self.feature_layers,
-                          st.wide_rows)
+                          st.wide_rows, st.branch_rows)
         return VerifyBatch.pack(spec, st.cache_len_B, self.pending, self.row_seed, st.live,
-                                st.drafts_AxK, st.n_draft_B)
+                                st.drafts_AxK, st.n_draft_B, st.alt_AxK, st.n_alt_B)
 
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
         self._admit_to_model()
@@ -246,6 +246,7 @@ class DeviceExecutor:
         compiled_at_t0 = self.programs.compile_s
         t0 = time.perf_counter()
         self.cache, y_BxW, logp_BxW, n_emit_B, *feats = exe(self.params, self.cache, batch)
+        won_B = feats.pop() if st.branch_rows else None     # a tree: (features or None, won)
         drafts = None
         if self.draft_model is not None:   # dispatched after the step, not waited for
             live_B = np.zeros(st.batch, bool)
@@ -263,7 +264,8 @@ class DeviceExecutor:
         n_A = n_emit_B[st.live]
         self.pending[st.live] = y_BxW[st.live, n_A - 1]
         return scheduler.StepOutput(y_BxW[st.live], logp_BxW[st.live], n_A, seconds,
-                                    compile_s=self.programs.compile_s - compiled_before)
+                                    compile_s=self.programs.compile_s - compiled_before,
+                                    won_A=None if won_B is None else np.asarray(won_B)[st.live])
 
     def decode(self, st: scheduler.StepInput, steps: int, budget_A: np.ndarray,
                stop_ids: np.ndarray) -> scheduler.StepOutput:

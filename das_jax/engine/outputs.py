@@ -134,10 +134,24 @@ class GenerateStats:
         and an `[R, W]` attention block, `EngineConfig.wide_row_buckets`)."""
         return sum(1 for s in self.steps if getattr(s, "wide_rows", 0))
 
+    @property
+    def tree_steps(self) -> int:
+        """Verify steps that verified second drafts (a two-branch token tree:
+        `StepRecord.branch_rows` > 0)."""
+        return sum(1 for s in self.steps if getattr(s, "branch_rows", 0))
+
+    @property
+    def second_branch_wins(self) -> int:
+        """Rows of tree steps that emitted their second draft's tokens
+        (`StepRecord.won_per_row`)."""
+        return sum(sum(getattr(s, "won_per_row", None) or ()) for s in self.steps)
+
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "steps"}
         d["acceptance_length"] = self.acceptance_length
         d["split_steps"] = self.split_steps
+        d["tree_steps"] = self.tree_steps
+        d["second_branch_wins"] = self.second_branch_wins
         if with_steps:
             d["steps"] = [dataclasses.asdict(s) for s in self.steps]
         return d

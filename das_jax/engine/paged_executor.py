@@ -121,7 +121,10 @@ class PagedExecutor(PagedRows, DeviceExecutor):
         self.prompt_rows.compact(live, new_batch)
 
     def verify(self, st: scheduler.StepInput) -> scheduler.StepOutput:
-        self.pool.ensure(st.live, st.cache_len_B[st.live] + 1 + st.n_draft_B[st.live])
+        deepest = st.n_draft_B[st.live]          # a tree's branches share positions
+        if st.n_alt_B is not None:
+            deepest = np.maximum(deepest, st.n_alt_B[st.live])
+        self.pool.ensure(st.live, st.cache_len_B[st.live] + 1 + deepest)
         self._sync()
         return super().verify(st)
 

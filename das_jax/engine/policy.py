@@ -97,7 +97,11 @@ class StepRecord:
     compile_s: seconds spent compiling the step's program, when the step was the first of its
     shape (0.0 otherwise; not part of `seconds`, and not compared: a program compiled by an
     earlier run of the process is not compiled again); wide_rows: the split query block's R
-    (`schedule.wide_rows_for`; 0: one `[B, W]` block).
+    (`schedule.wide_rows_for`; 0: one `[B, W]` block); branch_rows: a two-branch token tree's
+    R2 (`schedule.branch_rows_for`; 0: one draft per row; `drafted` then counts both drafts);
+    alt_per_row: each live row's second-draft tokens verified, and won_per_row: whether the
+    row emitted its second draft's tokens (then `accepted_per_row` counts the second draft's
+    accepted tokens; None: no tree).
     """
 
     batch: int
@@ -116,6 +120,9 @@ class StepRecord:
     read_kv: int | None = None
     compile_s: float = dataclasses.field(default=0.0, compare=False)
     wide_rows: int = 0
+    branch_rows: int = 0
+    alt_per_row: tuple[int, ...] | None = None
+    won_per_row: tuple[bool, ...] | None = None
 
     def step_shape(self) -> tuple[int, int]:
         """(num_tokens, attended_kv) of the step (from batch, width, kv_len when not given)."""
@@ -216,10 +223,29 @@ class FixedPolicy:
 
     W is the smallest compiled width that holds the longest draft, so a step with no drafts at
     all runs the cheap W = 1 variant. `max_draft` caps k below the widest compiled width.
+    `tree`: where the drafter offers each row a second draft (`DraftBatch.alternative`),
+    verify it beside the first as a two-branch token tree (`second_branch`), the row's k draft
+    tokens split between them (ceil(k / 2) to the first); False: the first only.
     """
 
-    def __init__(self, max_draft: int | None = None):
+    def __init__(self, max_draft: int | None = None, tree: bool = False):
         self.max_draft = max_draft
+        self.tree = tree
+
+    def second_branch(self, rows, chosen, other, step_shape):
+        """(first-draft lengths, second drafts) to verify (`plan_step`) with `tree`, else None:
+        a row with two drafts that differ at their first token verifies ceil(k / 2) tokens of
+        its first and floor(k / 2) of its second, k its chosen length; other rows keep their
+        first draft whole (a second draft starting with the first's token would repeat its
+        prefix)."""
+        if not self.tree:
+            return None
+        k = chosen.lens_A.astype(np.int64)
+        both = (k > 0) & (other.lens_A > 0)
+        if other.width and chosen.width:
+            both &= chosen.tokens_AxK[:, 0] != other.tokens_AxK[:, 0]
+        first = np.where(both, (k + 1) // 2, k)
+        return first, other.cut(np.where(both, np.minimum(k // 2, other.lens_A), 0))
 
     def admission_order(self, problem_ids):
         return list(range(len(problem_ids)))
@@ -245,20 +271,23 @@ class FixedPolicy:
         return None
 
     def fork(self, drafter):
-        return FixedPolicy(self.max_draft)
+        return FixedPolicy(self.max_draft, self.tree)
 
 
 @dataclasses.dataclass
 class DraftPlan:
     """One step's speculation: width W, the drafts the policy chose (`DraftBatch`, each row
     <= W - 1 tokens, in the order of the live rows), the policy's predicted step seconds, and
-    host time spent (seconds)."""
+    host time spent (seconds); `second`: each row's second draft, verified beside the first as
+    a two-branch token tree (`step.verify_packed`; a row's two drafts together <= the widest
+    width - 1 tokens), or None."""
 
     width: int
     drafts: DraftBatch
     predicted_seconds: float | None
     draft_s: float = 0.0
     policy_s: float = 0.0
+    second: DraftBatch | None = None
 
 
 def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[RowView]",
@@ -268,7 +297,12 @@ def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[R
     (`das_jax.drafter.propose_batch`), the policy for n_draft per row; W is the smallest
     compiled width holding the longest chosen draft. Drafts with an `alternative` (another
     source's draft per row): a policy with `pick_sources(rows, drafts, step_shape)` picks per
-    row which to verify (timed as policy work); other policies verify the drafter's pick.
+    row which to verify (timed as policy work; it returns the pick with the other draft as its
+    `alternative`); other policies verify the drafter's pick. A policy with
+    `second_branch(rows, chosen, other, step_shape)` may then verify the other draft beside
+    the chosen one (a two-branch token tree: it returns None, or the first drafts' new lengths
+    and the second drafts, `DraftPlan.second`, cut so a row's two drafts hold at most the
+    widest width - 1 tokens).
 
     step_shape: what a choice costs (default: `padded_step_shape(batch, widths, kv_len)`).
     Shared by `Engine.generate` and the trace-replay simulator, so both take exactly the same
@@ -286,12 +320,30 @@ def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[R
     drafts = drafts.cut(budgets)
     t2 = time.perf_counter()
     shape = step_shape or padded_step_shape(batch, ws, kv_len)
+    other = None
     if drafts.alternative is not None:
         pick = getattr(policy, "pick_sources", None)
-        drafts = (pick(rows, drafts, shape) if pick is not None
-                  else dataclasses.replace(drafts, alternative=None))
+        if pick is not None:
+            drafts = pick(rows, drafts, shape)
+        other = drafts.alternative
+        drafts = dataclasses.replace(drafts, alternative=None)
     n_draft, predicted = policy.choose(rows, drafts, shape)
-    t3 = time.perf_counter()
     drafts = drafts.cut(np.minimum(np.asarray(n_draft, np.int32), ws[-1] - 1))
-    width = width_for(drafts.lens_A, ws)
-    return DraftPlan(width, drafts, predicted, draft_s=t2 - t1, policy_s=(t1 - t0) + (t3 - t2))
+    second = None
+    branch = getattr(policy, "second_branch", None)
+    if other is not None and branch is not None and hasattr(shape, "tree"):
+        out = branch(rows, drafts, other, shape)
+        if out is not None:
+            n_first, second = out
+            drafts = drafts.cut(np.asarray(n_first, np.int32))
+            second = second.cut(np.maximum(ws[-1] - 1 - drafts.lens_A, 0))
+            if not second.lens_A.any():
+                second = None
+            else:
+                predicted = getattr(policy, "tree_seconds", lambda *_: predicted)(
+                    shape.tree(drafts.lens_A, second.lens_A))
+    t3 = time.perf_counter()
+    width = width_for(drafts.lens_A if second is None
+                      else np.maximum(drafts.lens_A, second.lens_A), ws)
+    return DraftPlan(width, drafts, predicted, draft_s=t2 - t1, policy_s=(t1 - t0) + (t3 - t2),
+                     second=second)

@@ -295,6 +295,14 @@ def wide_rows_for(n_draft: Sequence[int], batch: int, width: int,
     return R if R and R < batch and 2 * (batch + R * width) < batch * width else 0
 
 
+def branch_rows_for(n_alt_A: Sequence[int], batch: int) -> int:
+    """R2 of a two-branch token tree's second block (`VerifySpec.branch_rows`) for per-row
+    second-draft lengths `n_alt_A` at batch bucket B: the smallest power of two holding the
+    rows with one, at most B; 0 when no row has one (one draft per row)."""
+    n = int(np.count_nonzero(np.asarray(n_alt_A) > 0))
+    return min(pow2_at_least(n, 1), int(batch)) if n else 0
+
+
 def full_width_rows(batch: int, width: int, num_tokens: int) -> int:
     """Rows that draft `width - 1` tokens in the timing layout of `num_tokens` slots over
     `batch` rows (`specs.VerifySpec.dummy`: those rows first, then one slot per remaining row)."""
@@ -310,26 +318,32 @@ class StepShape(tuple):
     """(num_tokens, attended_kv), plus the query-block width W the step runs at as `.width`,
     the cached positions it actually reads as `.read_kv` (attended_kv, but on a paged
     cache read by a kernel: `pages_read_kv`) and the split query block's R as `.wide_rows`
-    (`wide_rows_for`; 0: one block) (compares and unpacks as the plain pair)."""
+    (`wide_rows_for`; 0: one block) and a two-branch token tree's R2 as `.branch_rows`
+    (`branch_rows_for`; 0: one draft per row) (compares and unpacks as the plain pair)."""
 
     width: int
     read_kv: int
     wide_rows: int
+    branch_rows: int
 
     def __new__(cls, num_tokens: int, attended_kv: int, width: int, read_kv: int | None = None,
-                wide_rows: int = 0):
+                wide_rows: int = 0, branch_rows: int = 0):
         out = super().__new__(cls, (num_tokens, attended_kv))
         out.width = int(width)
         out.read_kv = int(attended_kv if read_kv is None else read_kv)
         out.wide_rows = int(wide_rows)
+        out.branch_rows = int(branch_rows)
         return out
 
 
-def shape_key(num_tokens: int, attended_kv: int, width: int | None, wide_rows: int = 0
-              ) -> tuple:
+def shape_key(num_tokens: int, attended_kv: int, width: int | None, wide_rows: int = 0,
+              branch_rows: int = 0) -> tuple:
     """The compiled program of a step shape, as the cost model's tables key it: (num_tokens,
-    attended_kv, width), and R appended for a split query block."""
+    attended_kv, width), R appended for a split query block, and (R, R2) for a two-branch
+    token tree."""
     key = (int(num_tokens), int(attended_kv), None if width is None else int(width))
+    if branch_rows:
+        return key + (int(wide_rows), int(branch_rows))
     return key + (int(wide_rows),) if wide_rows else key
 
 
@@ -362,6 +376,16 @@ class PackedStepShape:
         return StepShape(int(_slot_bucket(n_draft_A, self.buckets)), int(self.attended), W,
                          self.read_kv, wide_rows_for(n_draft_A, self.batch, W,
                                                      self.wide_buckets))
+
+    def tree(self, n_draft_A, n_alt_A) -> "StepShape":
+        """The step shape of a two-branch token tree: each live row's pending token, its first
+        draft (`n_draft_A` tokens) and its second (`n_alt_A`), in one slot bucket; W the
+        smallest compiled width holding the deeper branch; R2 `branch_rows_for`; one query
+        block (no split)."""
+        a, b = np.asarray(n_draft_A, np.int64), np.asarray(n_alt_A, np.int64)
+        W = int(packed_width(np.maximum(a, b), self.widths))
+        return StepShape(int(_slot_bucket(a + b, self.buckets)), int(self.attended), W,
+                         self.read_kv, 0, branch_rows_for(b, self.batch))
 
     def many(self, n_CxA: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

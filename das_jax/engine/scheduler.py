@@ -420,7 +420,14 @@ class _Run:
         n_draft_A = plan.drafts.lens_A
         n_draft_B = np.zeros(B, np.int32)
         n_draft_B[live] = n_draft_A
-        shape = step_shape(n_draft_A)
+        second, alt_AxK, n_alt_B = plan.second, None, None
+        if second is not None:          # a two-branch token tree
+            shape = step_shape.tree(n_draft_A, second.lens_A)
+            alt_AxK = second.tokens_AxK
+            n_alt_B = np.zeros(B, np.int32)
+            n_alt_B[live] = second.lens_A
+        else:
+            shape = step_shape(n_draft_A)
         num_tokens, attended_kv = shape
         out = self.executor.verify(StepInput(
             batch=B, live=live, request_ids=req_A, generated=gen_A,
@@ -428,16 +435,17 @@ class _Run:
             drafts_AxK=plan.drafts.tokens_AxK, n_draft_B=n_draft_B, num_tokens=num_tokens,
             attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds,
             read_kv=read_kv, overlap=None if self.flushed else self.flush,
-            wide_rows=shape.wide_rows))
+            wide_rows=shape.wide_rows, alt_AxK=alt_AxK, n_alt_B=n_alt_B,
+            branch_rows=getattr(shape, "branch_rows", 0)))
         if not self.flushed:            # an executor that does not overlap
             self.flush()
         stats.decode_s += out.seconds
         stats.forward_passes += 1
-        drafted = int(n_draft_A.sum())
+        drafted = int(n_draft_A.sum()) + (0 if second is None else int(second.lens_A.sum()))
         stats.drafted_tokens += drafted
         classes = policy.step_classes(rows)
         self.passes_R[req_A] += 1
-        self.drafted_R[req_A] += n_draft_A
+        self.drafted_R[req_A] += n_draft_A if second is None else n_draft_A + second.lens_A
         self.cache_len[live] += np.asarray(out.n_A, np.int32)
         # Count what was committed: tokens past a stop token or max_new_tokens are not.
         committed_A = self.commit(live, out.tokens_AxW, out.logprobs_AxW, out.n_A, out.ends)
@@ -445,15 +453,27 @@ class _Run:
         self.accepted_R[req_A] += accepted_A
         accepted = int(accepted_A.sum())
         stats.accepted_draft_tokens += accepted
-        if drafted:
-            stats.count_acceptance(n_draft_A, accepted_A, plan.drafts.source_A)
+        won_A = np.zeros(len(live), bool)
+        if second is not None and out.won_A is not None:
+            won_A = np.asarray(out.won_A, bool)
+        if drafted:         # the accepted tokens are the winning branch's
+            stats.count_acceptance(n_draft_A, np.where(won_A, 0, accepted_A),
+                                   plan.drafts.source_A)
+            if second is not None:
+                stats.count_acceptance(second.lens_A, np.where(won_A, accepted_A, 0),
+                                       second.source_A)
         record = StepRecord(batch=B, active=len(live), width=plan.width, kv_len=kv_len,
                             drafted=drafted, accepted=accepted, emitted=int(committed_A.sum()),
                             seconds=out.seconds,
                             predicted_seconds=plan.predicted_seconds, classes=classes,
                             num_tokens=num_tokens, attended_kv=attended_kv,
                             accepted_per_row=tuple(accepted_A.tolist()), read_kv=read_kv,
-                            compile_s=out.compile_s, wide_rows=shape.wide_rows)
+                            compile_s=out.compile_s, wide_rows=shape.wide_rows,
+                            branch_rows=getattr(shape, "branch_rows", 0),
+                            alt_per_row=(None if second is None
+                                         else tuple(second.lens_A.tolist())),
+                            won_per_row=(None if second is None
+                                         else tuple(bool(w) for w in won_A)))
         stats.steps.append(record)
         t0 = time.perf_counter()
         policy.observe(record)

@@ -90,7 +90,9 @@ class VerifySpec(OnCache):
     `feature_layers`: blocks whose outputs the step also returns (a draft head's features;
     () for none). `wide_rows`: R, the step's attention split into a `[B, 1]` block and an
     `[R, W]` block of the (at most R) rows that draft (`models.packed`); 0: one `[B, W]`
-    block."""
+    block. `branch_rows`: R2 > 0: a row may verify a second draft beside its first (a
+    two-branch token tree; at most R2 rows have one: `models.packed`, `step.verify_packed`);
+    0: one draft per row."""
 
     config: ModelConfig
     sampling_key: tuple
@@ -103,10 +105,12 @@ class VerifySpec(OnCache):
     pages: tuple = ()
     feature_layers: tuple = ()
     wide_rows: int = 0
+    branch_rows: int = 0
 
     def abstract(self, sharding=None) -> "VerifyBatch":
         B, N = self.batch, self.num_tokens
-        return VerifyBatch(self, *(int32_abstract((n,), sharding) for n in (B, N, N, N, B, B)))
+        sizes = (B, N, N, N, B, B) + ((B,) if self.branch_rows else ())
+        return VerifyBatch(self, *(int32_abstract((n,), sharding) for n in sizes))
 
     def dummy(self) -> "VerifyBatch":
         """A timing batch: `num_tokens` slots, full-width rows first, then one slot per
@@ -124,10 +128,15 @@ class VerifySpec(OnCache):
         rows += [B] * (N - len(rows))
         offs += [0] * (N - len(offs))
         row_N, offset_N = np.asarray(rows, np.int32), np.asarray(offs, np.int32)
-        n_draft_B = np.bincount(row_N[row_N < B], minlength=B).astype(np.int32) - 1
+        n_draft_B = np.maximum(np.bincount(row_N[row_N < B], minlength=B) - 1, 0)
+        n_alt_B = None
+        if self.branch_rows:     # the first R2 full-width rows split their drafts in two
+            n_alt_B = np.where(np.arange(B) < min(full, self.branch_rows), n_draft_B // 2, 0)
+            n_draft_B = n_draft_B - n_alt_B
+            n_alt_B = n_alt_B.astype(np.int32)
         return VerifyBatch(self, np.full((B,), self.kv_len, np.int32), np.full((N,), 7, np.int32),
-                           row_N, offset_N, np.maximum(n_draft_B, 0).astype(np.int32),
-                           np.arange(B, dtype=np.int32))
+                           row_N, offset_N, n_draft_B.astype(np.int32),
+                           np.arange(B, dtype=np.int32), n_alt_B)
 
 
 @batch_pytree
@@ -135,7 +144,9 @@ class VerifySpec(OnCache):
 class VerifyBatch:
     """The arrays of a packed verify step (int32): cache_len_B `[B]` tokens in each row's
     cache; tokens_N / row_N / offset_N `[N]` slot token, cache row (>= B: padding) and offset
-    in the row; n_draft_B `[B]` drafts per row; seeds_B `[B]` request seeds."""
+    in the row; n_draft_B `[B]` drafts per row (with a tree: branch A's); seeds_B `[B]`
+    request seeds; n_alt_B `[B]` branch B's drafts per row (a spec with `branch_rows`; else
+    None), its slots after branch A's."""
 
     spec: VerifySpec
     cache_len_B: Any
@@ -144,28 +155,43 @@ class VerifyBatch:
     offset_N: Any
     n_draft_B: Any
     seeds_B: Any
+    n_alt_B: Any = None
 
     @classmethod
     def pack(cls, spec: VerifySpec, cache_len_B, pending_B, seeds_B, live: np.ndarray,
-             drafts_AxK: np.ndarray, n_draft_B) -> "VerifyBatch":
-        """Each live row's pending token then its drafts (drafts_AxK[j, :n_draft_B[live[j]]]),
-        as consecutive slots; the rest of the N slots are padding (row index B)."""
+             drafts_AxK: np.ndarray, n_draft_B, alt_AxK: np.ndarray | None = None,
+             n_alt_B=None) -> "VerifyBatch":
+        """Each live row's pending token then its drafts (drafts_AxK[j, :n_draft_B[live[j]]])
+        and, with a spec's `branch_rows`, its second draft (alt_AxK[j, :n_alt_B[live[j]]]), as
+        consecutive slots; the rest of the N slots are padding (row index B)."""
         N, B = spec.num_tokens, spec.batch
         live = np.asarray(live, np.int64)
-        c_A = 1 + np.asarray(n_draft_B, np.int64)[live]          # slots per live row
+        n_a_A = np.asarray(n_draft_B, np.int64)[live]
+        n_b_A = (np.asarray(n_alt_B, np.int64)[live] if n_alt_B is not None
+                 else np.zeros(len(live), np.int64))
+        c_A = 1 + n_a_A + n_b_A                                    # slots per live row
         T = int(c_A.sum())
         j_T = np.repeat(np.arange(len(live)), c_A)
         off_T = np.arange(T) - np.repeat(np.cumsum(c_A) - c_A, c_A)
         drafts_AxK = np.asarray(drafts_AxK, np.int32)
-        draft_T = (drafts_AxK[j_T, np.maximum(off_T - 1, 0)] if drafts_AxK.shape[1]
-                   else np.zeros(T, np.int32))
+        draft_T = (drafts_AxK[j_T, np.clip(off_T - 1, 0, drafts_AxK.shape[1] - 1)]
+                   if drafts_AxK.shape[1] else np.zeros(T, np.int32))
+        if n_alt_B is not None and alt_AxK is not None and np.asarray(alt_AxK).shape[1]:
+            alt_AxK = np.asarray(alt_AxK, np.int32)
+            d_T = off_T - n_a_A[j_T]                               # depth on branch B
+            alt_T = alt_AxK[j_T, np.clip(d_T - 1, 0, alt_AxK.shape[1] - 1)]
+            draft_T = np.where(d_T >= 1, alt_T, draft_T)
         tokens_N = np.zeros(N, np.int32)
         row_N = np.full(N, B, np.int32)
         offset_N = np.zeros(N, np.int32)
         tokens_N[:T] = np.where(off_T == 0, np.asarray(pending_B)[live][j_T], draft_T)
         row_N[:T] = live[j_T]
         offset_N[:T] = off_T
-        return cls(spec, cache_len_B, tokens_N, row_N, offset_N, n_draft_B, seeds_B)
+        if spec.branch_rows:
+            n_alt_B = np.zeros(B, np.int32) if n_alt_B is None else n_alt_B
+        else:
+            n_alt_B = None
+        return cls(spec, cache_len_B, tokens_N, row_N, offset_N, n_draft_B, seeds_B, n_alt_B)
 
 
 @dataclasses.dataclass(frozen=True)

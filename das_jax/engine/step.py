@@ -146,14 +146,27 @@ def verify_packed(params: Params, cache: KVCache, batch: VerifyBatch):
     block is `spec.width` >= 1 + max_b n_draft_B[b] (with `spec.wide_rows` R > 0: split into a
     `[B, 1]` block and an `[R, W]` block of the rows with drafts, at most R of them).
 
+    Two-branch token tree (`spec.branch_rows` R2 > 0): row b's slots after its branch A
+    (n_draft_B[b] drafts) are a second draft, branch B (batch.n_alt_B[b] drafts, at most R2
+    rows with one), at the same positions: its draft e_j is accepted while e_j == y^B_{j-1}, the
+    target sampled after the root and e_1..e_{j-1} (y^B_0 = y_0), by the same position-keyed
+    rule. The branch with more accepted drafts wins (A on a tie) and the step emits its
+    tokens, so the emitted tokens are those of a step that verified the winning draft alone:
+    a tree changes which drafts are verified, never the sampled tokens. Only the root's and
+    the winning branch's K/V are written.
+
     Returns:
       (cache, y_BxW int32, logprobs_BxW float32, n_emit_B int32 in [1, n_draft + 1]), W =
-      `spec.width`: row b's column i is slot (b, i); columns past a row's slots, and rows
-      without slots, are garbage. With `spec.feature_layers` (F blocks) a fifth item:
-      feats_BxWxFD float32, the blocks' outputs at each slot (the draft head's features of the
-      positions the step commits, `das_jax.draft_head`).
+      `spec.width`: row b's column i is slot (b, i) (with a tree: the winning branch's depth-i
+      slot, the root at 0); columns past a row's slots, and rows without slots, are garbage.
+      With `spec.feature_layers` (F blocks) a fifth item: feats_BxWxFD float32, the blocks'
+      outputs at each slot (the draft head's features of the positions the step commits,
+      `das_jax.draft_head`). A tree's step always returns six items: the features (None
+      without `spec.feature_layers`) and won_B bool `[B]`, the row emitted branch B.
     """
     spec = batch.spec
+    if spec.branch_rows:
+        return _verify_tree(params, cache, batch)
     config, B, width = spec.config, cache.batch, spec.width
     row_N, offset_N = batch.row_N, batch.offset_N
     pos_N = slot_positions(batch.cache_len_B, row_N, offset_N)
@@ -171,6 +184,46 @@ def verify_packed(params: Params, cache: KVCache, batch: VerifyBatch):
     if spec.feature_layers:
         result += (to_rows(out[2], row_N, offset_N, B, width),)
     return result
+
+
+def _verify_tree(params: Params, cache: KVCache, batch: VerifyBatch):
+    """`verify_packed` of a two-branch token tree (its docstring)."""
+    spec = batch.spec
+    config, B, W = spec.config, cache.batch, spec.width
+    Wt = 2 * W - 1                        # a row's slots: the root and both branches
+    row_N, offset_N = batch.row_N, batch.offset_N
+    n_a_B, n_b_B = batch.n_draft_B, batch.n_alt_B
+    out = forward_packed_hidden(config, params, batch.tokens_N, row_N, offset_N, cache,
+                                batch.cache_len_B, width=W, kv_len=spec.kv_len,
+                                feature_layers=spec.feature_layers,
+                                branch_rows=spec.branch_rows, branch_at_B=n_a_B,
+                                n_alt_B=n_b_B, defer_write=True)
+    hidden_NxD, (k_LxN, v_LxN, pos_N) = out[:2]
+    logits_NxV = lm_head(config, params, hidden_NxD[None])[0]
+    y_N, logp_N = sampling_lib.sample(logits_NxV, batch.seeds_B[jnp.minimum(row_N, B - 1)],
+                                      pos_N + 1, spec.sampling_key, config.contraction)
+    y_BxT, logp_BxT, tok_BxT = (to_rows(a, row_N, offset_N, B, Wt)
+                                for a in (y_N, logp_N, batch.tokens_N))
+    j = jnp.arange(1, W, dtype=jnp.int32)[None, :]                # depth of a draft token
+    match_a = (tok_BxT[:, 1:W] == y_BxT[:, :W - 1]) & (j <= n_a_B[:, None])
+    col_b = jnp.minimum(n_a_B[:, None] + j, Wt - 1)                # branch B's depth-j slot
+    prev_b = jnp.where(j == 1, 0, col_b - 1)
+    match_b = ((jnp.take_along_axis(tok_BxT, col_b, axis=1)
+                == jnp.take_along_axis(y_BxT, prev_b, axis=1)) & (j <= n_b_B[:, None]))
+    acc_a, acc_b = (jnp.sum(jnp.cumprod(m.astype(jnp.int32), axis=1), axis=1)
+                    for m in (match_a, match_b))
+    won_B = acc_b > acc_a
+    n_emit_B = (jnp.maximum(acc_a, acc_b) + 1).astype(jnp.int32)
+    col_BxW = jnp.concatenate(
+        [jnp.zeros((B, 1), jnp.int32), jnp.where(won_B[:, None], col_b, j)], axis=1)
+    pick = (lambda a_BxT: jnp.take_along_axis(
+        a_BxT, col_BxW.reshape(col_BxW.shape + (1,) * (a_BxT.ndim - 2)), axis=1))
+    rowc_N = jnp.minimum(row_N, B - 1)
+    alt_N = offset_N > n_a_B[rowc_N]
+    keep_N = (offset_N == 0) | (alt_N == won_B[rowc_N])
+    cache = cache.write_slots(k_LxN, v_LxN, jnp.where(keep_N, row_N, B), pos_N)
+    feats = pick(to_rows(out[2], row_N, offset_N, B, Wt)) if spec.feature_layers else None
+    return cache, pick(y_BxT), pick(logp_BxT), n_emit_B, feats, won_B
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

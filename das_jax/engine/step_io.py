@@ -39,6 +39,9 @@ class StepInput:
     executor calls it once, after dispatching the step and before waiting for its outputs, so
     it runs while the device computes; it returns its seconds (None: nothing to run);
     wide_rows: the split query block's R (`schedule.wide_rows_for`; 0: one `[B, W]` block).
+    alt_AxK / n_alt_B: each live row's second draft, verified beside its first as branch B of
+    a two-branch token tree (row j's: alt_AxK[j, :n_alt_B[live[j]]]; `step.verify_packed`),
+    and branch_rows: the tree program's R2 (>= the rows with one); None / 0: one draft per row.
     """
 
     batch: int
@@ -56,6 +59,9 @@ class StepInput:
     read_kv: int | None = None
     overlap: Callable[[], float] | None = None
     wide_rows: int = 0
+    alt_AxK: np.ndarray | None = None
+    n_alt_B: np.ndarray | None = None
+    branch_rows: int = 0
 
     def draft(self, j: int) -> np.ndarray:
         """int32 `[n]`: the draft tokens of live row j."""
@@ -69,8 +75,9 @@ class StepOutput:
     tokens (1 + accepted drafts, before the stop / max_new_tokens cut) and their log-probs
     first; ends[j] ("" or a finish reason the executor knows; a sequence or a str array;
     None: none known); the step's
-    seconds (compilation excluded); and compile_s, the seconds spent compiling the step's
-    program when this step was its first (0.0 otherwise, and in the replay)."""
+    seconds (compilation excluded); compile_s, the seconds spent compiling the step's
+    program when this step was its first (0.0 otherwise, and in the replay); and won_A, bool
+    `[A]`, the row emitted its second draft's tokens (a token tree; None: no tree)."""
 
     tokens_AxW: np.ndarray
     logprobs_AxW: np.ndarray
@@ -78,6 +85,7 @@ class StepOutput:
     seconds: float
     ends: Sequence[str] | None = None
     compile_s: float = 0.0
+    won_A: np.ndarray | None = None
 
     @staticmethod
     def from_rows(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],

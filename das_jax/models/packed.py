@@ -25,8 +25,20 @@ Design:
   CPU: at 768 cached positions a B = 16 step with one row drafting 7 costs 1.5x the step
   without drafts in one block, 1.2x split) this is much of a narrow step's price; on a GPU
   decode it costs the R rows' extra reads.
+* Two-branch token tree (`branch_rows` R2 > 0): a row may hold a second draft (branch B) after
+  its first (branch A): slots 0 (the pending token, the root), 1..a_b (branch A) and
+  a_b + 1..a_b + m_b (branch B, depths 1..m_b), branch B's slot at depth d sitting at absolute
+  position `cache_len[b] + d` like branch A's. The `[B, W]` block holds the root and branch A
+  (causal, as a one-branch row); an `[R2, W]` block holds, for each of the (at most R2) rows
+  with a branch B, the root's K/V at column 0 and branch B at columns 1..m_b, over the row's
+  gathered cache view: each branch sees the cache, the root and its own earlier tokens, never
+  the other branch, and each block is the one a row with only that draft would compute (so
+  exact mode gives each branch the bits of a one-branch step). The caller writes the K/V
+  (`defer_write`): the two branches share positions, so only the branch the step accepts may
+  be stored (`engine.step.verify_packed`).
 * The cache is written once per step after the layer loop: slot i's K/V at
-  `(row_N[i], cache_len[row] + offset_N[i])` (`KVCache.write_slots`).
+  `(row_N[i], cache_len[row] + offset_N[i])` (`KVCache.write_slots`; with a tree: the slot's
+  depth in place of its offset).
 * Exact mode: every dense contraction is a `contraction.einsum` over the N slot rows (row-count
   invariant) and the attention is the same exact blocked attention as the padded path, so a
   packed step gives a row the same bits as a padded one.
@@ -79,6 +91,28 @@ def view_rows(view, rows_R: jax.Array):
     return k[rows_R], v[rows_R]
 
 
+def tree_slots(row_N: jax.Array, offset_N: jax.Array, branch_at_B: jax.Array, n_alt_B: jax.Array,
+               branch_rows: int):
+    """The two-branch layout (module docstring): (depth_N int32 `[N]`, each slot's depth in its
+    branch (the root 0); alt_N bool `[N]`, the slot is on branch B; rows_R int32 `[R2]`, the
+    rows with a branch B (`n_alt_B > 0`) in ascending order, padded with B; arow_N int32 `[N]`,
+    the slot's row in the `[R2, W]` block for a branch-B slot or the root of a row with one,
+    R2 otherwise). `branch_at_B`: int32 `[B]` branch A's length a_b (branch B starts after
+    it). More than R2 rows with a branch B is the caller's error."""
+    B = branch_at_B.shape[0]
+    rowc_N = jnp.minimum(row_N, B - 1)
+    at_N = branch_at_B[rowc_N]
+    alt_N = (row_N < B) & (offset_N > at_N)
+    depth_N = jnp.where(alt_N, offset_N - at_N, offset_N)
+    has_B = n_alt_B > 0
+    rows_R = jnp.nonzero(has_B, size=branch_rows, fill_value=B)[0].astype(jnp.int32)
+    pos_B = jnp.full((B,), branch_rows, jnp.int32).at[rows_R].set(
+        jnp.arange(branch_rows, dtype=jnp.int32), mode="drop")
+    in_N = (row_N < B) & (alt_N | (offset_N == 0))
+    arow_N = jnp.where(in_N, pos_B[rowc_N], branch_rows)
+    return depth_N, alt_N, rows_R, arow_N
+
+
 def wide_slots(row_N: jax.Array, offset_N: jax.Array, batch: int, wide_rows: int):
     """The split query block's layout: (rows_R int32 `[R]`, the drafting rows -- rows with a
     slot at offset >= 1 -- in ascending order, padded with B; wrow_N int32 `[N]`, each slot's
@@ -108,6 +142,10 @@ def forward_packed_hidden(
     kv_len: int,
     feature_layers: tuple = (),
     wide_rows: int = 0,
+    branch_rows: int = 0,
+    branch_at_B: jax.Array | None = None,
+    n_alt_B: jax.Array | None = None,
+    defer_write: bool = False,
 ):
     """Runs the decoder stack on packed token slots against the KV cache.
 
@@ -130,6 +168,14 @@ def forward_packed_hidden(
       wide_rows: static R; with 0 < R < B and width > 1 the attention runs as a `[B, 1]` block
         of the rows without drafts and a `[R, W]` block of the rows with drafts (at most R of
         them: rows with a slot at offset >= 1); 0 (or >= B): one `[B, W]` block.
+      branch_rows: static R2 > 0: rows may hold a second draft (a two-branch token tree, module
+        docstring): `branch_at_B` int32 `[B]` is each row's branch-A length a_b (its slots at
+        offsets a_b + 1.. are branch B, at depths 1..), `n_alt_B` int32 `[B]` its branch-B
+        length m_b (rows with m_b > 0: at most R2); width W >= 1 + a_b and >= 1 + m_b. Not
+        combined with `wide_rows`.
+      defer_write: return the new K/V instead of writing them: the second item is then
+        `(k_LxNxKVHxK, v_LxNxKVHxK, pos_N)` for `kv_cache.write_slots` (a tree's caller writes
+        only the accepted branch).
 
     Returns:
       (final-normed hidden `[N, D]` in the param dtype, the cache with every real slot's K/V
@@ -137,12 +183,27 @@ def forward_packed_hidden(
       named blocks' outputs concatenated in that order.
 
     Raises:
-      ValueError: a block of `feature_layers` outside the model's.
+      ValueError: a block of `feature_layers` outside the model's; `branch_rows` with
+        `wide_rows`, or without `branch_at_B` / `n_alt_B`.
     """
     B = kv_cache.batch
-    pos_N = slot_positions(cache_len_B, row_N, offset_N)
+    R2 = int(branch_rows)
+    if R2 and (wide_rows or branch_at_B is None or n_alt_B is None):
+        raise ValueError("branch_rows needs branch_at_B and n_alt_B and excludes wide_rows")
     ones_N = jnp.ones(tokens_N.shape, bool)
-    valid_BxW = to_rows(ones_N, row_N, offset_N, B, width, False)
+    if R2:
+        depth_N, alt_N, rows2_R, arow_N = tree_slots(row_N, offset_N, branch_at_B, n_alt_B, R2)
+        pos_N = slot_positions(cache_len_B, row_N, depth_N)
+        rows2c_R = jnp.minimum(rows2_R, B - 1)
+        cache_len2_R = jnp.where(rows2_R < B, cache_len_B[rows2c_R], 0)
+        mrow_N = jnp.where(alt_N, B, row_N)          # branch B is not in the [B, W] block
+        brow_N = jnp.where(alt_N, arow_N, R2)         # branch-B slots of the [R2, W] block
+        rrow_N = jnp.where(alt_N, R2, arow_N)         # roots placed at its column 0
+        valid_BxW = to_rows(ones_N, mrow_N, offset_N, B, width, False)
+        valid2_RxW = to_rows(ones_N, arow_N, depth_N, R2, width, False)
+    else:
+        pos_N = slot_positions(cache_len_B, row_N, offset_N)
+        valid_BxW = to_rows(ones_N, row_N, offset_N, B, width, False)
     R = int(wide_rows) if 0 < wide_rows < B and width > 1 else 0
     if R:
         rows_R, wrow_N = wide_slots(row_N, offset_N, B, R)
@@ -166,6 +227,17 @@ def forward_packed_hidden(
         view = kv_cache.attended(layer, A)
 
         def attend(q_1xN, k_1xN, v_1xN):
+            if R2:
+                q, k, v = (to_rows(a[0], mrow_N, offset_N, B, width)
+                           for a in (q_1xN, k_1xN, v_1xN))
+                out_BxWxHxK = attend_cache(config, q, k, v, view, cache_len_B, valid_BxW, A)
+                q2, k2, v2 = (to_rows(a[0], brow_N, depth_N, R2, width).at[rrow_N, 0].set(
+                    a[0], mode="drop") for a in (q_1xN, k_1xN, v_1xN))
+                out_RxWxHxK = attend_cache(config, q2, k2, v2, view_rows(view, rows2c_R),
+                                           cache_len2_R, valid2_RxW, A)
+                return jnp.where(alt_N[:, None, None],
+                                 to_slots(out_RxWxHxK, arow_N, depth_N),
+                                 to_slots(out_BxWxHxK, mrow_N, offset_N))[None]
             if not R:
                 q, k, v = (to_rows(a[0], row_N, offset_N, B, width)
                            for a in (q_1xN, k_1xN, v_1xN))
@@ -190,7 +262,8 @@ def forward_packed_hidden(
     (x_1xNxD, feats_FxNxD), (k_LxN, v_LxN) = run_layers(
         body, (x_1xNxD, feats0), params["layers"], (kv_cache.layers(), hit_LxF),
         config.layer_loop)
-    new_cache = kv_cache.write_slots(k_LxN, v_LxN, row_N, pos_N)
+    new_cache = (k_LxN, v_LxN, pos_N) if defer_write else kv_cache.write_slots(
+        k_LxN, v_LxN, row_N, pos_N)
     h = rms_norm(x_1xNxD, params["final_norm"], config.rms_norm_eps, config.contraction)
     if not F:
         return h[0], new_cache

@@ -158,7 +158,8 @@ class CostModel:
 
     # ----- the step-shape interface (shared contract with the packed engine) -------------------
     def predict_step(self, num_tokens: int, attended_kv: int, width: int | None = None,
-                     read_kv: int | None = None, wide_rows: int = 0) -> float:
+                     read_kv: int | None = None, wide_rows: int = 0,
+                     branch_rows: int = 0) -> float:
         """Predicted seconds of a verify step computing `num_tokens` token slots that attend
         `attended_kv` cached positions in total (summed over rows), with query-block `width`
         W when known: the median of the shape's recent measured times once `table_min` are
@@ -166,10 +167,11 @@ class CostModel:
         step actually reads when that is not `attended_kv` (a paged cache read by a kernel,
         module docstring): the fit's KV term, and the median shifted by c_kv times its
         difference from the measured steps' median read. `wide_rows`: the split query block's R
-        (`schedule.wide_rows_for`), part of the shape's key."""
+        (`schedule.wide_rows_for`), and `branch_rows` a token tree's R2
+        (`schedule.branch_rows_for`), part of the shape's key."""
         read = attended_kv if read_kv is None else read_kv
         if width is not None:
-            key = shape_key(num_tokens, attended_kv, width, wide_rows)
+            key = shape_key(num_tokens, attended_kv, width, wide_rows, branch_rows)
             ts = self.table.get(key)
             if ts is not None and len(ts) >= self.table_min:
                 med = self._medians.get(key)
@@ -182,21 +184,23 @@ class CostModel:
                 return max(med[0] + shift, 0.0)
         return self.c_base + self.c_tok * num_tokens + self.c_kv * read
 
-    def seen(self, num_tokens: int, attended_kv: int, width: int, wide_rows: int = 0) -> bool:
+    def seen(self, num_tokens: int, attended_kv: int, width: int, wide_rows: int = 0,
+             branch_rows: int = 0) -> bool:
         """Whether a step of this shape has been measured (so its program is compiled)."""
-        return shape_key(num_tokens, attended_kv, width, wide_rows) in self.table
+        return shape_key(num_tokens, attended_kv, width, wide_rows, branch_rows) in self.table
 
     def observe_step(self, num_tokens: int, attended_kv: int, seconds: float,
                      refit: bool = True, width: int | None = None,
-                     read_kv: int | None = None, wide_rows: int = 0) -> None:
+                     read_kv: int | None = None, wide_rows: int = 0,
+                     branch_rows: int = 0) -> None:
         """Adds one measured step to the window (dropping the oldest beyond `history`) and, with
         `refit`, refits the coefficients; with its query-block `width`, also to the shape's
         entry of `table`. `read_kv`: the cached positions the step read, when not
         `attended_kv` (the fit's KV term; see `predict_step`); `wide_rows`: its split query
-        block's R (0: one block)."""
+        block's R (0: one block); `branch_rows`: its token tree's R2 (0: none)."""
         read = int(attended_kv if read_kv is None else read_kv)
         if width is not None:
-            key = shape_key(num_tokens, attended_kv, width, wide_rows)
+            key = shape_key(num_tokens, attended_kv, width, wide_rows, branch_rows)
             self._medians.pop(key, None)
             self.table.setdefault(key, collections.deque(maxlen=self.table_window)).append(
                 float(seconds))

@@ -77,6 +77,18 @@ Decides how much to speculate, for whom, at each decode step:
    calibration), an exploration step may run the best drafting choice, at most once per
    `UNSEEN_EVERY` * explore_every steps.
 
+7. Two drafts per row (`tree`). When a row has drafts from two sources (the history's and a
+   draft head's) whose first tokens differ, verifying both in one step (a two-branch token
+   tree, `engine.step.verify_packed`) emits the longer accepted one; the two cannot both accept
+   their first token, so the expected tokens add: 1 + Q_b(n_b) + Q'_b(m_b), Q' the second
+   draft's calibrated acceptance. After the budget above chose n_b, the second draft's token d
+   is added while lambda_b * q'_b,d >= c_tok (the rule of item 3) within the slots the row's
+   widest width leaves, and the tree is verified when its step's predicted time less the
+   step without it is below sum_b lambda_b * Q'_b(m_b); an unmeasured tree shape is bought by
+   the ski-rental rule of item 6. Both drafts are verified, so both sources' calibrations
+   learn from every tree step (the losing branch accepted none: they differ at their first
+   token).
+
 Ablations: `unlimited=True` is "das-unlimited" (every row verifies its whole draft; no classes,
 no cost model); `budget_short` / `budget_medium` / `budget_long` cap the draft tokens requested
 per class (the paper's class budgets; the optimiser still chooses within the caps).
@@ -144,6 +156,10 @@ class DASConfig:
       source. Off by default: the factors move by a fixed EMA weight per step, so splitting a
       step's trials among sources makes each source's factors noisier, and in the paper-scale
       replay that cost more than the split gained (docs/results/draft-head.md).
+    tree: where the drafter offers a row a second draft from another source (a draft head's
+      beside the history's, `DraftBatch.alternative`), verify it beside the row's own as a
+      two-branch token tree when its expected tokens pay for its slots (module docstring item
+      7, `second_branch`); false: one draft per row, the better source's (`pick_sources`).
     """
 
     short_quantile: float = 1 / 3
@@ -163,6 +179,7 @@ class DASConfig:
     unlimited: bool = False
     age_calibration: bool = True
     source_calibration: bool = False
+    tree: bool = False
 
     def __post_init__(self):
         if not 0 < self.short_quantile < self.long_quantile < 1:
@@ -237,6 +254,7 @@ class DASPolicy:
         # draft tokens verified / accepted per history age bucket, cumulative (rows with an age)
         self.drafts_by_age = np.zeros((2, AGE_BUCKETS), np.int64)
         self._pending = None               # (n_draft, probabilities, supports) of last choice
+        self._pending_second = None        # (n, drafts) of the last step's second branch
         self._steps = 0
         self._last_unseen = None           # step of the last unmeasured shape explored
         self._regret: dict = {}            # unmeasured shape -> seconds it would have saved
@@ -496,9 +514,11 @@ class DASPolicy:
     def _predict_key(self, key: tuple, read_kv: int | None = None) -> float:
         """`_predict` of a shape key (`_shape_key`) whose step reads `read_kv` cached positions
         (None: attended_kv)."""
+        kw = {"branch_rows": key[4]} if len(key) > 4 else {}   # duck-typed models may lack it
         return float(self.cost_model.predict_step(key[0], key[1], width=key[2],
                                                   read_kv=read_kv,
-                                                  wide_rows=key[3] if len(key) > 3 else 0))
+                                                  wide_rows=key[3] if len(key) > 3 else 0,
+                                                  **kw))
 
     def _seen_key(self, key: tuple) -> bool:
         """`_seen` of a shape key (`_shape_key`)."""
@@ -511,7 +531,8 @@ class DASPolicy:
         width = getattr(shape, "width", None)
         if width is None:
             return (int(shape[0]), int(shape[1]), None)
-        return shape_key(shape[0], shape[1], width, getattr(shape, "wide_rows", 0))
+        return shape_key(shape[0], shape[1], width, getattr(shape, "wide_rows", 0),
+                         getattr(shape, "branch_rows", 0))
 
     def _measured_drafting(self) -> bool:
         """Whether the cost model has measured any step shape with drafts (width > 1)."""
@@ -600,7 +621,7 @@ class DASPolicy:
           rows: the live rows (`RowBatch`); drafts: a `DraftBatch` (its `alternative` of the
             same rows, or None); step_shape: as in `choose`.
         Returns:
-          a `DraftBatch` without `alternative`.
+          a `DraftBatch` whose `alternative` is each row's other draft (`second_branch`).
         """
         alt = drafts.alternative
         primary = dataclasses.replace(drafts, alternative=None)
@@ -613,14 +634,68 @@ class DASPolicy:
         c_tok = max(self.cost_model.c_tok, 0.0)
         lam = [self.token_values(f, c_tok, _bk.prefix_sums(self.calibrated(d)), d.lens_A)[0]
                for d in (primary, alt)]
-        return pick_rows(primary, alt, lam[1] < lam[0])
+        use = lam[1] < lam[0]
+        return dataclasses.replace(pick_rows(primary, alt, use),
+                                   alternative=pick_rows(alt, primary, use))
+
+    def second_branch(self, rows, chosen: DraftBatch, other: DraftBatch, step_shape):
+        """With `tree`: (first-draft lengths, second drafts) to verify beside the chosen drafts
+        as a two-branch token tree (module docstring item 7; `engine.policy.plan_step`), or
+        None: no row's second draft pays for its slots, or the tree step does not pay.
+
+        Args:
+          rows: the live rows (`RowBatch`); chosen: the drafts `choose` cut (a `DraftBatch`);
+            other: each row's other-source draft (a `DraftBatch` of the same rows);
+            step_shape: as in `choose`, with `.tree(n_first_A, n_second_A)` (the packed step's,
+            `schedule.PackedStepShape`).
+        """
+        if not self.config.tree or self.config.unlimited or not hasattr(step_shape, "tree"):
+            return None
+        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
+        rows = RowBatch.of(rows)
+        k = chosen.lens_A.astype(np.int64)
+        room = int(step_shape.widths[-1]) - 1 - k
+        ok = (other.lens_A > 0) & (room > 0)
+        if chosen.width and other.width:
+            ok &= (k == 0) | (chosen.tokens_AxK[:, 0] != other.tokens_AxK[:, 0])
+        if not ok.any():
+            return None
+        _, kv = _attended(step_shape, chosen.lens_A)
+        f = self.row_fixed_costs(rows, self.row_weights(rows), kv)
+        c_tok = max(self.cost_model.c_tok, 0.0)
+        lam, _ = _bk.token_values(np.asarray(f, np.float64), c_tok,
+                                  _bk.prefix_sums(self.calibrated(chosen)), k)
+        q = self.calibrated(other)                       # [A, D]: nonincreasing along a row
+        D = q.shape[1]
+        pays = (lam[:, None] * q >= c_tok) & (np.arange(D)[None, :] < other.lens_A[:, None])
+        m = np.minimum(np.where(pays.all(axis=1), D, pays.argmin(axis=1)), room)
+        m = np.where(ok, np.maximum(m, 0), 0)
+        if not m.any():
+            return None
+        saved = float((lam * _bk.prefix_sums(q)[np.arange(len(m)), m]).sum())
+        single, tree = step_shape(k), step_shape.tree(k, m)
+        gain = saved - (self._predict(tree) - self._predict(single))
+        if gain <= 0:
+            return None
+        key = self._shape_key(tree)
+        if not self._seen_key(key):      # ski rental (item 6): compile once it would have paid
+            self._regret[key] = self._regret.get(key, 0.0) + gain
+            if self._regret[key] < self.cost_model.compile_s:
+                return None
+            del self._regret[key]
+        self._pending_second = (m.copy(), other.cut(m))
+        return k, other.cut(m)
+
+    def tree_seconds(self, shape) -> float:
+        """Predicted seconds of a token tree's step shape (`schedule.PackedStepShape.tree`)."""
+        return self._predict(shape)
 
     def choose(self, rows, drafts, step_shape, draft_support=None):
         """See `SpeculationPolicy.choose` (drafts: a `DraftBatch`, or per-row path
         probabilities with optional `draft_support`)."""
         db = as_draft_batch(drafts, draft_support)
         lens = db.lens_A.astype(np.int32)
-        self._pending = None
+        self._pending = self._pending_second = None
         if self.config.unlimited or lens.max(initial=0) == 0:
             return lens, self._predict(step_shape(lens))
         from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
@@ -672,19 +747,39 @@ class DASPolicy:
         return n.astype(np.int32), float(sc.t[best])
 
     def observe(self, record: StepRecord) -> None:
+        R2 = getattr(record, "branch_rows", 0)
+        kw = {"branch_rows": R2} if R2 else {}   # duck-typed models may lack the keyword
         self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width,
-                                     read_kv=record.read_kv, wide_rows=record.wide_rows)
-        self._regret.pop(shape_key(*record.step_shape(), record.width, record.wide_rows), None)
+                                     read_kv=record.read_kv, wide_rows=record.wide_rows, **kw)
+        self._regret.pop(shape_key(*record.step_shape(), record.width, record.wide_rows, R2),
+                         None)
         if record.compile_s > 0:
             self.cost_model.observe_compile(record.compile_s)
         pending, self._pending = self._pending, None
-        if pending is None or not record.drafted:
+        second, self._pending_second = self._pending_second, None
+        if not record.drafted:
             return
-        n, db = pending
+        acc = (np.asarray(record.accepted_per_row, np.int64)
+               if record.accepted_per_row is not None else None)
+        won = getattr(record, "won_per_row", None)
+        if second is not None and won is not None and acc is not None \
+                and len(won) == len(acc) == len(second[0]):
+            # Both drafts were verified and differ at their first token: the losing one
+            # accepted none, the winning one the row's accepted tokens.
+            won = np.asarray(won, bool)
+            self._learn(*second, np.where(won, acc, 0), record.accepted)
+            acc = np.where(won, 0, acc)
+        if pending is not None:
+            self._learn(*pending, acc, record.accepted)
+
+    def _learn(self, n: np.ndarray, db: DraftBatch, acc: np.ndarray | None,
+               accepted: int) -> None:
+        """Calibration from one verified step (module docstring item 4): drafts `db` cut to
+        `n` per row, of which `acc` per row were accepted (None: unknown per row; `accepted`
+        in total)."""
         a = self.config.acceptance_ema
-        per_row = (record.accepted_per_row is not None
-                   and len(record.accepted_per_row) == len(n))
-        acc = np.asarray(record.accepted_per_row, np.int64) if per_row else None
+        per_row = acc is not None and len(acc) == len(n)
+        acc = acc if per_row else None
         with_support = db.has_support_A & (n > 0)
         src = self._sources(db)
         if per_row and with_support.any():
@@ -709,7 +804,7 @@ class DASPolicy:
             k = int(k)
             self.depth_by_source[k] = update_depth_scale(
                 self.depth_by_source.get(k, np.zeros(0)), np.where(src == k, n, 0), acc,
-                record.accepted, db.probs_AxK, a)
+                accepted, db.probs_AxK, a)
 
     def end(self, request_id: int, num_tokens: int) -> None:
         if 0 <= request_id < len(self._class_R):

@@ -75,7 +75,9 @@ class DASSection:
       long_quantile, short_threshold, long_threshold (length classes), weight_short,
       weight_medium, weight_long (class weights sharing the per-step cost), budget_short,
       budget_medium, budget_long (optional per-class caps), min_history, length_history,
-      acceptance_ema, explore_every, unlimited, age_calibration, source_calibration.
+      acceptance_ema, explore_every, unlimited, age_calibration, source_calibration, tree
+      (verify a row's other-source draft beside its own as a two-branch token tree where it
+      pays).
     cost_model: the step-cost model the policy plans with (`das_jax.speculation.CostModelConfig`):
       c_base, c_tok, c_kv, source (cpu | h100-7b | h200-7b | PATH.json instead of the three
       coefficients), history, calibrate, calibrate_kv_lens, calibrate_repeats, compile_s
