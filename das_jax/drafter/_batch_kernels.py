@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import (COUNT, M_MAXD, S_LEN, S_SLOT, _jit, _match, _self_count, _walk,
-                       append_tokens)
+from ._kernels import (COUNT, DEPTH, M_MAXD, S_LEN, S_SLOT, S_STATE, ST_LIVE, _jit, _match,
+                       _match_from, _self_count, _walk, append_tokens)
 
 CHUNK = 256   # tokens per append_tokens call (as SuffixForest.append; bounds the room reserved)
 
@@ -115,9 +115,11 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
     - Matches: a tail of length m <= len(own) of the context is the path of the own live
       sequence's window that ends at its end, and that window sits at a node end, which is
       act[slot(own), (len(own) - m) % max_depth]; only longer tails are looked up from the root.
-      Unless `own_lag` > 0 (the context's last own_lag tokens are not indexed yet): then every
-      tail is looked up from the root (the own sequence's trailing occurrences, which have no
-      continuation, are still left out).
+      When `own_lag` > 0 (the context's last own_lag tokens are not indexed yet), a tail of
+      length m in (own_lag, own_lag + len(own)] is the own window of length m - own_lag
+      followed by those tokens: the lookup starts at that window's node and descends own_lag
+      tokens (shorter and longer tails from the root; the own sequence's trailing
+      occurrences, which have no continuation, are still left out).
     - Walks that cannot win are skipped or cut: a walk's score is a sum of at most `limit`
       path probabilities, each <= the current one, and must exceed the best score so far.
     """
@@ -132,13 +134,25 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
         own_len = seqs[own, S_LEN]
         slot = seqs[own, S_SLOT]
     big_m = 0
+    lag_len = 0              # own windows the lagging tails resume from (0: none)
     if own_lag > 0:
+        if own >= 0 and seqs[own, S_STATE] == ST_LIVE:
+            lag_len = own_len
         own_len = 0          # the own sequence does not end where the context does
     for m in range(1, mmax + 1):
         if m <= own_len:
             n = np.int64(act[slot, (own_len - m) % md])
         else:
-            n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
+            n = -1
+            w = m - own_lag
+            if 0 < w <= lag_len:
+                n0 = np.int64(act[slot, (lag_len - w) % md])
+                if nodes[n0, DEPTH] == w:    # explicit, at the window's end (lazy: -1)
+                    n = _match_from(nodes, ht, seqs, toks, meta, n0, w, ctx, lc - m, m)
+                else:
+                    n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
+            else:
+                n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
             if n < 0:
                 break
         if nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, m) <= 0:

@@ -436,8 +436,13 @@ def remove_sequence(nodes, ht, seqs, toks, meta, s, stack):
 @_jit
 def _match(nodes, ht, seqs, toks, meta, root, ctx, lo, m):
     """Node whose edge contains depth m of path ctx[lo:lo+m], or -1 if that path is absent."""
-    n = root
-    d = 0
+    return _match_from(nodes, ht, seqs, toks, meta, root, 0, ctx, lo, m)
+
+
+@_jit_inline
+def _match_from(nodes, ht, seqs, toks, meta, n, d, ctx, lo, m):
+    """`_match` resumed at explicit node n, whose path ctx[lo:lo+d] ends exactly at its lower
+    end (d = its depth): the node whose edge contains depth m of ctx[lo:lo+m], or -1."""
     while d < m:
         c = child(nodes, ht, seqs, toks, n, ctx[lo + d])
         if c < 0:
