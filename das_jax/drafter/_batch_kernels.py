@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels import (COUNT, DEPTH, M_MAXD, S_LEN, S_SLOT, S_STATE, ST_LIVE, _jit, _match,
-                       _match_from, _self_count, _walk, append_tokens)
+from ._kernels import (COUNT, DEPTH, M_MAXD, S_LEN, S_SLOT, S_STATE, ST_LIVE, _jit,
+                       _jit_inline, _match, _match_from, _self_count, _walk, append_tokens)
 
 CHUNK = 256   # tokens per append_tokens call (as SuffixForest.append; bounds the room reserved)
 
@@ -112,14 +112,16 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
     """`_kernels.propose` (same arguments and draft), faster; only a draft scoring above
     `bound` (0.0: any) is written. Returns (k, score): k = 0 (out_* untouched) when none does.
 
-    - Matches: a tail of length m <= len(own) of the context is the path of the own live
-      sequence's window that ends at its end, and that window sits at a node end, which is
-      act[slot(own), (len(own) - m) % max_depth]; only longer tails are looked up from the root.
-      When `own_lag` > 0 (the context's last own_lag tokens are not indexed yet), a tail of
-      length m in (own_lag, own_lag + len(own)] is the own window of length m - own_lag
-      followed by those tokens: the lookup starts at that window's node and descends own_lag
-      tokens (shorter and longer tails from the root; the own sequence's trailing
-      occurrences, which have no continuation, are still left out).
+    - Matches: the longest matched tail by binary search (a tail occurs only if every shorter
+      one does); other tails are looked up only when walked. A tail of length m <= len(own) of
+      the context is the path of the own live sequence's window that ends at its end, and
+      that window sits at a node end, which is act[slot(own), (len(own) - m) % max_depth];
+      only longer tails are looked up from the root. When `own_lag` > 0 (the context's last
+      own_lag tokens are not indexed yet), a tail of length m in (own_lag, own_lag + len(own)]
+      is the own window of length m - own_lag followed by those tokens: the lookup starts at
+      that window's node and descends own_lag tokens (shorter and longer tails from the root;
+      the own sequence's trailing occurrences, which have no continuation, are still left
+      out).
     - Walks that cannot win are skipped or cut: a walk's score is a sum of at most `limit`
       path probabilities, each <= the current one, and must exceed the best score so far.
     """
@@ -133,32 +135,28 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
     if own >= 0:
         own_len = seqs[own, S_LEN]
         slot = seqs[own, S_SLOT]
-    big_m = 0
     lag_len = 0              # own windows the lagging tails resume from (0: none)
     if own_lag > 0:
         if own >= 0 and seqs[own, S_STATE] == ST_LIVE:
             lag_len = own_len
         own_len = 0          # the own sequence does not end where the context does
-    for m in range(1, mmax + 1):
-        if m <= own_len:
-            n = np.int64(act[slot, (own_len - m) % md])
+    # The longest matched tail, by binary search: a tail of length m occurs (less the own
+    # trailing occurrence) only if every shorter one does. match_nodes[m]: tail m's node once
+    # looked up (-2: not yet; every m <= big_m has one).
+    for m in range(mmax + 1):
+        match_nodes[m] = -2
+    lo_m = 0                 # occurs (0: the empty tail)
+    hi_m = mmax + 1          # does not occur
+    while hi_m - lo_m > 1:
+        m = (lo_m + hi_m) // 2
+        n = _tail_node(nodes, ht, seqs, toks, act, meta, root, ctx, own, slot, own_len,
+                       own_lag, lag_len, m)
+        if n >= 0:
+            match_nodes[m] = n
+            lo_m = m
         else:
-            n = -1
-            w = m - own_lag
-            if 0 < w <= lag_len:
-                n0 = np.int64(act[slot, (lag_len - w) % md])
-                if nodes[n0, DEPTH] == w:    # explicit, at the window's end (lazy: -1)
-                    n = _match_from(nodes, ht, seqs, toks, meta, n0, w, ctx, lc - m, m)
-                else:
-                    n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
-            else:
-                n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
-            if n < 0:
-                break
-        if nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, m) <= 0:
-            break
-        match_nodes[m] = n
-        big_m = m
+            hi_m = m
+    big_m = lo_m
     best_k = 0
     best_score = bound
     lo = min_match
@@ -172,8 +170,12 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
             limit = md - m
         if limit <= 0 or limit <= best_score:
             continue
-        k, score = _walk(nodes, seqs, toks, act, meta, own, match_nodes[m], m, limit,
-                         min_prob, best_score, tmp_t, tmp_p, tmp_c)
+        n = match_nodes[m]
+        if n < 0:
+            n = _tail_node(nodes, ht, seqs, toks, act, meta, root, ctx, own, slot, own_len,
+                           own_lag, lag_len, m)
+        k, score = _walk(nodes, seqs, toks, act, meta, own, n, m, limit, min_prob,
+                         best_score, tmp_t, tmp_p, tmp_c)
         if k > 0 and score > best_score:
             best_score = score
             best_k = k
@@ -182,6 +184,33 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
                 out_p[i] = tmp_p[i]
                 out_c[i] = tmp_c[i]
     return best_k, best_score
+
+
+@_jit_inline
+def _tail_node(nodes, ht, seqs, toks, act, meta, root, ctx, own, slot, own_len, own_lag,
+               lag_len, m):
+    """`propose_tail`'s lookup of the context's tail of length m: its node, or -1 when the tail
+    does not occur less the own trailing occurrence. own_len: the own sequence's length when
+    its end is the context's (else 0); lag_len: its length when the context's last own_lag
+    tokens are not indexed yet (else 0)."""
+    md = meta[M_MAXD]
+    lc = ctx.shape[0]
+    if m <= own_len:
+        n = np.int64(act[slot, (own_len - m) % md])
+    else:
+        w = m - own_lag
+        n0 = np.int64(-1)
+        if 0 < w <= lag_len:
+            n0 = np.int64(act[slot, (lag_len - w) % md])
+        if n0 >= 0 and nodes[n0, DEPTH] == w:    # explicit, at the window's end (lazy: -1)
+            n = _match_from(nodes, ht, seqs, toks, meta, n0, w, ctx, lc - m, m)
+        else:
+            n = _match(nodes, ht, seqs, toks, meta, root, ctx, lc - m, m)
+        if n < 0:
+            return np.int64(-1)
+    if nodes[n, COUNT] - _self_count(nodes, seqs, act, meta, own, n, m) <= 0:
+        return np.int64(-1)
+    return n
 
 
 @_jit
