@@ -32,6 +32,7 @@ class RowDrafter:
         self.scope = SuffixForest(config)
         self.groot = self.scope.new_tree() if "global" in self.scopes else -1
         self.gseqs, self.gpending = [], []
+        self.ended = []          # (rsid, rroot) of ended requests, removed at the next full flush
 
     def append_context(self, rid, toks):
         """`append_batch(..., index_later=True)`: the context now, the history at `flush`."""
@@ -46,6 +47,10 @@ class RowDrafter:
 
     def flush(self, rid=None):
         if rid is None:
+            for rsid, rroot in self.ended:
+                self.scope.remove(rsid)
+                self.scope.drop_tree(rroot)
+            self.ended = []
             for toks in self.gpending:
                 sid = self.scope.new_seq(self.groot)
                 self.scope.append(sid, toks)
@@ -99,8 +104,7 @@ class RowDrafter:
         pid, handle, ctx, prompt_len, rroot, rsid = self.requests.pop(rid)
         self.history.finish_rollout(handle)
         if rsid >= 0:
-            self.scope.remove(rsid)
-            self.scope.drop_tree(rroot)
+            self.ended.append((rsid, rroot))
         out_len = len(ctx.array) - prompt_len
         if self.groot >= 0 and out_len:
             start = max(0, prompt_len - self.history.prompt_tail)

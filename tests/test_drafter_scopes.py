@@ -34,6 +34,29 @@ def test_request_scope_drafts_from_the_prompt_beyond_the_indexed_tail():
         assert d.propose_batch([0], [4]).source_A.tolist() == ([1] if want else [-1])
 
 
+def test_an_ended_requests_trie_is_removed_at_the_next_full_flush():
+    """`end` leaves un-indexing the request trie to the next full `flush_appends` (the
+    scheduler runs it while the device computes): the scope forest keeps its nodes until then,
+    and a state taken meanwhile (it flushes) holds no trace of them."""
+    d = SuffixDrafter(CFG, scopes=("problem", "request"))
+    empty = d.scope_forest.num_nodes
+    d.begin(0, "p", [1, 2, 3, 4, 5, 6])
+    d.append(0, [7, 8, 9])
+    indexed = d.scope_forest.num_nodes
+    assert indexed > empty
+    d.end(0)
+    assert d.scope_forest.num_nodes == indexed
+    state = d.state_dict()
+    assert d.scope_forest.num_nodes == empty
+    fresh = SuffixDrafter(CFG, scopes=("problem", "request"))
+    fresh.load_state_dict(state)
+    assert fresh.scope_forest.num_nodes == empty
+    d.begin(1, "p", [1, 2, 3])
+    d.end(1)
+    d.flush_appends()
+    assert d.scope_forest.num_nodes == empty
+
+
 def test_global_scope_drafts_for_a_new_problem_after_the_next_flush():
     """Epoch 0: problem q has no history; another problem's finished rollout is indexed into the
     global trie at the next full `flush_appends`, and q's rows draft from it; rows whose own

@@ -125,6 +125,7 @@ class SuffixDrafter:
         self._global_root = self.scope_forest.new_tree() if "global" in self.scopes else -1
         self._global_seqs: collections.deque = collections.deque()   # indexed sids, oldest first
         self._global_pending: list[np.ndarray] = []      # finished rollouts not yet indexed
+        self._ended_tries: list[tuple[int, int]] = []    # (sid, root) of ended requests' tries
 
     # ------------------------------------------------------------------ protocol
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
@@ -229,7 +230,12 @@ class SuffixDrafter:
     def flush_appends(self, slot: int | None = None) -> None:
         """Indexes the deferred appends (`append_batch(..., index_later=True)`) into the trie,
         in their order: all of them (then also the finished rollouts waiting for the global
-        trie), or only slot `slot`'s."""
+        trie, and the ended requests' tries are removed), or only slot `slot`'s."""
+        if slot is None and self._ended_tries:
+            for sid, root in self._ended_tries:
+                self.scope_forest.remove(sid)
+                self.scope_forest.drop_tree(root)
+            self._ended_tries = []
         if slot is None and self._global_pending:
             self._index_global()
         if not self._deferred:
@@ -255,9 +261,8 @@ class SuffixDrafter:
         out_len = int(sl.out_len[s])
         self.history.rollout(req.handle).out_len = out_len
         self.history.finish_rollout(req.handle)
-        if sl.rsid[s] >= 0:
-            self.scope_forest.remove(int(sl.rsid[s]))
-            self.scope_forest.drop_tree(int(sl.rroot[s]))
+        if sl.rsid[s] >= 0:         # un-indexed at the next full flush (while the device runs)
+            self._ended_tries.append((int(sl.rsid[s]), int(sl.rroot[s])))
         if self._global_root >= 0 and out_len:
             ctx = sl.context(s)
             start = max(0, ctx.size - out_len - self.history.prompt_tail)
@@ -471,6 +476,7 @@ class SuffixDrafter:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.__dict__.setdefault("_deferred", [])
+        self.__dict__.setdefault("_ended_tries", [])
         if "scope_forest" not in state:     # pickled before scopes: the problem scope only
             self.scopes, self.global_rollouts, self.global_below = ("problem",), 1024, 2.0
             self._init_scopes()
