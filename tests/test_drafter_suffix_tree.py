@@ -229,3 +229,42 @@ def test_propose_excludes_own_live_sequence(vocab, depth):
             _assert_same(tree, ref, ctx, 1 + i % 7, cfg, 99, own)
         else:
             _assert_same(tree, ref, ctx, 5, cfg)
+
+
+def test_state_saved_before_the_first_token_field_loads_and_keeps_drafting():
+    """A forest state whose node rows lack TOK0 (the first edge token, added to the row later)
+    loads with the field read off the paths: the invariants hold (`check` compares TOK0 with
+    each child's path), drafts equal those of the current state's load, appends go on."""
+    import copy
+    rng = np.random.default_rng(7)
+    cfg = SuffixTreeConfig(max_depth=12)
+    tree = SuffixTree(cfg)
+    seqs = mutated_copies(rng, 6, 120, 9, p_mut=0.1)
+    for i, s in enumerate(seqs):
+        tree.append(i, s[:80])
+    for i in (0, 3):               # removals leave free rows behind
+        tree.remove(i)
+    state = tree.forest.state_dict()
+    assert state["nodes"].shape[1] == 9
+    old = copy.deepcopy(state)
+    old["nodes"] = old["nodes"][:, :8]
+    loaded = {}
+    for name, st in (("current", state), ("old", old)):
+        t = SuffixTree(cfg, SuffixForest(cfg))
+        t.forest.load_state_dict(st)
+        t.root, t._sids = tree.root, dict(tree._sids)
+        t.check()
+        loaded[name] = t
+    np.testing.assert_array_equal(loaded["old"].forest.nodes, loaded["current"].forest.nodes)
+    for ctx in _contexts(rng, seqs, 9, 20):
+        a = loaded["old"].propose_scored(as_np(ctx), 8)
+        b = tree.propose_scored(as_np(ctx), 8)
+        assert a.draft.tokens.tolist() == b.draft.tokens.tolist()
+    t = loaded["old"]
+    for i in (1, 2, 4, 5):
+        t.append(i, seqs[i][80:])
+    t.check()
+    fresh = SuffixTree(cfg)
+    for i in (1, 2, 4, 5):
+        fresh.append(i, seqs[i])
+    assert t.dump() == fresh.dump()

@@ -5,7 +5,9 @@ Data layout (all numpy arrays owned by `SuffixForest`, grown by it before each k
 - `nodes` int32 [node_cap, NF]: one row per trie node, fields PARENT, DEPTH (path length from the
   root to the node's lower end), COUNT (occurrences of every path that ends inside the node's
   edge), REF_SEQ/REF_END (an occurrence of the node's full path: it ends, exclusive, at position
-  REF_END of sequence REF_SEQ; edge tokens are read from there), FIRST/NEXT/PREV (child list).
+  REF_END of sequence REF_SEQ; edge tokens are read from there), FIRST/NEXT/PREV (child list),
+  TOK0 (the first token of its edge, by which its parent's children are told apart: kept in
+  the row so that finding or ranking a child reads no token storage; -1 on a root).
   Free rows are chained through NEXT and have COUNT = -1.
 - `ht` int32 [hcap, 3]: open-addressing hash (linear probing, backward-shift deletion) from
   (parent, first edge token) to child node, rows (parent, token, child); empty rows have
@@ -34,8 +36,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-PARENT, DEPTH, COUNT, REF_SEQ, REF_END, FIRST, NEXT, PREV = range(8)
-NF = 8
+PARENT, DEPTH, COUNT, REF_SEQ, REF_END, FIRST, NEXT, PREV, TOK0 = range(9)
+NF = 9
 S_START, S_LEN, S_CAP, S_ROOT, S_NREF, S_STATE, S_SLOT, S_JP = range(8)
 SF = 8
 ST_FREE, ST_LIVE, ST_FROZEN, ST_DEAD = 0, 1, 2, 3
@@ -203,6 +205,7 @@ def alloc_node(nodes, meta):
     nodes[f, FIRST] = -1
     nodes[f, NEXT] = -1
     nodes[f, PREV] = -1
+    nodes[f, TOK0] = -1
     meta[M_LIVE] += 1
     return f
 
@@ -214,6 +217,7 @@ def free_node(nodes, seqs, meta, n):
         seqs[rs, S_NREF] -= 1
     nodes[n, REF_SEQ] = -1
     nodes[n, COUNT] = -1
+    nodes[n, TOK0] = -1
     nodes[n, NEXT] = meta[M_FREE]
     meta[M_FREE] = n
     meta[M_LIVE] -= 1
@@ -229,7 +233,7 @@ def child(nodes, ht, seqs, toks, p, t):
     if f < 0:
         return np.int64(-1)
     if nodes[f, NEXT] < 0:
-        if edge_tok(nodes, seqs, toks, f, nodes[p, DEPTH]) == t:
+        if nodes[f, TOK0] == t:
             return np.int64(f)
         return np.int64(-1)
     return h_find(ht, p, t)
@@ -238,10 +242,11 @@ def child(nodes, ht, seqs, toks, p, t):
 @_jit
 def _link_child(nodes, ht, seqs, toks, meta, p, c, t):
     nodes[c, PARENT] = p
+    nodes[c, TOK0] = t
     f = nodes[p, FIRST]
     if f >= 0:
         if nodes[f, NEXT] < 0:          # 1 -> 2 children: start indexing them
-            h_insert(ht, meta, p, edge_tok(nodes, seqs, toks, f, nodes[p, DEPTH]), f)
+            h_insert(ht, meta, p, nodes[f, TOK0], f)
         h_insert(ht, meta, p, t, c)
         nodes[f, PREV] = c
     nodes[c, NEXT] = f
@@ -265,7 +270,7 @@ def _unlink_child(nodes, ht, seqs, toks, meta, c, t):
         h_delete(ht, meta, p, t)
         f = nodes[p, FIRST]
         if nodes[f, NEXT] < 0:          # 2 -> 1 children: stop indexing
-            h_delete(ht, meta, p, edge_tok(nodes, seqs, toks, f, nodes[p, DEPTH]))
+            h_delete(ht, meta, p, nodes[f, TOK0])
 
 
 @_jit
@@ -273,6 +278,7 @@ def _replace_child(nodes, ht, old, new, t):
     """`new` takes `old`'s place (child list slot, hash entry, first token t) under its parent."""
     p = nodes[old, PARENT]
     nodes[new, PARENT] = p
+    nodes[new, TOK0] = t
     pr = nodes[old, PREV]
     nx = nodes[old, NEXT]
     nodes[new, PREV] = pr
@@ -296,8 +302,7 @@ def _single_child(nodes, n):
 @_jit
 def _split(nodes, ht, seqs, toks, meta, c, d):
     """Cut node c at depth d (DEPTH[parent] < d < depth(c)); returns the new upper node."""
-    p = nodes[c, PARENT]
-    t1 = edge_tok(nodes, seqs, toks, c, nodes[p, DEPTH])
+    t1 = nodes[c, TOK0]
     t2 = edge_tok(nodes, seqs, toks, c, d)
     u = alloc_node(nodes, meta)
     nodes[u, DEPTH] = d
@@ -311,10 +316,20 @@ def _split(nodes, ht, seqs, toks, meta, c, d):
 @_jit
 def _merge_into_child(nodes, ht, seqs, toks, meta, p, c):
     """Remove p (not a root; c its only child, same count): c's edge grows upward."""
-    gp = nodes[p, PARENT]
-    tp = edge_tok(nodes, seqs, toks, p, nodes[gp, DEPTH])
-    _replace_child(nodes, ht, p, c, tp)
+    _replace_child(nodes, ht, p, c, nodes[p, TOK0])
     free_node(nodes, seqs, meta, p)
+
+
+@_jit
+def fill_tok0(nodes, seqs, toks, high):
+    """Sets TOK0 of rows 0..high-1 from their paths (a state saved before the field existed):
+    a live non-root node's first edge token, else -1."""
+    for n in range(high):
+        p = nodes[n, PARENT]
+        if nodes[n, COUNT] < 0 or p < 0:
+            nodes[n, TOK0] = -1
+        else:
+            nodes[n, TOK0] = edge_tok(nodes, seqs, toks, n, nodes[p, DEPTH])
 
 
 # ----------------------------------------------------------------------------- append
@@ -343,6 +358,7 @@ def _extend(nodes, ht, seqs, toks, meta, root, p, t, s, j, end):
     if p != root and nodes[p, COUNT] == nodes[c, COUNT] + 1 and _single_child(nodes, p):
         nodes[p, DEPTH] = dp + 1        # p absorbs the first token of c's edge
         set_ref(nodes, seqs, p, s, end)
+        nodes[c, TOK0] = edge_tok(nodes, seqs, toks, c, dp + 1)
         return p
     u = _split(nodes, ht, seqs, toks, meta, c, dp + 1)
     nodes[u, COUNT] += 1
@@ -423,9 +439,7 @@ def remove_sequence(nodes, ht, seqs, toks, meta, s, stack):
         for i in range(k - 1, -1, -1):
             c = stack[i]
             if nodes[c, COUNT] == 0:
-                p = nodes[c, PARENT]
-                _unlink_child(nodes, ht, seqs, toks, meta, c,
-                              edge_tok(nodes, seqs, toks, c, nodes[p, DEPTH]))
+                _unlink_child(nodes, ht, seqs, toks, meta, c, nodes[c, TOK0])
                 free_node(nodes, seqs, meta, c)
             elif _single_child(nodes, c) and nodes[nodes[c, FIRST], COUNT] == nodes[c, COUNT]:
                 _merge_into_child(nodes, ht, seqs, toks, meta, c, nodes[c, FIRST])
@@ -499,7 +513,7 @@ def _walk(nodes, seqs, toks, act, meta, own, n, d, limit, min_prob, bound, out_t
             c = nodes[n, FIRST]
             while c >= 0:
                 cc = nodes[c, COUNT]
-                ct = edge_tok(nodes, seqs, toks, c, d)
+                ct = nodes[c, TOK0]
                 if cc > bc or (cc == bc and ct < bt):
                     best = c
                     bc = cc

@@ -369,6 +369,7 @@ class SuffixForest:
                 if nodes[c, K.DEPTH] < 0:
                     assert nodes[c, K.COUNT] == 1 and nodes[c, K.FIRST] < 0
                 tok = K.edge_tok(nodes, self.seqs, self.toks, c, int(nodes[n, K.DEPTH]))
+                assert nodes[c, K.TOK0] == tok, "a stale first edge token"
                 assert K.child(nodes, self.ht, self.seqs, self.toks, n, tok) == c
                 assert self.seqs[nodes[c, K.REF_SEQ], K.S_STATE] != K.ST_FREE
                 total += int(nodes[c, K.COUNT])
@@ -397,8 +398,11 @@ class SuffixForest:
         if cfg != self.config:
             raise ValueError(f"checkpoint config {cfg} != forest config {self.config}")
         d = cfg.max_depth
-        self.nodes = np.zeros((max(256, 2 * len(state["nodes"])), K.NF), np.int32)
-        self.nodes[: len(state["nodes"])] = state["nodes"]
+        saved = np.asarray(state["nodes"], np.int32)
+        if saved.ndim != 2:
+            saved = saved.reshape(-1, K.NF)
+        self.nodes = np.zeros((max(256, 2 * len(saved)), K.NF), np.int32)
+        self.nodes[: len(saved), : saved.shape[1]] = saved
         self.ht = np.array(state["ht"], np.int32)
         self._seq_top = len(state["seqs"])
         self.seqs = np.zeros((max(16, 2 * self._seq_top), K.SF), np.int64)
@@ -410,6 +414,8 @@ class SuffixForest:
         self.act = np.zeros((max(4, 2 * self._slot_top), d), np.int32)
         self.act[: self._slot_top] = state["act"]
         self.meta = np.array(state["meta"], np.int64)
+        if saved.shape[1] < K.NF:       # saved before TOK0: read it off the paths
+            K.fill_tok0(self.nodes, self.seqs, self.toks, len(saved))
         self._free_seqs = list(state["free_seqs"])
         self._dead = set(state["dead"])
         self._free_slots = list(state["free_slots"])
