@@ -1,4 +1,6 @@
 """Suffix trie vs a brute-force reference: proposals, canonical content, removal, invariants."""
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -235,7 +237,6 @@ def test_state_saved_before_the_first_token_field_loads_and_keeps_drafting():
     """A forest state whose node rows lack TOK0 (the first edge token, added to the row later)
     loads with the field read off the paths: the invariants hold (`check` compares TOK0 with
     each child's path), drafts equal those of the current state's load, appends go on."""
-    import copy
     rng = np.random.default_rng(7)
     cfg = SuffixTreeConfig(max_depth=12)
     tree = SuffixTree(cfg)

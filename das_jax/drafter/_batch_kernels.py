@@ -123,13 +123,23 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
       the own sequence's trailing occurrences, which have no continuation, are still left
       out).
     - Walks that cannot win are skipped or cut: a walk's score is a sum of at most `limit`
-      path probabilities, each <= the current one, and must exceed the best score so far.
+      path probabilities, each <= the current one, and must exceed the best score so far (no
+      lookup at all when no match length's limit exceeds `bound`).
     """
     md = meta[M_MAXD]
     lc = ctx.shape[0]
     mmax = lc
     if mmax > md - 1:
         mmax = md - 1
+    lo = min_match
+    if lo < 1:
+        lo = 1
+    if bound > 0.0:          # no lookups when no match length's limit exceeds the bound
+        top = 0
+        for m in range(lo, mmax + 1):
+            top = max(top, _limit(m, spec_factor, spec_offset, max_tokens, md))
+        if top <= bound:
+            return 0, bound
     own_len = 0
     slot = 0
     if own >= 0:
@@ -159,15 +169,8 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
     big_m = lo_m
     best_k = 0
     best_score = bound
-    lo = min_match
-    if lo < 1:
-        lo = 1
     for m in range(big_m, lo - 1, -1):
-        limit = np.int64(np.ceil(m * spec_factor + spec_offset))
-        if limit > max_tokens:
-            limit = max_tokens
-        if limit > md - m:
-            limit = md - m
+        limit = _limit(m, spec_factor, spec_offset, max_tokens, md)
         if limit <= 0 or limit <= best_score:
             continue
         n = match_nodes[m]
@@ -184,6 +187,18 @@ def propose_tail(nodes, ht, seqs, toks, act, meta, root, ctx, own, own_lag, max_
                 out_p[i] = tmp_p[i]
                 out_c[i] = tmp_c[i]
     return best_k, best_score
+
+
+@_jit_inline
+def _limit(m, spec_factor, spec_offset, max_tokens, md):
+    """Most tokens a match of length m may draft (SuffixDecoding's ceil(m * factor + offset),
+    at most max_tokens and the depth left below max_depth)."""
+    limit = np.int64(np.ceil(m * spec_factor + spec_offset))
+    if limit > max_tokens:
+        limit = max_tokens
+    if limit > md - m:
+        limit = md - m
+    return limit
 
 
 @_jit_inline
