@@ -316,8 +316,8 @@ def test_host_loop_bench_prints_host_time_per_row(capsys):
 def test_replay_prices_or_lives_the_overlapped_host_work(params):
     """The suffix drafter's appends run while a step computes (`overlap_s`): the replay counts
     them exposed only past the step's predicted time, and with `realtime` sleeps each step on
-    another thread and measures what the wait lasts past it; the decisions are the same, and
-    the summary's host time holds both parts."""
+    another thread and measures the overlapped work past the step's end (the wake-up after it
+    apart); the decisions are the same, and the summary's host time holds both parts."""
     import time
     _, _, rollouts = _run_real_and_replay(params, "none", 1.0, epochs=2)
     fast = rp.FrozenCostModel.of({"c_base": 1e-3, "c_tok": 1e-4, "c_kv": 1e-7})
@@ -335,9 +335,31 @@ def test_replay_prices_or_lives_the_overlapped_host_work(params):
         (lived.forward_passes, lived.accepted_draft_tokens)
     assert priced.accepted_draft_tokens > 0 and priced.overlap_s > 0 and lived.overlap_s > 0
     assert 0.0 <= priced.exposed_overlap_s <= priced.overlap_s
-    assert lived.exposed_overlap_s > 0.0           # a thread's start and join, at least
+    assert 0.0 <= lived.exposed_overlap_s <= lived.overlap_s
+    assert lived.device_sync_s > 0.0                # the wake-ups after the steps' ends
+    assert priced.device_sync_s == 0.0
     assert wall >= lived.decode_s                   # every step was slept
     s = priced.summary()
     assert s["host_s"] == pytest.approx(priced.host_s + priced.overlap_s)
     assert s["exposed_host_s"] == pytest.approx(priced.host_s + priced.exposed_overlap_s)
     assert s["total_s"] == pytest.approx(priced.device_s() + s["exposed_host_s"])
+
+
+def test_simulated_device_exposes_only_host_work_past_the_steps_end():
+    """`SimulatedDevice.run`: overlapped work that outlasts the step is exposed by what runs
+    past the step's end; work done in time exposes nothing, and the step still takes its
+    seconds (the wake-up after its end is reported apart)."""
+    import time
+    device = rp.SimulatedDevice()
+    try:
+        t0 = time.perf_counter()
+        exposed, sync = device.run(0.01, lambda: time.sleep(0.04))
+        assert exposed >= 0.03 - 1e-4 and sync >= 0.0
+        exposed, sync = device.run(0.03, lambda: None)
+        assert exposed == 0.0 and sync >= 0.0
+        exposed, sync = device.run(0.02)
+        assert exposed == 0.0
+        assert time.perf_counter() - t0 >= 0.04 + 0.03 + 0.02
+    finally:
+        device.close()
+    assert not device._thread.is_alive()

@@ -127,10 +127,19 @@ def test_kernels_equal_the_numpy_formulation(seed, jit):
     np.testing.assert_array_equal(n_CxA, _ref_candidates(lens, value, n_opt))
     assert np.all(n_CxA <= lens[None, :])
 
-    saved, sums = call(bk.expected_savings)(n_CxA, lam, cum)
+    saved, sums, longest, drafting = call(bk.expected_savings)(n_CxA, lam, cum)
     saved_ref = (lam[None, :] * (1.0 + cum[np.arange(A)[None, :], n_CxA])).sum(axis=1)
     np.testing.assert_allclose(saved, saved_ref, rtol=1e-13)
     np.testing.assert_array_equal(sums, n_CxA.sum(axis=1))
+    np.testing.assert_array_equal(longest, n_CxA.max(axis=1, initial=0))
+    np.testing.assert_array_equal(drafting, np.count_nonzero(n_CxA > 0, axis=1))
+
+    cols = rng.integers(0, 3, (4, int(rng.integers(1, 60))))     # shape columns, few distinct
+    first, inv = call(bk.distinct_rows)(cols)
+    index: dict = {}
+    inv_ref = [index.setdefault(tuple(c), len(index)) for c in cols.T.tolist()]
+    np.testing.assert_array_equal(inv, inv_ref)
+    np.testing.assert_array_equal(cols[:, first].T, np.array(list(index)))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -191,3 +200,31 @@ def test_public_methods_are_the_kernels():
     np.testing.assert_array_equal(cand, _ref_candidates(np.array([3, 1, 0]), lam[:, None] * q, n))
     assert calibrated_paths(np.zeros((2, 4)), np.zeros(2, np.int64), np.zeros((2, 4)),
                             np.zeros(2, bool), np.ones(1), support_prior()).shape == (2, 0)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "python"])
+@pytest.mark.parametrize("seed", range(4))
+def test_row_classes_equal_the_numpy_formulation(seed, jit):
+    """`row_classes` (`DASPolicy.current_classes`): recorded classes, unrecorded and unknown
+    ids as medium, promotion by generated length (recorded in place), short only when the
+    thresholds differ."""
+    rng = np.random.default_rng(seed)
+    class_R = rng.integers(-1, 3, 30).astype(np.int8)
+    ids = rng.integers(-2, 34, 25)
+    gen = rng.integers(0, 400, 25)
+    th = [(100.0, 250.0), (150.0, 150.0), None][seed % 3]
+    ref_R = class_R.copy()
+    known = (ids >= 0) & (ids < len(ref_R))
+    cls = np.full(len(ids), 1, np.int8)
+    cls[known] = ref_R[ids[known]]
+    cls[cls == -1] = 1
+    if th is not None:
+        grown = DASPolicy.classify_lengths(gen, th)
+        up = known & (grown > cls)
+        cls = np.where(up, grown, cls).astype(np.int8)
+        ref_R[ids[up]] = cls[up]
+    kernel = bk.row_classes if jit else bk.row_classes.py_func
+    lo, hi = th if th is not None else (0.0, 0.0)
+    out = kernel(ids.astype(np.int64), gen.astype(np.int64), class_R, lo, hi, th is not None)
+    np.testing.assert_array_equal(out, cls)
+    np.testing.assert_array_equal(class_R, ref_R)

@@ -70,8 +70,6 @@ class RowDrafter:
     def begin(self, rid, pid, prompt):
         if rid in self.requests:
             raise ValueError(rid)
-        if self.history.root(pid) < 0:
-            self.flush()
         rroot = rsid = -1
         if "request" in self.scopes:
             rroot = self.scope.new_tree()
@@ -279,9 +277,10 @@ def test_deferred_appends_draft_from_the_trie_one_flush_behind(monkeypatch, seed
                                                                window, max_problems, scopes,
                                                                global_rollouts, global_below):
     """`append_batch(..., index_later=True)`: contexts take the tokens at once, the trie at
-    `flush_appends` (or at any call that needs it: `end` its request's, `append`, a new
-    problem, `advance_epoch`, `state_dict`); drafts meanwhile equal the reference's from its
-    full context on a history without the deferred tokens; states equal after each flush."""
+    `flush_appends` (or at any call that needs it: `end` its request's, `append`,
+    `advance_epoch`, `state_dict`; not a new problem's `begin`); drafts meanwhile equal the
+    reference's from its full context on a history without the deferred tokens; states equal
+    after each flush."""
     monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)
     stats = _scenario(seed, threads, window, max_problems, deferred=True, scopes=scopes,
                       global_rollouts=global_rollouts, global_below=global_below)

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import queue
 import threading
 import time
 from typing import Any, Hashable, Iterable, Sequence
@@ -184,7 +185,11 @@ class SimStats(GenerateStats):
     """What one simulated `generate` call did (the engine's `GenerateStats`; times in seconds):
     decode_s is the cost model's prediction of the verify steps; host_s the measured host work
     of the engine's scheduler, drafter and policy on this machine (draft_s / policy_s are part
-    of it); prefill_s 0 (priced by `device_s` from prefill_tokens)."""
+    of it); prefill_s 0 (priced by `device_s` from prefill_tokens). device_sync_s (realtime
+    only): the host's wake-ups after the slept steps' ends (`SimulatedDevice`), in neither the
+    host nor the device time."""
+
+    device_sync_s: float = 0.0
 
     def device_s(self, overheads: dict | None = None) -> float:
         """Predicted time of the executor's calls: the verify steps (cost model) and, with
@@ -215,9 +220,56 @@ class SimStats(GenerateStats):
                 "device_s": self.device_s(overheads), "host_s": self.host_s + self.overlap_s,
                 "overlapped_host_s": self.overlap_s,
                 "exposed_host_s": self.host_s + self.exposed_overlap_s,
+                "device_sync_s": self.device_sync_s,
                 "host_us_per_row": 1e6 * (self.host_s + self.overlap_s) / max(rows, 1),
                 "total_s": self.predicted_s(overheads),
                 "predicted_s": self.predicted_s(overheads)}
+
+
+class SimulatedDevice:
+    """The accelerator of a `realtime` replay: one thread that runs each step by sleeping until
+    the step's end (its start plus the cost model's seconds) and then signals it, while the
+    host runs the work it overlaps with the step and then waits for that signal, as an engine
+    waits for a device step's outputs.
+
+    `run` returns (exposed, sync) seconds: exposed, the host's overlapped work past the step's
+    end (what the device waited for); sync, how long after the later of the step's end and
+    the host's work the host resumed (the signal's and the OS timer's latency, ~0.1-0.4 ms on
+    a VM: not host work, reported apart as `device_sync_s`). One thread serves every step, so
+    no thread start is paid per step."""
+
+    def __init__(self):
+        self._deadlines: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="simulated-device",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (deadline := self._deadlines.get()) is not None:
+            wait = deadline - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            self._done.set()
+
+    def run(self, seconds: float, overlap=None) -> tuple[float, float]:
+        """One step of `seconds` (>= 0), the callable `overlap` (or None) run on this thread
+        meanwhile; returns (exposed, sync) seconds (class docstring)."""
+        start = time.perf_counter()
+        end = start + seconds
+        self._done.clear()
+        self._deadlines.put(end)
+        if overlap is not None:
+            overlap()
+        host_done = time.perf_counter()
+        self._done.wait()
+        resumed = time.perf_counter()
+        return max(0.0, host_done - end), max(0.0, resumed - max(end, host_done))
+
+    def close(self) -> None:
+        """Stops the thread (after its current step)."""
+        self._deadlines.put(None)
+        self._thread.join()
 
 
 class TraceExecutor:
@@ -241,6 +293,8 @@ class TraceExecutor:
         self.cost_model = cost_model
         self.realtime = realtime
         self.exposed_overlap_s = 0.0   # overlapped host work past its steps' predicted ends
+        self.device_sync_s = 0.0       # realtime: wake-ups after the steps' ends
+        self.device: SimulatedDevice | None = None
         self.min_prompt_bucket = min_prompt_bucket or engine_config.min_prompt_bucket
         self.kv_read_page = (int(engine_config.page_size)
                              if getattr(engine_config, "kv_cache", "dense") == "paged" else None)
@@ -339,20 +393,24 @@ class TraceExecutor:
 
     def _run_step(self, seconds: float, overlap) -> None:
         """The device's time for a step of `seconds` and the host work `overlap` runs during
-        it: priced (overlap past `seconds` is exposed), or with `realtime` lived: a thread
-        sleeps the step's seconds while this one runs the overlap, and whatever the wait lasts
-        past them (the overlap's excess, the threads' start and join) is exposed."""
+        it: priced (overlap past `seconds` is exposed), or with `realtime` lived on a
+        `SimulatedDevice` (the overlap's work past the step's end is exposed; the wake-up
+        after it is `device_sync_s`)."""
         if not self.realtime:
             if overlap is not None:
                 self.exposed_overlap_s += max(0.0, overlap() - seconds)
             return
-        t0 = time.perf_counter()
-        device = threading.Thread(target=time.sleep, args=(seconds,))
-        device.start()
-        if overlap is not None:
-            overlap()
-        device.join()
-        self.exposed_overlap_s += max(0.0, time.perf_counter() - t0 - seconds)
+        if self.device is None:
+            self.device = SimulatedDevice()
+        exposed, sync = self.device.run(seconds, overlap)
+        self.exposed_overlap_s += exposed
+        self.device_sync_s += sync
+
+    def close(self) -> None:
+        """Stops the `SimulatedDevice` thread of a `realtime` replay (if one was started)."""
+        if self.device is not None:
+            self.device.close()
+            self.device = None
 
     def decode(self, st: StepInput, steps: int, budget_A: np.ndarray,
                stop_ids: np.ndarray) -> StepOutput:
@@ -432,8 +490,9 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
     the admission, emission, compaction, buckets and the calls on `drafter` and `policy` are the
     engine's by construction. Request ids are the indices into `rollouts`, as in the engine.
     `realtime`: each device step is slept on another thread for its predicted seconds while
-    the host runs the step's overlapped work, so the exposed host time is measured (the call
-    takes the predicted wall time); otherwise it is priced.
+    the host runs the step's overlapped work (`SimulatedDevice`), so the exposed host time is
+    measured (the call takes the predicted wall time; the wake-ups after the steps' ends are
+    `SimStats.device_sync_s`); otherwise it is priced.
 
     Raises:
       ValueError: a rollout without tokens.
@@ -442,9 +501,13 @@ def simulate(rollouts: Sequence[TraceRollout], engine_config: EngineConfig, max_
     executor = (PagedTraceExecutor if paged else TraceExecutor)(rollouts, engine_config,
                                                                 cost_model, min_prompt_bucket,
                                                                 realtime)
-    _, stats = run_schedule(rollouts, executor, engine_config, Limits(max_new_tokens), drafter,
-                            policy, progress, keep_tokens=False, stats=SimStats())
+    try:
+        _, stats = run_schedule(rollouts, executor, engine_config, Limits(max_new_tokens),
+                                drafter, policy, progress, keep_tokens=False, stats=SimStats())
+    finally:
+        executor.close()
     stats.exposed_overlap_s = executor.exposed_overlap_s
+    stats.device_sync_s = executor.device_sync_s
     return stats
 
 

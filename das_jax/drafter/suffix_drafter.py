@@ -131,8 +131,8 @@ class SuffixDrafter:
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id} already active")
-        if self.history.root(problem_id) < 0:
-            self.flush_appends()        # a new problem may drop an old one (its live sequences)
+        # A new problem's trie is added beside the others (problems are dropped only when an
+        # epoch advances, which flushes first), so the deferred appends wait for the device.
         new_problem = self.history.root(problem_id) < 0
         handle = self.history.start_rollout(problem_id, prompt_ids)
         sl = self._slots

@@ -393,15 +393,23 @@ class PackedStepShape:
         (row c: one draft length per live row), equal to calling the shape function on each
         row."""
         n_CxA = np.asarray(n_CxA, np.int64)
-        C = len(n_CxA)
-        slots = np.maximum(n_CxA.shape[1] + n_CxA.sum(axis=1), 1)
+        return self.of_totals(n_CxA.shape[1], n_CxA.sum(axis=1), n_CxA.max(axis=1, initial=0),
+                              np.count_nonzero(n_CxA > 0, axis=1))
+
+    def of_totals(self, rows: int, drafted_C: np.ndarray, longest_C: np.ndarray,
+                  drafting_C: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`many` of C choices of `rows` live rows given by what their shapes follow from,
+        int64 `[C]` each: the draft tokens, the longest draft and the rows that draft."""
+        drafted_C, longest_C = np.asarray(drafted_C, np.int64), np.asarray(longest_C, np.int64)
+        C = len(drafted_C)
+        slots = np.maximum(rows + drafted_C, 1)
         i = np.minimum(np.searchsorted(self.buckets, slots), len(self.buckets) - 1)
-        need = 1 + n_CxA.max(axis=1, initial=0)
+        need = 1 + longest_C
         w = self.widths[np.minimum(np.searchsorted(self.widths, need), len(self.widths) - 1)]
         R = np.zeros(C, np.int64)
         if len(self.wide_buckets):
-            n_rows = np.count_nonzero(n_CxA > 0, axis=1)
-            j = np.searchsorted(self.wide_buckets, n_rows)
+            j = np.searchsorted(self.wide_buckets, np.asarray(drafting_C, np.int64))
             r = self.wide_buckets[np.minimum(j, len(self.wide_buckets) - 1)]
             ok = (j < len(self.wide_buckets)) & (w > 1) & (2 * (self.batch + r * w)
                                                            < self.batch * w)

@@ -262,6 +262,13 @@ class DASPolicy:
         self._th_cache = None
         self._waiting = 0                  # requests of this generate call not yet in a slot
         self._step_classes = None          # (rows, class codes) of the step being planned
+        self._ages = None                  # (age_A, its age buckets): a step's, computed once
+        c = config                         # per class code: weight, draft token cap
+        self._class_weights = np.array([c.weight_short, c.weight_medium, c.weight_long],
+                                       np.float64)
+        self._class_caps = np.array([np.iinfo(np.int64).max if x is None else x
+                                     for x in (c.budget_short, c.budget_medium, c.budget_long)],
+                                    np.int64)
 
     # ----- classes ------------------------------------------------------------------------------
     def thresholds(self) -> tuple[float, float] | None:
@@ -345,34 +352,21 @@ class DASPolicy:
     def current_classes(self, rows: RowBatch, th) -> np.ndarray:
         """int8 `[A]` each row's class code, promoting (and recording) rows whose generated
         length outgrew their class."""
-        ids = rows.request_ids
-        known = (ids >= 0) & (ids < len(self._class_R))
-        cls = np.full(len(ids), 1, np.int8)
-        cls[known] = self._class_R[ids[known]]
-        cls[cls == _NONE] = 1
-        if th is not None:
-            grown = self.classify_lengths(rows.generated, th)
-            up = known & (grown > cls)
-            cls = np.where(up, grown, cls).astype(np.int8)
-            self._class_R[ids[up]] = cls[up]
-        return cls
+        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
+        lo, hi = th if th is not None else (0.0, 0.0)
+        return _bk.row_classes(np.asarray(rows.request_ids, np.int64),
+                               np.asarray(rows.generated, np.int64), self._class_R, float(lo),
+                               float(hi), th is not None)
 
     def row_weights(self, rows) -> np.ndarray:
         """float64 `[A]`: each row's class weight (promoting rows that outgrew it)."""
-        rows = RowBatch.of(rows)
-        c = self.config
-        w = np.array([c.weight_short, c.weight_medium, c.weight_long], np.float64)
-        return w[self._classes_of(rows)]
+        return self._class_weights[self._classes_of(RowBatch.of(rows))]
 
     def draft_budgets(self, rows, batch: int, max_width: int) -> np.ndarray:
         rows = RowBatch.of(rows)
-        c = self.config
-        k = np.clip(rows.remaining - 1, 0, max_width - 1)
-        if not c.unlimited:
-            big = np.iinfo(np.int64).max
-            caps = np.array([big if x is None else x for x in
-                             (c.budget_short, c.budget_medium, c.budget_long)], np.int64)
-            k = np.minimum(k, caps[self._classes_of(rows)])
+        k = np.minimum(np.maximum(rows.remaining - 1, 0), max_width - 1)
+        if not self.config.unlimited:
+            k = np.minimum(k, self._class_caps[self._classes_of(rows)])
         return k.astype(np.int32)
 
     def calibrated(self, drafts, draft_support=None) -> np.ndarray:
@@ -384,12 +378,14 @@ class DASPolicy:
         D = int(db.lens_A.max(initial=0))
         src = self._sources(db)
         # the per-depth factors of the sources whose drafts have no support, only those
-        bare = np.unique(src[~db.has_support_A & (db.lens_A > 0)])
+        unsupported = ~db.has_support_A & (db.lens_A > 0)
+        bare = np.unique(src[unsupported]) if unsupported.any() else src[:0]
         for k in bare:
             self.depth_by_source[int(k)] = grow_depth_scale(
                 self.depth_by_source.get(int(k), np.zeros(0)), D)
         depth = [self.depth_by_source[int(k)] for k in bare] or [np.zeros(0)]
-        depth_row = np.minimum(np.searchsorted(bare, src), len(depth) - 1)
+        depth_row = (np.minimum(np.searchsorted(bare, src), len(depth) - 1) if len(bare) > 1
+                     else np.zeros(len(src), np.int64))
         age0 = self._table_ages(db)
         self._adopt_new_ages(src[db.has_support_A], age0[db.has_support_A])
         return calibrated_paths(db.probs_AxK, db.lens_A, db.support_AxK, db.has_support_A,
@@ -451,7 +447,10 @@ class DASPolicy:
         age), or None with `age_calibration` off or a drafter that reports no ages."""
         if not self.config.age_calibration or db.age_A is None:
             return None
-        return age_buckets_of(db.age_A, len(db))
+        cached = self._ages
+        if cached is None or cached[0] is not db.age_A:   # a step's choose and _learn share it
+            cached = self._ages = (db.age_A, age_buckets_of(db.age_A, len(db)))
+        return cached[1]
 
     def _adopt_new_ages(self, src: np.ndarray, ages: np.ndarray) -> None:
         """(source, age bucket) rows among the pairs (`src`, `ages`) with no trials yet take the
@@ -490,15 +489,36 @@ class DASPolicy:
                               else np.asarray(n_opt, np.int32), MAX_VALUE_CUTS,
                               n_opt is not None)
 
-    def _shapes(self, step_shape, n_CxA: np.ndarray) -> list[tuple]:
-        """The shape key (`schedule.shape_key`: num_tokens, attended_kv, width or None, and R
-        of a split query block) of each choice: through `step_shape.many` when the shape
-        function has it, else one call per choice."""
+    def _shapes(self, step_shape, n_CxA: np.ndarray, cols_4xC: np.ndarray | None = None
+                ) -> tuple[list[tuple], np.ndarray]:
+        """(the distinct shape keys of the choices `n_CxA`, int64 `[C]` each choice's index
+        among them); a key is `schedule.shape_key`'s (num_tokens, attended_kv, width or None,
+        and R of a split query block). From `cols_4xC` (int64: those four per choice) when
+        given, else through `step_shape.many` when the shape function has it, else one call
+        per choice."""
         many = getattr(step_shape, "many", None)
-        if many is not None:
-            return [k[:3] if len(k) > 3 and not k[3] else k
-                    for k in zip(*(a.tolist() for a in many(n_CxA)))]
-        return [self._shape_key(step_shape(n)) for n in n_CxA]
+        if cols_4xC is None and many is None:
+            keys = [self._shape_key(step_shape(n)) for n in n_CxA]
+            index: dict = {}
+            inv = np.array([index.setdefault(k, len(index)) for k in keys], np.int64)
+            return list(index), inv
+        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
+        if cols_4xC is None:
+            cols_4xC = np.stack(many(n_CxA))
+        first, inv = _bk.distinct_rows(np.ascontiguousarray(cols_4xC, np.int64))
+        return ([k[:3] if not k[3] else k for k in map(tuple, cols_4xC[:, first].T.tolist())],
+                inv)
+
+    def _price_choices(self, step_shape, n_CxA: np.ndarray, read_kv: int | None,
+                       cols_4xC: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, list[tuple]]:
+        """(float64 `[C]` predicted seconds, bool `[C]` whether the shape has run
+        (`_seen_key`), the C shape keys) of the choices `n_CxA` of a step reading `read_kv`
+        cached positions (`cols_4xC`: as in `_shapes`); each distinct shape is priced once."""
+        keys, inv = self._shapes(step_shape, n_CxA, cols_4xC)
+        t = np.array([self._predict_key(k, read_kv) for k in keys], np.float64)
+        seen = np.array([self._seen_key(k) for k in keys], bool)
+        return t[inv], seen[inv], [keys[i] for i in inv.tolist()]
 
     def _predict(self, shape) -> float:
         """Predicted seconds of a step shape (`schedule.StepShape`): its measured time when the
@@ -709,14 +729,12 @@ class DASPolicy:
         lam, n_opt = _bk.token_values(np.asarray(f, np.float64), c_tok, cum, lens64)
         n_CxA = _bk.candidates(lens64, lam[:, None] * q_BxD, n_opt, MAX_VALUE_CUTS, True)
         # the decoding time each choice's expected emitted tokens save (`objective`)
-        saved_C, sums_C = _bk.expected_savings(n_CxA, lam, cum)
-        shapes = self._shapes(step_shape, n_CxA)
-        priced: dict = {}      # shape -> (predicted seconds, measured); few distinct per step
-        for sh in set(shapes):
-            priced[sh] = (self._predict_key(sh, read_kv), self._seen_key(sh))
-        t_C = np.array([priced[sh][0] for sh in shapes])
-        sc = _Scored(t_C - saved_C, t_C, sums_C, (sums_C == 0) | np.array(
-            [priced[sh][1] for sh in shapes]), shapes)
+        saved_C, sums_C, longest_C, drafting_C = _bk.expected_savings(n_CxA, lam, cum)
+        of_totals = getattr(step_shape, "of_totals", None)
+        cols = (None if of_totals is None else
+                np.stack(of_totals(len(lens), sums_C, longest_C, drafting_C)))
+        t_C, seen_C, shapes = self._price_choices(step_shape, n_CxA, read_kv, cols)
+        sc = _Scored(t_C - saved_C, t_C, sums_C, (sums_C == 0) | seen_C, shapes)
         # Shapes already measured (compiled) are priced by their own times. A shape never run is
         # priced by the linear fit and costs a compile (`CostModel.compile_s`; ~1.5-2.5 s for
         # SmolLM2-135M on 2 CPU cores, 30-50 plain steps), so it is bought like skis in the
@@ -792,8 +810,10 @@ class DASPolicy:
             ages = self._age_buckets(db)
             if ages is not None:
                 aged = with_support & (ages >= 0)
-                np.add.at(self.drafts_by_age[0], ages[aged], n[aged])
-                np.add.at(self.drafts_by_age[1], ages[aged], np.minimum(acc, n)[aged])
+                self.drafts_by_age[0] += np.bincount(ages[aged], n[aged], AGE_BUCKETS
+                                                     ).astype(np.int64)
+                self.drafts_by_age[1] += np.bincount(ages[aged], np.minimum(acc, n)[aged],
+                                                     AGE_BUCKETS).astype(np.int64)
             n = np.where(with_support, 0, n)
             if not n.any():
                 return
