@@ -277,3 +277,41 @@ def test_das_budget_prices_rows_by_the_pages_they_read():
     n, t = _policy(cm).choose(rows, probs, paged)
     assert n.tolist() == [0] * 4
     assert t == pytest.approx(cm.predict_step(4, 4096, read_kv=64))
+
+
+def _fit_from_scratch(observations) -> tuple[float, float, float]:
+    """The refit's coefficients computed from the whole window (one point per shape, its
+    median time; non-negative least squares)."""
+    by_shape: dict = {}
+    for n, k, t in observations:
+        by_shape.setdefault((n, k), []).append(t)
+    obs = np.array([(n, k, np.median(ts)) for (n, k), ts in by_shape.items()])
+    from scipy.optimize import nnls
+    coef, _ = nnls(np.stack([np.ones(len(obs)), obs[:, 0], obs[:, 1]], axis=1), obs[:, 2])
+    return tuple(float(c) for c in coef)
+
+
+def test_the_refit_keeps_its_points_as_the_window_moves():
+    """`observe_step` refits from per-shape medians kept as the window slides (the shapes an
+    observation joins and leaves, not the whole window): the coefficients equal a fit from
+    scratch at every step, shapes leaving the window drop out, and a window replaced or
+    shortened outside `observe_step` is rebuilt."""
+    rng = np.random.default_rng(0)
+    cm = CostModel(history=40)
+    for i in range(200):
+        n, k = int(rng.choice([16, 32, 48, 64, 96])), int(rng.choice([1024, 2048, 4096]))
+        if i > 120:
+            n = int(rng.choice([128, 160]))     # the early shapes leave the window
+        cm.observe_step(n, k, 0.02 + 1e-4 * n + 2e-6 * k + 1e-3 * rng.random(), width=4)
+        if i >= 2:
+            ref = _fit_from_scratch(cm.observations)
+            np.testing.assert_allclose((cm.c_base, cm.c_tok, cm.c_kv), ref, rtol=1e-9,
+                                       atol=1e-15)
+    assert {n for n, _ in cm._window_points()} == {128, 160}
+    assert sum(len(ts) for ts, _ in cm._window_points().values()) == 40
+    cm.observations.popleft()               # changed outside observe_step: rebuilt
+    assert sum(len(ts) for ts, _ in cm._window_points().values()) == 39
+    cm.observations = type(cm.observations)(list(cm.observations)[:10])
+    cm.fit()
+    np.testing.assert_allclose((cm.c_base, cm.c_tok, cm.c_kv),
+                               _fit_from_scratch(cm.observations), rtol=1e-9, atol=1e-15)

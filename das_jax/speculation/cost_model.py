@@ -141,6 +141,13 @@ class CostModel:
     # (median seconds, median read_kv) per shape, dropped whenever the shape is observed
     _medians: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)
+    # The fit's points, kept as the window moves (`_window_points`): per (N, read K) of the
+    # window, [its seconds oldest first, their median]; and the deque they were built from
+    # with its length then (another deque or length: rebuilt).
+    _points: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                      compare=False)
+    _points_of: tuple = dataclasses.field(default=(None, -1), init=False, repr=False,
+                                          compare=False)
 
     @classmethod
     def from_config(cls, config: CostModelConfig) -> "CostModel":
@@ -206,11 +213,27 @@ class CostModel:
                 float(seconds))
             self.table_read.setdefault(key, collections.deque(maxlen=self.table_window)).append(
                 read)
-        self.observations.append((int(num_tokens), read, float(seconds)))
+        points = self._window_points()
+        obs = (int(num_tokens), read, float(seconds))
+        self.observations.append(obs)
+        _add_point(points, obs)
         while len(self.observations) > self.history:
-            self.observations.popleft()
+            _drop_point(points, self.observations.popleft())
+        self._points_of = (self.observations, len(self.observations))
         if refit:
             self.fit()
+
+    def _window_points(self) -> dict:
+        """{(N, read K): [seconds oldest first, their median]} of the observations in the
+        window, kept as it moves (O(1) shapes touched per step, not the whole window), rebuilt
+        when `observations` was replaced or changed length outside `observe_step`."""
+        of, n = self._points_of
+        if of is not self.observations or n != len(self.observations):
+            self._points = {}
+            for obs in self.observations:
+                _add_point(self._points, obs)
+            self._points_of = (self.observations, len(self.observations))
+        return self._points
 
     # ----- padded-engine spelling -----------------------------------------------------------------
     def predict(self, batch: int, width: int, kv_len: int = 0) -> float:
@@ -227,10 +250,8 @@ class CostModel:
         if len(self.observations) < 3:
             return
         # One point per shape, its median time: robust to stray slow steps (first runs, GC).
-        by_shape: dict[tuple, list[float]] = {}
-        for n, k, t in self.observations:
-            by_shape.setdefault((n, k), []).append(t)
-        obs = np.array([(n, k, np.median(ts)) for (n, k), ts in by_shape.items()], np.float64)
+        obs = np.array([(n, k, med) for (n, k), (_, med) in self._window_points().items()],
+                       np.float64)
         X = np.stack([np.ones(len(obs)), obs[:, 0], obs[:, 1]], axis=1)
         y = obs[:, 2]
         cols = [0] + [j for j in (1, 2) if np.ptp(X[:, j]) > 0]
@@ -261,6 +282,31 @@ class CostModel:
         """The coefficients and the compile time, as `CostModelConfig` keys."""
         return {"c_base": self.c_base, "c_tok": self.c_tok, "c_kv": self.c_kv,
                 "compile_s": self.compile_s}
+
+
+def _median(xs: list) -> float:
+    """`np.median` of a short list of floats (the same value: the middle one, or the mean of
+    the two middle ones), without numpy's per-call overhead."""
+    s = sorted(xs)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2.0
+
+
+def _add_point(points: dict, obs: tuple) -> None:
+    """Observation (N, read K, seconds) joins its shape's point (`CostModel._window_points`)."""
+    point = points.setdefault(obs[:2], [[], 0.0])
+    point[0].append(obs[2])
+    point[1] = _median(point[0])
+
+
+def _drop_point(points: dict, obs: tuple) -> None:
+    """The window's oldest observation leaves its shape's point (the shape's oldest too)."""
+    point = points[obs[:2]]
+    point[0].pop(0)
+    if point[0]:
+        point[1] = _median(point[0])
+    else:
+        del points[obs[:2]]
 
 
 def _observe_step(cost_model, num_tokens: int, attended_kv: int, seconds: float,
