@@ -262,6 +262,7 @@ class DASPolicy:
         self._th_cache = None
         self._waiting = 0                  # requests of this generate call not yet in a slot
         self._step_classes = None          # (rows, class codes) of the step being planned
+        self._planned_classes = None       # the same, of the step `choose` last planned
         self._ages = None                  # (age_A, its age buckets): a step's, computed once
         c = config                         # per class code: weight, draft token cap
         self._class_weights = np.array([c.weight_short, c.weight_medium, c.weight_long],
@@ -309,11 +310,14 @@ class DASPolicy:
     def initial_class(self, problem_id: Hashable) -> str:
         """The class most common among the problem's past rollouts (ties: the longer class)."""
         th = self.thresholds()
-        past = list(self.lengths_fn(problem_id))
-        if th is None or not past:
+        past = self.lengths_fn(problem_id)
+        if th is None or not len(past):
             return MEDIUM
-        counts = np.bincount(self.classify_lengths(np.array(past), th), minlength=3)
-        return CLASS_NAMES[int(2 - np.argmax(counts[::-1]))]
+        lo, hi = th             # `classify_lengths` per length: a short list, no numpy calls
+        counts = [0, 0, 0]
+        for n in past:
+            counts[2 if n > hi else 0 if n <= lo and lo < hi else 1] += 1
+        return CLASS_NAMES[max(range(3), key=lambda c: (counts[c], c))]
 
     @property
     def classes(self) -> dict[int, str]:
@@ -723,7 +727,7 @@ class DASPolicy:
         cum = _bk.prefix_sums(q_BxD)
         read_kv, kv = _attended(step_shape, lens)
         f = self.row_fixed_costs(rows, self.row_weights(rows), kv)
-        self._step_classes = None
+        self._planned_classes, self._step_classes = self._step_classes, None
         c_tok = max(self.cost_model.c_tok, 0.0)
         lens64 = lens.astype(np.int64)
         lam, n_opt = _bk.token_values(np.asarray(f, np.float64), c_tok, cum, lens64)
@@ -833,12 +837,19 @@ class DASPolicy:
         self._finished_count += 1
 
     def step_classes(self, rows) -> dict:
+        """{class: live rows} of the step just verified: the classes `choose` planned it with
+        (a row that finished in it counts in its class), else the rows' recorded classes."""
         rows = RowBatch.of(rows)
-        ids = rows.request_ids
-        cls = np.full(len(ids), 1, np.int64)
-        known = (ids >= 0) & (ids < len(self._class_R))
-        cls[known] = self._class_R[ids[known]]
-        counts = np.bincount(np.where(cls == _NONE, 1, cls), minlength=3)
+        cached, self._planned_classes = self._planned_classes, None
+        if cached is not None and cached[0] is rows:    # the classes `choose` planned with
+            cls = cached[1]
+        else:
+            ids = rows.request_ids
+            cls = np.full(len(ids), 1, np.int64)
+            known = (ids >= 0) & (ids < len(self._class_R))
+            cls[known] = self._class_R[ids[known]]
+            cls = np.where(cls == _NONE, 1, cls)
+        counts = np.bincount(cls, minlength=3)
         return {SHORT: int(counts[0]), MEDIUM: int(counts[1]), LONG: int(counts[2])}
 
     def fork(self, drafter=None) -> "DASPolicy":
