@@ -386,9 +386,9 @@ def test_zero_acceptance_warns_and_each_epoch_reports_acceptance_by_position_and
              drafted_by_position=[3, 2, 1], accepted_by_position=[2, 1, 0],
              drafted_by_source={"problem": 4, "global": 2},
              accepted_by_source={"problem": 3, "global": 0}),
-        dict(base, step=2, epoch=0, drafted_tokens=5, accepted_draft_tokens=0,
-             drafted_by_position=[3, 2], accepted_by_position=[0, 0],
-             drafted_by_source={"request": 5}, accepted_by_source={"request": 0}),
+        dict(base, step=2, epoch=0, drafted_tokens=70, accepted_draft_tokens=0,
+             drafted_by_position=[40, 30], accepted_by_position=[0, 0],
+             drafted_by_source={"request": 70}, accepted_by_source={"request": 0}),
         dict(base, step=3, epoch=1, drafted_tokens=0, accepted_draft_tokens=0,
              drafted_by_position=[], accepted_by_position=[], drafted_by_source={},
              accepted_by_source={}),
@@ -399,13 +399,27 @@ def test_zero_acceptance_warns_and_each_epoch_reports_acceptance_by_position_and
         logger.close()
     text = [r.getMessage() for r in caplog.records]
     warns = [t for t in text if "not one was accepted" in t]
-    assert len(warns) == 1 and warns[0].startswith("step 2: the drafter drafted 5 tokens")
+    assert len(warns) == 1 and warns[0].startswith("step 2: the drafter drafted 70 tokens")
     epoch = [t for t in text if "acceptance by draft position" in t]
-    assert epoch == ["epoch 0 acceptance by draft position 0.33 0.25 0.00 (positions 1-3); by "
-                     "source (accepted / drafted tokens): request 0.00 of 5, problem 0.75 of "
+    assert epoch == ["epoch 0 acceptance by draft position 0.05 0.03 0.00 (positions 1-3); by "
+                     "source (accepted / drafted tokens): request 0.00 of 70, problem 0.75 of "
                      "4, global 0.00 of 2"]       # epoch 1 drafted nothing: no line
     saved = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert saved[0]["drafted_by_source"] == {"problem": 4, "global": 2}
+
+
+def test_a_step_with_few_draft_tokens_none_accepted_is_no_warning(tmp_path, caplog):
+    """Two draft tokens both rejected happens by chance (the main job's first step): no
+    warning below `ZERO_ACCEPTANCE_MIN_DRAFTED` draft tokens; at it, one."""
+    logger = run_log.RunLogger(tmp_path, total_steps=2, progress=False)
+    base = {"reward_mean": 0.5, "loss": 0.1, "rollout_s": 1.0, "train_s": 1.0, "epoch": 0,
+            "accepted_draft_tokens": 0}
+    with caplog.at_level(logging.INFO, logger="das_jax"):
+        logger.log(dict(base, step=1, drafted_tokens=2))
+        logger.log(dict(base, step=2, drafted_tokens=run_log.ZERO_ACCEPTANCE_MIN_DRAFTED))
+        logger.close()
+    warns = [r.getMessage() for r in caplog.records if "not one was accepted" in r.getMessage()]
+    assert len(warns) == 1 and warns[0].startswith("step 2: the drafter drafted 64 tokens")
 
 
 def test_a_named_model_is_fetched_with_one_phase_line_per_process(tmp_path, monkeypatch):

@@ -42,6 +42,12 @@ from das_jax.rl.run_files import (METRICS_FILE, SAMPLES_FILE, RunFileError,  # n
 
 log = logging.getLogger("das_jax.train")
 
+# A step whose drafts were all rejected is warned about (a drafter whose drafts never reach
+# the verifier, or match another policy) only when it drafted at least this many tokens: at
+# a first-token acceptance of one half, a step with a few drafting rows has none accepted by
+# chance (2 rows: 1 in 4), while 64 draft tokens span enough rows that it does not.
+ZERO_ACCEPTANCE_MIN_DRAFTED = 64
+
 _clock = time.perf_counter   # the step clock (a test replaces it)
 
 _BAR_KEYS = (("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.2f}"),
@@ -195,7 +201,8 @@ class RunLogger:
         self._last_output = self._step_started = time.perf_counter()
         if compile_s >= 1.0:
             log.info("step %d: %s", step, describe_compiles(compile_s, programs))
-        if (record.get("drafted_tokens") or 0) > 0 and record.get("accepted_draft_tokens") == 0:
+        if (record.get("drafted_tokens") or 0) >= ZERO_ACCEPTANCE_MIN_DRAFTED and \
+                record.get("accepted_draft_tokens") == 0:
             log.warning("step %d: the drafter drafted %d tokens and not one was accepted "
                         "(acceptance 0 for the whole step): its drafts do not reach the "
                         "verifier or do not match the policy; compare with drafter: none",
