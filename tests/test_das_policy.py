@@ -501,3 +501,25 @@ def test_plan_step_verifies_the_drafters_pick_without_pick_sources():
     assert das.drafts.source_A.tolist() == [0, 0, 3]
     k = int(das.drafts.lens_A[0])              # sized by `choose` (0 until shapes are measured)
     assert das.drafts.tokens_AxK[0, :k].tolist() == [21, 22][:k]
+
+
+def test_length_thresholds_follow_the_window_without_re_sorting():
+    """The class thresholds are `np.quantile` of the finished lengths in the window, from a
+    sorted copy `end` keeps (the oldest length leaving it once the window is full), and
+    rebuilt after the window is replaced (a checkpoint)."""
+    from das_jax.speculation.das_policy import _quantile
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 7, 100):
+        xs = np.sort(rng.integers(0, 5000, n)).tolist()
+        for q in (1 / 3, 2 / 3, 0.5, float(rng.random())):
+            assert _quantile(xs, q) == np.quantile(np.asarray(xs, np.float64), q)
+    pol = DASPolicy(config=DASConfig(length_history=50, min_history=8))
+    for i in range(400):
+        pol.end(i, int(rng.integers(1, 3000)))
+        if i >= 7:
+            lens = np.asarray(pol.finished_lengths, np.float64)
+            assert pol.thresholds() == (float(np.quantile(lens, 1 / 3)),
+                                        float(np.quantile(lens, 2 / 3)))
+    pol.load_state_dict({"finished_lengths": [5, 10, 20, 40, 80, 160, 320, 640, 1280]})
+    lens = np.asarray(pol.finished_lengths, np.float64)
+    assert pol.thresholds() == (float(np.quantile(lens, 1 / 3)), float(np.quantile(lens, 2 / 3)))

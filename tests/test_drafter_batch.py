@@ -39,13 +39,13 @@ class RowDrafter:
         self.requests[rid][2].extend(np.asarray(toks, np.int32))
         self.pending.append((rid, np.asarray(toks, np.int32)))
 
-    def _index(self, rid, toks):
+    def _index(self, rid, toks, request_trie=True):
         req = self.requests[rid]
         self.history.extend_rollout(req[1], toks)
-        if req[5] >= 0:
+        if req[5] >= 0 and request_trie:
             self.scope.append(req[5], toks)
 
-    def flush(self, rid=None):
+    def flush(self, rid=None, request_trie=True):
         if rid is None:
             for rsid, rroot in self.ended:
                 self.scope.remove(rsid)
@@ -62,7 +62,7 @@ class RowDrafter:
         keep = []
         for r, toks in self.pending:
             if rid is None or r == rid:
-                self._index(r, toks)
+                self._index(r, toks, request_trie)
             else:
                 keep.append((r, toks))
         self.pending = keep
@@ -98,7 +98,7 @@ class RowDrafter:
         self._index(rid, arr)
 
     def end(self, rid):
-        self.flush(rid)
+        self.flush(rid, request_trie=False)     # its request trie is dropped: not indexed
         pid, handle, ctx, prompt_len, rroot, rsid = self.requests.pop(rid)
         self.history.finish_rollout(handle)
         if rsid >= 0:

@@ -227,10 +227,11 @@ class SuffixDrafter:
             self._deferred.append((slots[keep], tokens_AxW[keep], n_A[keep]))
             np.add.at(self._slots.lag, slots[keep], n_A[keep].astype(np.int64))
 
-    def flush_appends(self, slot: int | None = None) -> None:
+    def flush_appends(self, slot: int | None = None, *, request_trie: bool = True) -> None:
         """Indexes the deferred appends (`append_batch(..., index_later=True)`) into the trie,
         in their order: all of them (then also the finished rollouts waiting for the global
-        trie, and the ended requests' tries are removed), or only slot `slot`'s."""
+        trie, and the ended requests' tries are removed), or only slot `slot`'s (with
+        `request_trie` false, not into its request trie: `end`, which drops it)."""
         if slot is None and self._ended_tries:
             for sid, root in self._ended_tries:
                 self.scope_forest.remove(sid)
@@ -250,12 +251,13 @@ class SuffixDrafter:
         for slots, tokens_AxW, n_A in self._deferred:
             mine = slots == slot
             if mine.any():
-                self._append_slots(slots[mine], tokens_AxW[mine], n_A[mine], BK.INDEX)
+                self._append_slots(slots[mine], tokens_AxW[mine], n_A[mine], BK.INDEX,
+                                   request_trie)
                 n_A[mine] = 0
         sl.lag[slot] = 0
 
     def end(self, request_id: int) -> None:
-        self.flush_appends(self._requests[request_id].slot)
+        self.flush_appends(self._requests[request_id].slot, request_trie=False)
         req = self._requests.pop(request_id)
         sl, s = self._slots, req.slot
         out_len = int(sl.out_len[s])
@@ -408,9 +410,12 @@ class SuffixDrafter:
             b = e
 
     def _append_slots(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
-                      mode: int = BK.INDEX | BK.CONTEXT) -> None:
+                      mode: int = BK.INDEX | BK.CONTEXT, request_trie: bool = True) -> None:
+        """Appends row b's n_A[b] tokens to slot slots[b]: with `mode` CONTEXT to its context,
+        with INDEX into its problem trie and (`request_trie`, with the request scope on) its
+        request trie."""
         forests = self._forests()
-        scoped = bool(mode & BK.INDEX) and "request" in self.scopes
+        scoped = bool(mode & BK.INDEX) and "request" in self.scopes and request_trie
         if len(forests) == 1:
             self._append_on(forests[0], slots, tokens_AxW, n_A, mode)
             if scoped:

@@ -95,9 +95,11 @@ per class (the paper's class budgets; the optimiser still chooses within the cap
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import copy
 import dataclasses
+import math
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -197,6 +199,17 @@ class DASConfig:
             raise ValueError(f"explore_every must be >= 0, got {self.explore_every}")
 
 
+def _quantile(sorted_x: Sequence[float], q: float) -> float:
+    """`np.quantile(sorted_x, q)` (its default, linear method, and the same float arithmetic)
+    of a nonempty ascending sequence, without sorting it again."""
+    h = (len(sorted_x) - 1) * q
+    lo = math.floor(h)
+    a = float(sorted_x[lo])
+    b = float(sorted_x[min(lo + 1, len(sorted_x) - 1)])
+    t = h - lo
+    return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
+
+
 def _attended(step_shape, lens_A: np.ndarray) -> tuple:
     """(read_kv or None, the attended cached positions per row) of the steps `step_shape`
     prices: the same for every choice of drafts."""
@@ -260,6 +273,8 @@ class DASPolicy:
         self._regret: dict = {}            # unmeasured shape -> seconds it would have saved
         self._finished_count = 0           # finished rollouts seen (invalidates _th_cache)
         self._th_cache = None
+        # finished_lengths sorted, kept by `end` (None: rebuilt at the next `thresholds`)
+        self._sorted_lengths: list | None = None
         self._waiting = 0                  # requests of this generate call not yet in a slot
         self._step_classes = None          # (rows, class codes) of the step being planned
         self._planned_classes = None       # the same, of the step `choose` last planned
@@ -286,9 +301,11 @@ class DASPolicy:
 
     def _quantile_thresholds(self) -> tuple[float, float]:
         c = self.config
-        lens = np.asarray(self.finished_lengths, np.float64)
-        lo = c.short_threshold if c.short_threshold is not None else np.quantile(lens, c.short_quantile)
-        hi = c.long_threshold if c.long_threshold is not None else np.quantile(lens, c.long_quantile)
+        if self._sorted_lengths is None or len(self._sorted_lengths) != len(self.finished_lengths):
+            self._sorted_lengths = sorted(self.finished_lengths)
+        lens = self._sorted_lengths
+        lo = c.short_threshold if c.short_threshold is not None else _quantile(lens, c.short_quantile)
+        hi = c.long_threshold if c.long_threshold is not None else _quantile(lens, c.long_quantile)
         return float(lo), float(max(hi, lo))
 
     def classify_length(self, n: float, th: tuple[float, float] | None) -> str:
@@ -833,7 +850,12 @@ class DASPolicy:
     def end(self, request_id: int, num_tokens: int) -> None:
         if 0 <= request_id < len(self._class_R):
             self._class_R[request_id] = _NONE
-        self.finished_lengths.append(num_tokens)
+        kept, window = self._sorted_lengths, self.finished_lengths
+        if kept is not None:            # the sorted copy follows the window (no re-sort)
+            if len(window) == window.maxlen:
+                del kept[bisect.bisect_left(kept, window[0])]
+            bisect.insort(kept, num_tokens)
+        window.append(num_tokens)
         self._finished_count += 1
 
     def step_classes(self, rows) -> dict:
@@ -895,6 +917,7 @@ class DASPolicy:
         self.finished_lengths.clear()
         self.finished_lengths.extend(int(n) for n in state.get("finished_lengths", ()))
         self._finished_count += 1
+        self._sorted_lengths = None
         for k, v in state.get("cost_model", {}).items():
             setattr(self.cost_model, k, int(v) if k == "compile_count" else float(v))
         if "acceptance_by_depth" in state:
