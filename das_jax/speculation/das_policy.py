@@ -327,14 +327,11 @@ class DASPolicy:
     def initial_class(self, problem_id: Hashable) -> str:
         """The class most common among the problem's past rollouts (ties: the longer class)."""
         th = self.thresholds()
-        past = self.lengths_fn(problem_id)
-        if th is None or not len(past):
+        past = list(self.lengths_fn(problem_id))
+        if th is None or not past:
             return MEDIUM
-        lo, hi = th             # `classify_lengths` per length: a short list, no numpy calls
-        counts = [0, 0, 0]
-        for n in past:
-            counts[2 if n > hi else 0 if n <= lo and lo < hi else 1] += 1
-        return CLASS_NAMES[max(range(3), key=lambda c: (counts[c], c))]
+        counts = np.bincount(self.classify_lengths(np.array(past), th), minlength=3)
+        return CLASS_NAMES[int(2 - np.argmax(counts[::-1]))]
 
     @property
     def classes(self) -> dict[int, str]:
