@@ -6,7 +6,7 @@ import pytest
 
 from das_jax.drafter.base import Draft
 from das_jax.speculation.cost_model import CostModel
-from das_jax.speculation.das_policy import LONG, MEDIUM, SHORT, DASConfig, DASPolicy
+from das_jax.speculation.das_policy import LONG, MEDIUM, SHORT, DASConfig, DASPolicy, _quantile
 from das_jax.engine.generate import Engine, EngineConfig, Request
 from das_jax.engine.policy import (FixedPolicy, RowView, StepRecord, packed_step_shape,
                                    padded_step_shape, width_for)
@@ -507,7 +507,6 @@ def test_length_thresholds_follow_the_window_without_re_sorting():
     """The class thresholds are `np.quantile` of the finished lengths in the window, from a
     sorted copy `end` keeps (the oldest length leaving it once the window is full), and
     rebuilt after the window is replaced (a checkpoint)."""
-    from das_jax.speculation.das_policy import _quantile
     rng = np.random.default_rng(3)
     for n in (1, 2, 7, 100):
         xs = np.sort(rng.integers(0, 5000, n)).tolist()
