@@ -11,7 +11,7 @@ all of the host work; overlap the part run while the device computes a step (the
 deferred appends, `EngineConfig.overlap_host`; `--no-overlap`: none); exposed the part the
 device waits for (the work between steps, and overlapped work past the step's predicted time).
 
-The replay plans with a frozen cost model; an engine's refits its coefficients from every
+The replay plans with a frozen cost model; an engine refits its coefficients from every
 step it observes, between two steps. `refit_us_per_step` is that work, timed apart: a live
 `CostModel` observing the measured epoch's steps in order (shape, predicted seconds).
 """
