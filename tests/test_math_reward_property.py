@@ -1,4 +1,5 @@
-"""Property tests: the math reward agrees with math-verify's own verdicts.
+"""Property tests: the math reward agrees with math-verify's own verdicts (for a gold that is
+one number, on answers that state one number).
 
 ``math_answer_correct`` = exact numeric fallback OR normalised string match OR math-verify. So it
 equals math-verify's verdict on the final-answer region exactly when the two fallbacks never
@@ -8,22 +9,44 @@ roots, units, space-separated digits), wrapped as ``#### r`` or ``\\boxed{r}``, 
 an earlier, different final answer (the last one must win).
 """
 
+import re
 from fractions import Fraction
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from das_jax.rl.rewards.math_reward import math_answer_correct, parse_number
+from das_jax.rl.rewards.math_reward import extract_answer_region, math_answer_correct, parse_number
+
+_WRAPPED_NUMBER = re.compile(r"^(?:\\text\{(?P<text>[^{}]*)\}|(?P<percent>[^{}%]*)\\%)$")
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def _mv(region: str, gold: str) -> bool:
+def _mv(region: str, gold: str, wrap: bool = True) -> bool:
+    """math-verify's verdict on `region` (wrapped in ``$...$``; `wrap` false: a whole
+    completion as it is), where a gold that is one number needs an answer that is one number
+    (an equation's right-hand side; the reward's step 4: no unevaluated expression).
+
+    One documented exception: a number in ``\\text{}`` or before ``\\%`` is that number.
+    math-verify means it to be (``\\text{5}`` and ``25\\%`` pass against 5 and 25) but its
+    ``verify`` rejects a decimal so wrapped (``\\text{0.1}``, ``2.5\\%`` against 0.1, 2.5), so
+    such a region is compared unwrapped. A lone bare ``$`` (currency: ``-$1``) is escaped so that it
+    cannot close the ``$...$`` around the region."""
     from math_verify import parse, verify
 
-    g, p = parse(f"${gold}$"), parse(f"${region}$")
-    return bool(g and p and verify(g, p))
+    m = _WRAPPED_NUMBER.match(region) if wrap else None
+    inner = m and (m["text"] if m["text"] is not None else m["percent"])
+    if inner and parse_number(inner) is not None:
+        region = inner
+    if wrap and len(re.findall(r"(?<!\\)\$", region)) % 2:
+        region = re.sub(r"(?<!\\)\$", r"\\$", region)
+    g, p = parse(f"${gold}$"), parse(f"${region}$" if wrap else region)
+    if not (g and p):
+        return False
+    if parse_number(gold) is not None and parse_number(str(p[-1]).rsplit("=", 1)[-1]) is None:
+        return False
+    return bool(verify(g, p))
 
 
 values = st.one_of(
@@ -105,7 +128,11 @@ def _wrap(region: str, style: int, other: str) -> str:
 def test_math_reward_agrees_with_math_verify(rg, style, other_v):
     region, gold = rg
     completion = _wrap(region, style, _plain(other_v))
-    expected = _mv(region, gold)
+    # graded on the region the reward extracts (tested in test_rewards.py): a drawn region that
+    # holds no answer ("#### 0. to 0" reads as a numbered heading) leaves an earlier marker's, or
+    # with none the whole completion
+    kind, graded = extract_answer_region(completion)
+    expected = _mv(graded, gold) if kind != "all" else _mv(completion, gold, wrap=False)
     assert math_answer_correct(completion, gold) == expected, (completion, gold)
     # the fallback alone (off the main thread) never accepts what math-verify rejects
     if not expected:

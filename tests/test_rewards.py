@@ -60,6 +60,38 @@ def test_math_unmarked_completion_goes_to_math_verify_only():
     assert extract_final_number("nothing") is None
 
 
+# ------------------------------------------- an expression equal to a number states no answer
+
+UNEVALUATED = [
+    ("Sam has 3 - 1.", "2"),                      # the main job's policy learned to write these
+    ("Noah has 5 - 4 of the books are gone.", "1"),
+    ("Ava has 15 + 1.", "16"), ("Olga has 19 + 14.", "33"),
+    # other inputs of the same kind
+    ("#### 3 + 4", "7"), ("\\boxed{3^{2}}", "9"), ("\\boxed{2 \\cdot 9}", "18"),
+    ("#### 10 - 3", "7"), ("\\boxed{\\frac{14}{2} + 0}", "7"), ("So the total is 12/3 + 1.", "5"),
+    ("#### x = 3 + 4", "7"),
+    ("Let me think.\n#### -$1 \\cdot -1", "-1"),  # the lone $ once closed math mode after "-"
+]
+
+
+@pytest.mark.parametrize("completion,gold", UNEVALUATED)
+def test_an_unevaluated_expression_earns_nothing_for_a_number(completion, gold):
+    assert _acc([completion], [gold]) == [0.0]
+
+
+@pytest.mark.parametrize("completion,gold", [
+    ("Sam has 3 - 1 = 2 books left.", "2"), ("Sam has 2 left, since 3 - 1 = 2.", "2"),
+    ("#### x = 42", "42"), ("#### 6 \\times 7 = 42", "42"),
+    ("First 3 apples, then 4, so the total is 7.", "7"), ("\\boxed{\\frac{14}{2}}", "7"),
+    ("\\boxed{x + 1}", "x+1"),              # a gold that is an expression: compared as one
+    ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"),
+    # math-verify alone rejects a decimal in these wrappers; the exact fallback reads them
+    ("#### \\text{0.1}", "0.1"), ("#### 2.5\\%", "2.5"), ("\\boxed{\\text{12.25}}", "12.25"),
+])
+def test_a_stated_answer_is_graded(completion, gold):
+    assert _acc([completion], [gold]) == [1.0]
+
+
 # -------------------------------------------------- no wrong answer accepted
 
 WRONG_ANSWERS = [

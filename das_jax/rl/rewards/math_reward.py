@@ -21,10 +21,17 @@ How a completion is graded (:func:`math_answer_correct`):
    ``\\right``, ``\\!``/``\\,``, ``dfrac``; digits separated by a space stay separated). Each
    rule matches whole commands only: ``\\leftarrow`` is not ``\\left`` + ``arrow``.
 4. math-verify (``parse`` + ``verify``) on the region wrapped in ``$...$`` (the whole completion
-   when no marker holds an answer), main thread only (its timeouts use SIGALRM).
+   when no marker holds an answer), main thread only (its timeouts use SIGALRM). When the gold
+   is one number, the answer math-verify extracts must be one number too: an expression left
+   for the grader to evaluate (``Sam has 3 - 1.``, ``\\boxed{3^{2}}``, ``#### 3 + 4``) states
+   no answer, and a policy trained on a reward that evaluates it learns to stop computing
+   (the main job's arithmetic did, within 24 steps). ``... 3 - 1 = 2.`` is graded on ``2``.
 
-Steps 2 and 3 only ever accept what math-verify also accepts (a property test checks this); they
-make the common case fast and keep grading off the main thread possible.
+Steps 2 and 3 only ever accept what math-verify also accepts (a property test checks this), with
+one exception: a number in ``\\text{}`` or before ``\\%`` is that number (math-verify means it
+to be, ``\\text{5}`` and ``25\\%`` pass against 5 and 25, but its ``verify`` rejects a decimal so
+wrapped: ``\\text{0.1}``, ``2.5\\%`` against 0.1, 2.5). They make the common case fast and keep
+grading off the main thread possible.
 
 Step 1 lives in `das_jax.rl.rewards.math_answer`, the exact numbers of step 2 in
 `das_jax.rl.rewards.math_numbers`; their public names are importable from here too.
@@ -85,10 +92,25 @@ def _numeric_match(region: str, gold: str) -> bool:
 _warned_thread = False
 
 
-def _math_verify_match(kind: str, region: str, completion: str, gold: str, timeout_s: int) -> bool:
-    """math-verify on the answer region (``$region$``; the whole completion when there is no
-    marker). Only in the main thread (its timeouts use SIGALRM); elsewhere it is skipped
-    (returns False) so it can never hang."""
+_BARE_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+
+
+def _in_math_mode(region: str) -> str:
+    """``$region$`` for math-verify; a lone bare ``$`` in the region (currency: ``-$1 \\cdot 2``)
+    is escaped first, else it would close the math mode after ``-``. An even number of bare
+    ``$`` is left alone (the region's own inline math: ``3 \\cdot $4$``)."""
+    if len(_BARE_DOLLAR_RE.findall(region)) % 2:
+        region = _BARE_DOLLAR_RE.sub(r"\\$", region)
+    return f"${region}$"
+
+
+def _math_verify_match(kind: str, region: str, completion: str, gold: str, timeout_s: int,
+                       numeric_gold: bool = False) -> bool:
+    """math-verify on the answer region (``$region$``, :func:`_in_math_mode`; the whole
+    completion when there is no marker); with `numeric_gold`, the answer it extracts (an
+    equation's right-hand side) must itself be one number (:func:`parse_number`), not an
+    expression equal to the gold. Only in the main thread (its timeouts use SIGALRM);
+    elsewhere it is skipped (returns False) so it can never hang."""
     global _warned_thread
     if threading.current_thread() is not threading.main_thread():
         if not _warned_thread:
@@ -104,11 +126,14 @@ def _math_verify_match(kind: str, region: str, completion: str, gold: str, timeo
         from math_verify.errors import TimeoutException  # noqa: PLC0415  (a BaseException)
     except ImportError:  # pragma: no cover - declared dependency
         return False
-    pred_text = f"${region}$" if kind in ("hash", "boxed") else completion
+    pred_text = _in_math_mode(region) if kind in ("hash", "boxed") else completion
     try:
         gold_p = parse(f"${gold}$", parsing_timeout=timeout_s)
         pred_p = parse(pred_text, parsing_timeout=timeout_s)
         if not gold_p or not pred_p:
+            return False
+        # an unevaluated expression states no number (of an equation: its right-hand side)
+        if numeric_gold and parse_number(str(pred_p[-1]).rsplit("=", 1)[-1]) is None:
             return False
         return bool(verify(gold_p, pred_p, timeout_seconds=timeout_s))
     except (Exception, TimeoutException) as e:  # noqa: BLE001 - must never break a reward
@@ -151,7 +176,8 @@ def math_answer_correct(completion: str, answer: Any, *, use_math_verify: bool =
     module docstring): (1) exact numeric match, only when the whole region and the gold are
     each one number (:func:`parse_number`); (2) normalised string equality of region and gold;
     (3) math-verify on the region -- main thread only, each call bounded by ``timeout_s``
-    seconds. Never raises for odd inputs (returns False).
+    seconds; for a gold that is one number, only an answer that is one number (not an
+    expression equal to it). Never raises for odd inputs (returns False).
     """
     if not isinstance(completion, str) or answer is None:
         return False
@@ -164,7 +190,8 @@ def math_answer_correct(completion: str, answer: Any, *, use_math_verify: bool =
     if _string_match(kind, region, gold):
         return True
     if use_math_verify:
-        return _math_verify_match(kind, region, completion, gold, timeout_s)
+        return _math_verify_match(kind, region, completion, gold, timeout_s,
+                                  numeric_gold=parse_number(gold) is not None)
     return False
 
 
