@@ -23,6 +23,21 @@ SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
+def _one_number(p) -> bool:
+    """math-verify's parse `p` states one number: its expression (an equation's right-hand side)
+    is a sympy number, a x 10^k, or its text one number."""
+    import sympy
+
+    e = p[0].rhs if isinstance(p[0], sympy.Eq) else p[0]
+    if getattr(e, "is_Number", False):
+        return True
+    if isinstance(e, sympy.Mul) and len(e.args) == 2 and e.args[0].is_Number:
+        b = e.args[1]
+        if isinstance(b, sympy.Pow) and b.base == 10 and b.exp.is_Integer:
+            return True
+    return parse_number(str(p[-1]).rsplit("=", 1)[-1]) is not None
+
+
 def _mv(region: str, gold: str, wrap: bool = True) -> bool:
     """math-verify's verdict on `region` (wrapped in ``$...$``; `wrap` false: a whole
     completion as it is), where a gold that is one number needs an answer that is one number
@@ -44,7 +59,7 @@ def _mv(region: str, gold: str, wrap: bool = True) -> bool:
     g, p = parse(f"${gold}$"), parse(f"${region}$" if wrap else region)
     if not (g and p):
         return False
-    if parse_number(gold) is not None and parse_number(str(p[-1]).rsplit("=", 1)[-1]) is None:
+    if parse_number(gold) is not None and not _one_number(p):
         return False
     return bool(verify(g, p))
 

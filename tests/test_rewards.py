@@ -69,7 +69,7 @@ UNEVALUATED = [
     # other inputs of the same kind
     ("#### 3 + 4", "7"), ("\\boxed{3^{2}}", "9"), ("\\boxed{2 \\cdot 9}", "18"),
     ("#### 10 - 3", "7"), ("\\boxed{\\frac{14}{2} + 0}", "7"), ("So the total is 12/3 + 1.", "5"),
-    ("#### x = 3 + 4", "7"),
+    ("#### x = 3 + 4", "7"), ("\\boxed{2^{10}}", "1024"), ("\\boxed{\\sqrt{4}}", "2"),
     ("Let me think.\n#### -$1 \\cdot -1", "-1"),  # the lone $ once closed math mode after "-"
 ]
 
@@ -83,6 +83,9 @@ def test_an_unevaluated_expression_earns_nothing_for_a_number(completion, gold):
     ("Sam has 3 - 1 = 2 books left.", "2"), ("Sam has 2 left, since 3 - 1 = 2.", "2"),
     ("#### x = 42", "42"), ("#### 6 \\times 7 = 42", "42"),
     ("First 3 apples, then 4, so the total is 7.", "7"), ("\\boxed{\\frac{14}{2}}", "7"),
+    # notations of one number
+    ("\\boxed{18^\\circ}", "18"), ("\\boxed{3\\frac{1}{2}}", "3.5"), ("#### 50%", "50"),
+    ("\\boxed{1.5 \\times 10^{3}}", "1500"), ("The answer is $-\\frac{7}{2}$.", "-3.5"),
     ("\\boxed{x + 1}", "x+1"),              # a gold that is an expression: compared as one
     ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"),
     # math-verify alone rejects a decimal in these wrappers; the exact fallback reads them

@@ -22,10 +22,12 @@ How a completion is graded (:func:`math_answer_correct`):
    rule matches whole commands only: ``\\leftarrow`` is not ``\\left`` + ``arrow``.
 4. math-verify (``parse`` + ``verify``) on the region wrapped in ``$...$`` (the whole completion
    when no marker holds an answer), main thread only (its timeouts use SIGALRM). When the gold
-   is one number, the answer math-verify extracts must be one number too: an expression left
-   for the grader to evaluate (``Sam has 3 - 1.``, ``\\boxed{3^{2}}``, ``#### 3 + 4``) states
-   no answer, and a policy trained on a reward that evaluates it learns to stop computing
-   (the main job's arithmetic did, within 24 steps). ``... 3 - 1 = 2.`` is graded on ``2``.
+   is one number, the answer math-verify extracts must state one number too
+   (:func:`_states_a_number`: ``3\\frac{1}{2}``, ``18^\\circ`` and ``1.5 \\times 10^{3}`` do);
+   an expression left for the grader to evaluate (``Sam has 3 - 1.``, ``\\boxed{3^{2}}``,
+   ``#### 3 + 4``) states no answer, and a policy trained on a reward that evaluates it learns
+   to stop computing (the main job's arithmetic did, within 24 steps). ``... 3 - 1 = 2.`` is
+   graded on ``2``.
 
 Steps 2 and 3 only ever accept what math-verify also accepts (a property test checks this), with
 one exception: a number in ``\\text{}`` or before ``\\%`` is that number (math-verify means it
@@ -104,13 +106,35 @@ def _in_math_mode(region: str) -> str:
     return f"${region}$"
 
 
+def _states_a_number(parsed: list) -> bool:
+    """Whether an answer math-verify parsed (its ``[sympy expression, text]``) states one number:
+    the expression (of an equation, its right-hand side) is a number to sympy as parsed
+    (``2``, ``18.00``, ``\\frac{14}{2}``, ``3\\frac{1}{2}``, ``18^\\circ``), a number in scientific
+    notation (``1.5 \\times 10^{3}``), or the answer's text is one number (:func:`parse_number`:
+    ``50\\%``). An expression left to evaluate (``3 - 1``, ``2 \\cdot 9``, ``3^{2}``,
+    ``\\sqrt{8}``) is not."""
+    # deferred import: sympy (loaded by math_verify, which only this path imports)
+    import sympy  # noqa: PLC0415
+
+    expr = parsed[0]
+    if isinstance(expr, sympy.Eq):
+        expr = expr.rhs
+    if getattr(expr, "is_Number", False):
+        return True
+    if isinstance(expr, sympy.Mul) and len(expr.args) == 2:      # a x 10^k
+        a, b = expr.args
+        if a.is_Number and isinstance(b, sympy.Pow) and b.base == 10 and b.exp.is_Integer:
+            return True
+    return parse_number(str(parsed[-1]).rsplit("=", 1)[-1]) is not None
+
+
 def _math_verify_match(kind: str, region: str, completion: str, gold: str, timeout_s: int,
                        numeric_gold: bool = False) -> bool:
     """math-verify on the answer region (``$region$``, :func:`_in_math_mode`; the whole
-    completion when there is no marker); with `numeric_gold`, the answer it extracts (an
-    equation's right-hand side) must itself be one number (:func:`parse_number`), not an
-    expression equal to the gold. Only in the main thread (its timeouts use SIGALRM);
-    elsewhere it is skipped (returns False) so it can never hang."""
+    completion when there is no marker); with `numeric_gold`, the answer it extracts must
+    state one number (:func:`_states_a_number`), not an expression equal to the gold. Only in
+    the main thread (its timeouts use SIGALRM); elsewhere it is skipped (returns False) so it
+    can never hang."""
     global _warned_thread
     if threading.current_thread() is not threading.main_thread():
         if not _warned_thread:
@@ -132,8 +156,7 @@ def _math_verify_match(kind: str, region: str, completion: str, gold: str, timeo
         pred_p = parse(pred_text, parsing_timeout=timeout_s)
         if not gold_p or not pred_p:
             return False
-        # an unevaluated expression states no number (of an equation: its right-hand side)
-        if numeric_gold and parse_number(str(pred_p[-1]).rsplit("=", 1)[-1]) is None:
+        if numeric_gold and not _states_a_number(pred_p):
             return False
         return bool(verify(gold_p, pred_p, timeout_seconds=timeout_s))
     except (Exception, TimeoutException) as e:  # noqa: BLE001 - must never break a reward
