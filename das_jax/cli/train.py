@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
                                 overwrite=args.overwrite)
     if records:
         last = records[-1]
-        print(f"done: step {last['step']}, reward {last['reward_mean']:.3f}, run dir "
-              f"{config.output_dir}", file=sys.stderr)
+        print(f"done: step {last['step']} (that step's reward {last['reward_mean']:.3f}; the "
+              f"summary above gives means), run dir {config.output_dir}", file=sys.stderr)
     elif args.resume:
         print(rd.complete_message(args.resume, trainer.step, config.train.steps), file=sys.stderr)
     return 0
