@@ -24,18 +24,21 @@ SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
 
 
 def _one_number(p) -> bool:
-    """math-verify's parse `p` states one number: its expression (an equation's right-hand side)
-    is a sympy number, a x 10^k, or its text one number."""
+    """math-verify's parse `p` states one number: its text (an equation's right-hand side) is
+    one number, a x 10^k, or a sympy number written without an operator."""
     import sympy
 
-    e = p[0].rhs if isinstance(p[0], sympy.Eq) else p[0]
-    if getattr(e, "is_Number", False):
+    text = str(p[-1]).rsplit("=", 1)[-1]
+    if parse_number(text) is not None:
         return True
+    e = p[0].rhs if isinstance(p[0], sympy.Eq) else p[0]
     if isinstance(e, sympy.Mul) and len(e.args) == 2 and e.args[0].is_Number:
         b = e.args[1]
         if isinstance(b, sympy.Pow) and b.base == 10 and b.exp.is_Integer:
             return True
-    return parse_number(str(p[-1]).rsplit("=", 1)[-1]) is not None
+    operator = re.search(r"\\(?:div|times|cdot)(?![A-Za-z])|[*:+]|(?<=[\d)}])\s*-"
+                         r"|\^(?!\s*\{?\s*\\circ)", text)
+    return not operator and bool(getattr(e, "is_Number", False))
 
 
 def _mv(region: str, gold: str, wrap: bool = True) -> bool:

@@ -70,6 +70,8 @@ UNEVALUATED = [
     ("#### 3 + 4", "7"), ("\\boxed{3^{2}}", "9"), ("\\boxed{2 \\cdot 9}", "18"),
     ("#### 10 - 3", "7"), ("\\boxed{\\frac{14}{2} + 0}", "7"), ("So the total is 12/3 + 1.", "5"),
     ("#### x = 3 + 4", "7"), ("\\boxed{2^{10}}", "1024"), ("\\boxed{\\sqrt{4}}", "2"),
+    ("#### 12 \\div 4", "3"), ("\\boxed{12 : 4}", "3"), ("Liam has 7 * 3.", "21"),
+    ("She has (2 + 3) apples.", "5"), ("\\boxed{12 \\times 10}", "120"),
     ("Let me think.\n#### -$1 \\cdot -1", "-1"),  # the lone $ once closed math mode after "-"
 ]
 

@@ -106,26 +106,34 @@ def _in_math_mode(region: str) -> str:
     return f"${region}$"
 
 
+# a binary operator in an answer's text: \div, \times, \cdot, *, :, +, a minus after a number
+# or bracket, a power other than degrees
+_OPERATOR_RE = re.compile(r"\\(?:div|times|cdot)(?![A-Za-z])|[*:+]|(?<=[\d)}])\s*-"
+                          r"|\^(?!\s*\{?\s*\\circ)")
+
+
 def _states_a_number(parsed: list) -> bool:
     """Whether an answer math-verify parsed (its ``[sympy expression, text]``) states one number:
-    the expression (of an equation, its right-hand side) is a number to sympy as parsed
-    (``2``, ``18.00``, ``\\frac{14}{2}``, ``3\\frac{1}{2}``, ``18^\\circ``), a number in scientific
-    notation (``1.5 \\times 10^{3}``), or the answer's text is one number (:func:`parse_number`:
-    ``50\\%``). An expression left to evaluate (``3 - 1``, ``2 \\cdot 9``, ``3^{2}``,
-    ``\\sqrt{8}``) is not."""
+    its text (of an equation, the right-hand side) is one number (:func:`parse_number`:
+    ``2``, ``50\\%``, ``\\frac{14}{2}``), a number in scientific notation
+    (``1.5 \\times 10^{3}``), or a notation without an operator that sympy reads as a number
+    (``3\\frac{1}{2}``, ``18^\\circ``). An expression left to evaluate (``3 - 1``,
+    ``2 \\cdot 9``, ``12 \\div 4``, ``3^{2}``, ``\\sqrt{8}``) is not, even where math-verify
+    evaluated it."""
     # deferred import: sympy (loaded by math_verify, which only this path imports)
     import sympy  # noqa: PLC0415
 
+    text = str(parsed[-1]).rsplit("=", 1)[-1]
+    if parse_number(text) is not None:
+        return True
     expr = parsed[0]
     if isinstance(expr, sympy.Eq):
         expr = expr.rhs
-    if getattr(expr, "is_Number", False):
-        return True
     if isinstance(expr, sympy.Mul) and len(expr.args) == 2:      # a x 10^k
         a, b = expr.args
         if a.is_Number and isinstance(b, sympy.Pow) and b.base == 10 and b.exp.is_Integer:
             return True
-    return parse_number(str(parsed[-1]).rsplit("=", 1)[-1]) is not None
+    return not _OPERATOR_RE.search(text) and bool(getattr(expr, "is_Number", False))
 
 
 def _math_verify_match(kind: str, region: str, completion: str, gold: str, timeout_s: int,
