@@ -363,3 +363,19 @@ def test_simulated_device_exposes_only_host_work_past_the_steps_end():
     finally:
         device.close()
     assert not device._thread.is_alive()
+
+
+def test_drafter_batch_bench_runs_the_modes_side_by_side(capsys):
+    """`bench drafter --batch`: every mode (per-row calls, batched on 1 and 2 threads) drafts
+    and accepts the same tokens (the bench raises otherwise) and prints a line per rows x mode."""
+    import argparse
+    from das_jax.bench import drafter_batch_bench as bb
+    ap = argparse.ArgumentParser()
+    bb.add_batch_arguments(ap, standalone=True)
+    args = ap.parse_args(["--problems", "3", "--rollouts", "3", "--length", "120", "--rows",
+                          "4,70", "--threads", "1,2", "--steps", "3"])
+    assert bb.batch_main(args) == 0
+    lines = [x.split() for x in capsys.readouterr().out.splitlines() if x[:4].strip().isdigit()]
+    assert [(x[0], x[1] + (x[2] if x[1] == "batch" else "")) for x in lines] == [
+        (a, m) for a in ("4", "70") for m in ("per-row", "batcht=1", "batcht=2")]
+    assert len({x[-1] for x in lines if x[0] == "70"}) == 1      # tokens per row per step

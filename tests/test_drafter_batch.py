@@ -299,24 +299,54 @@ def test_batch_equals_per_row_reference_other_configs(cfg, prompt_tail):
     assert stats["drafted"] > 200, stats
 
 
-def test_threaded_propose_matches_inline_on_many_rows():
+def test_threads_draft_and_append_like_one_thread_on_many_rows():
+    """Steps of 200 live rows on 2 and 3 threads (the rows' drafts split over the threads, their
+    appends a job per shard: its problem forest and its request forest): drafts equal one
+    thread's at every step, appends indexed now or deferred, requests ending between steps."""
     rng = np.random.default_rng(5)
     drafters = [SuffixDrafter(CFG, window=2, threads=t) for t in (1, 2, 3)]
-    for rid in range(100):
+    n = 210         # 200 live rows: a share on each of 3 threads (`_MIN_ROWS_PER_THREAD`)
+    for rid in range(n):
         prompt = rng.integers(0, 6, size=5).tolist()
         out = rng.integers(0, 6, size=40).astype(np.int32)
         for d in drafters:
             d.begin(rid, rid % 7, prompt)
             d.append(rid, out)
-    ids = rng.permutation(100)
-    max_tokens_A = rng.integers(0, 8, size=100).astype(np.int32)
-    a, b, c = (d.propose_batch(ids, max_tokens_A) for d in drafters)
-    assert a.lens_A.sum() > 50
-    for x in (b, c):
-        for f in ("tokens_AxK", "probs_AxK", "support_AxK", "lens_A", "has_support_A"):
-            np.testing.assert_array_equal(getattr(a, f), getattr(x, f))
-    d = pickle.loads(pickle.dumps(drafters[1]))      # the worker pool does not travel
-    np.testing.assert_array_equal(d.propose_batch(ids, max_tokens_A).tokens_AxK, a.tokens_AxK)
+    for d in drafters:              # finished rollouts for the global trie
+        for rid in range(n - 10, n):
+            d.end(rid)
+        d.flush_appends()
+    live = np.arange(n - 10)
+    drafted = 0
+    for step in range(4):
+        ids = rng.permutation(live)
+        max_tokens_A = rng.integers(0, 8, size=ids.size).astype(np.int32)
+        a, b, c = (d.propose_batch(ids, max_tokens_A) for d in drafters)
+        drafted += int(a.lens_A.sum())
+        for x in (b, c):
+            for f in ("tokens_AxK", "probs_AxK", "support_AxK", "lens_A", "has_support_A",
+                      "source_A"):
+                np.testing.assert_array_equal(getattr(a, f), getattr(x, f))
+        toks = rng.integers(0, 6, size=(ids.size, 5)).astype(np.int32)
+        n_A = rng.integers(0, 6, size=ids.size).astype(np.int32)
+        for d in drafters:
+            d.append_batch(ids, toks, n_A, index_later=step % 2 == 1)
+            if step == 2:
+                d.end(int(live[0]))
+            d.flush_appends()
+        live = live[1:] if step == 2 else live
+    assert drafted > 1000
+    assert all(d._executor is not None for d in drafters[1:])    # the threads did run
+    two = drafters[1]
+    assert len(two.request_forests) == 2
+    assert all(f is not two.scope_forest for f in two.request_forests)
+    assert all(f.num_nodes > 1000 for f in two.request_forests)     # both shards' requests
+    assert drafters[0].request_forests == [drafters[0].scope_forest]
+    d = pickle.loads(pickle.dumps(two))      # the worker pool does not travel
+    ids = rng.permutation(live)
+    max_tokens_A = np.full(ids.size, 6, np.int32)
+    np.testing.assert_array_equal(d.propose_batch(ids, max_tokens_A).tokens_AxK,
+                                  drafters[0].propose_batch(ids, max_tokens_A).tokens_AxK)
 
 
 def test_edge_cases():

@@ -7,7 +7,8 @@ repeat) indexed in one epoch. Then A rows start (row i: problem i mod problems, 
 copy of its answer), each appended a random prefix of its rollout, and `--steps` decode steps
 run: every row drafts `--k` tokens, a greedy verifier accepts the matching prefix plus one token,
 the emitted tokens are appended. Each mode runs on its own copy of the same state, so all modes
-draft and accept the same tokens (checked). Printed per A and mode: median microseconds per row
+draft and accept the same tokens (checked), and the modes take turns step by step (so a drift of
+the machine's speed during the run hits them alike). Printed per A and mode: median microseconds per row
 per step of propose and of append, and the throughput ratio to one thread.
 
 Also runs as a script (`python das_jax/bench/drafter_batch_bench.py`), e.g. against another
@@ -88,15 +89,15 @@ def _build(args, threads: int = 1):
     return d, answers, prompts
 
 
-def _run(base, rows, answers, prompts, args, threads):
-    """Times `args.steps` steps of `rows` rows on a copy of `base`; threads None: per-row calls.
-    Returns (propose seconds per step [S], append seconds per step [S], tokens emitted)."""
+def _start(base, rows, answers, prompts, args, threads):
+    """A copy of `base` with `rows` live rows (row i: problem i mod problems, a fresh mutated
+    copy of its answer appended up to a random position); the same rows for every call.
+    Returns (drafter, truths, positions int64 [rows])."""
     d = pickle.loads(pickle.dumps(base))
     if threads is not None and getattr(d, "threads", threads) != threads:
         d.threads = threads     # a drafter that sets its threads after construction
     rng = np.random.default_rng(args.seed + 1)
-    k, W = args.k, args.k + 1
-    ids = np.arange(rows, dtype=np.int64)
+    W = args.k + 1
     truths, pos = [], np.zeros(rows, np.int64)
     for i in range(rows):
         pid = i % len(answers)
@@ -105,40 +106,59 @@ def _run(base, rows, answers, prompts, args, threads):
         d.begin(i, pid, prompts[pid])
         pos[i] = rng.integers(0, max(1, truth.size - (args.steps + 1) * W))
         d.append(i, truth[: pos[i]])
-    max_tokens_A = np.full(rows, k, np.int32)
-    t_prop, t_app, emitted = [], [], 0
-    for step in range(args.steps + 1):      # step 0: warm-up, not timed
-        t0 = time.perf_counter()
-        if threads is None:
-            drafts = [d.propose(int(r), k) for r in ids]
-        else:
-            batch = d.propose_batch(ids, max_tokens_A)
-            drafts = [batch.tokens_AxK[b, : batch.lens_A[b]] for b in range(rows)]
-        t1 = time.perf_counter()
-        toks_AxW = np.zeros((rows, W), np.int32)
-        n_A = np.zeros(rows, np.int32)
+    return d, truths, pos
+
+
+def _step(d, truths, pos, rows, k, threads):
+    """One decode step of every row: propose, greedy verification against the truths, append.
+    Returns (propose seconds, append seconds, tokens emitted); advances pos."""
+    ids = np.arange(rows, dtype=np.int64)
+    t0 = time.perf_counter()
+    if threads is None:
+        drafts = [d.propose(int(r), k).tokens for r in ids]
+    else:
+        batch = d.propose_batch(ids, np.full(rows, k, np.int32))
+        drafts = [batch.tokens_AxK[b, : batch.lens_A[b]] for b in range(rows)]
+    t1 = time.perf_counter()
+    toks_AxW = np.zeros((rows, k + 1), np.int32)
+    n_A = np.zeros(rows, np.int32)
+    for b in range(rows):
+        dt, truth, p = drafts[b], truths[b], int(pos[b])
+        n = 0
+        while n < len(dt) and p + n < truth.size and dt[n] == truth[p + n]:
+            n += 1
+        emit = truth[p: p + n + 1]
+        toks_AxW[b, : emit.size] = emit
+        n_A[b] = emit.size
+    pos += n_A
+    t2 = time.perf_counter()
+    if threads is None:
         for b in range(rows):
-            dt = drafts[b] if threads is not None else drafts[b].tokens
-            truth, p = truths[b], int(pos[b])
-            n = 0
-            while n < len(dt) and p + n < truth.size and dt[n] == truth[p + n]:
-                n += 1
-            emit = truth[p: p + n + 1]
-            toks_AxW[b, : emit.size] = emit
-            n_A[b] = emit.size
-        pos += n_A
-        t2 = time.perf_counter()
-        if threads is None:
-            for b in range(rows):
-                d.append(int(ids[b]), toks_AxW[b, : n_A[b]])
-        else:
-            d.append_batch(ids, toks_AxW, n_A)
-        t3 = time.perf_counter()
-        if step:
-            t_prop.append(t1 - t0)
-            t_app.append(t3 - t2)
-            emitted += int(n_A.sum())
-    return np.array(t_prop), np.array(t_app), emitted
+            d.append(int(ids[b]), toks_AxW[b, : n_A[b]])
+    else:
+        d.append_batch(ids, toks_AxW, n_A)
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2, int(n_A.sum())
+
+
+def _run(bases, rows, answers, prompts, args, modes):
+    """Times `args.steps` steps of `rows` rows in every mode (name, threads; threads None:
+    per-row calls), each on its own copy of its base (`bases[threads or 1]`). The modes take
+    turns step by step, the order reversed every step, so that the machine's speed drifting
+    during the run hits them alike. Returns {name: (propose seconds per step [S], append
+    seconds per step [S], tokens emitted)}."""
+    runs = {name: _start(bases[threads or 1], rows, answers, prompts, args, threads)
+            for name, threads in modes}
+    out = {name: ([], [], 0) for name, _ in modes}
+    for step in range(args.steps + 1):      # step 0: warm-up, not timed
+        for name, threads in (modes if step % 2 else modes[::-1]):
+            tp, ta, emitted = _step(*runs[name], rows, args.k, threads)
+            if step:
+                p, a, e = out[name]
+                p.append(tp)
+                a.append(ta)
+                out[name] = (p, a, e + emitted)
+    return {name: (np.array(p), np.array(a), e) for name, (p, a, e) in out.items()}
 
 
 def batch_main(args: argparse.Namespace) -> int:
@@ -157,7 +177,8 @@ def batch_main(args: argparse.Namespace) -> int:
           f"{','.join(getattr(base, 'scopes', ('problem',)))}")
     batched = hasattr(SuffixDrafter, "propose_batch")
     modes = [("per-row", None)] + ([(f"batch t={t}", t) for t in thread_list] if batched else [])
-    _run(base, 4, answers, prompts, argparse.Namespace(**{**vars(args), "steps": 1}), None)
+    _run(bases, 4, answers, prompts, argparse.Namespace(**{**vars(args), "steps": 1}),
+         [("per-row", None)])
     header = (f"{'A':>4} {'mode':12} {'propose us/row':>14} {'append us/row':>13} "
               f"{'total us/row':>12} {'step ms':>8} {'x 1 thread (prop / total)':>26} "
               f"{'tok/row/step':>12}")
@@ -167,9 +188,10 @@ def batch_main(args: argparse.Namespace) -> int:
         if t not in bases:
             bases[t] = _build(args, t)[0]
     for rows in rows_list:
+        res = _run(bases, rows, answers, prompts, args, modes)
         one, emitted0 = None, None
         for name, threads in modes:
-            tp, ta, emitted = _run(bases[threads or 1], rows, answers, prompts, args, threads)
+            tp, ta, emitted = res[name]
             p, a = np.median(tp) / rows * 1e6, np.median(ta) / rows * 1e6
             if emitted0 is None:
                 emitted0 = emitted

@@ -33,8 +33,8 @@ CONTEXT = 2    # add them to its context and out_len
 def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_root, slot_sid,
                  slot_lag, ctx_pool, ctx_start, ctx_len, min_prob, spec_factor, spec_offset,
                  min_match, lo, hi, tokens_AxK, probs_AxK, support_AxK, lens_A, source_A,
-                 s_nodes, s_ht, s_seqs, s_toks, s_act, s_meta, slot_rroot, slot_rsid, g_root,
-                 g_below):
+                 s_nodes, s_ht, s_seqs, s_toks, s_act, s_meta, slot_rroot, slot_rsid, g_nodes,
+                 g_ht, g_seqs, g_toks, g_act, g_meta, g_root, g_below):
     """Drafts rows lo..hi-1: row b drafts up to max_tokens_A[b] tokens for the request in slot
     slots_A[b] from up to three tries, the best-scoring draft winning (ties: the earlier one):
 
@@ -42,10 +42,11 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
        (`_kernels.propose` on the last max_depth - 1 tokens of its context, its own sequence's
        trailing occurrences left out; slot_lag[s]: context tokens not yet indexed into its own
        sequences, `append_rows` mode CONTEXT);
-    2. its request trie slot_rroot[s] (-1: none) in the scope forest (s_nodes, ...), own
+    2. its request trie slot_rroot[s] (-1: none) in the request forest (s_nodes, ...), own
        sequence slot_rsid[s] (the same lag);
-    3. the global trie g_root (-1: none) of the scope forest, no own sequence, only for rows
-       whose best draft so far scores below g_below (a fallback).
+    3. the global trie g_root (-1: none) of the global forest (g_nodes, ...; it may be the
+       request forest), no own sequence, only for rows whose best draft so far scores below
+       g_below (a fallback).
 
     Writes tokens_AxK[b, :k] (int32), probs_AxK[b, :k] (float32), support_AxK[b, :k] (int32),
     lens_A[b] = k (int32) and source_A[b] (int8: 0, 1, 2 the scope above, -1 when k = 0);
@@ -91,7 +92,7 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
             if k2 > 0:
                 k, best, src = k2, sc, 1
         if g_root >= 0 and best < g_below:
-            k2, sc = propose_tail(s_nodes, s_ht, s_seqs, s_toks, s_act, s_meta, g_root, ctx,
+            k2, sc = propose_tail(g_nodes, g_ht, g_seqs, g_toks, g_act, g_meta, g_root, ctx,
                                   -1, 0, kmax, min_prob, spec_factor, spec_offset, min_match,
                                   best, match_nodes, out_t, out_p, out_c, tmp_t, tmp_p, tmp_c)
             if k2 > 0:

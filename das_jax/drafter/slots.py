@@ -16,8 +16,9 @@ class RequestSlots:
     Attributes (length >= slots ever used; rows of free slots are meaningless):
       root: int64 [S], trie root (-1: none). sid: int64 [S], own live sequence (-1: not indexed).
       shard: int64 [S], the history shard (forest) root and sid belong to (0 unsharded).
-      rroot: int64 [S], the request's own trie in the drafter's scope forest (-1: none);
-        rsid: int64 [S], its live sequence there (prompt + verified tokens; -1: none).
+      rroot: int64 [S], the request's own trie in request forest rshard[s] of the drafter
+        (-1: none); rsid: int64 [S], its live sequence there (prompt + verified tokens; -1:
+        none); rshard: int64 [S], that forest (0 with one).
       out_len: int64 [S], tokens appended since `add`.
       mean_version: float64 [S], the mean policy version of the rollouts indexed for the slot's
         problem (`ProblemHistory.mean_version`; NaN: none), kept by the drafter.
@@ -53,6 +54,7 @@ class RequestSlots:
         grow("shard", 0, np.int64)
         grow("rroot", -1, np.int64)
         grow("rsid", -1, np.int64)
+        grow("rshard", 0, np.int64)
         grow("out_len", 0, np.int64)
         grow("ctx_start", 0, np.int64)
         grow("ctx_len", 0, np.int64)
@@ -115,7 +117,7 @@ class RequestSlots:
         self.live[s] = True
         self.lag[s] = 0
         self.root[s], self.sid[s], self.out_len[s] = -1, -1, 0
-        self.rroot[s], self.rsid[s] = -1, -1
+        self.rroot[s], self.rsid[s], self.rshard[s] = -1, -1, 0
         self.shard[s] = 0
         self.mean_version[s] = np.nan
         self.ctx_len[s], self.ctx_cap[s] = 0, 0
@@ -135,7 +137,7 @@ class RequestSlots:
         self.live[s] = False
         self.lag[s] = 0
         self.root[s], self.sid[s], self.out_len[s] = -1, -1, 0
-        self.rroot[s], self.rsid[s] = -1, -1
+        self.rroot[s], self.rsid[s], self.rshard[s] = -1, -1, 0
         self.ctx_len[s], self.ctx_cap[s] = 0, 0
         self._free.append(s)
         return s

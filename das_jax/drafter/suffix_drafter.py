@@ -43,9 +43,11 @@ class _Request:
     local_sid: int = -1
 
 
-# `propose_batch` splits a step's rows over its threads only at this many rows per thread: below
-# it, waking a worker costs more than its share of the drafting saves.
-_MIN_ROWS_PER_THREAD = 64
+# A step's rows are split over the drafter's threads only at this many rows per thread (the
+# propose; the appends): below it, waking a worker (50-300 us on a VM) costs more than its share
+# of the work saves.
+_MIN_ROWS_PER_THREAD = 32
+_MIN_APPEND_ROWS_PER_THREAD = 16
 
 SCOPES = ("problem", "request", "global")
 
@@ -60,9 +62,12 @@ class SuffixDrafter:
       max_problems: optional cap on problems kept (least recently visited dropped).
       threads: threads a step's rows are drafted and appended on (1: the calling thread only;
         more: the history is sharded into `threads` forests (`ShardedHistory`: a problem's
-        trie lives in one), each step's rows grouped by shard, each group's propose and trie
-        appends on its own thread (a pool of threads - 1 workers created on first use, the
-        calling thread taking a group too); drafts are the same as with one thread).
+        trie lives in one) and the request tries into as many request forests (a request's
+        in its problem's shard); a step's drafts are split into `threads` equal parts of its
+        rows (from 32 rows per thread) and its appends into a job per shard, its problem and
+        request forests (from 16 rows per thread), on a pool of threads - 1 workers created
+        on first use, the calling thread taking a part too; drafts are the same as with one
+        thread).
       scopes: the tries a request drafts from, a subset of SCOPES that holds "problem":
         "problem" (its problem's rollouts, live siblings included), "request" (a trie of its
         own full prompt and output, as SuffixDecoding's per-request tree: it catches the
@@ -71,9 +76,11 @@ class SuffixDrafter:
         a fallback where the problem's history has little, as in epoch 0). Each draft is
         scored on the same scale (sum of its count-ratio path probabilities, the expected
         accepted length); the highest wins, ties going to the earlier scope in SCOPES. The
-        request and global tries share one forest (`scope_forest`); a finished rollout is
-        indexed into the global trie at the next `flush_appends` (off the step's critical
-        path in the engine).
+        global trie lives in its own forest (`scope_forest`), and so do the request tries
+        with one thread; sharded, a request's trie is in its shard's request forest
+        (`request_forests`), so that each thread's appends touch their own arrays. A
+        finished rollout is indexed into the global trie at the next `flush_appends` (off
+        the step's critical path in the engine).
       global_rollouts: finished rollouts the global trie keeps (oldest dropped first), >= 1.
       global_below: the global trie is searched only for rows whose problem / request draft
         scores below this (expected accepted tokens, >= 0; 0: never, inf: always). On the
@@ -119,13 +126,18 @@ class SuffixDrafter:
         self.global_below = float(global_below)
         self._init_scopes()
 
-    def _init_scopes(self):
-        """An empty scope forest: request tries, and the global trie when that scope is on."""
+    def _init_scopes(self, request_forests: int | None = None):
+        """An empty scope forest (the global trie when that scope is on) and request forests:
+        `request_forests` of them (default: one per history shard); one is the scope forest."""
         self.scope_forest = SuffixForest(self.config)
         self._global_root = self.scope_forest.new_tree() if "global" in self.scopes else -1
+        n = len(self._forests()) if request_forests is None else request_forests
+        self.request_forests = ([self.scope_forest] if n == 1 else
+                                [SuffixForest(self.config) for _ in range(n)])
         self._global_seqs: collections.deque = collections.deque()   # indexed sids, oldest first
         self._global_pending: list[np.ndarray] = []      # finished rollouts not yet indexed
-        self._ended_tries: list[tuple[int, int]] = []    # (sid, root) of ended requests' tries
+        # (request forest, sid, root) of ended requests' tries
+        self._ended_tries: list[tuple[int, int, int]] = []
 
     # ------------------------------------------------------------------ protocol
     def begin(self, request_id: int, problem_id: Hashable, prompt_ids: Sequence[int]) -> None:
@@ -168,7 +180,7 @@ class SuffixDrafter:
         if sl.sid[s] >= 0:
             self._forests()[sl.shard[s]].append(int(sl.sid[s]), arr)
         if sl.rsid[s] >= 0:
-            self.scope_forest.append(int(sl.rsid[s]), arr)
+            self.request_forests[sl.rshard[s]].append(int(sl.rsid[s]), arr)
         length = int(sl.ctx_len[s])
         sl.reserve(s, length + n)
         start = int(sl.ctx_start[s]) + length
@@ -233,9 +245,9 @@ class SuffixDrafter:
         trie, and the ended requests' tries are removed), or only slot `slot`'s (with
         `request_trie` false, not into its request trie: `end`, which drops it)."""
         if slot is None and self._ended_tries:
-            for sid, root in self._ended_tries:
-                self.scope_forest.remove(sid)
-                self.scope_forest.drop_tree(root)
+            for k, sid, root in self._ended_tries:
+                self.request_forests[k].remove(sid)
+                self.request_forests[k].drop_tree(root)
             self._ended_tries = []
         if slot is None and self._global_pending:
             self._index_global()
@@ -264,7 +276,7 @@ class SuffixDrafter:
         self.history.rollout(req.handle).out_len = out_len
         self.history.finish_rollout(req.handle)
         if sl.rsid[s] >= 0:         # un-indexed at the next full flush (while the device runs)
-            self._ended_tries.append((int(sl.rsid[s]), int(sl.rroot[s])))
+            self._ended_tries.append((int(sl.rshard[s]), int(sl.rsid[s]), int(sl.rroot[s])))
         if self._global_root >= 0 and out_len:
             ctx = sl.context(s)
             start = max(0, ctx.size - out_len - self.history.prompt_tail)
@@ -292,13 +304,15 @@ class SuffixDrafter:
 
     # ------------------------------------------------------------------ scopes
     def _new_request_trie(self, s: int, tokens: np.ndarray | Sequence[int]) -> None:
-        """Slot s's request trie in the scope forest, holding `tokens` (its prompt, or its
-        whole context when restored)."""
-        f = self.scope_forest
+        """Slot s's request trie, holding `tokens` (its prompt, or its whole context when
+        restored), in its shard's request forest (the scope forest when there is one)."""
+        sl = self._slots
+        k = int(sl.shard[s]) if len(self.request_forests) > 1 else 0
+        f = self.request_forests[k]
         root = f.new_tree()
         sid = f.new_seq(root)
         f.append(sid, np.asarray(tokens, np.int32).reshape(-1))
-        self._slots.rroot[s], self._slots.rsid[s] = root, sid
+        sl.rroot[s], sl.rsid[s], sl.rshard[s] = root, sid, k
 
     def _index_global(self) -> None:
         """Indexes the finished rollouts waiting for the global trie, dropping the oldest beyond
@@ -344,15 +358,6 @@ class SuffixDrafter:
         for fut in futures:
             fut.result()
 
-    def _groups(self, slots: np.ndarray) -> list[np.ndarray]:
-        """Row indices of `slots` per shard (row order kept within each), non-empty ones; one
-        group of every row when the history is unsharded or the step is small."""
-        A, n = slots.shape[0], len(self._forests())
-        if n == 1 or A // self.threads < _MIN_ROWS_PER_THREAD:
-            return []
-        shard_A = self._slots.shard[slots]
-        return [np.flatnonzero(shard_A == k) for k in range(n) if (shard_A == k).any()]
-
     def _propose_slots(self, slots: np.ndarray, max_tokens_A: np.ndarray) -> DraftBatch:
         A = slots.shape[0]
         out = DraftBatch.empty(A, max(0, int(max_tokens_A.max(initial=0))))
@@ -361,36 +366,37 @@ class SuffixDrafter:
         cfg, sl, forests = self.config, self._slots, self._forests()
         source_A = np.full(A, -1, np.int8)
         outs = (out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A, source_A)
-        sf = self.scope_forest
+        gf, rfs = self.scope_forest, self.request_forests
         g_root = self._global_root if self._global_seqs else -1
 
-        def run(f, rows_slots, rows_max, lo, hi, outs):
+        def run(key, rows_slots, rows_max, lo, hi, outs):
+            """Rows lo..hi-1, whose problem tries are in forest key // len(rfs) and request
+            tries in request forest key % len(rfs)."""
+            f, rf = forests[key // len(rfs)], rfs[key % len(rfs)]
             BK.propose_rows(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, rows_slots, rows_max,
                             sl.root, sl.sid, sl.lag, sl.pool, sl.ctx_start, sl.ctx_len,
                             float(cfg.min_token_prob), float(cfg.max_spec_factor),
                             float(cfg.max_spec_offset), int(cfg.min_match_len), lo, hi, *outs,
-                            sf.nodes, sf.ht, sf.seqs, sf.toks, sf.act, sf.meta, sl.rroot,
-                            sl.rsid, g_root, float(self.global_below))
-        if len(forests) == 1:
-            run(forests[0], slots, max_tokens_A, 0, A, outs)
-        else:                       # rows grouped by shard, a group per thread
-            groups = self._groups(slots)
-            shard_A = sl.shard[slots]
-            if not groups:          # a small step: every shard's rows on this thread
-                groups = [np.flatnonzero(shard_A == k) for k in range(len(forests))]
-                groups = [np.concatenate(groups)]
-            order = np.concatenate(groups)
+                            rf.nodes, rf.ht, rf.seqs, rf.toks, rf.act, rf.meta, sl.rroot,
+                            sl.rsid, gf.nodes, gf.ht, gf.seqs, gf.toks, gf.act, gf.meta, g_root,
+                            float(self.global_below))
+        if len(forests) == 1 and len(rfs) == 1:
+            run(0, slots, max_tokens_A, 0, A, outs)
+        else:
+            # Rows sorted by their forests, then cut into `threads` runs of equal size, one per
+            # thread: the propose only reads the forests, so a thread may draft rows of any
+            # shard (each maximal run of rows with the same forests in one kernel call).
+            key_A = sl.shard[slots] * len(rfs) + sl.rshard[slots]
+            order = np.argsort(key_A, kind="stable")
+            parts = self.threads if A // self.threads >= _MIN_ROWS_PER_THREAD else 1
             tmp = DraftBatch.empty(A, out.width)
             touts = (tmp.tokens_AxK, tmp.probs_AxK, tmp.support_AxK, tmp.lens_A,
                      np.full(A, -1, np.int8))
-            s_sorted, m_sorted, sh_sorted = slots[order], max_tokens_A[order], shard_A[order]
-            jobs, lo = [], 0
-            for g in groups:
-                hi = lo + g.size
-                jobs.append(functools.partial(self._propose_shards, run, forests, s_sorted,
-                                              m_sorted, sh_sorted, lo, hi, touts))
-                lo = hi
-            self._run_groups(jobs)
+            s_sorted, m_sorted, k_sorted = slots[order], max_tokens_A[order], key_A[order]
+            cuts = [A * i // parts for i in range(parts + 1)]
+            self._run_groups([functools.partial(self._propose_runs, run, s_sorted, m_sorted,
+                                                k_sorted, lo, hi, touts)
+                              for lo, hi in zip(cuts[:-1], cuts[1:])])
             for o, t in zip(outs, touts):
                 o[order] = t
         np.greater(out.lens_A, 0, out=out.has_support_A)
@@ -399,14 +405,14 @@ class SuffixDrafter:
                           out.has_support_A, age_A, source_A)
 
     @staticmethod
-    def _propose_shards(run, forests, slots, max_tokens, shard, lo, hi, outs) -> None:
-        """`run` over rows lo..hi-1, each maximal run of one shard's rows on its forest."""
+    def _propose_runs(run, slots, max_tokens, key, lo, hi, outs) -> None:
+        """`run` over rows lo..hi-1, a call per maximal run of rows with the same `key`."""
         b = lo
         while b < hi:
             e = b + 1
-            while e < hi and shard[e] == shard[b]:
+            while e < hi and key[e] == key[b]:
                 e += 1
-            run(forests[int(shard[b])], slots, max_tokens, b, e, outs)
+            run(int(key[b]), slots, max_tokens, b, e, outs)
             b = e
 
     def _append_slots(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
@@ -414,32 +420,42 @@ class SuffixDrafter:
         """Appends row b's n_A[b] tokens to slot slots[b]: with `mode` CONTEXT to its context,
         with INDEX into its problem trie and (`request_trie`, with the request scope on) its
         request trie."""
-        forests = self._forests()
+        forests, rfs, sl = self._forests(), self.request_forests, self._slots
         scoped = bool(mode & BK.INDEX) and "request" in self.scopes and request_trie
-        if len(forests) == 1:
+        if len(forests) == 1 and len(rfs) == 1:
             self._append_on(forests[0], slots, tokens_AxW, n_A, mode)
             if scoped:
-                self._append_on(self.scope_forest, slots, tokens_AxW, n_A, BK.INDEX,
-                                self._slots.rsid)
+                self._append_on(rfs[0], slots, tokens_AxW, n_A, BK.INDEX, sl.rsid)
             return
-        # Sharded: the contexts first (the slots' shared pool, this thread), then each
-        # shard's rows indexed into its own forest, a shard per thread on a large step.
+        # Sharded: the contexts first (the slots' shared pool, this thread), then job k
+        # indexes the rows of shard k into its problem forest and those whose request trie is
+        # in request forest k into that one: a job per thread on a large step, each touching
+        # only its own forests.
         if mode & BK.CONTEXT:
             self._append_on(forests[0], slots, tokens_AxW, n_A, BK.CONTEXT)
         if not mode & BK.INDEX:
             return
-        shard_A = self._slots.shard[slots]
-        jobs = [functools.partial(self._append_on, forests[k], slots[rows], tokens_AxW[rows],
-                                  n_A[rows], BK.INDEX)
-                for k in range(len(forests)) if (rows := np.flatnonzero(shard_A == k)).size]
-        if scoped:          # the request tries: one more forest, one more job
-            jobs.append(functools.partial(self._append_on, self.scope_forest, slots, tokens_AxW,
-                                          n_A, BK.INDEX, self._slots.rsid))
-        if slots.shape[0] // self.threads >= _MIN_ROWS_PER_THREAD:
+        shard_A, rshard_A = sl.shard[slots], sl.rshard[slots]
+        jobs = []
+        for k in range(max(len(forests), len(rfs))):
+            parts = []
+            if k < len(forests) and (rows := np.flatnonzero(shard_A == k)).size:
+                parts.append((forests[k], rows, sl.sid))
+            if scoped and k < len(rfs) and (rows := np.flatnonzero(rshard_A == k)).size:
+                parts.append((rfs[k], rows, sl.rsid))
+            if parts:
+                jobs.append(functools.partial(self._append_parts, slots, tokens_AxW, n_A, parts))
+        if slots.shape[0] // self.threads >= _MIN_APPEND_ROWS_PER_THREAD:
             self._run_groups(jobs)
         else:
             for job in jobs:
                 job()
+
+    def _append_parts(self, slots, tokens_AxW, n_A, parts) -> None:
+        """`_append_on` (mode INDEX) of rows `rows` on forest f into sequences sid, for each
+        (f, rows, sid) of `parts` in order."""
+        for f, rows, sid in parts:
+            self._append_on(f, slots[rows], tokens_AxW[rows], n_A[rows], BK.INDEX, sid)
 
     def _append_on(self, f: SuffixForest, slots: np.ndarray, tokens_AxW: np.ndarray,
                    n_A: np.ndarray, mode: int, sid: np.ndarray | None = None) -> None:
@@ -485,6 +501,10 @@ class SuffixDrafter:
         if "scope_forest" not in state:     # pickled before scopes: the problem scope only
             self.scopes, self.global_rollouts, self.global_below = ("problem",), 1024, 2.0
             self._init_scopes()
+        elif "request_forests" not in state:    # before request forests: in the scope forest
+            self.request_forests = [self.scope_forest]
+        if not hasattr(self._slots, "rshard"):
+            self._slots.rshard = np.zeros_like(self._slots.root)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -492,15 +512,22 @@ class SuffixDrafter:
         for req in self._requests.values():        # live output lengths back to the history
             self.history.rollout(req.handle).out_len = int(self._slots.out_len[req.slot])
         sl = self._slots
-        return {"kind": "suffix", "history": self.history.state_dict(),
-                "requests": [[rid, r.problem_id, r.handle, sl.context(r.slot).copy(),
-                              int(sl.rroot[r.slot]), int(sl.rsid[r.slot])]
-                             for rid, r in self._requests.items()],
-                "scopes": list(self.scopes), "global_rollouts": self.global_rollouts,
-                "global_below": self.global_below,
-                "scope_forest": self.scope_forest.state_dict(),
-                "global_root": self._global_root, "global_seqs": list(self._global_seqs),
-                "global_pending": [t.copy() for t in self._global_pending]}
+        # sharded request forests: each request's forest too, and the forests (one forest:
+        # the requests' tries are in the scope forest, as before request forests existed)
+        sharded = len(self.request_forests) > 1
+        state = {"kind": "suffix", "history": self.history.state_dict(),
+                 "requests": [[rid, r.problem_id, r.handle, sl.context(r.slot).copy(),
+                               int(sl.rroot[r.slot]), int(sl.rsid[r.slot])]
+                              + ([int(sl.rshard[r.slot])] if sharded else [])
+                              for rid, r in self._requests.items()],
+                 "scopes": list(self.scopes), "global_rollouts": self.global_rollouts,
+                 "global_below": self.global_below,
+                 "scope_forest": self.scope_forest.state_dict(),
+                 "global_root": self._global_root, "global_seqs": list(self._global_seqs),
+                 "global_pending": [t.copy() for t in self._global_pending]}
+        if sharded:
+            state["request_forests"] = [f.state_dict() for f in self.request_forests]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "suffix":
@@ -522,11 +549,18 @@ class SuffixDrafter:
             self._global_root = int(state["global_root"])
             self._global_seqs = collections.deque(int(x) for x in state["global_seqs"])
             self._global_pending = [np.asarray(t, np.int32) for t in state["global_pending"]]
+            self.request_forests = [self.scope_forest]
+            if "request_forests" in state:
+                self.request_forests = [SuffixForest(self.config)
+                                        for _ in state["request_forests"]]
+                for f, fs in zip(self.request_forests, state["request_forests"]):
+                    f.load_state_dict(fs)
         for rid, pid, handle, ctx, *rtrie in state["requests"]:
             s = self._slots.add(rid, ctx)
             self._slots.out_len[s] = self.history.rollout(handle).out_len
-            if rtrie:
-                self._slots.rroot[s], self._slots.rsid[s] = rtrie
+            if rtrie:       # (root, sid) in the scope forest, or (root, sid, request forest)
+                self._slots.rroot[s], self._slots.rsid[s] = rtrie[:2]
+                self._slots.rshard[s] = rtrie[2] if len(rtrie) > 2 else 0
             self._requests[rid] = _Active(pid, handle, s)
         self._sync_slots()
 

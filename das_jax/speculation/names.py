@@ -60,10 +60,10 @@ class DASSection:
     max_depth: suffix-tree depth (longest match + draft), in tokens.
     min_token_prob: a suffix draft stops when its path probability drops below this.
     drafter_threads: threads the per-problem suffix drafter drafts and indexes a step's rows
-      on (1: the rollout's own thread; more: the problems' tries are split over that many
-      forests, `drafter.ShardedHistory`, and each forest's rows are drafted and appended on
-      its own thread, the numba kernels releasing the GIL, from 64 rows per thread; the same
-      drafts as one thread).
+      on (1: the rollout's own thread; more: the problems' tries, and the requests' own
+      tries, are split over that many forests, `drafter.ShardedHistory`; a step's drafts are
+      split over the threads from 32 rows per thread, its appends a forest per thread from
+      16, the numba kernels releasing the GIL; the same drafts as one thread).
     scopes: the tries the per-problem suffix drafters (suffix, das, das-unlimited) draft from:
       `problem` (required: the problem's recent rollouts and live siblings), `request` (the
       request's own full prompt and output), `global` (the last `global_rollouts` finished
