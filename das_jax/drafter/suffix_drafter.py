@@ -126,12 +126,12 @@ class SuffixDrafter:
         self.global_below = float(global_below)
         self._init_scopes()
 
-    def _init_scopes(self, request_forests: int | None = None):
-        """An empty scope forest (the global trie when that scope is on) and request forests:
-        `request_forests` of them (default: one per history shard); one is the scope forest."""
+    def _init_scopes(self):
+        """An empty scope forest (the global trie when that scope is on) and request forests,
+        one per history shard (unsharded: the scope forest itself)."""
         self.scope_forest = SuffixForest(self.config)
         self._global_root = self.scope_forest.new_tree() if "global" in self.scopes else -1
-        n = len(self._forests()) if request_forests is None else request_forests
+        n = len(self._forests())
         self.request_forests = ([self.scope_forest] if n == 1 else
                                 [SuffixForest(self.config) for _ in range(n)])
         self._global_seqs: collections.deque = collections.deque()   # indexed sids, oldest first
