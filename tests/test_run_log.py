@@ -71,7 +71,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("drafter", ["none", "das"])
 def test_plain_step_lines_and_phases_without_a_terminal(runs, drafter):
-    _, err = runs[drafter]
+    run_dir, err = runs[drafter]
     lines = err.splitlines()
     for step in (1, 2):
         line = next(x for x in lines if f" step {step}/2 " in x)
@@ -85,6 +85,11 @@ def test_plain_step_lines_and_phases_without_a_terminal(runs, drafter):
     assert "| metric" in err and "tokens per forward" in err           # the summary table
     assert "tensorboard --logdir" in err
     assert "\r" not in err                                                # no progress bar
+    # the last lines name what the run dir holds, its checkpoints too (most of its size)
+    saved = run_log.checkpoint_steps(run_dir)
+    assert saved == [2]
+    line = next(x for x in lines if f"run dir {run_dir}:" in x)
+    assert "checkpoints of step 2 in checkpoints/" in line and "das-jax export" in line
 
 
 def test_samples_file_and_the_samples_command(runs):

@@ -36,6 +36,7 @@ from das_jax.rl.compile_watch import CompileWatch, describe_compiles
 from das_jax.rl.console_log import (Phase, fmt_seconds, phase,  # noqa: F401 - re-exported
                                     setup_console_logging)
 from das_jax.rl.plots import plot_run
+from das_jax.rl.run_dir import checkpoint_steps
 from das_jax.rl.run_files import (METRICS_FILE, SAMPLES_FILE, RunFileError,  # noqa: F401
                                   clip_line, format_sample, read_jsonl, read_metrics,
                                   sample_rows, truncate_jsonl)
@@ -315,9 +316,13 @@ class RunLogger:
             log.info("summary of this run:\n%s", summary_table(
                 self.records, wall_s=_clock() - self._t_start,
                 oneoff_s=self._oneoff_s, eval_records=self.eval_records))
-        log.info("run dir %s: %s, %s (das-jax samples %s), %d plots in plots/; TensorBoard: "
+        steps = checkpoint_steps(self.run_dir)
+        saved = (f"checkpoints of step{'s' if len(steps) > 1 else ''} "
+                 f"{', '.join(map(str, steps))} in checkpoints/ (das-jax export {self.run_dir} "
+                 f"OUT_DIR: a Hugging Face model dir), " if steps else "")
+        log.info("run dir %s: %s, %s (das-jax samples %s), %s%d plots in plots/; TensorBoard: "
                  "pip install tensorboard && tensorboard --logdir %s",
-                 self.run_dir, METRICS_FILE, SAMPLES_FILE, self.run_dir, len(written),
+                 self.run_dir, METRICS_FILE, SAMPLES_FILE, self.run_dir, saved, len(written),
                  self.run_dir / "tb")
 
 
