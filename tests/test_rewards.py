@@ -73,6 +73,9 @@ UNEVALUATED = [
     ("#### 12 \\div 4", "3"), ("\\boxed{12 : 4}", "3"), ("Liam has 7 * 3.", "21"),
     ("She has (2 + 3) apples.", "5"), ("\\boxed{12 \\times 10}", "120"),
     ("Let me think.\n#### -$1 \\cdot -1", "-1"),  # the lone $ once closed math mode after "-"
+    # operators the rule does not list by name: sympy leaves them unevaluated
+    ("#### 3 \\ast 4", "12"), ("#### 4 x 3", "12"), ("#### 12 \\bmod 5", "2"),
+    ("\\boxed{(3)(4)}", "12"), ("#### 3(4)", "12"), ("#### 10 \\pm 2", "12"),
 ]
 
 
