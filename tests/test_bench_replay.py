@@ -359,7 +359,10 @@ def test_simulated_device_exposes_only_host_work_past_the_steps_end():
         assert exposed == 0.0 and sync >= 0.0
         exposed, sync = device.run(0.02)
         assert exposed == 0.0
-        assert time.perf_counter() - t0 >= 0.04 + 0.03 + 0.02
+        # an overlap that did 5 ms of work in 40 ms of wall (preempted): at most its work
+        exposed, sync = device.run(0.01, lambda: (time.sleep(0.04), 0.005)[1])
+        assert exposed == 0.005
+        assert time.perf_counter() - t0 >= 0.04 + 0.03 + 0.02 + 0.04
     finally:
         device.close()
     assert not device._thread.is_alive()

@@ -253,18 +253,24 @@ class SimulatedDevice:
             self._done.set()
 
     def run(self, seconds: float, overlap=None) -> tuple[float, float]:
-        """One step of `seconds` (>= 0), the callable `overlap` (or None) run on this thread
-        meanwhile; returns (exposed, sync) seconds (class docstring)."""
+        """One step of `seconds` (>= 0), the callable `overlap` (or None; it may return the
+        seconds of work it did) run on this thread meanwhile; returns (exposed, sync) seconds
+        (class docstring): exposed is at most the overlap's work."""
         start = time.perf_counter()
         end = start + seconds
         self._done.clear()
         self._deadlines.put(end)
+        work = 0.0
         if overlap is not None:
-            overlap()
+            t0 = time.perf_counter()
+            spent = overlap()
+            work = time.perf_counter() - t0 if spent is None else float(spent)
         host_done = time.perf_counter()
         self._done.wait()
         resumed = time.perf_counter()
-        return max(0.0, host_done - end), max(0.0, resumed - max(end, host_done))
+        # at most the work itself: a preemption before it started (the device thread's wake-up
+        # taking the GIL, another process) is not host work
+        return min(max(0.0, host_done - end), work), max(0.0, resumed - max(end, host_done))
 
     def close(self) -> None:
         """Stops the thread (after its current step)."""
