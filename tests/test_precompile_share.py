@@ -188,3 +188,57 @@ def test_share_order_copies_equal_a_read_before_write_copy(dst, src):
     for j in order:
         want[:, dst[j]] = k0[:, src[j]]
     np.testing.assert_array_equal(np.asarray(new.k), want)
+
+
+def _split_reference(rows, prompts, targets_rows):
+    """`PromptRows.split` by a plain scan over the rows' prompts as tuples (its definition)."""
+    targets = {int(r) for r in targets_rows}
+    holder = {}
+    for r, p in enumerate(rows):
+        if p is not None and (p not in holder or (holder[p] in targets and r not in targets)):
+            holder[p] = r
+    keys = [tuple(int(t) for t in p) for p in prompts]
+    shared = [k for k, p in enumerate(keys) if p in holder]
+    computed = [k for k, p in enumerate(keys) if p not in holder]
+    order, save, from_stash, dropped = share_order([int(targets_rows[k]) for k in shared],
+                                                   [holder[keys[k]] for k in shared])
+    computed = sorted(computed + [shared[j] for j in dropped])
+    shared = [shared[j] for j in order]
+    return (shared, [holder[keys[k]] for k in shared], computed,
+            ([save[j] for j in order], [from_stash[j] for j in order]))
+
+
+def test_prompt_rows_split_equals_a_scan_of_the_rows():
+    """Admissions, releases (a paged row gives its prompt back), compactions and prompts as
+    lists, tuples and int arrays: `split` gives what a scan of the rows' prompts as tuples
+    gives, equal prompts are one object, and the interned prompts stay bounded (many distinct
+    prompts through 8 rows)."""
+    from das_jax.engine.schedule import Prompt, PromptRows
+    rng = np.random.default_rng(0)
+    B = 8
+    pool = [tuple(int(t) for t in rng.integers(0, 50, size=int(rng.integers(1, 6))))
+            for _ in range(40)]
+    pr = PromptRows(B)
+    for it in range(300):
+        n = int(rng.integers(1, 4))
+        rows = [int(r) for r in rng.choice(len(pr.rows), size=min(n, len(pr.rows)),
+                                           replace=False)]
+        chosen = [pool[int(i)] for i in rng.integers(0, 6 if it < 150 else 40, size=len(rows))]
+        prompts = [list(p) if k % 3 == 0 else np.array(p, np.int64) if k % 3 == 1 else p
+                   for k, p in enumerate(chosen)]
+        want = _split_reference([None if p is None else tuple(p) for p in pr.rows], prompts,
+                                rows)
+        assert pr.split(prompts, rows) == want
+        pr.admit(rows, prompts)
+        assert [pr.rows[r] for r in rows] == chosen
+        assert all(isinstance(pr.rows[r], Prompt) for r in rows)
+        held = [p for p in pr.rows if p is not None]
+        for p in held:   # one object per distinct prompt
+            assert all(q is p for q in held if q == p)
+        assert len(pr._interned) <= 2 * len(pr.rows) + 3
+        if it % 17 == 5:
+            pr.rows[int(rng.integers(0, len(pr.rows)))] = None
+        if it % 50 == 49:
+            live = sorted(int(r) for r in rng.choice(B, size=5, replace=False))
+            pr.compact(live, 8)
+    assert hash(Prompt((3, 4))) == hash((3, 4)) and Prompt((3, 4)) == (3, 4)
