@@ -13,6 +13,7 @@ import dataclasses
 import io
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 from das_jax.cli import main
 from das_jax.engine.generate import Engine, EngineConfig, Request
@@ -326,7 +328,7 @@ def assert_one_line_error(argv, *needles):
     assert rc == 2, err
     *before, last = err.splitlines()
     assert last.startswith("das-jax export: error: "), err
-    assert all(" ..." in line for line in before), err     # phase lines only, no traceback
+    assert all(" ..." in line or ", done in " in line for line in before), err  # phase lines
     for needle in needles:
         assert needle in last, (needle, err)
 
@@ -353,6 +355,51 @@ def test_one_line_errors(run_dir, tmp_path, stub_model):
     assert not Path(out).exists()
 
 
+def test_an_out_that_cannot_be_created_is_refused_before_the_checkpoint_is_read(
+        run_dir, tmp_path, stub_model, monkeypatch):
+    """OUT under a file (`afile/sub`) or under a directory that cannot be written: refused by
+    name before the checkpoint is read; a write that fails later names OUT, not the export's
+    temporary directory beside it."""
+    def not_read(*a, **k):
+        raise AssertionError("the checkpoint was read")
+    (tmp_path / "afile").write_text("x")
+    with monkeypatch.context() as mp:
+        mp.setattr(CheckpointManager, "restore_params", not_read)
+        assert_one_line_error(["export", str(run_dir), str(tmp_path / "afile" / "sub")],
+                              "afile/sub: cannot be created", "afile is a file")
+        if os.geteuid() != 0:            # root writes anywhere
+            locked = tmp_path / "locked"
+            locked.mkdir(mode=0o500)
+            assert_one_line_error(["export", str(run_dir), str(locked / "out")],
+                                  "cannot be created", "is not writable")
+
+    def fails(tmp, *a, **k):
+        raise PermissionError(13, "Permission denied", str(tmp))
+    monkeypatch.setattr(hf_export, "save_hf_model", fails)
+    out = tmp_path / "out"
+    assert_one_line_error(["export", str(run_dir), str(out)],
+                          f"{out}: cannot write the exported model there (Permission denied)")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.export")]
+
+
+def test_a_bad_model_source_in_the_run_config_is_named_before_the_checkpoint_is_read(
+        run_dir, tmp_path, monkeypatch):
+    """The run's config.yaml names a model source that does not exist: the error names the
+    file and its model.source, and the checkpoint is not read."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["model"]["source"] = str(tmp_path / "no-such-model")
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+    def not_read(*a, **k):
+        raise AssertionError("the checkpoint was read")
+    monkeypatch.setattr(CheckpointManager, "restore_params", not_read)
+    assert_one_line_error(["export", str(run), str(tmp_path / "out")],
+                          f"{run / 'config.yaml'}: the run's model.source "
+                          f"'{tmp_path / 'no-such-model'}': ", "no such file or directory")
+
+
 def test_corrupt_checkpoint_is_one_line(run_dir, tmp_path, stub_model):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -361,7 +408,8 @@ def test_corrupt_checkpoint_is_one_line(run_dir, tmp_path, stub_model):
         if f.is_file():
             f.write_bytes(b"garbage")
     assert_one_line_error(["export", str(run), str(tmp_path / "out")],
-                          f"checkpoint {run / 'checkpoints' / '2'} is corrupt",
+                          f"checkpoint {run / 'checkpoints' / '2'} is corrupt or unreadable (",
+                          "restore them from a copy, or remove that step's directory",
                           "export another one with --step (steps there: 1, 2)")
     assert not (tmp_path / "out").exists()
     shutil.rmtree(state)

@@ -75,8 +75,10 @@ def test_lock_is_reentrant_within_a_process_and_released_at_the_end(tmp_path, ho
 
 
 def test_a_new_directory_left_with_only_the_lock_is_removed(tmp_path, holder):
-    """A run refused by a check inside the lock (bad platform, memory plan) leaves no empty
-    run directory behind; one that wrote anything, or a directory that existed, stays."""
+    """A run refused by a check inside the lock (bad platform, memory plan, --resume of a
+    directory without a run) leaves no empty run directory and no lock file behind; one that
+    wrote anything, or a directory that existed, stays; a run that started keeps its lock
+    file."""
     run = tmp_path / "deep" / "run"
     with pytest.raises(ValueError):
         with rd.lock_run_dir(run):
@@ -85,12 +87,18 @@ def test_a_new_directory_left_with_only_the_lock_is_removed(tmp_path, holder):
     assert not run.exists() and (tmp_path / "deep").is_dir()
     with rd.lock_run_dir(run):
         (run / "config.yaml").write_text("x: 1\n")
-    assert sorted(p.name for p in run.iterdir()) == [rd.LOCK_FILE, "config.yaml"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]   # not a run: no lock left
     empty = tmp_path / "empty"
     empty.mkdir()
     with rd.lock_run_dir(empty):
         pass
-    assert [p.name for p in empty.iterdir()] == [rd.LOCK_FILE]
+    assert [p.name for p in empty.iterdir()] == []
+    with rd.lock_run_dir(empty):                 # a run that started keeps its lock file
+        rd.write_manifest(empty)
+    assert sorted(p.name for p in empty.iterdir()) == [rd.LOCK_FILE, rd.MANIFEST_FILE]
+    with rd.lock_run_dir(empty):                 # and a lock file that was there stays
+        pass
+    assert sorted(p.name for p in empty.iterdir()) == [rd.LOCK_FILE, rd.MANIFEST_FILE]
     holder(tmp_path / "other").release()      # another process's new, empty directory too
     assert not (tmp_path / "other").exists()
     with rd.lock_run_dir(tmp_path / "other"):  # and the name can be locked again at once

@@ -382,6 +382,20 @@ def test_samples_with_records_that_are_not_samples_are_named_not_a_traceback(tmp
     assert rc == 2 and err.splitlines()[-1].startswith("das-jax samples: error:")
 
 
+def test_samples_refuses_a_samples_path_that_is_a_directory_and_step_with_all(tmp_path):
+    """`samples.jsonl` that is a directory, and `--step` with `--all` (one would be ignored):
+    one-line errors, exit code 2."""
+    (tmp_path / "samples.jsonl").mkdir()
+    rc, out, err = _run_cli(["samples", str(tmp_path)])
+    assert rc == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (f"das-jax samples: error: {tmp_path / 'samples.jsonl'} is "
+                                    "not a file (das-jax writes its samples there); pass a run "
+                                    "directory written by 'das-jax train'")
+    with pytest.raises(SystemExit) as e:
+        _run_cli(["samples", str(tmp_path), "--step", "1", "--all"])
+    assert e.value.code == 2
+
+
 def test_zero_acceptance_warns_and_each_epoch_reports_acceptance_by_position_and_source(
         tmp_path, caplog):
     logger = run_log.RunLogger(tmp_path, total_steps=3, progress=False, steps_per_epoch=2)

@@ -6,6 +6,7 @@ shapes, so jit compiles once per module.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -138,5 +139,19 @@ def test_a_nan_loss_stops_the_run_before_logging_or_saving(tmp_path):
     with pytest.raises(TrainError, match=r"step 1: loss is nan, so the model's logits or the "
                                          r"update overflowed") as e:
         trainer(config(run, steps=2), params=params).train(progress=False)
+    assert "no checkpoint was written" in str(e.value)
+    assert (run / "metrics.jsonl").read_text() == "" and rd.checkpoint_steps(run) == []
+
+
+def test_an_update_that_overflows_stops_the_run_before_saving(tmp_path):
+    """A finite loss and gradient but an update that overflows (a learning rate of 1e38: the
+    step's parameters become +-inf or NaN) stops the run at that step: nothing of it is logged
+    and no checkpoint holds the overflowed parameters."""
+    run = tmp_path / "run"
+    cfg = config(run, steps=2)
+    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, learning_rate=1e38))
+    with pytest.raises(TrainError, match=r"step 1: update_norm is (inf|nan), so the model's "
+                                         r"logits or the update overflowed") as e:
+        trainer(cfg).train(progress=False)
     assert "no checkpoint was written" in str(e.value)
     assert (run / "metrics.jsonl").read_text() == "" and rd.checkpoint_steps(run) == []

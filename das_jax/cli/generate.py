@@ -126,9 +126,20 @@ def run(args: argparse.Namespace) -> int:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
         widths = tuple(args.draft_widths)
+        if 1 not in widths:
+            raise ValueError(f"--draft-widths {','.join(map(str, widths))}: must include 1 "
+                             "(the width of a step without drafts), e.g. 1,4,8")
+        if args.drafter == "none":
+            widths = (1,)    # plain decoding compiles and reserves no wider step
         prompts = read_prompts(args)
         if not prompts:
-            raise ValueError("no prompts given")
+            raise ValueError(f"--prompts-file {args.prompts_file}: holds no prompts (one per "
+                             "non-blank line; .jsonl: an object with a 'prompt' per line)")
+        empty = [i for i, p in enumerate(prompts) if not p]
+        if empty and not args.chat:
+            where = (f"--prompts-file {args.prompts_file}" if args.prompts_file else "--prompt")
+            raise ValueError(f"{where}: prompt {empty[0]} is empty; give every prompt some "
+                             "text (or pass --chat: the chat template adds tokens)")
     except ValueError as e:
         print(f"das-jax generate: error: {one_line(str(e))}", file=sys.stderr)
         return 2
@@ -163,9 +174,11 @@ def run(args: argparse.Namespace) -> int:
                 bar.n = done
                 bar.refresh()
 
-        outputs, stats = rollout.generate(requests, progress=progress)
-        if bar is not None:
-            bar.close()
+        try:
+            outputs, stats = rollout.generate(requests, progress=progress)
+        finally:
+            if bar is not None:
+                bar.close()    # an error's line starts on a line of its own
         check_finite_logprobs(outputs, args.model, args.dtype)
     except ValueError as e:
         print(f"das-jax generate: error: {one_line(str(e))}", file=sys.stderr)

@@ -66,8 +66,10 @@ def register(subparsers) -> None:
         description="Print the completions (with question, expected answer and rewards) that "
                     "'das-jax train' logged to RUN_DIR/samples.jsonl (train.log_samples per step).")
     s.add_argument("run_dir", metavar="RUN_DIR", help="a training run directory")
-    s.add_argument("--step", type=int, help="the step to show (default: the last logged step)")
-    s.add_argument("--all", action="store_true", help="show every logged step")
+    which = s.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int,
+                       help="the step to show (default: the last logged step)")
+    which.add_argument("--all", action="store_true", help="show every logged step")
     s.set_defaults(func=run_samples)
 
     c = subparsers.add_parser(
@@ -179,6 +181,10 @@ def run_samples(args: argparse.Namespace) -> int:
     if not path.exists():
         print(f"das-jax samples: error: {path} does not exist; pass a run directory written by "
               "'das-jax train' with train.log_samples > 0", file=sys.stderr)
+        return 2
+    if not path.is_file():
+        print(f"das-jax samples: error: {path} is not a file (das-jax writes its samples "
+              "there); pass a run directory written by 'das-jax train'", file=sys.stderr)
         return 2
     problems: list[str] = []
     samples = read_jsonl(path, problems)

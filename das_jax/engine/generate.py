@@ -154,7 +154,9 @@ class Engine:
                     f"request {i} (problem {r.problem_id!r}): prompt of {len(r.prompt_ids)} tokens + "
                     f"max_new_tokens={sampling.max_new_tokens} + draft width {max_w} needs {need} "
                     f"cache positions but max_cache_len={limit}; shorten the prompt, lower "
-                    f"max_new_tokens, or raise max_cache_len")
+                    f"max_new_tokens, raise max_cache_len"
+                    + (", or drop the widest draft width from draft_widths" if max_w > 1
+                       else ""))
             bad = [t for t in r.prompt_ids if not 0 <= int(t) < self.config.vocab_size]
             if bad:
                 raise GenerateError(f"request {i}: token ids {bad[:5]} outside the vocabulary "

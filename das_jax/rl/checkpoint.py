@@ -282,15 +282,14 @@ class CheckpointManager:
         step = self._resolve_step(step, steps)
         ckpt_dir = self.step_dir(step)
         try:
-            item_meta = self._mngr.item_metadata(step)
+            with _quiet_absl_errors():
+                item_meta = self._mngr.item_metadata(step)
             state_meta = item_meta["state"]
             saved_tree = state_meta.tree if hasattr(state_meta, "tree") else state_meta
         except Exception as e:  # noqa: BLE001 - orbax raises many types on a damaged directory
-            raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt or unreadable: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise unreadable(ckpt_dir, e) from e
         if saved_tree is None:
-            raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt or unreadable: no state "
-                                  "metadata")
+            raise unreadable(ckpt_dir, None)
         target = None
         if params_like is not None or opt_state_like is not None:
             target = {"params": params_like if params_like is not None else saved_tree["params"],
@@ -300,16 +299,17 @@ class CheckpointManager:
                             "opt_state": saved_tree.get("opt_state")},
                            _abstract(target), ckpt_dir)
         try:
-            restored = self._mngr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(target) if target is not None else None),
-                meta=ocp.args.JsonRestore(),
-                drafter=StateRestore(),
-            ))
+            with _quiet_absl_errors():
+                restored = self._mngr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(_abstract(target) if target is not None
+                                                   else None),
+                    meta=ocp.args.JsonRestore(),
+                    drafter=StateRestore(),
+                ))
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"failed to restore checkpoint {ckpt_dir}: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise unreadable(ckpt_dir, e) from e
         state, meta = restored["state"], dict(restored["meta"])
         if _RNG_META_KEY in meta:
             meta["rng_key"] = _rng_from_json(meta.pop(_RNG_META_KEY))
@@ -329,12 +329,16 @@ class CheckpointManager:
         step = self._resolve_step(step, steps)
         ckpt_dir = self.step_dir(step)
         try:
-            state_meta = self._mngr.item_metadata(step)["state"]
+            with _quiet_absl_errors():
+                state_meta = self._mngr.item_metadata(step)["state"]
             saved_tree = state_meta.tree if hasattr(state_meta, "tree") else state_meta
+            if saved_tree is None:
+                raise unreadable(ckpt_dir, None)
             params_meta = saved_tree["params"]
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - orbax raises many types on a damaged directory
-            raise CheckpointError(f"checkpoint {ckpt_dir} is corrupt or unreadable: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise unreadable(ckpt_dir, e) from e
         target = jax.tree_util.tree_map(
             lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), params_meta,
             is_leaf=_is_array_metadata)
@@ -342,15 +346,14 @@ class CheckpointManager:
             lambda m: ocp.RestoreArgs(restore_type=np.ndarray, dtype=m.dtype), target)
         try:
             # the state item is a PyTree checkpoint: read its params subtree only
-            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+            with _quiet_absl_errors(), ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
                 restored = reader.restore(ckpt_dir / "state", args=ocp.args.PyTreeRestore(
                     item={"params": target}, restore_args={"params": restore_args},
                     partial_restore=True))
             restored = {"params": restored["params"], "meta": self._mngr.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]}
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"failed to restore checkpoint {ckpt_dir}: "
-                                  f"{type(e).__name__}: {e}") from e
+            raise unreadable(ckpt_dir, e) from e
         meta = dict(restored["meta"])
         if _RNG_META_KEY in meta:
             meta["rng_key"] = _rng_from_json(meta.pop(_RNG_META_KEY))
@@ -364,6 +367,23 @@ class CheckpointManager:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def unreadable(ckpt_dir, error: BaseException | None) -> CheckpointError:
+    """The one-line error of a checkpoint directory orbax cannot read: names it, gives the
+    first line of the underlying error (cut to 160 characters: tensorstore's carry whole JSON
+    specs) and the fix."""
+    if error is None:
+        why = "no state metadata"
+    else:
+        text = (str(error).strip().splitlines() or [""])[0]
+        text = text if len(text) <= 160 else text[:157] + "..."
+        why = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    error = CheckpointError(f"checkpoint {ckpt_dir} is corrupt or unreadable ({why}); its files "
+                            "are damaged or incomplete: restore them from a copy, or remove "
+                            "that step's directory to use an earlier checkpoint")
+    error.reason = f"corrupt or unreadable ({why})"   # without the fix, for callers with their own
+    return error
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ in-progress checkpoint is left alone).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from das_jax.config import ConfigError, config_from_dict
+from das_jax.errors import disk_full_error, user_error_message
 from das_jax.models import export as hf_export
 from das_jax.models.export import EXPORT_DTYPES, ExportError, is_export_file
 from das_jax.rl import model_loading
@@ -52,7 +54,11 @@ def _check_out(out: Path, run: Path, overwrite: bool) -> None:
         raise ExportError(f"{out}: is the run directory (or inside its checkpoints); choose "
                           "another directory for the exported model")
     if not out.is_dir():
+        _check_creatable(out)
         return
+    if not os.access(out.parent if out.parent != Path("") else Path("."), os.W_OK | os.X_OK):
+        raise ExportError(f"{out}: its directory {out.parent} is not writable (the export "
+                          "writes beside OUT, then renames); choose a directory you can write")
     entries = sorted(os.listdir(out))
     if not entries:
         return
@@ -65,6 +71,20 @@ def _check_out(out: Path, run: Path, overwrite: bool) -> None:
         raise ExportError(f"{out}: holds files an export does not write ({shown}); --overwrite "
                           "replaces only an exported model: remove them yourself or choose "
                           "another directory")
+
+
+def _check_creatable(out: Path) -> None:
+    """Refuses an OUT that cannot be created: a file among its parents, or its nearest
+    existing parent not a writable directory (checked before the checkpoint is read)."""
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ExportError(f"{out}: cannot be created, {parent} is a file; choose a directory "
+                          "path for the exported model")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"{out}: cannot be created, {parent} is not writable; choose a "
+                          "directory you can write")
 
 
 def _run_model_section(cfg_path: Path):
@@ -134,6 +154,14 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
                           f"{', '.join(map(str, steps))}")
     cfg = _run_model_section(cfg_path)
     dtype = dtype or cfg.model.dtype
+    try:     # the model's config and tokenizer first: a bad source fails before the checkpoint
+        model_config, tokenizer = model_loading.load_model_spec(cfg)
+    except Exception as e:
+        msg = user_error_message(e)
+        if msg is None or disk_full_error(e) is not None:
+            raise
+        raise ExportError(f"{cfg_path}: the run's model.source {cfg.model.source!r}: {msg}"
+                          ) from None
 
     # deferred import: jax, orbax (not loaded by importing this module)
     from das_jax.rl.checkpoint import CheckpointError, CheckpointManager
@@ -148,15 +176,14 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
                                   f"{', '.join(map(str, steps))})") from None
         step = int(meta.get("step", step if step is not None else steps[-1]))
         ph.detail = str(run / "checkpoints" / str(step))
-    model_config, tokenizer = model_loading.load_model_spec(cfg)
     source = f"checkpoint {run / 'checkpoints' / str(step)} (model.source {cfg.model.source})"
     hf_export.check_params(model_config, params, source=source)
     hf_export.check_tokenizer(tokenizer)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         with phase(f"writing {out} ({dtype})"):
             files = hf_export.save_hf_model(
                 tmp, model_config, params, tokenizer, dtype,
@@ -164,6 +191,11 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int 
         if out.is_dir():   # empty, or an exported model that --overwrite replaces (checked)
             shutil.rmtree(out)
         os.replace(tmp, out)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise          # the CLI says "disk full" for it
+        raise ExportError(f"{out}: cannot write the exported model there "
+                          f"({e.strerror or e}); choose another directory") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return ExportResult(out=str(out), step=step, architecture=model_config.architecture,

@@ -79,8 +79,9 @@ def check_run_dir_path(run_dir: str | os.PathLike) -> Path:
 @contextlib.contextmanager
 def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
     """Holds an exclusive lock on `run_dir` (created if needed) for the duration of the block.
-    A directory this call created is removed again if the block leaves nothing in it but the
-    lock (a run refused by a check before it wrote anything leaves no empty run directory).
+    When the block leaves no run there (no manifest: a run refused by a check before it
+    started, `--resume` of a directory that holds no run), the lock file this call created is
+    removed, and so is the directory this call created if nothing else is in it.
 
     Raises:
       RunDirError: another live process holds the lock (the message gives its pid), or the
@@ -97,6 +98,7 @@ def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
             _held[key][1] -= 1
         return
     lock_path = path / LOCK_FILE
+    new_lock = not os.path.lexists(lock_path)
     for attempt in range(3):
         fd = _open_lock(path, lock_path)
         # A process that removed its new, empty directory (below) unlinked the file this one
@@ -117,8 +119,11 @@ def lock_run_dir(run_dir: str | os.PathLike) -> Iterator[Path]:
         _held[key][1] -= 1
         if _held[key][1] == 0:
             del _held[key]
-            if created:
-                _remove_if_only_lock(path, lock_path)
+            if new_lock and not is_run(path):   # refused before it started: leave no trace
+                with contextlib.suppress(OSError):
+                    os.unlink(lock_path)
+                    if created:
+                        path.rmdir()     # when empty
             os.close(fd)   # releases the flock
 
 
@@ -147,16 +152,6 @@ def _open_lock(path: Path, lock_path: Path) -> int:
                           "for it to finish or choose another output_dir (--set output_dir=DIR)"
                           ) from None
     return fd
-
-
-def _remove_if_only_lock(path: Path, lock_path: Path) -> None:
-    """Removes the lock file and `path` when nothing else is in it (still holding the lock)."""
-    try:
-        if [p.name for p in path.iterdir()] == [LOCK_FILE]:
-            os.unlink(lock_path)
-            path.rmdir()
-    except OSError:
-        pass   # something appeared meanwhile, or it is not ours to remove: keep it
 
 
 # What a lock file holds: the note `lock_run_dir` writes, "pid 123 on host".

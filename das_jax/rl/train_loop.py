@@ -130,10 +130,11 @@ def _closing(resource):
 
 
 def _check_finite(record: dict, c: Config, manager) -> None:
-    """Raises TrainError when a step's loss or gradient norm is NaN/inf (before it is logged or
-    saved): the model's logits or the update overflowed. `manager` (the run's
-    `CheckpointManager`) is read only then, for the last checkpoint's step."""
-    for key in ("loss", "grad_norm", "reward_mean"):
+    """Raises TrainError when a step's loss, gradient norm or update norm is NaN/inf (before it
+    is logged or saved): the model's logits or the update overflowed, and the parameters after
+    a non-finite update are not saved. `manager` (the run's `CheckpointManager`) is read only
+    then, for the last checkpoint's step."""
+    for key in ("loss", "grad_norm", "update_norm", "reward_mean"):
         v = record.get(key)
         if isinstance(v, float) and not math.isfinite(v):
             last_checkpoint = manager.latest_step()

@@ -425,6 +425,7 @@ class GRPOTrainer:
             "entropy": train_metrics.get("entropy"),
             "clip_fraction": train_metrics.get("clip_region"),
             "grad_norm": train_metrics.get("grad_norm"),
+            "update_norm": train_metrics.get("update_norm"),
             "response_length_mean": float(lens.mean()),
             "response_length_max": int(lens.max()),
             "rollout_s": rollout_s,

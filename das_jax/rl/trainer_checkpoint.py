@@ -96,7 +96,8 @@ def restore_trainer(trainer, manager: CheckpointManager, max_step: int | None = 
         except CheckpointFormatError as e:
             raise TrainError(str(e)) from None
         except CheckpointError as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = (getattr(e, "reason", None) or
+                      (str(e).splitlines()[0] if str(e) else type(e).__name__))
             unreadable.append((step, reason if len(reason) <= 240 else reason[:237] + "..."))
     else:
         raise TrainError(f"no readable checkpoint under {where}: all of steps "
