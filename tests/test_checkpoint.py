@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from das_jax.models import ModelConfig, init_params
-from das_jax.rl import CheckpointError, CheckpointManager
+from das_jax.rl import CheckpointError, CheckpointManager, checkpoint_checksums
 
 CFG = ModelConfig(vocab_size=29, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2,
                   num_kv_heads=1, head_dim=8)
@@ -152,9 +152,54 @@ def test_missing_and_corrupt_checkpoints(tmp_path, state):
     with pytest.raises(CheckpointError, match=r"checkpoint .*run/checkpoints/2"):
         mngr.restore(2, small, small_opt)
     (mngr.directory / "1" / "drafter" / "drafter_state.json").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"drafter/drafter_state.json does not match the "
+                                              r"checksum written at save"):
+        mngr.restore(1, small, small_opt)
+    (mngr.directory / "1" / "checksums.json").unlink()    # as an older version saved it
     with pytest.raises(CheckpointError, match=r"drafter_state.json is not valid JSON"):
         mngr.restore(1, small, small_opt)
     mngr.close()
+
+
+def _data_files(step_dir):
+    return sorted((step_dir / "state").rglob("ocdbt.process_0/d/*"), key=lambda f: -f.stat().st_size)
+
+
+def test_bytes_changed_on_disk_are_found_before_a_restore(tmp_path, state):
+    """A byte flipped inside an array data file (which orbax restores silently as a wrong
+    weight), a truncated file and a missing file: `restore` and `restore_params` raise naming
+    the file; the untouched checkpoint restores; one without checksums.json (an older save)
+    is not verified."""
+    params, opt_state = state
+    with CheckpointManager(tmp_path, max_to_keep=4) as mngr:
+        for step in (1, 2, 3, 4):
+            mngr.save(step, params, opt_state, {})
+        assert checkpoint_checksums.verify(mngr.step_dir(1))
+        big = _data_files(mngr.step_dir(2))[0]
+        raw = bytearray(big.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        big.write_bytes(bytes(raw))
+        rel = big.relative_to(mngr.step_dir(2)).as_posix()
+        for restore in (lambda: mngr.restore(2, params, opt_state),
+                        lambda: mngr.restore_params(2)):
+            with pytest.raises(CheckpointError, match=rf"checkpoint .*/2 is corrupt: {rel} does "
+                               r"not match the checksum written at save \(its CRC-32 differs; "
+                               r"1 file\(s\) differ\); its bytes changed on disk after the "
+                               r"save: restore the checkpoint from a copy, or remove that "
+                               r"step's directory"):
+                restore()
+        big3 = _data_files(mngr.step_dir(3))[0]
+        big3.write_bytes(big3.read_bytes()[:-10])
+        with pytest.raises(CheckpointError, match="its size differs"):
+            mngr.restore_params(3)
+        (mngr.step_dir(4) / "meta" / "metadata").unlink()
+        with pytest.raises(CheckpointError, match=r"/4 is corrupt: meta/metadata is missing"):
+            mngr.restore(4, params, opt_state)
+        p, _, _, _ = mngr.restore(1, params, opt_state)
+        _assert_tree_equal(p, params)
+        (mngr.step_dir(2) / "checksums.json").unlink()
+        assert not checkpoint_checksums.verify(mngr.step_dir(2))
+        mngr.restore_params(2)        # not verified: the flipped byte restores (orbax's way)
 
 
 # ----- the rollout state is data: JSON + npz, never a pickle --------------------------------------
@@ -266,6 +311,7 @@ def test_a_pickled_drafter_state_is_refused_never_unpickled(tmp_path):
         for f in d.glob("drafter_state.*"):
             f.unlink()
         (d / "drafter_state.pkl").write_bytes(pickle.dumps(_RunsCode(marker)))
+        (mngr.directory / "1" / "checksums.json").unlink()   # as an older version saved it
         with pytest.raises(CheckpointFormatError, match=r"drafter state as a pickle "
                            r"\(drafter_state.pkl\).*can run arbitrary code"):
             mngr.restore(1)
@@ -274,6 +320,7 @@ def test_a_pickled_drafter_state_is_refused_never_unpickled(tmp_path):
         mngr.save(2, small, optax.sgd(0.1).init(small), {}, {"x": np.arange(2)})
         npz = mngr.directory / "2" / "drafter" / "drafter_state.npz"
         np.savez(npz, a0=np.array([_RunsCode(marker)], dtype=object), allow_pickle=True)
+        checkpoint_checksums.write(mngr.directory / "2")   # checksums match what is there
         with pytest.raises(CheckpointError, match="drafter_state.npz .*unreadable"):
             mngr.restore(2)
         assert not marker.exists()
@@ -288,6 +335,7 @@ def test_a_newer_state_schema_is_refused(tmp_path):
         path = mngr.directory / "1" / "drafter" / "drafter_state.json"
         head = _json.loads(path.read_text())
         path.write_text(_json.dumps({**head, "version": 99}))
+        checkpoint_checksums.write(mngr.directory / "1")   # as that version would save it
         with pytest.raises(CheckpointFormatError, match="schema version 99; this das-jax reads "
                            "versions 1-1"):
             mngr.restore(1)

@@ -27,6 +27,11 @@ leaves no half-written `<step>`; the previous checkpoint stays the latest, and l
 temporary directories are removed when the next `CheckpointManager` opens the run.
 `max_to_keep` old steps are kept (older ones deleted after a successful save).
 
+Integrity: after a save is committed, process 0 writes `<step>/checksums.json` (every file's
+size and CRC-32, `das_jax.rl.checkpoint_checksums`), and every restore checks the files against
+it first: bytes changed on disk raise `CheckpointError` naming the file, instead of restoring
+wrong weights (orbax keeps no checksum of the array data).
+
 Restoring into `params_like` / `opt_state_like` checks the saved tree against them first and
 raises `CheckpointError` naming the checkpoint directory and the first mismatching keys (missing,
 unexpected, or a different shape), instead of orbax's lower-level errors.
@@ -46,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from das_jax.rl import checkpoint_checksums as checksums
 from das_jax.rl.checkpoint_errors import (CheckpointError,  # noqa: F401 - re-exported
                                           CheckpointFormatError, CheckpointMismatchError)
 from das_jax.rl.rollout_state_file import (DRAFTER_FILE,  # noqa: F401 - re-exported
@@ -247,6 +253,8 @@ class CheckpointManager:
                 drafter=StateSave(drafter_state),
             ))
             self._mngr.wait_until_finished()
+        if jax.process_index() == 0:     # committed: every process's files are in place
+            checksums.write(self.step_dir(step))
         return self.step_dir(step)
 
     def _resolve_step(self, step: int | None, steps: list[int]) -> int:
@@ -281,6 +289,7 @@ class CheckpointManager:
         steps = self.all_steps()
         step = self._resolve_step(step, steps)
         ckpt_dir = self.step_dir(step)
+        checksums.verify(ckpt_dir)
         try:
             with _quiet_absl_errors():
                 item_meta = self._mngr.item_metadata(step)
@@ -328,6 +337,7 @@ class CheckpointManager:
         steps = self.all_steps()
         step = self._resolve_step(step, steps)
         ckpt_dir = self.step_dir(step)
+        checksums.verify(ckpt_dir)
         try:
             with _quiet_absl_errors():
                 state_meta = self._mngr.item_metadata(step)["state"]
