@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -107,7 +108,7 @@ class MemoryPlan:
 
     @property
     def headroom(self) -> float:
-        return 1.0 - self.peak / self.device_bytes
+        return 1.0 - self.peak / self.device_bytes if self.device_bytes > 0 else -math.inf
 
     def table(self) -> str:
         usable = (f" usable ({self.mem_fraction:g} of {self.device_bytes / self.mem_fraction / GB:.1f}"
@@ -577,7 +578,16 @@ def device_memory_bytes(config, device_memory_gb: float | None) -> int:
     (which already applies XLA's fraction; the host's total memory for a CPU device)."""
     gb = device_memory_gb if device_memory_gb is not None else config.train.device_memory_gb
     if gb is not None:
-        return int(gb * GB * mem_fraction(config))
+        what = ("--device-memory-gb" if device_memory_gb is not None else
+                "train.device_memory_gb")
+        if not (isinstance(gb, (int, float)) and math.isfinite(gb) and gb > 0):
+            raise PlanError(f"{what} must be a number of GB > 0 (one device's memory), got "
+                            f"{gb}")
+        usable = int(gb * GB * mem_fraction(config))
+        if usable < 1:
+            raise PlanError(f"{what}={gb} leaves no usable bytes per device; give the device's "
+                            "memory in GB (e.g. 80)")
+        return usable
     # deferred import: jax (not loaded by importing this module)
     import jax
     stats = None

@@ -164,6 +164,66 @@ def _to_plain(value):
     return value
 
 
+# ----- YAML ---------------------------------------------------------------------------------------
+
+def _yaml_error(where: str, e: yaml.YAMLError, lines: bool = True) -> ConfigError:
+    """One line: `WHERE:LINE:COL: invalid YAML: <what>; fix ...` (PyYAML's own message spans
+    several lines with a caret under the spot)."""
+    mark = getattr(e, "problem_mark", None)
+    at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None and lines else ""
+    what = "; ".join(str(p).strip() for p in (getattr(e, "context", None),
+                                              getattr(e, "problem", None)) if p)
+    what = what or " ".join(str(e).split())
+    return ConfigError(f"{where}{at}: invalid YAML: {what}; fix the YAML syntax there")
+
+
+def _check_duplicate_keys(node, where: str, prefix: str = "", seen_nodes=None,
+                          lines: bool = True) -> None:
+    """Refuses a mapping that holds a key twice (PyYAML keeps the last one silently, so a second
+    `grpo:` section would drop the first one's settings)."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:          # an alias of a node checked already
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            name = k.value if isinstance(k, yaml.ScalarNode) else None
+            if name is not None and k.tag != "tag:yaml.org,2002:merge":
+                line = k.start_mark.line + 1
+                if name in seen:
+                    kind = "section" if isinstance(v, yaml.MappingNode) else "key"
+                    fix = ("merge the two sections into one" if kind == "section" else
+                           "keep only the value you mean")
+                    at = f"{where}:{line}" if lines else where
+                    first = f"first on line {seen[name]}; " if lines else ""
+                    raise ConfigError(f"{at}: duplicate {kind} {prefix + name!r} ({first}YAML "
+                                      f"would keep only the last); {fix}")
+                seen[name] = line
+            _check_duplicate_keys(v, where, f"{prefix}{name if name is not None else '?'}.",
+                                  seen_nodes, lines)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicate_keys(item, where, f"{prefix[:-1]}[{i}].", seen_nodes, lines)
+
+
+def _load_yaml(text: str, where: str, prefix: str = "", lines: bool = True) -> Any:
+    """`yaml.safe_load(text)`, refusing duplicate mapping keys; errors are one-line
+    `ConfigError`s that start with `where` (a file name, then `:LINE`, or with `lines` false
+    `override '...'`, which names no line); `prefix`: the key path of `text`'s top level."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(node, where, prefix, lines=lines)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise _yaml_error(where, e, lines) from None
+    finally:
+        loader.dispose()
+
+
 # ----- public API ---------------------------------------------------------------------------------
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -175,10 +235,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = [p.strip() for p in key.strip().split(".")]
     if not all(path):
         raise ConfigError(f"override {text!r}: empty key component in {key!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
+    value = (_load_yaml(raw, f"override {text!r}: value", ".".join(path) + ".", lines=False)
+             if raw.strip() else "")
     return path, value
 
 
@@ -258,10 +316,7 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         except UnicodeDecodeError as e:
             line = data[:e.start].count(b"\n") + 1
             raise ConfigError(f"{path}:{line}: invalid UTF-8; save the config as UTF-8") from None
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        raw = _load_yaml(text, str(path))
     try:
         return config_from_dict(raw, overrides)
     except ConfigError as e:

@@ -13,13 +13,20 @@ from typing import Any, Optional
 from das_jax.registry import DATASETS, SPECULATION
 from das_jax.speculation.names import DASSection
 
-__all__ = ["ConfigError", "Config", "ModelSection", "DataSection", "RolloutSection",
+__all__ = ["ConfigError", "INFINITE_OK", "Config", "ModelSection", "DataSection", "RolloutSection",
            "GRPOSection", "DASSection", "TrainSection", "EvalSection", "MeshSection",
            "DistributedSection", "DraftHeadSection"]
 
 
 class ConfigError(ValueError):
     """An invalid config (names the offending key and what would be accepted)."""
+
+
+# Every float value of a config must be a finite number (checked for every float field and list
+# item when a config is validated: `validation._check_finite`), except the keys here, where
+# infinity is a documented setting (NaN never is):
+#   das.global_below: inf searches the global trie for every row (docs/results/rollouts.md).
+INFINITE_OK = frozenset({"das.global_below"})
 
 
 def _choices(*values, default):

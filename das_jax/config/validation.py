@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from typing import Sequence
 
-from das_jax.config.schema import (Config, ConfigError, DataSection, DistributedSection,
-                                   MeshSection)
+from das_jax.config.schema import (INFINITE_OK, Config, ConfigError, DataSection,
+                                   DistributedSection, MeshSection)
 from das_jax.data.synthetic import ARITHMETIC_TEMPLATES
 from das_jax.registry import REWARDS
 
@@ -21,10 +22,45 @@ def _check(cond: bool, msg: str):
         raise ConfigError(msg)
 
 
+def _check_finite(section, prefix: str = "") -> None:
+    """Refuses a NaN or infinite float anywhere in `section` (every float field of every section,
+    nested ones included, and every item of a list of floats): no config value means "not a
+    number", and infinity only where a key documents it (`schema.INFINITE_OK`). Runs after the
+    keys' own range checks, so a NaN those refuse keeps their message."""
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key + ".")
+            continue
+        items = ([(f"{key}[{i}]", v) for i, v in enumerate(value)]
+                 if isinstance(value, tuple) else [(key, value)])
+        for name, v in items:
+            if not isinstance(v, float) or math.isfinite(v):
+                continue
+            if math.isinf(v) and key in INFINITE_OK:
+                continue
+            what = "a number (inf allowed)" if key in INFINITE_OK else "a finite number"
+            default = f.default if name == key else dataclasses.MISSING
+            hint = (f" (the default is {default!r})" if isinstance(default, float) else
+                    " or null (the default)" if default is None else "")
+            raise ConfigError(f"{name} must be {what}, got {v}; set it to {what}{hint}")
+
+
+def _check_unique(values: Sequence, key: str, why: str) -> None:
+    """Refuses a list that names an entry twice (`why`: what a repeat would mean / the fix)."""
+    seen = set()
+    for v in values:
+        _check(v not in seen, f"{key} lists {v!r} twice ({list(values)}); {why}")
+        seen.add(v)
+
+
 def validate(cfg: Config) -> Config:
     """Checks cross-field constraints and resolves defaults that depend on other sections
     (`grpo.max_completion_length`). Returns the resolved config."""
     r, g, t, d, das = cfg.rollout, cfg.grpo, cfg.train, cfg.data, cfg.das
+    _check(cfg.model.source.strip() != "",
+           f"model.source is empty ({cfg.model.source!r}); set it to a named model source (see "
+           "`das-jax models`) or the path of an HF model directory or a GGUF file")
     _check(cfg.output_dir.strip() != "",
            f"output_dir is empty ({cfg.output_dir!r}); set it to the run's own directory, e.g. "
            "--set output_dir=runs/my-run")
@@ -56,6 +92,13 @@ def validate(cfg: Config) -> Config:
     _check(len(r.draft_widths) >= 1 and all(w >= 1 for w in r.draft_widths),
            "rollout.draft_widths must be a non-empty list of positive ints, got "
            f"{list(r.draft_widths)}")
+    _check(1 in r.draft_widths,
+           f"rollout.draft_widths must include 1 (the plain decoding step every row can fall "
+           f"back to), got {list(r.draft_widths)}; e.g. {sorted({1, *r.draft_widths})}")
+    _check_unique(r.draft_widths, "rollout.draft_widths",
+                  "each width is one compiled verify program: list each once")
+    _check_unique(r.wide_row_buckets, "rollout.wide_row_buckets",
+                  "each bucket is one compiled program: list each once")
     _check(all(s >= 0 for s in r.stop_token_ids), "rollout.stop_token_ids must be >= 0")
 
     _check(g.num_generations >= 2,
@@ -69,6 +112,13 @@ def validate(cfg: Config) -> Config:
     _check(g.num_iterations >= 1, f"grpo.num_iterations must be >= 1, got {g.num_iterations}")
     _check(g.learning_rate >= 0, f"grpo.learning_rate must be >= 0, got {g.learning_rate}")
     _check(g.weight_decay >= 0, f"grpo.weight_decay must be >= 0, got {g.weight_decay}")
+    for name in ("adam_beta1", "adam_beta2"):
+        b = getattr(g, name)
+        _check(0 <= b < 1, f"grpo.{name} must be in [0, 1) (Adam's moment decay), got {b}; "
+                           "the defaults are adam_beta1 0.9, adam_beta2 0.999")
+    _check(g.adam_epsilon > 0,
+           f"grpo.adam_epsilon must be > 0 (it keeps Adam's update finite), got "
+           f"{g.adam_epsilon}; the default is 1e-08")
     _check(g.warmup_steps >= 0, f"grpo.warmup_steps must be >= 0, got {g.warmup_steps}")
     _check(g.max_grad_norm is None or g.max_grad_norm >= 0,
            f"grpo.max_grad_norm must be >= 0 or null, got {g.max_grad_norm}")
@@ -80,6 +130,9 @@ def validate(cfg: Config) -> Config:
            f"num_generations = {g.batch_size} sequences")
     _check(len(g.reward_funcs) >= 1, "grpo.reward_funcs must name at least one reward function")
     _check_reward_names(g.reward_funcs)
+    _check_unique(g.reward_funcs, "grpo.reward_funcs",
+                  "list each reward function once and weight it with grpo.reward_weights "
+                  "instead (a repeat would compute and log the same reward twice)")
     _check(g.reward_weights is None or len(g.reward_weights) == len(g.reward_funcs),
            f"grpo.reward_weights has {len(g.reward_weights or ())} entries but grpo.reward_funcs "
            f"has {len(g.reward_funcs)}")
@@ -103,6 +156,8 @@ def validate(cfg: Config) -> Config:
         bad = [t for t in d.templates if t not in ARITHMETIC_TEMPLATES]
         _check(bool(d.templates) and not bad, f"data.templates: unknown {bad or 'empty list'}; "
                f"choices: {', '.join(ARITHMETIC_TEMPLATES)}")
+        _check_unique(d.templates, "data.templates",
+                      "list each template once (a set of templates, not weights)")
     _check(das.window >= 1, f"das.window must be >= 1, got {das.window}")
     _check(das.max_depth >= 1, f"das.max_depth must be >= 1, got {das.max_depth}")
     _check(das.drafter_threads >= 1,
@@ -111,6 +166,7 @@ def validate(cfg: Config) -> Config:
     _check("problem" in das.scopes and set(das.scopes) <= {"problem", "request", "global"},
            f"das.scopes must hold 'problem' and only problem, request, global; got "
            f"{list(das.scopes)}")
+    _check_unique(das.scopes, "das.scopes", "list each scope once")
     _check(das.global_rollouts >= 1, f"das.global_rollouts must be >= 1, got "
            f"{das.global_rollouts}")
     _check(das.global_below >= 0, f"das.global_below must be >= 0 (0: never search the global "
@@ -135,6 +191,9 @@ def validate(cfg: Config) -> Config:
     _check(t.log_samples >= 0, f"train.log_samples must be >= 0 (0 disables), got {t.log_samples}")
     _check(r.kv_memory_gb is None or r.kv_memory_gb > 0,
            f"rollout.kv_memory_gb must be > 0 or null, got {r.kv_memory_gb}")
+    _check(t.device_memory_gb is None or t.device_memory_gb > 0,
+           f"train.device_memory_gb must be > 0 (one device's memory in GB) or null (read the "
+           f"device), got {t.device_memory_gb}")
     _check(0 < r.kv_memory_fraction <= 1,
            f"rollout.kv_memory_fraction must be in (0, 1], got {r.kv_memory_fraction}")
     _check(t.logits_chunk >= 1 and t.attention_chunk >= 1,
@@ -158,6 +217,7 @@ def validate(cfg: Config) -> Config:
     _check(rw.workers is None or rw.workers >= 1, f"rewards.workers must be >= 1 or null, got {rw.workers}")
     _check(rw.timeout_s > 0, f"rewards.timeout_s must be > 0 (CPU seconds), got {rw.timeout_s}")
     _check(rw.memory_mb >= 64, f"rewards.memory_mb must be >= 64, got {rw.memory_mb}")
+    _check_finite(cfg)   # every float key, after the range checks above
     return dataclasses.replace(cfg, grpo=g)
 
 
