@@ -44,7 +44,7 @@ def test_the_float_keys_are_found():
 @pytest.mark.parametrize("key, is_list", FLOAT_KEYS)
 @pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
 def test_every_float_key_refuses_non_finite_values(key, is_list, bad):
-    """break.md 12/14: inf / nan were accepted (grpo.learning_rate=inf trained to NaN weights)."""
+    """inf / nan were accepted (grpo.learning_rate=inf trained to NaN weights)."""
     value = f"[{bad}]" if is_list else bad
     if bad == "inf" and key in INFINITE_OK:
         assert load_config(TINY, [f"{key}={value}"]) is not None
@@ -74,7 +74,7 @@ def test_every_float_key_refuses_non_finite_values(key, is_list, bad):
     ("das.cost_model.compile_s=nan", "das.cost_model.compile_s must be a finite number"),
     ("grpo.reward_weights=[nan]", "grpo.reward_weights[0] must be a finite number, got nan"),
     ("das.global_below=nan", "das.global_below must be >= 0"),
-    # break.md 13: no range check at all
+    # no range check at all
     ("grpo.adam_beta1=2", "grpo.adam_beta1 must be in [0, 1)"),
     ("grpo.adam_beta1=-1", "grpo.adam_beta1 must be in [0, 1)"),
     ("grpo.adam_beta2=1.5", "grpo.adam_beta2 must be in [0, 1)"),
@@ -86,12 +86,12 @@ def test_every_float_key_refuses_non_finite_values(key, is_list, bad):
                                  "or null"),
     ("train.device_memory_gb=nan", "train.device_memory_gb must be > 0"),
     ("train.device_memory_gb=inf", "train.device_memory_gb must be a finite number"),
-    # break.md 14: caught only after the model loaded, under the engine's name
+    # caught only after the model loaded, under the engine's name
     ("rollout.draft_widths=[4,8]", "rollout.draft_widths must include 1 (the plain decoding "
                                    "step every row can fall back to), got [4, 8]; e.g. [1, 4, 8]"),
-    # break.md 26: an empty model name
+    # an empty model name
     ("model.source=", "model.source is empty"),
-    # break.md 33: duplicate list entries
+    # duplicate list entries
     ("grpo.reward_funcs=[math_accuracy, math_accuracy]",
      "grpo.reward_funcs lists 'math_accuracy' twice"),
     ("das.scopes=[problem, problem]", "das.scopes lists 'problem' twice"),
@@ -117,7 +117,7 @@ def test_documented_values_stay_accepted():
     assert load_config(TINY, ["train.device_memory_gb=null"]).train.device_memory_gb is None
 
 
-# ----- duplicate YAML keys (break.md 32) ----------------------------------------------------------
+# ----- duplicate YAML keys ------------------------------------------------------------------------
 
 def test_a_duplicate_section_is_refused_naming_it_and_its_lines(tmp_path):
     path = tmp_path / "dup.yaml"
@@ -174,7 +174,7 @@ def test_invalid_yaml_is_one_line_naming_the_file_and_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-# ----- das-jax plan (break.md 4, 16, 25, 26, 28) ------------------------------------------------
+# ----- das-jax plan -------------------------------------------------------------------------------
 
 def _plan(capsys, *argv):
     from das_jax.cli import main
