@@ -233,7 +233,8 @@ def test_replay_cli_cost_model_flag(params, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{")
     assert replay_cli.main(p.parse_args([str(trace), "--cost-model", str(tmp_path / "bad.json")])) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("das-jax bench replay: cost model file") and "\n" not in err
+    assert err.startswith("das-jax bench replay: error: --cost-model ") and "\n" not in err
+    assert "cost model file" in err
     out_json = tmp_path / "out.json"
     assert replay_cli.main(p.parse_args([str(trace), "--cost-model", "h200-7b", "--drafters",
                                          "none,das", "--json", str(out_json)])) == 0

@@ -98,7 +98,7 @@ def _cases(tmp_path, f):
         (["bench", "rollout", "--config", f["missing"]], "cannot read config file", R),
         (["bench", "rollout", "--set", "grpo.reward_funcs=[nosuch]"],
          "unknown reward function 'nosuch'", R),
-        (["bench", "replay", f["missing"]], "No such file", P),
+        (["bench", "replay", f["missing"]], "no such file; pass a trace", P),
         (["bench", "replay", f["bad_trace"]], f"{f['bad_trace']}:2: invalid UTF-8", P),
         (["bench", "replay", f["bad_txt"]], f"{f['bad_txt']}:1: not JSON", P),
         (["bench", "replay", f["missing"], "--slots", "x"], "argument --slots", P),
@@ -319,7 +319,8 @@ def test_an_empty_output_dir_is_refused(tmp_path, capsys, monkeypatch):
 
 def test_overwrite_never_removes_a_users_own_files(tmp_path, capsys, monkeypatch):
     """The current directory holding the user's config.yaml and plots/my_figure.png is not a
-    previous run: refused with and without --overwrite, nothing removed."""
+    previous run: refused with and without --overwrite, nothing removed and nothing left (the
+    refused run's lock file is gone again)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plots").mkdir()
     (tmp_path / "config.yaml").write_text("mine: true\n")
@@ -332,7 +333,7 @@ def test_overwrite_never_removes_a_users_own_files(tmp_path, capsys, monkeypatch
         assert "--overwrite" not in err
     assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
     assert (tmp_path / "plots" / "my_figure.png").read_bytes() == b"\x89PNG mine"
-    assert sorted(os.listdir(tmp_path)) == [".lock", "config.yaml", "plots"]
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "plots"]
 
 
 def test_a_bad_set_value_is_blamed_on_the_set_not_the_file(tmp_path, capsys):

@@ -1,9 +1,67 @@
-"""Argument definitions of `bench engine` and `bench replay` (no jax import here)."""
+"""Argument definitions of `bench engine` and `bench replay` (no jax import here), and the one
+check of step-cost coefficients (`cost_coefficients`, `seconds`) that the replay's flags
+(--c-base / --c-tok / --c-kv) and a trace header's "cost_model" both go through."""
 from __future__ import annotations
 
 import argparse
+import math
+from typing import Callable
 
 from das_jax.arg_types import int_list, positive_int
+from das_jax.errors import UserError
+
+COST_KEYS = ("c_base", "c_tok", "c_kv")
+
+
+def is_number(v) -> bool:
+    """A JSON/Python int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_seconds(v) -> bool:
+    """A finite number >= 0: a valid step-cost coefficient (seconds)."""
+    return is_number(v) and math.isfinite(v) and v >= 0
+
+
+def finite_float(minimum: float = 0.0, *, strict: bool = False, unit: str = ""
+                 ) -> Callable[[str], float]:
+    """argparse `type=`: a finite float >= `minimum` (> `minimum` with `strict`); argparse puts
+    the flag in front of the message (`argument --c-base: 'nan' is not a finite number >= 0`)."""
+    what = f"a finite number {'>' if strict else '>='} {minimum:g}{unit}"
+
+    def convert(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(v) or v < minimum or (strict and v == minimum):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+    convert.__name__ = "number"
+    return convert
+
+
+seconds = finite_float(0.0, unit=" (seconds)")   # a cost-model coefficient given as a flag
+
+
+def cost_coefficients(obj, where: str, fix: str) -> dict:
+    """{"c_base", "c_tok", "c_kv"} as floats from `obj` (a trace header's "cost_model"; c_kv
+    defaults to 0), each a finite number >= 0 (`is_seconds`, the check --c-base / --c-tok /
+    --c-kv go through too).
+
+    Raises:
+      UserError: "<where>: <what is wrong>; <fix>"."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: 'cost_model' is {type(obj).__name__}, not an object "
+                        f"{{\"c_base\": s, \"c_tok\": s, \"c_kv\": s}}; {fix}")
+    out = {}
+    for k in COST_KEYS:
+        v = obj.get(k, 0.0 if k == "c_kv" else None)
+        if not is_seconds(v):
+            raise UserError(f"{where}: cost_model.{k} must be a finite number >= 0 (seconds), "
+                            f"got {v!r}; {fix}")
+        out[k] = float(v)
+    return out
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,10 +106,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                         "2-core CPU; h100-7b / h200-7b = a 7B bf16 model derived from datasheet "
                         "figures) or a cost-model JSON file; default: the trace's fitted model "
                         "(--scale trace) or h100-7b (--scale paper)")
-    p.add_argument("--c-base", type=float, default=None, help="cost model: seconds per step")
-    p.add_argument("--c-tok", type=float, default=None,
+    p.add_argument("--c-base", type=seconds, default=None, help="cost model: seconds per step")
+    p.add_argument("--c-tok", type=seconds, default=None,
                    help="cost model: seconds per verified token row")
-    p.add_argument("--c-kv", type=float, default=None,
+    p.add_argument("--c-kv", type=seconds, default=None,
                    help="cost model: seconds per cached position per row")
     p.add_argument("--no-overheads", action="store_true",
                    help="leave out the trace's prefill and executor overheads (the measured "
@@ -59,16 +117,23 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", choices=("trace", "paper"), default="trace",
                    help="trace: replay the recorded rollouts; paper: a resampled paper-scale "
                         "workload (128 problems x 16 samples, 16K tokens, long tail)")
-    p.add_argument("--paper-problems", type=positive_int, default=128)
-    p.add_argument("--paper-samples", type=positive_int, default=16)
-    p.add_argument("--paper-max-tokens", type=positive_int, default=16384)
-    p.add_argument("--paper-median", type=float, default=4000.0,
-                   help="median rollout length of the paper-scale workload (tokens)")
-    p.add_argument("--paper-sigma", type=float, default=0.8,
-                   help="log-normal sigma of per-problem lengths (the long tail)")
+    # --paper-* default to None so that giving one without --scale paper is refused
+    # (`paper_defaults` fills in the values below).
+    p.add_argument("--paper-problems", type=positive_int, default=None,
+                   help="--scale paper: problems (default 128)")
+    p.add_argument("--paper-samples", type=positive_int, default=None,
+                   help="--scale paper: samples per problem (default 16)")
+    p.add_argument("--paper-max-tokens", type=positive_int, default=None,
+                   help="--scale paper: max tokens per rollout (default 16384)")
+    p.add_argument("--paper-median", type=finite_float(0.0, strict=True), default=None,
+                   help="--scale paper: median rollout length of the workload (tokens; default "
+                        "4000)")
+    p.add_argument("--paper-sigma", type=finite_float(0.0), default=None,
+                   help="--scale paper: log-normal sigma of per-problem lengths (the long tail; "
+                        "default 0.8)")
     p.add_argument("--paper-epochs", type=positive_int, default=None,
-                   help="epochs of the paper-scale workload (default: the trace's)")
-    p.add_argument("--temperature", type=float, default=None,
+                   help="--scale paper: epochs of the workload (default: the trace's)")
+    p.add_argument("--temperature", type=finite_float(0.0), default=None,
                    help="which recorded temperature to replay (default: all)")
     p.add_argument("--kv-cache", choices=("dense", "paged"), default="dense",
                    help="the simulated engine's KV cache: dense (every slot holds max_cache_len "
@@ -92,3 +157,23 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    help="complete the drafter's appends before every draft (rollout.overlap_host:"
                         " false); default: index them while the device computes the next step")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+
+
+PAPER_DEFAULTS = {"paper_problems": 128, "paper_samples": 16, "paper_max_tokens": 16384,
+                  "paper_median": 4000.0, "paper_sigma": 0.8, "paper_epochs": None}
+
+
+def paper_defaults(args: argparse.Namespace) -> None:
+    """Checks the --paper-* flags of `bench replay`: with --scale paper, fills in the defaults of
+    those not given; without it, any given one is an error (it would be silently ignored).
+
+    Raises:
+      UserError: naming the flag and --scale paper."""
+    paper = getattr(args, "scale", "trace") == "paper"
+    for key, default in PAPER_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, default)
+        elif not paper:
+            flag = "--" + key.replace("_", "-")
+            raise UserError(f"{flag} shapes the paper-scale workload and has no effect on a "
+                            f"trace replay; add --scale paper or drop {flag}")

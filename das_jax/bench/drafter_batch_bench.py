@@ -22,24 +22,48 @@ import time
 
 import numpy as np
 
+from das_jax.arg_types import int_list, positive_int
+
+
+SCOPES = ("problem", "request", "global")   # the suffix drafter's (`SuffixDrafter.SCOPES`)
+
+
+def scope_list(text: str) -> str:
+    """argparse `type=` of --scopes: comma-separated names of SCOPES that include 'problem'
+    (checked, returned as the text)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or "problem" not in names or any(n not in SCOPES for n in names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of {', '.join(SCOPES)} that includes "
+            "problem (e.g. problem,request,global)")
+    return ",".join(names)
+
 
 def add_batch_arguments(parser: argparse.ArgumentParser, standalone: bool = False) -> None:
-    """The --batch options (`standalone`: also those `drafter_bench` shares with them)."""
+    """The --batch options (`standalone`: also those `drafter_bench` shares with them); each
+    checked by its argparse type, so a bad value is one line naming the flag before any trie is
+    built."""
     if standalone:
-        parser.add_argument("--depth", type=int, default=24, help="suffix trie max_depth")
-        parser.add_argument("--window", type=int, default=16, help="epochs kept per problem")
-        parser.add_argument("--problems", type=int, default=128, help="problems")
-        parser.add_argument("--rollouts", type=int, default=16, help="rollouts per problem")
-        parser.add_argument("--k", type=int, default=8, help="draft budget per propose")
+        parser.add_argument("--depth", type=positive_int, default=24, help="suffix trie max_depth")
+        parser.add_argument("--window", type=positive_int, default=16,
+                            help="epochs kept per problem")
+        parser.add_argument("--problems", type=positive_int, default=128, help="problems")
+        parser.add_argument("--rollouts", type=positive_int, default=16,
+                            help="rollouts per problem")
+        parser.add_argument("--k", type=positive_int, default=8, help="draft budget per propose")
         parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--scopes", default=None,
+    parser.add_argument("--scopes", type=scope_list, default=None,
                         help="--batch: the suffix drafter's scopes, comma-separated (default: "
                         "its default, problem,request,global)")
-    parser.add_argument("--rows", default="32,128,256,512", help="--batch: live rows A")
-    parser.add_argument("--threads", default="1,2", help="--batch: propose_batch thread counts")
-    parser.add_argument("--length", type=int, default=1000, help="--batch: tokens per rollout")
-    parser.add_argument("--vocab", type=int, default=200, help="--batch: vocabulary")
-    parser.add_argument("--steps", type=int, default=30, help="--batch: timed decode steps")
+    parser.add_argument("--rows", type=int_list(example="32,128", as_text=True),
+                        default="32,128,256,512", help="--batch: live rows A")
+    parser.add_argument("--threads", type=int_list(example="1,2", as_text=True), default="1,2",
+                        help="--batch: propose_batch thread counts")
+    parser.add_argument("--length", type=positive_int, default=1000,
+                        help="--batch: tokens per rollout")
+    parser.add_argument("--vocab", type=positive_int, default=200, help="--batch: vocabulary")
+    parser.add_argument("--steps", type=positive_int, default=30,
+                        help="--batch: timed decode steps")
 
 
 def _mutate(rng, base, p, vocab):

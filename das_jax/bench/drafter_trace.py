@@ -17,8 +17,6 @@ time: drafts are scored by acceptance alone.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import time
 from typing import Callable, Iterable
 
@@ -38,31 +36,15 @@ class TraceRollout:
 
 
 def load_trace_rollouts(path: str) -> tuple[dict, list[TraceRollout]]:
-    """(header dict, rollouts in file order) of a trace (`das_jax.bench.replay` format; .gz
-    read as gzip). Raises UserError naming the file when it is missing or not a trace."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    header, rollouts = {}, []
-    try:
-        with opener(path, "rt") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                if row.get("type") == "header":
-                    header = row
-                    continue
-                rollouts.append(TraceRollout(int(row["epoch"]), str(row["problem_id"]),
-                                             list(row["prompt_ids"]), list(row["token_ids"])))
-    except FileNotFoundError:
-        raise UserError(f"trace {path}: no such file; pass a trace written by `das-jax bench "
-                        "rollout` (DIR/trace.jsonl) or the shipped "
-                        "docs/traces/gsm8k-smollm2-135m.jsonl.gz")
-    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"trace {path}: not a rollout trace ({type(e).__name__}: {e}); pass a "
-                        "trace written by `das-jax bench rollout` (DIR/trace.jsonl)") from None
-    if not rollouts:
-        raise UserError(f"trace {path}: holds no rollouts")
-    return header, rollouts
+    """(header dict, rollouts in file order) of a trace, read and checked line by line by the
+    one trace reader (`das_jax.bench.replay.read_trace`; .gz read as gzip); a header line is
+    optional here. Raises UserError naming the file (and line) when it is missing or not a
+    trace, before any model loads."""
+    from das_jax.bench.replay import read_trace   # deferred import: jax (the engine)
+    trace = read_trace(path, need_header=False)
+    return dict(trace.header), [
+        TraceRollout(r.epoch, str(r.problem_id), list(r.prompt_ids), list(r.token_ids))
+        for r in trace.rollouts]
 
 
 @dataclasses.dataclass

@@ -64,11 +64,13 @@ from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
+from das_jax.bench.arguments import cost_coefficients, is_number, is_seconds
 # The engine's own host scheduler and result types: the simulation runs the engine's loop.
 # Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
 from das_jax.config import ConfigError, apply_overrides, config_from_dict
 from das_jax.engine import (EngineConfig, GenerateStats, Limits, PagedRows, Prefilled, PromptRows,
                             StepInput, StepOutput, prefill_layout, run_schedule)
+from das_jax.errors import UserError
 from das_jax.rollout import build_speculation
 from das_jax.speculation import CostModel
 
@@ -128,56 +130,168 @@ def write_trace(path, header: dict, rollouts: Iterable[TraceRollout]) -> None:
 
 
 def _trace_lines(path) -> list[bytes]:
-    """The raw lines of a trace file, gunzipped when the name ends in `.gz`."""
-    if not str(path).endswith(".gz"):
-        with open(path, "rb") as f:
-            return f.read().splitlines()
-    try:
-        with gzip.open(path, "rb") as f:
-            return f.read().splitlines()
-    except (OSError, EOFError) as e:   # gzip.BadGzipFile is an OSError
-        raise ValueError(f"{path}: not a readable gzip file ({e}); is it a trace written by "
-                         "`bench rollout`, compressed with gzip?") from None
-
-
-def read_trace(path) -> Trace:
-    """The trace at `path` (`write_trace`'s JSON lines; gzip-compressed when the name ends in
-    `.gz`).
+    """The raw lines of a trace file, gunzipped when the name ends in `.gz`.
 
     Raises:
-      ValueError: one line naming the file (and line) that is not a trace.
+      UserError: the file is missing, a directory, unreadable or not gzip (one line with the
+        fix)."""
+    fix = ("pass a trace written by `das-jax bench rollout` (DIR/trace.jsonl) or the shipped "
+           "docs/traces/gsm8k-smollm2-135m.jsonl.gz")
+    try:
+        if not str(path).endswith(".gz"):
+            with open(path, "rb") as f:
+                return f.read().splitlines()
+        with gzip.open(path, "rb") as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        raise UserError(f"trace {path}: no such file; {fix}") from None
+    except IsADirectoryError:
+        raise UserError(f"trace {path}: is a directory, not a trace file; {fix}") from None
+    except (OSError, EOFError) as e:   # gzip.BadGzipFile is an OSError
+        if isinstance(e, OSError) and e.errno is not None:      # permissions, I/O errors
+            raise UserError(f"trace {path}: cannot read it ({e.strerror or e}); {fix}") from None
+        raise UserError(f"trace {path}: not a readable gzip file ({e}); is it a trace written "
+                        "by `bench rollout`, compressed with gzip?") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_token_ids(v) -> bool:
+    return isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)
+
+
+def _check_header(obj: dict, where: str) -> dict:
+    """The header line's fields that a trace may hold, each checked when present (a command
+    that needs an absent one says so itself); returns the header without "type"."""
+    fix = "record the trace again with `das-jax bench rollout`"
+
+    def bad(key, want):
+        return UserError(f"{where}: header {key!r} must be {want}, got {obj_get(key)!r}; {fix}")
+
+    def obj_get(key):
+        cur = obj
+        for part in key.split("."):
+            cur = cur.get(part) if isinstance(cur, dict) else None
+        return cur
+
+    if "model" in obj and not (isinstance(obj["model"], str) and obj["model"].strip()):
+        raise UserError(f"{where}: header 'model' must be a model source (a name or path, "
+                        f"as a string), got {obj['model']!r}; set it in the header (e.g. "
+                        '"model": "smollm2-135m-instruct") or ' + fix)
+    if "cost_model" in obj:
+        cost_coefficients(obj["cost_model"], f"{where}: header",
+                          "pass --cost-model cpu|h100-7b|h200-7b|PATH.json, or " + fix)
+    if "max_new_tokens" in obj and not (_is_int(obj["max_new_tokens"])
+                                        and obj["max_new_tokens"] >= 1):
+        raise bad("max_new_tokens", "an integer >= 1")
+    eng = obj.get("engine")
+    if eng is not None:
+        if not isinstance(eng, dict):
+            raise bad("engine", "an object {max_slots, max_cache_len, draft_widths}")
+        for k in ("max_slots", "max_cache_len"):
+            if k in eng and not (_is_int(eng[k]) and eng[k] >= 1):
+                raise bad(f"engine.{k}", "an integer >= 1 (pass --batch / --slots to replay "
+                          "other slots)" if k == "max_slots" else "an integer >= 1")
+        if "draft_widths" in eng:
+            w = eng["draft_widths"]
+            if not (isinstance(w, list) and w and all(_is_int(x) and x >= 1 for x in w)
+                    and 1 in w):
+                raise bad("engine.draft_widths", "a list of integers >= 1 that includes 1 "
+                          "(or pass --draft-widths 1,4,8)")
+    for key in ("das", "drafter_kwargs"):
+        if key in obj and not isinstance(obj[key], dict):
+            raise bad(key, "an object (the config's das: section)")
+    ov = obj.get("overheads")
+    if ov is not None:
+        if not (isinstance(ov, dict) and all(is_seconds(v) for v in ov.values())):
+            raise bad("overheads", "an object of finite numbers >= 0 (seconds; or pass "
+                      "--no-overheads)")
+    return {k: v for k, v in obj.items() if k != "type"}
+
+
+def read_trace(path, *, need_header: bool = True) -> Trace:
+    """The trace at `path` (`write_trace`'s JSON lines; gzip-compressed when the name ends in
+    `.gz`): the one trace reader of every command (`bench replay`, `bench drafter --trace`,
+    `draft-head fit / replay`, `plan --lengths`). Every line's structure is checked here: the
+    header's fields that are present (`_check_header`), and each rollout's epoch and
+    sample_index (integers >= 0), problem_id (string or integer), prompt_ids / token_ids (lists
+    of token ids >= 0, the prompt not empty), temperature (a finite number >= 0) and
+    finish_reason (a string). `need_header=False` (the drafter and head commands): a trace
+    without a header line, and rollouts without sample_index (0), are accepted.
+
+    Raises:
+      UserError: one line naming the file (and line) and what is wrong, with the fix.
     """
+    fix = "pass a trace written by `das-jax bench rollout` (DIR/trace.jsonl)"
     header: dict = {}
     rollouts = []
     for i, raw in enumerate(_trace_lines(path)):
+        where = f"trace {path}:{i + 1}"
         try:
             line = raw.decode("utf-8")
             obj = json.loads(line) if line.strip() else None
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}:{i + 1}: invalid UTF-8 at byte {e.start} of the line; "
-                             "is it a trace written by `bench rollout`?") from None
+            raise UserError(f"{where}: invalid UTF-8 at byte {e.start} of the line, so not a "
+                            f"rollout trace; {fix}") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}); is it a trace written by "
-                             "`bench rollout`?") from None
+            raise UserError(f"{where}: not JSON ({e.msg}), so not a rollout trace; {fix}"
+                            ) from None
+        except RecursionError:
+            raise UserError(f"{where}: not a rollout trace: JSON nested too deeply; {fix}"
+                            ) from None
         if obj is None:
             continue
         if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{i + 1}: not a JSON object")
+            raise UserError(f"{where}: not a rollout trace: the line is a JSON "
+                            f"{type(obj).__name__}, not an object; {fix}")
         if obj.get("type") == "header":
-            header = {k: v for k, v in obj.items() if k != "type"}
+            header = _check_header(obj, where)
             continue
-        try:
-            rollouts.append(TraceRollout(
-                epoch=int(obj["epoch"]), problem_id=obj["problem_id"],
-                sample_index=int(obj["sample_index"]), prompt_ids=tuple(obj["prompt_ids"]),
-                token_ids=tuple(obj["token_ids"]),
-                finish_reason=obj.get("finish_reason", "stop"),
-                temperature=float(obj.get("temperature", 0.0))))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}:{i + 1}: not a trace rollout line ({e})") from None
-    if not header:
-        raise ValueError(f"{path}: no header line (type=header) with the cost model")
+        rollouts.append(_rollout(obj, where, need_header, fix))
+    if not header and need_header:
+        raise UserError(f"trace {path}: no header line (type=header) with the cost model; {fix}")
+    if not rollouts:
+        raise UserError(f"trace {path}: holds no rollouts; {fix}")
     return Trace(header, rollouts)
+
+
+def _rollout(obj: dict, where: str, need_sample_index: bool, fix: str) -> TraceRollout:
+    """One checked rollout line (see `read_trace`)."""
+
+    def bad(key, want):
+        if key not in obj:
+            return UserError(f"{where}: not a rollout trace line: it has no {key} ({want}); "
+                             f"{fix}")
+        got = repr(obj[key])
+        if len(got) > 60:
+            got = got[:57] + "..."
+        return UserError(f"{where}: not a rollout trace line: {key} must be {want}, got {got}"
+                         f"; {fix}")
+    for key in ("epoch", "sample_index"):
+        if key == "sample_index" and key not in obj and not need_sample_index:
+            continue
+        if not (_is_int(obj.get(key)) and obj[key] >= 0):
+            raise bad(key, "an integer >= 0")
+    pid = obj.get("problem_id")
+    if not (isinstance(pid, str) or _is_int(pid)):
+        raise bad("problem_id", "a string or an integer")
+    for key in ("prompt_ids", "token_ids"):
+        if not _is_token_ids(obj.get(key)):
+            raise bad(key, "a list of token ids (integers >= 0)")
+    if not obj["prompt_ids"]:
+        raise bad("prompt_ids", "a non-empty list of token ids")
+    temp = obj.get("temperature", 0.0)
+    if not (is_number(temp) and np.isfinite(temp) and temp >= 0):
+        raise bad("temperature", "a finite number >= 0")
+    reason = obj.get("finish_reason", "stop")
+    if not isinstance(reason, str):
+        raise bad("finish_reason", "a string (stop, length)")
+    return TraceRollout(epoch=obj["epoch"], problem_id=pid,
+                        sample_index=obj.get("sample_index", 0),
+                        prompt_ids=tuple(obj["prompt_ids"]), token_ids=tuple(obj["token_ids"]),
+                        finish_reason=reason, temperature=float(temp))
 
 
 @dataclasses.dataclass

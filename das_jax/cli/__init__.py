@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prog(args: argparse.Namespace) -> str:
-    words = ["das-jax"] + [getattr(args, k) for k in ("command", "bench_command")
+    words = ["das-jax"] + [getattr(args, k) for k in ("command", "bench_command",
+                                                      "draft_head_command")
                            if getattr(args, k, None)]
     return " ".join(words)
 

@@ -92,6 +92,7 @@ def _check_drafter_arguments(p: argparse.ArgumentParser) -> None:
     set_type(p, "--traffic", name_list(("gsm8k", "long"), as_text=True))
     for flag in ("--depth", "--window", "--problems", "--epochs", "--rollouts", "--k"):
         set_type(p, flag, positive_int)
+    set_type(p, "--head-scale", arguments.finite_float(0.0, strict=True))   # draft_head.scale
 
 
 def _check_rollout_arguments(p: argparse.ArgumentParser) -> None:

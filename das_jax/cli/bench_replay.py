@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
 from das_jax.bench import replay as rp
+from das_jax.bench.arguments import paper_defaults
 from das_jax.bench.memory_bound import epoch_bounds
+from das_jax.config import ConfigError
 from das_jax.engine import EngineConfig, cache_len_for
+from das_jax.engine.engine_config import GenerateError
+from das_jax.errors import UserError, one_line
 from das_jax.speculation import resolve_cost_model
 
 # Paper-scale defaults: a 7B bf16 model on one H100 SXM (`das_jax.speculation.gpu_cost`), 256 slots.
@@ -20,26 +25,19 @@ PAPER_WIDTHS = (1, 4, 8, 16)
 
 
 def main(args: argparse.Namespace) -> int:
-    paper = args.scale == "paper"
+    """Checks every input (flags, the trace, the cost model, the --json path) before the
+    simulation; a bad one is one line `das-jax bench replay: error: ...` and exit code 2."""
     try:
-        trace = rp.read_trace(args.trace)
-        das = rp.das_from_header(trace.header, args.overrides)
-        spec = args.cost_model or (PAPER_COST_MODEL if paper else None)
-        coef = resolve_cost_model(spec) if spec else dict(trace.header["cost_model"])
-    except (OSError, ValueError) as e:
-        print(f"das-jax bench replay: {e}", file=sys.stderr)
+        trace, das, coef, widths = check_inputs(args)
+    except (UserError, ConfigError) as e:
+        print(f"das-jax bench replay: error: {one_line(str(e))}", file=sys.stderr)
         return 2
+    paper = args.scale == "paper"
     h = trace.header
     names = [d.strip() for d in args.drafters.split(",") if d.strip()]
     if "none" not in names:
         names = ["none"] + names
-    for k in ("c_base", "c_tok", "c_kv"):
-        v = getattr(args, k)
-        if v is not None:
-            coef[k] = v
     eng = h.get("engine", {})
-    widths = (tuple(int(w) for w in args.draft_widths.split(",")) if args.draft_widths else
-              (PAPER_WIDTHS if paper else tuple(eng.get("draft_widths", (1, 4, 8)))))
     if args.slots:
         slots = [int(s) for s in args.slots.split(",")]
     elif args.batch:
@@ -98,10 +96,92 @@ def main(args: argparse.Namespace) -> int:
             print(bound_table(pred, bounds, pool, coef))
             print(f"(simulated in {sim_s:.1f}s)", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"trace": args.trace, "scale": args.scale, "results": results}, f, indent=1,
-                      default=str)
+        write_json(args.json, {"trace": args.trace, "scale": args.scale, "results": results})
     return 0
+
+
+def check_inputs(args: argparse.Namespace):
+    """(trace, das settings, cost coefficients, draft widths) after checking every input the
+    replay reads, before any simulation.
+
+    Raises:
+      UserError / ConfigError: one line naming the input (flag, file, header key) and the fix."""
+    paper_defaults(args)                       # --paper-* only with --scale paper
+    paper = args.scale == "paper"
+    if args.json:
+        check_out_path(args.json, "--json")
+    if args.draft_widths:
+        widths = tuple(int(w) for w in args.draft_widths.split(","))
+        if 1 not in widths:
+            raise UserError(f"--draft-widths {args.draft_widths} must include 1 (plain "
+                            f"decoding), e.g. 1,{args.draft_widths}")
+    trace = rp.read_trace(args.trace)          # every line checked (UserError naming it)
+    h = trace.header
+    das = rp.das_from_header(h, args.overrides)
+    spec = args.cost_model or (PAPER_COST_MODEL if paper else None)
+    if spec:
+        try:
+            coef = resolve_cost_model(spec)
+        except ValueError as e:
+            raise UserError(f"--cost-model {spec}: {e}") from None
+    elif "cost_model" in h:
+        coef = dict(h["cost_model"])            # checked by read_trace
+    else:
+        raise UserError(f"trace {args.trace}: its header has no 'cost_model'; pass --cost-model "
+                        "cpu|h100-7b|h200-7b|PATH.json")
+    for k in ("c_base", "c_tok", "c_kv"):       # checked by their argparse type (`seconds`)
+        v = getattr(args, k)
+        if v is not None:
+            coef[k] = v
+    eng = h.get("engine", {})
+    if not args.draft_widths:
+        widths = PAPER_WIDTHS if paper else tuple(eng.get("draft_widths", (1, 4, 8)))
+    if not paper:
+        if "max_new_tokens" not in h:
+            raise UserError(f"trace {args.trace}: its header has no 'max_new_tokens'; record "
+                            "the trace again with `das-jax bench rollout`, or replay it with "
+                            "--scale paper")
+        temps = sorted({r.temperature for r in trace.rollouts})
+        if args.temperature is not None and not any(
+                abs(t - args.temperature) < 1e-9 for t in temps):
+            raise UserError(f"--temperature {args.temperature:g}: trace {args.trace} holds no "
+                            "rollouts at that temperature; it holds "
+                            f"{', '.join(f'{t:g}' for t in temps)} (or leave --temperature "
+                            "out to replay all)")
+    try:                                       # the engine settings the flags make
+        engine_config(args, 1, widths, 1 << 20)
+    except GenerateError as e:
+        raise UserError(f"the replay's engine settings (--draft-widths, --kv-cache, "
+                        f"--page-size, --kv-rows or the trace's engine): {e}") from None
+    return trace, das, coef, widths
+
+
+def check_out_path(path: str, flag: str) -> None:
+    """Refuses an output file path that cannot be written (a directory, a missing or
+    unwritable parent) before any work, naming `flag`."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a directory; give a file path, e.g. "
+                        f"{os.path.join(path, 'replay.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UserError(f"{flag} {path}: directory {os.path.dirname(path) or parent} does not "
+                        "exist; create it first or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"{flag} {path}: directory {parent} is not writable; choose another "
+                        "path")
+
+
+def write_json(path: str, obj) -> None:
+    """Writes `obj` to `path` atomically (a temporary file beside it, then renamed): a failed
+    write leaves no half-written file and the old one, if any, intact."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, default=str)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def engine_config(args, max_slots: int, widths, max_cache_len: int) -> EngineConfig:

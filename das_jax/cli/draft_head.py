@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -26,8 +27,8 @@ def _positive_float(text: str) -> float:
         v = float(text)
     except ValueError:
         v = -1.0
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
     return v
 
 
@@ -68,12 +69,11 @@ def register(subparsers) -> None:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from das_jax.draft_head.fit import FitConfig, split_problems   # deferred import: jax
+    # deferred import: jax
+    from das_jax.draft_head.fit import FitConfig, check_fit_size, split_problems
 
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"--out {args.out}: directory {out_dir} does not exist; create it first")
-    header, rollouts = load_trace_rollouts(args.trace)
+    check_out_file(args.out, "--out", "head.safetensors")
+    header, rollouts = load_trace_rollouts(args.trace)   # every line checked
     model = args.model or header.get("model")
     if not model:
         raise UserError(f"trace {args.trace}: its header names no model; pass --model SOURCE")
@@ -82,6 +82,7 @@ def run_fit(args: argparse.Namespace) -> int:
         raise UserError(f"--holdout {args.holdout} leaves no problem of {args.trace} to fit on")
     cfg = FitConfig(epochs=args.epochs, batch=args.batch, lr=args.lr,
                     draft_vocab=args.draft_vocab, steps=args.steps, seed=args.seed)
+    check_fit_size(rollouts, hold_ids, cfg, f"trace {args.trace}")   # before the model loads
 
     from tqdm import tqdm  # deferred import: tqdm (slow to import; not for --help)
 
@@ -101,11 +102,33 @@ def run_fit(args: argparse.Namespace) -> int:
     head, _ = fit_head(model_config, params, model, rollouts, cfg, hold_ids, bar=bar,
                        log=lambda line: tqdm.write(line, file=sys.stderr),
                        meta={"trace": os.path.abspath(args.trace)})
-    save_head(args.out, head)
+    try:
+        save_head(args.out, head)
+    finally:   # a failed write leaves no half-written head beside --out
+        if os.path.exists(f"{args.out}.tmp") and not os.path.isdir(f"{args.out}.tmp"):
+            os.remove(f"{args.out}.tmp")
     print(f"wrote {args.out}: draft head for {model} ({head.config.draft_vocab_size} draft "
           f"tokens, blocks {list(head.config.feature_layers)}), fitted on "
           f"{len(fit_ids)} problems" + (f", {len(hold_ids)} held out" if hold_ids else ""))
     return 0
+
+
+def check_out_file(path: str, flag: str, example: str) -> None:
+    """Refuses, before any work, an output file path that cannot be written: a directory, a
+    missing or unwritable parent directory, or one whose temporary file (PATH.tmp, renamed onto
+    PATH) is in the way."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a directory; give a file path, e.g. "
+                        f"{os.path.join(path, example)}")
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"{flag} {path}: directory {out_dir} does not exist; create it first")
+    if not os.access(out_dir, os.W_OK):
+        raise UserError(f"{flag} {path}: directory {out_dir} is not writable; choose another "
+                        "path")
+    if os.path.isdir(f"{path}.tmp"):
+        raise UserError(f"{flag} {path}: {path}.tmp (its temporary file) is a directory; "
+                        "remove it or choose another path")
 
 
 def _rates(text: str) -> list[float]:
@@ -113,9 +136,9 @@ def _rates(text: str) -> list[float]:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         vals = []
-    if not vals or any(not v >= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected comma-separated learning rates >= 0, got "
-                                         f"{text!r}")
+    if not vals or any(not (v >= 0 and math.isfinite(v)) for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated finite learning rates >= 0 "
+                                         f"(e.g. 0,1e-4,3e-4), got {text!r}")
     return vals
 
 
@@ -146,8 +169,8 @@ def run_replay(args: argparse.Namespace) -> int:
     # deferred import: jax, safetensors (not for --help)
     from das_jax.draft_head.store import check_head_for_policy, load_head
 
+    header, rollouts = load_trace_rollouts(args.trace)   # every line checked
     head = load_head(args.head)
-    header, rollouts = load_trace_rollouts(args.trace)
     model = head.meta.get("model") or header.get("model")
     hold = set(head.meta.get("holdout_problems") or ())
     if args.problems != "all":

@@ -51,6 +51,42 @@ def draft_vocabulary(sequences: Sequence[Sequence[int]], size: int) -> np.ndarra
     return np.array([t for t, _ in ranked[:size]], np.int32)
 
 
+MIN_FIT_STEPS = 2     # the warm-up + cosine schedule needs a step after the warm-up
+
+
+def _buckets(token_lengths: Sequence[int]) -> np.ndarray:
+    """Each rollout's output bucket (its output length rounded up to OUTPUT_BUCKET, >= one)."""
+    return np.array([max(-(-int(n) // OUTPUT_BUCKET), 1) * OUTPUT_BUCKET for n in token_lengths],
+                    dtype=np.int64)
+
+
+def fit_steps(token_lengths: Sequence[int], batch: int, epochs: int) -> int:
+    """Optimizer steps of a fit on rollouts of these output lengths: per epoch, each output
+    bucket's rollouts in batches of `batch` (its last batch filled up), times `epochs`."""
+    buckets = _buckets(token_lengths)
+    return epochs * sum(-(-int((buckets == b).sum()) // batch) for b in np.unique(buckets))
+
+
+def check_fit_size(rollouts, holdout_problems: Sequence[str], cfg: "FitConfig",
+                   trace: str = "the trace") -> None:
+    """Refuses, before any model loads, a fit with no rollouts left after the holdout or with
+    fewer than MIN_FIT_STEPS optimizer steps (the learning-rate schedule needs them).
+
+    Raises:
+      UserError: naming the counts and the flags that change them."""
+    hold = set(holdout_problems)
+    rows = [r for r in rollouts if r.problem_id not in hold]
+    if not rows:
+        raise UserError(f"{trace}: no rollouts left to fit on after the holdout; lower "
+                        "--holdout")
+    total = fit_steps([len(r.token_ids) for r in rows], cfg.batch, cfg.epochs)
+    if total < MIN_FIT_STEPS:
+        raise UserError(f"{trace}: {len(rows)} rollout(s) to fit on make {total} optimizer "
+                        f"step(s) (--epochs {cfg.epochs}, --batch {cfg.batch}); a fit needs at "
+                        f"least {MIN_FIT_STEPS}: raise --epochs, lower --batch, or use a longer "
+                        "trace")
+
+
 def split_problems(problem_ids: Sequence[str], holdout: float) -> tuple[list, list]:
     """(fit problems, holdout problems): the last `ceil(holdout * n)` problems in order of first
     appearance are held out (never fitted on), so a benchmark can measure the head on problems
@@ -71,10 +107,9 @@ def fit_head(model_config, params, model_name: str, rollouts, cfg: FitConfig,
     """
     import optax   # deferred import: optax (only a fit needs it)
 
+    check_fit_size(rollouts, holdout_problems, cfg)
     hold = set(holdout_problems)
     rows = [r for r in rollouts if r.problem_id not in hold]
-    if not rows:
-        raise ValueError("no rollouts left to fit on after the holdout")
     seqs = [list(r.prompt_ids) + list(r.token_ids) for r in rows]
     d2t = draft_vocabulary([r.token_ids for r in rows], cfg.draft_vocab)
     if not len(d2t):
@@ -101,8 +136,7 @@ def fit_head(model_config, params, model_name: str, rollouts, cfg: FitConfig,
     # prompts cost their keys and values, not their queries, MLPs and logits.
     P_pad = max(len(r.prompt_ids) for r in rows)
     first_anchor = max(P_pad - 1 - cfg.steps, 0)
-    bucket_of = np.array([max(-(-len(r.token_ids) // OUTPUT_BUCKET), 1) * OUTPUT_BUCKET
-                          for r in rows])
+    bucket_of = _buckets([len(r.token_ids) for r in rows])
 
     def batch_arrays(idx):
         T = P_pad + int(bucket_of[idx].max())

@@ -10,13 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from das_jax.errors import UserError
+from das_jax.rl.plots import common_steps
 from das_jax.rl.run_log import METRICS_FILE, read_metrics
 
 Records = Sequence[dict[str, Any]]
 
 
-class RunDirError(ValueError):
-    """A path that is not a training run directory with logged steps."""
+class RunDirError(UserError):
+    """A path that is not a training run directory with logged steps, or runs that cannot be
+    compared (a user error: one line, exit code 2)."""
 
 
 def load_run(run_dir: str | Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
@@ -30,16 +33,43 @@ def load_run(run_dir: str | Path, problems: list[str] | None = None) -> list[dic
     if not path.exists():
         raise RunDirError(f"{run_dir}: no {METRICS_FILE} there; pass a run directory written by "
                           "'das-jax train' (its output_dir)")
-    records = [r for r in read_metrics(path, problems) if r.get("kind") != "eval"]  # steps only
+    records = []
+    for i, r in enumerate(read_metrics(path, problems), 1):
+        if r.get("kind") == "eval":     # steps only
+            continue
+        check_record(r, f"{path}: record {i}")
+        records.append(r)
     if not records:
         raise RunDirError(f"{path} holds no steps yet; let the run finish a step first")
     return records
 
 
-def common_steps(runs: Sequence[Records]) -> list[list[dict[str, Any]]]:
-    """Each run's records restricted to the steps every run has."""
-    shared = set.intersection(*({r["step"] for r in recs} for recs in runs))
-    return [[r for r in recs if r["step"] in shared] for recs in runs]
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_record(r: dict, where: str) -> None:
+    """Checks the fields of a step record that the table and the plot read: an integer 'step',
+    numbers (or null) for the metrics, objects of counts for the per-source counts.
+
+    Raises:
+      RunDirError: "<file>: record N: <key> ...; <fix>"."""
+    fix = "is it a metrics.jsonl written by 'das-jax train'? fix or remove that line"
+    if not _is_int(r.get("step")):
+        raise RunDirError(f"{where} has no integer 'step' (got {r.get('step')!r}); {fix}")
+    for key in METRIC_KEYS:
+        v = r.get(key)
+        if v is not None and not _is_number(v):
+            raise RunDirError(f"{where}: {key!r} must be a number, got {v!r}; {fix}")
+    for key in ("drafted_by_source", "accepted_by_source"):
+        v = r.get(key)
+        if v is not None and not (isinstance(v, dict) and all(
+                _is_number(n) for n in v.values())):
+            raise RunDirError(f"{where}: {key!r} must be an object of counts, got {v!r}; {fix}")
 
 
 # (label, key, "sum" | "mean", format)
@@ -55,6 +85,11 @@ _ROWS = (
     ("accuracy, mean", "accuracy", "mean", "{:.3f}"),
     ("update time, total s", "train_s", "sum", "{:.1f}"),
 )
+
+# every numeric metric the table and the plot (`plots.plot_compare`) read
+METRIC_KEYS = tuple(sorted({k for _, k, _, _ in _ROWS if k and k != "step"}
+                           | {"reward_mean", "generation_s", "forward_passes",
+                              "acceptance_length", "draft_loss", "epoch"}))
 
 
 def _value(records: Records, key: str | None, how: str):
@@ -73,7 +108,7 @@ def compare_table(runs: Sequence[tuple[str, Records]]) -> str:
     """A markdown table: one row per metric, one column per run, and `B / A` (second run over
     the first) when there are two runs."""
     names = [n for n, _ in runs]
-    recs = common_steps([r for _, r in runs])
+    recs = common_steps([r for _, r in runs], names)
     header = ["metric", *names] + ([f"{names[1]} / {names[0]}"] if len(runs) == 2 else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for label, key, how, fmt in _ROWS:
@@ -93,7 +128,7 @@ def acceptance_by_epoch_table(runs: Sequence[tuple[str, Records]]) -> str | None
     (`train.draft_loss_weight`): e.g. a frozen head against one trained online. None when no
     run logged drafts by source."""
     names = [n for n, _ in runs]
-    recs = common_steps([r for _, r in runs])
+    recs = common_steps([r for _, r in runs], names)
     sources = sorted({s for rs in recs for r in rs
                       for s, n in (r.get("drafted_by_source") or {}).items() if n})
     if not sources:

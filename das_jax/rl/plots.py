@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from das_jax.errors import UserError
+
 Records = Sequence[dict[str, Any]]
 
 _TIME_SPLIT = (("prefill_s", "prefill"), ("decode_s", "decode (verify steps)"),
@@ -168,11 +170,51 @@ def plot_run(records: Records, out_dir: str | Path, *,
     return written
 
 
+def common_steps(runs: Sequence[Records], names: Sequence[str] | None = None
+                 ) -> list[list[dict[str, Any]]]:
+    """Each run's records restricted to the steps every run has (`compare` tabulates those;
+    `plot_compare` checks there are some before it draws).
+
+    Raises:
+      UserError: the runs have no step in common (naming each run's steps)."""
+    steps = [{r["step"] for r in recs} for recs in runs]
+    shared = set.intersection(*steps)
+    if not shared:
+        names = names or [f"run {i + 1}" for i in range(len(runs))]
+        spans = ", ".join(f"{n} logged steps {min(s)}-{max(s)}" if s else f"{n} logged none"
+                          for n, s in zip(names, steps))
+        raise UserError(f"the runs have no step in common ({spans}); compare runs that "
+                        "logged the same steps (e.g. both from step 1)")
+    return [[r for r in recs if r["step"] in shared] for recs in runs]
+
+
+def check_plot_path(out: Path, flag: str) -> None:
+    """Refuses, before anything is drawn, a plot path matplotlib would not write where it says:
+    an existing directory, no extension (matplotlib would append .png), or an extension of no
+    image format it writes.
+
+    Raises:
+      UserError: naming `flag` and the supported extensions."""
+    from matplotlib.backend_bases import FigureCanvasBase  # deferred import: matplotlib
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    use = f"use a .png, .pdf or .svg file (supported: {', '.join('.' + f for f in formats)})"
+    if out.is_dir():
+        raise UserError(f"{flag} {out} is a directory; give a file name, e.g. "
+                        f"{out / 'compare.png'}")
+    ext = out.suffix.lower().lstrip(".")
+    if not ext:
+        raise UserError(f"{flag} {out}: no file extension; {use}")
+    if ext not in formats:
+        raise UserError(f"{flag} {out}: .{ext} is not an image format matplotlib writes; {use}")
+
+
 def plot_compare(runs: Sequence[tuple[str, Records]], out: str | Path) -> Path:
     """One PNG overlaying `runs` ((name, records) pairs): reward, rollout seconds (generation,
     compile excluded), forward passes and acceptance length per step."""
     plt = _plt()
     out = Path(out)
+    check_plot_path(out, "--out")
+    common_steps([r for _, r in runs], [n for n, _ in runs])   # RunDirError: none in common
     out.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     panels = (("reward_mean", "mean reward"), ("generation_s", "rollout seconds (no compile)"),
