@@ -1,6 +1,6 @@
-"""Argument definitions of `bench engine` and `bench replay` (no jax import here), and the one
-check of step-cost coefficients (`cost_coefficients`, `seconds`) that the replay's flags
-(--c-base / --c-tok / --c-kv) and a trace header's "cost_model" both go through."""
+"""Argument definitions of `bench engine` and `bench replay` (no jax import here). The replay's
+--c-base / --c-tok / --c-kv take `seconds` (a finite number >= 0), the rule a cost-model file
+and a trace header's "cost_model" are checked by (`speculation.cost_file.cost_coefficients`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,18 +9,6 @@ from typing import Callable
 
 from das_jax.arg_types import int_list, positive_int
 from das_jax.errors import UserError
-
-COST_KEYS = ("c_base", "c_tok", "c_kv")
-
-
-def is_number(v) -> bool:
-    """A JSON/Python int or float that is not a bool."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def is_seconds(v) -> bool:
-    """A finite number >= 0: a valid step-cost coefficient (seconds)."""
-    return is_number(v) and math.isfinite(v) and v >= 0
 
 
 def finite_float(minimum: float = 0.0, *, strict: bool = False, unit: str = ""
@@ -42,26 +30,6 @@ def finite_float(minimum: float = 0.0, *, strict: bool = False, unit: str = ""
 
 
 seconds = finite_float(0.0, unit=" (seconds)")   # a cost-model coefficient given as a flag
-
-
-def cost_coefficients(obj, where: str, fix: str) -> dict:
-    """{"c_base", "c_tok", "c_kv"} as floats from `obj` (a trace header's "cost_model"; c_kv
-    defaults to 0), each a finite number >= 0 (`is_seconds`, the check --c-base / --c-tok /
-    --c-kv go through too).
-
-    Raises:
-      UserError: "<where>: <what is wrong>; <fix>"."""
-    if not isinstance(obj, dict):
-        raise UserError(f"{where}: 'cost_model' is {type(obj).__name__}, not an object "
-                        f"{{\"c_base\": s, \"c_tok\": s, \"c_kv\": s}}; {fix}")
-    out = {}
-    for k in COST_KEYS:
-        v = obj.get(k, 0.0 if k == "c_kv" else None)
-        if not is_seconds(v):
-            raise UserError(f"{where}: cost_model.{k} must be a finite number >= 0 (seconds), "
-                            f"got {v!r}; {fix}")
-        out[k] = float(v)
-    return out
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -64,7 +64,6 @@ from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from das_jax.bench.arguments import cost_coefficients, is_number, is_seconds
 # The engine's own host scheduler and result types: the simulation runs the engine's loop.
 # Importing EngineConfig imports jax; that is fine here (not at CLI parse time).
 from das_jax.config import ConfigError, apply_overrides, config_from_dict
@@ -73,6 +72,7 @@ from das_jax.engine import (EngineConfig, GenerateStats, Limits, PagedRows, Pref
 from das_jax.errors import UserError
 from das_jax.rollout import build_speculation
 from das_jax.speculation import CostModel
+from das_jax.speculation.cost_file import cost_coefficients, is_number, is_seconds
 
 
 class FrozenCostModel(CostModel):
@@ -181,8 +181,12 @@ def _check_header(obj: dict, where: str) -> dict:
                         f"as a string), got {obj['model']!r}; set it in the header (e.g. "
                         '"model": "smollm2-135m-instruct") or ' + fix)
     if "cost_model" in obj:
-        cost_coefficients(obj["cost_model"], f"{where}: header",
-                          "pass --cost-model cpu|h100-7b|h200-7b|PATH.json, or " + fix)
+        try:
+            cost_coefficients(obj["cost_model"], f"{where}: header",
+                              "pass --cost-model cpu|h100-7b|h200-7b|PATH.json, or " + fix,
+                              prefix="cost_model.")
+        except ValueError as e:
+            raise UserError(str(e)) from None
     if "max_new_tokens" in obj and not (_is_int(obj["max_new_tokens"])
                                         and obj["max_new_tokens"] >= 1):
         raise bad("max_new_tokens", "an integer >= 1")

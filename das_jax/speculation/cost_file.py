@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import math
 
-__all__ = ["COST_MODEL_FORMAT", "save_cost_model", "load_cost_model"]
+__all__ = ["COST_MODEL_FORMAT", "COST_KEYS", "save_cost_model", "load_cost_model",
+           "cost_coefficients", "is_number", "is_seconds"]
+
+COST_KEYS = ("c_base", "c_tok", "c_kv")
 
 COST_MODEL_FORMAT = "das-jax-cost-model/1"
 """A cost-model file is one JSON object:
@@ -18,6 +21,38 @@ COST_MODEL_FORMAT = "das-jax-cost-model/1"
 
 Only format, c_base, c_tok and c_kv are read; the rest is free-form provenance (a derivation, or
 the measured shapes of a GPU check)."""
+
+
+def is_number(v) -> bool:
+    """A JSON/Python int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_seconds(v) -> bool:
+    """A finite number >= 0: a valid step-cost coefficient (seconds)."""
+    return is_number(v) and math.isfinite(v) and v >= 0
+
+
+def cost_coefficients(obj, where: str, fix: str, default_c_kv: float | None = 0.0,
+                      prefix: str = "") -> dict:
+    """{"c_base", "c_tok", "c_kv"} as floats from `obj` (a cost-model file's object, or a
+    trace header's "cost_model"), each a finite number >= 0 (`is_seconds`; the replay's
+    --c-base / --c-tok / --c-kv flags are checked the same way); a missing c_kv is
+    `default_c_kv` (None: required); `prefix` goes before a coefficient's name in a message.
+
+    Raises:
+      ValueError: "<where>: <what is wrong>; <fix>"."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: 'cost_model' is {type(obj).__name__}, not an object "
+                         f"{{\"c_base\": s, \"c_tok\": s, \"c_kv\": s}}; {fix}")
+    out = {}
+    for k in COST_KEYS:
+        v = obj.get(k, default_c_kv if k == "c_kv" else None)
+        if not is_seconds(v):
+            raise ValueError(f"{where}: {prefix}{k} must be a finite number >= 0 (seconds), got "
+                             f"{v!r}; {fix}")
+        out[k] = float(v)
+    return out
 
 
 def save_cost_model(path, coef: dict, **provenance) -> None:
@@ -49,11 +84,4 @@ def load_cost_model(path) -> dict:
     if not isinstance(obj, dict) or obj.get("format") != COST_MODEL_FORMAT:
         got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(f"cost model file {path}: format is {got!r}; {hint}")
-    out = {}
-    for k in ("c_base", "c_tok", "c_kv"):
-        v = obj.get(k)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"cost model file {path}: {k} must be a number >= 0 (seconds), got "
-                             f"{v!r}")
-        out[k] = float(v)
-    return out
+    return cost_coefficients(obj, f"cost model file {path}", hint, default_c_kv=None)
