@@ -250,3 +250,14 @@ def test_plan_lengths_not_a_trace_names_the_flag_and_the_fix(capsys, tmp_path):
 def test_plan_paper_scale_needs_lengths(capsys):
     rc, _, err = _plan(capsys, "--config", TINY, "--paper-scale")
     _assert_plan_error(rc, err, "--paper-scale stretches the rollouts of the --lengths trace")
+
+
+@pytest.mark.parametrize("override", ["train.seed=-1", "data.seed=-5", "train.seed=4294967296"])
+def test_seeds_are_in_numpys_range(override):
+    """A negative train.seed failed with numpy's traceback after the model loaded; data.seed the
+    same rule (a seed is an integer in [0, 2**32))."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key} must be an integer in \[0, 2\*\*32\)"):
+        load_config(TINY, [override])
+    assert load_config(TINY, ["train.seed=4294967295", "data.seed=0"]).train.seed == 2**32 - 1
+

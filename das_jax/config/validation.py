@@ -189,6 +189,8 @@ def validate(cfg: Config) -> Config:
            f"grpo.importance_sampling_cap must be >= 1 (the truncated importance weight's upper "
            f"bound), got {g.importance_sampling_cap}")
     _check(t.log_samples >= 0, f"train.log_samples must be >= 0 (0 disables), got {t.log_samples}")
+    for key, seed in (("train.seed", t.seed), ("data.seed", d.seed)):   # numpy's seed range
+        _check(0 <= seed < 2**32, f"{key} must be an integer in [0, 2**32), got {seed}; e.g. 0")
     _check(r.kv_memory_gb is None or r.kv_memory_gb > 0,
            f"rollout.kv_memory_gb must be > 0 or null, got {r.kv_memory_gb}")
     _check(t.device_memory_gb is None or t.device_memory_gb > 0,
