@@ -408,6 +408,12 @@ def test_corrupt_checkpoint_is_one_line(run_dir, tmp_path, stub_model):
         if f.is_file():
             f.write_bytes(b"garbage")
     assert_one_line_error(["export", str(run), str(tmp_path / "out")],
+                          f"checkpoint {run / 'checkpoints' / '2'} is corrupt: state/",
+                          "does not match the checksum written at save",
+                          "from a copy, or remove that step's directory",
+                          "export another one with --step (steps there: 1, 2)")
+    (run / "checkpoints" / "2" / "checksums.json").unlink()   # as an older version saved it
+    assert_one_line_error(["export", str(run), str(tmp_path / "out")],
                           f"checkpoint {run / 'checkpoints' / '2'} is corrupt or unreadable (",
                           "restore them from a copy, or remove that step's directory",
                           "export another one with --step (steps there: 1, 2)")
