@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Callable, Sequence
+
+from das_jax.errors import UserError
 
 
 def _int(text: str, minimum: int, what: str) -> int:
@@ -97,3 +100,25 @@ def set_type(parser: argparse.ArgumentParser, flag: str, type_: Callable) -> Non
     """Gives the already-added option `flag` of `parser` the converter `type_` (for options
     defined by modules that leave them as plain strings)."""
     parser._option_string_actions[flag].type = type_  # noqa: SLF001 - argparse's own table
+
+
+def check_output_file(path: str, flag: str, example: str) -> None:
+    """Refuses, before any work, an output file path that cannot be written: a directory, a
+    missing or unwritable parent directory, or a directory where its temporary file
+    (PATH.tmp*, written and then renamed onto PATH) would go.
+
+    Raises:
+      UserError: naming `flag`, the path and the fix (`example`: a file name to suggest)."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a directory; give a file path, e.g. "
+                        f"{os.path.join(path, example)}")
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"{flag} {path}: directory {out_dir} does not exist; create it first or "
+                        "choose another path")
+    if not os.access(out_dir, os.W_OK):
+        raise UserError(f"{flag} {path}: directory {out_dir} is not writable; choose another "
+                        "path")
+    if os.path.isdir(f"{path}.tmp"):
+        raise UserError(f"{flag} {path}: {path}.tmp (its temporary file) is a directory; "
+                        "remove it or choose another path")

@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from das_jax.bench import replay as rp
+from das_jax.arg_types import check_output_file
 from das_jax.bench.arguments import paper_defaults
 from das_jax.bench.memory_bound import epoch_bounds
 from das_jax.config import ConfigError
@@ -109,7 +110,7 @@ def check_inputs(args: argparse.Namespace):
     paper_defaults(args)                       # --paper-* only with --scale paper
     paper = args.scale == "paper"
     if args.json:
-        check_out_path(args.json, "--json")
+        check_output_file(args.json, "--json", "replay.json")
     if args.draft_widths:
         widths = tuple(int(w) for w in args.draft_widths.split(","))
         if 1 not in widths:
@@ -154,21 +155,6 @@ def check_inputs(args: argparse.Namespace):
         raise UserError(f"the replay's engine settings (--draft-widths, --kv-cache, "
                         f"--page-size, --kv-rows or the trace's engine): {e}") from None
     return trace, das, coef, widths
-
-
-def check_out_path(path: str, flag: str) -> None:
-    """Refuses an output file path that cannot be written (a directory, a missing or
-    unwritable parent) before any work, naming `flag`."""
-    if os.path.isdir(path):
-        raise UserError(f"{flag} {path} is a directory; give a file path, e.g. "
-                        f"{os.path.join(path, 'replay.json')}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UserError(f"{flag} {path}: directory {os.path.dirname(path) or parent} does not "
-                        "exist; create it first or choose another path")
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"{flag} {path}: directory {parent} is not writable; choose another "
-                        "path")
 
 
 def write_json(path: str, obj) -> None:

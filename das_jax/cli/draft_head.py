@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from das_jax.arg_types import positive_int
+from das_jax.arg_types import check_output_file, positive_int
 from das_jax.bench.drafter_trace import load_trace_rollouts
 from das_jax.errors import UserError
 
@@ -72,7 +72,7 @@ def run_fit(args: argparse.Namespace) -> int:
     # deferred import: jax
     from das_jax.draft_head.fit import FitConfig, check_fit_size, split_problems
 
-    check_out_file(args.out, "--out", "head.safetensors")
+    check_output_file(args.out, "--out", "head.safetensors")
     header, rollouts = load_trace_rollouts(args.trace)   # every line checked
     model = args.model or header.get("model")
     if not model:
@@ -111,24 +111,6 @@ def run_fit(args: argparse.Namespace) -> int:
           f"tokens, blocks {list(head.config.feature_layers)}), fitted on "
           f"{len(fit_ids)} problems" + (f", {len(hold_ids)} held out" if hold_ids else ""))
     return 0
-
-
-def check_out_file(path: str, flag: str, example: str) -> None:
-    """Refuses, before any work, an output file path that cannot be written: a directory, a
-    missing or unwritable parent directory, or one whose temporary file (PATH.tmp, renamed onto
-    PATH) is in the way."""
-    if os.path.isdir(path):
-        raise UserError(f"{flag} {path} is a directory; give a file path, e.g. "
-                        f"{os.path.join(path, example)}")
-    out_dir = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"{flag} {path}: directory {out_dir} does not exist; create it first")
-    if not os.access(out_dir, os.W_OK):
-        raise UserError(f"{flag} {path}: directory {out_dir} is not writable; choose another "
-                        "path")
-    if os.path.isdir(f"{path}.tmp"):
-        raise UserError(f"{flag} {path}: {path}.tmp (its temporary file) is a directory; "
-                        "remove it or choose another path")
 
 
 def _rates(text: str) -> list[float]:
