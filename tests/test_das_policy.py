@@ -235,6 +235,44 @@ def test_per_depth_calibration_learns_where_drafts_break():
     assert chosen[0].tolist() == [7] * 4 and chosen[-1].tolist() == [2] * 4
 
 
+
+def test_deferred_learning_learns_what_observe_learns_one_step_later():
+    # observe(..., defer_learning=True) keeps the calibration update for learn_deferred (the
+    # scheduler runs it while the device computes the next step): nothing is learned before
+    # it, and the same factors after it as learning at once; a checkpoint or fork taken in
+    # between carries the update.
+    def make():
+        return DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0,
+                                          acceptance_ema=0.3),
+                         cost_model=CostModel(c_base=0.05, c_tok=2e-3))
+    now, later = make(), make()
+    rows = [RowView(i, "p", 10, 100) for i in range(4)]
+    support = [np.full(7, 1, np.int32), np.full(7, 40, np.int32), None, None]
+    for step in range(6):
+        for pol in (now, later):
+            n, t = pol.choose(rows, [np.full(7, 0.9)] * 4, packed_step_shape(np.full(4, 64)),
+                              draft_support=support)
+            acc = tuple(int(min(k, 2)) for k in n)
+            record = StepRecord(batch=4, active=4, width=8, kv_len=64, drafted=int(n.sum()),
+                                accepted=sum(acc), emitted=4 + sum(acc), seconds=t,
+                                accepted_per_row=acc)
+            if pol is now:
+                pol.observe(record)
+            else:
+                before = (pol.depth_scale.copy(), pol.support_scale.copy())
+                pol.observe(record, defer_learning=True)
+                np.testing.assert_array_equal(pol.depth_scale, before[0])
+                np.testing.assert_array_equal(pol.support_scale, before[1])
+                if step == 5:       # a checkpoint runs what is kept
+                    np.testing.assert_allclose(pol.state_dict()["acceptance_by_depth"],
+                                               now.depth_scale)
+                pol.learn_deferred()
+        np.testing.assert_allclose(later.depth_scale, now.depth_scale)
+        np.testing.assert_allclose(later.support_scale, now.support_scale)
+    from das_jax.speculation.das_policy import support_prior
+    assert now.depth_scale[2:].max() < 0.9                 # both kinds of factors moved
+    assert not np.allclose(now.support_scale, support_prior())
+
 def _net_time(cm, n, lam, q, step_shape):
     """F(n) = t(step) - sum_b lambda_b * (1 + Q_b(n_b)), written out independently."""
     t = cm.predict_step(*step_shape(n))

@@ -122,6 +122,14 @@ def test_replay_takes_the_engine_decisions_by_construction(params, name, tempera
                     for o in outs])
         if sim is not None:   # the public `simulate` is that same run
             assert sim.steps == st.steps and _counters(sim) == _counters(st)
+        # The bookkeeping deferred into each next step's overlap (overlap_host, the default)
+        # ran for every step, the last included: acceptance counts for every verified draft
+        # token, and no calibration update left behind.
+        for stats in (st, g_st, r_st):
+            assert sum(stats.drafted_by_source.values()) == stats.drafted_tokens
+            assert sum(stats.accepted_by_source.values()) == stats.accepted_draft_tokens
+            assert sum(stats.drafted_by_position) == stats.drafted_tokens
+        assert not getattr(e_policy, "_unlearned", [])
     assert st.drafted_tokens > 0 and st.accepted_draft_tokens > 0
     assert {"start", "prefill", "compact", "verify"} <= kinds, kinds
     assert len(batches) > 1   # the tail ran smaller batch buckets

@@ -132,7 +132,8 @@ class RolloutSection:
     max_prefill_tokens: Optional[int] = 4096
     # With the das / suffix drafters, each step's tokens are indexed into the drafter's trie
     # while the device computes the next step (drafts from a trie one step behind; the sampled
-    # tokens never change); false: every append completes before the next draft.
+    # tokens never change), and so is the DAS policy's calibration update (a step is planned
+    # with the calibration up to the step before); false: all of it before the next draft.
     overlap_host: bool = True
     # A verify step where at most R of its B rows draft (R the smallest of these holding them)
     # runs attention as a [B, 1] block plus an [R, W] block of the drafting rows, when that is

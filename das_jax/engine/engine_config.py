@@ -102,8 +102,10 @@ class EngineConfig:
       each step's tokens go into the request contexts at once and into the trie while the
       device computes the next step (`StepInput.overlap`), so the trie's indexing, most of the
       host's work per step, is hidden behind the device; drafts come from a trie one step
-      behind (the sampled tokens never change). False: every append completes before the
-      next draft.
+      behind (the sampled tokens never change). The step's acceptance counts and the
+      policy's calibration update (`DASPolicy.observe(..., defer_learning=True)`) run there
+      too: a step is planned with the calibration up to the step before. False: every
+      append and update completes before the next draft.
     max_prefill_tokens: the block slots (distinct prompts' batch bucket x longest prompt's
       bucket) of one prefill call: an admission of more is split into several calls
       (`schedule.prefill_chunks`), so the prefill's activations stay a small share of the KV

@@ -43,7 +43,8 @@ class GenerateStats:
     preemptions: rows taken off the device when the paged KV cache ran short of pages (each
     resumed later by a prefill of its prompt and tokens, `StepExecutor.make_room`).
     overlap_s: host work run while the device computed a step (the drafter's deferred
-    appends, `EngineConfig.overlap_host`): inside the executor's calls, so not in host_s.
+    appends, the acceptance counts and the policy's calibration update,
+    `EngineConfig.overlap_host`): inside the executor's calls, so not in host_s.
     exposed_overlap_s: the part of it the device waited for (the replay: each step's overlap
     beyond its predicted time; the engine's step seconds include it).
     drafted_by_position / accepted_by_position: per draft position i (0-based), the rows whose

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Any, Callable, Sequence
@@ -115,6 +116,7 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
             live = run.compact(live)
             live = run.make_room(live)
             run.decode(live) if run.decode_k > 1 else run.step(live)
+    run.catch_up()
     run.collect()
     run.stats.host_s += time.perf_counter() - t_start - run.executor.seconds
     run.stats.draft_model_s += getattr(executor, "draft_model_s", 0.0) - draft_model_s0
@@ -167,6 +169,10 @@ class _Run:
         self.overlap = (drafter is not None and bool(getattr(ec, "overlap_host", False))
                         and hasattr(drafter, "flush_appends"))
         self.flushed = True
+        # the step's bookkeeping that the next plan does not need (the acceptance counts, the
+        # policy's calibration update), run with the deferred appends while the device computes
+        self.later: list[Callable[[], None]] = []
+        self.defer_learning = self.overlap and hasattr(policy, "learn_deferred")
         # a draft model on the device (a draft head): its drafts go to the drafter each step
         self.model_drafts = (drafter is not None and
                              getattr(executor.executor, "draft_model", None) is not None)
@@ -241,10 +247,20 @@ class _Run:
         """The drafter's deferred appends (`StepInput.overlap`); returns their seconds."""
         t0 = time.perf_counter()
         flush_appends(self.drafter)
+        self.catch_up()
         self.flushed = True
         seconds = time.perf_counter() - t0
         self.stats.overlap_s += seconds
         return seconds
+
+    def catch_up(self) -> None:
+        """Runs the bookkeeping deferred to the device's next step (`later`, the policy's
+        calibration update)."""
+        later, self.later = self.later, []
+        for fn in later:
+            fn()
+        if self.defer_learning:
+            self.policy.learn_deferred()
 
     def collect(self) -> None:
         """Fills the outputs' tokens, log-probs and counters from the run's arrays."""
@@ -457,11 +473,9 @@ class _Run:
         if second is not None and out.won_A is not None:
             won_A = np.asarray(out.won_A, bool)
         if drafted:         # the accepted tokens are the winning branch's
-            stats.count_acceptance(n_draft_A, np.where(won_A, 0, accepted_A),
-                                   plan.drafts.source_A)
-            if second is not None:
-                stats.count_acceptance(second.lens_A, np.where(won_A, accepted_A, 0),
-                                       second.source_A)
+            count = functools.partial(_count_acceptance, stats, n_draft_A, accepted_A, won_A,
+                                      plan.drafts.source_A, second)
+            self.later.append(count) if self.overlap else count()
         record = StepRecord(batch=B, active=len(live), width=plan.width, kv_len=kv_len,
                             drafted=drafted, accepted=accepted, emitted=int(committed_A.sum()),
                             seconds=out.seconds,
@@ -476,5 +490,17 @@ class _Run:
                                          else tuple(bool(w) for w in won_A)))
         stats.steps.append(record)
         t0 = time.perf_counter()
-        policy.observe(record)
+        if self.defer_learning:
+            policy.observe(record, defer_learning=True)
+        else:
+            policy.observe(record)
         stats.policy_s += time.perf_counter() - t0
+
+
+def _count_acceptance(stats: GenerateStats, n_draft_A: np.ndarray, accepted_A: np.ndarray,
+                      won_A: np.ndarray, source_A, second) -> None:
+    """A verify step's per-position and per-source counts (`GenerateStats.count_acceptance`),
+    the accepted tokens counted for the winning branch of a two-branch step."""
+    stats.count_acceptance(n_draft_A, np.where(won_A, 0, accepted_A), source_A)
+    if second is not None:
+        stats.count_acceptance(second.lens_A, np.where(won_A, accepted_A, 0), second.source_A)

@@ -268,6 +268,7 @@ class DASPolicy:
         self.drafts_by_age = np.zeros((2, AGE_BUCKETS), np.int64)
         self._pending = None               # (n_draft, probabilities, supports) of last choice
         self._pending_second = None        # (n, drafts) of the last step's second branch
+        self._unlearned: list[tuple] = []  # `_learn` arguments that observe deferred
         self._steps = 0
         self._last_unseen = None           # step of the last unmeasured shape explored
         self._regret: dict = {}            # unmeasured shape -> seconds it would have saved
@@ -782,7 +783,14 @@ class DASPolicy:
             self._pending = (n.copy(), db)
         return n.astype(np.int32), float(sc.t[best])
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord, defer_learning: bool = False) -> None:
+        """The step's measured time refits the cost model; its accepted tokens per row
+        calibrate the acceptance estimates (module docstring item 4) of the drafts `choose`
+        planned it with.
+
+        defer_learning: keep the calibration update for `learn_deferred` (the scheduler runs
+        it while the device computes the next step, so the next step is planned with the
+        calibration up to the step before); the cost model still refits now."""
         R2 = getattr(record, "branch_rows", 0)
         kw = {"branch_rows": R2} if R2 else {}   # duck-typed models may lack the keyword
         self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width,
@@ -803,10 +811,18 @@ class DASPolicy:
             # Both drafts were verified and differ at their first token: the losing one
             # accepted none, the winning one the row's accepted tokens.
             won = np.asarray(won, bool)
-            self._learn(*second, np.where(won, acc, 0), record.accepted)
+            self._unlearned.append((*second, np.where(won, acc, 0), record.accepted))
             acc = np.where(won, 0, acc)
         if pending is not None:
-            self._learn(*pending, acc, record.accepted)
+            self._unlearned.append((*pending, acc, record.accepted))
+        if not defer_learning:
+            self.learn_deferred()
+
+    def learn_deferred(self) -> None:
+        """Runs the calibration updates `observe(..., defer_learning=True)` kept, in order."""
+        todo, self._unlearned = self._unlearned, []
+        for args in todo:
+            self._learn(*args)
 
     def _learn(self, n: np.ndarray, db: DraftBatch, acc: np.ndarray | None,
                accepted: int) -> None:
@@ -875,6 +891,7 @@ class DASPolicy:
         """A copy for another device: the same config, a copy of the fitted cost model (with its
         observations) and of the finished lengths; problem history from `drafter.lengths` (the
         shared, locked drafter) when given, else this policy's `lengths_fn`."""
+        self.learn_deferred()
         lengths_fn = drafter.lengths if drafter is not None else self.lengths_fn
         p = DASPolicy(lengths_fn, self.config, copy.deepcopy(self.cost_model))
         p.finished_lengths.extend(self.finished_lengths)
@@ -896,6 +913,7 @@ class DASPolicy:
 
     # ----- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        self.learn_deferred()
         return {"finished_lengths": list(self.finished_lengths),
                 "cost_model": {**self.cost_model.to_dict(),
                                "compile_count": self.cost_model.compile_count},
@@ -911,6 +929,7 @@ class DASPolicy:
                 "drafts_by_age": self.drafts_by_age.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
+        self._unlearned = []            # the loaded calibration replaces what was learned
         self.finished_lengths.clear()
         self.finished_lengths.extend(int(n) for n in state.get("finished_lengths", ()))
         self._finished_count += 1
