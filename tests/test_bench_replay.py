@@ -177,6 +177,23 @@ def test_paper_workload_shapes(params):
     assert pred["none"][0]["generated_tokens"] == sum(len(r.token_ids) for r in wl[0])
 
 
+
+def test_paper_workload_draws_from_the_chosen_temperature():
+    # A trace of two temperatures (disjoint tokens): the workload is built from the rollouts at
+    # `temperature` (default: the lowest); a temperature the trace lacks is refused.
+    rolls = [rp.TraceRollout(0, f"p{q}", s, (2, 3), tuple(range(base, base + 8)), "stop", t)
+             for t, base in ((1.0, 20), (0.6, 10)) for q in range(2) for s in range(2)]
+    trace = rp.Trace({"cost_model": COEF}, rolls)
+
+    def tokens(**kw):
+        wl = rp.paper_workload(trace, problems=2, samples=2, max_tokens=64, median_len=32, **kw)
+        return {x for rs in wl.values() for r in rs for x in r.token_ids}
+
+    assert tokens() == tokens(temperature=0.6) == set(range(10, 18))
+    assert tokens(temperature=1.0) == set(range(20, 28))
+    with pytest.raises(ValueError, match="no rollouts at temperature 0.7; it holds 0.6, 1"):
+        tokens(temperature=0.7)
+
 def test_gpu_cost_models_from_published_figures():
     from das_jax.speculation import gpu_cost as g
     # Qwen2-7B: 7.07 G streamed parameters (14.1 GB bf16), 57,344 B of K/V per position.

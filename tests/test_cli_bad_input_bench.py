@@ -121,7 +121,9 @@ def test_trace_commands_refuse_a_bad_trace_before_any_model_loads(tmp_path, caps
     (HEADER, ["--c-base", "nan"], ["--c-base"]),
     (HEADER, ["--c-tok", "inf"], ["--c-tok"]),
     (HEADER, ["--c-kv", "x"], ["--c-kv"]),
-    (HEADER, ["--temperature", "5"], ["--temperature 5", "holds 0.6"]),
+    (HEADER, ["--temperature", "5"], ["--temperature 5", "holds 0.6", "all"]),
+    (HEADER, ["--scale", "paper", "--temperature", "5"], ["--temperature 5", "holds 0.6",
+                                                          "the lowest"]),
     (HEADER, ["--paper-problems", "3"], ["--paper-problems", "--scale paper"]),
     ({k: v for k, v in HEADER.items() if k != "cost_model"}, [],
      ["no 'cost_model'", "--cost-model"]),
@@ -158,6 +160,15 @@ def test_bench_replay_good_trace_writes_json_atomically(tmp_path, capsys):
     assert rc == 0, err
     assert json.loads(out_json.read_text())["results"][0]["temperature"] == 0.6
     assert sorted(os.listdir(tmp_path)) == ["r.json", "t.jsonl"]     # no temporary left
+    # At paper scale the workload is built from the rollouts at --temperature (it was ignored),
+    # by default from the lowest; the results say which.
+    paper = ["--scale", "paper", "--paper-problems", "2", "--paper-samples", "2",
+             "--paper-max-tokens", "64", "--paper-median", "32", "--paper-epochs", "1"]
+    for extra in ([], ["--temperature", "0.6"]):
+        rc, err, out = _cli(capsys, "bench", "replay", trace, "--drafters", "none", "--json",
+                            str(out_json), *paper, *extra)
+        assert rc == 0, err
+        assert json.loads(out_json.read_text())["results"][0]["temperature"] == 0.6
 
 
 # ------------------------------------------------------------------------- bench drafter

@@ -16,7 +16,7 @@ PKG = pathlib.Path(das_jax.__file__).parent
 # must not form a circle. `cli` is the top floor: nothing imports it; `bench` is imported by
 # nothing but `cli`.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("errors", "_lazy", "arg_types", "malloc", "registry"),
+    ("errors", "_lazy", "arg_types", "json_values", "malloc", "registry"),
     ("models", "data", "parallel"),
     ("drafter", "engine"),
     ("speculation", "draft_head"),

@@ -102,7 +102,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paper-epochs", type=positive_int, default=None,
                    help="--scale paper: epochs of the workload (default: the trace's)")
     p.add_argument("--temperature", type=finite_float(0.0), default=None,
-                   help="which recorded temperature to replay (default: all)")
+                   help="which recorded temperature to replay (default: all; with --scale "
+                        "paper, the rollouts the workload is built from, default the lowest)")
     p.add_argument("--kv-cache", choices=("dense", "paged"), default="dense",
                    help="the simulated engine's KV cache: dense (every slot holds max_cache_len "
                         "positions) or paged (a page pool: admission by free pages, prompt pages "

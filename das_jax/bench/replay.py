@@ -70,9 +70,10 @@ from das_jax.config import ConfigError, apply_overrides, config_from_dict
 from das_jax.engine import (EngineConfig, GenerateStats, Limits, PagedRows, Prefilled, PromptRows,
                             StepInput, StepOutput, prefill_layout, run_schedule)
 from das_jax.errors import UserError
+from das_jax.json_values import is_int, is_number
 from das_jax.rollout import build_speculation
 from das_jax.speculation import CostModel
-from das_jax.speculation.cost_file import cost_coefficients, is_number, is_seconds
+from das_jax.speculation.cost_file import cost_coefficients, is_seconds
 
 
 class FrozenCostModel(CostModel):
@@ -154,12 +155,8 @@ def _trace_lines(path) -> list[bytes]:
                         "by `bench rollout`, compressed with gzip?") from None
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_token_ids(v) -> bool:
-    return isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)
+    return isinstance(v, list) and all(is_int(t) and t >= 0 for t in v)
 
 
 def _check_header(obj: dict, where: str) -> dict:
@@ -187,7 +184,7 @@ def _check_header(obj: dict, where: str) -> dict:
                               prefix="cost_model.")
         except ValueError as e:
             raise UserError(str(e)) from None
-    if "max_new_tokens" in obj and not (_is_int(obj["max_new_tokens"])
+    if "max_new_tokens" in obj and not (is_int(obj["max_new_tokens"])
                                         and obj["max_new_tokens"] >= 1):
         raise bad("max_new_tokens", "an integer >= 1")
     eng = obj.get("engine")
@@ -195,12 +192,12 @@ def _check_header(obj: dict, where: str) -> dict:
         if not isinstance(eng, dict):
             raise bad("engine", "an object {max_slots, max_cache_len, draft_widths}")
         for k in ("max_slots", "max_cache_len"):
-            if k in eng and not (_is_int(eng[k]) and eng[k] >= 1):
+            if k in eng and not (is_int(eng[k]) and eng[k] >= 1):
                 raise bad(f"engine.{k}", "an integer >= 1 (pass --batch / --slots to replay "
                           "other slots)" if k == "max_slots" else "an integer >= 1")
         if "draft_widths" in eng:
             w = eng["draft_widths"]
-            if not (isinstance(w, list) and w and all(_is_int(x) and x >= 1 for x in w)
+            if not (isinstance(w, list) and w and all(is_int(x) and x >= 1 for x in w)
                     and 1 in w):
                 raise bad("engine.draft_widths", "a list of integers >= 1 that includes 1 "
                           "(or pass --draft-widths 1,4,8)")
@@ -276,10 +273,10 @@ def _rollout(obj: dict, where: str, need_sample_index: bool, fix: str) -> TraceR
     for key in ("epoch", "sample_index"):
         if key == "sample_index" and key not in obj and not need_sample_index:
             continue
-        if not (_is_int(obj.get(key)) and obj[key] >= 0):
+        if not (is_int(obj.get(key)) and obj[key] >= 0):
             raise bad(key, "an integer >= 0")
     pid = obj.get("problem_id")
-    if not (isinstance(pid, str) or _is_int(pid)):
+    if not (isinstance(pid, str) or is_int(pid)):
         raise bad("problem_id", "a string or an integer")
     for key in ("prompt_ids", "token_ids"):
         if not _is_token_ids(obj.get(key)):
@@ -683,8 +680,10 @@ def replay_epochs(epochs: dict[int, list[TraceRollout]], names: Sequence[str],
 
 def paper_workload(trace: Trace, problems: int = 128, samples: int = 16, max_tokens: int = 16384,
                    epochs: int | None = None, median_len: float = 4000.0, sigma: float = 0.8,
-                   eos_id: int | None = None, seed: int = 0) -> dict[int, list[TraceRollout]]:
-    """A paper-scale workload (DAS paper: 16K max tokens, long tail) resampled from a trace.
+                   eos_id: int | None = None, seed: int = 0,
+                   temperature: float | None = None) -> dict[int, list[TraceRollout]]:
+    """A paper-scale workload (DAS paper: 16K max tokens, long tail) resampled from a trace's
+    rollouts at `temperature` (None: the trace's lowest; ValueError when it holds none at it).
 
     * Problems: `problems` synthetic problems, problem q built from recorded problem
       q mod (recorded problems) (prompts shared, ids distinct).
@@ -699,7 +698,11 @@ def paper_workload(trace: Trace, problems: int = 128, samples: int = 16, max_tok
     """
     rng = np.random.default_rng(seed)
     groups = trace.groups()
-    temp = next(iter(groups))
+    temp = next(iter(groups)) if temperature is None else next(
+        (t for t in groups if abs(t - temperature) < 1e-9), None)
+    if temp is None:
+        raise ValueError(f"the trace holds no rollouts at temperature {temperature:g}; it holds "
+                         f"{', '.join(f'{t:g}' for t in groups)}")
     by_epoch = groups[temp]
     epoch_ids = list(by_epoch)[: epochs or len(by_epoch)]
     src_pids = list(dict.fromkeys(r.problem_id for r in by_epoch[epoch_ids[0]]))

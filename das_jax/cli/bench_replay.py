@@ -52,7 +52,9 @@ def main(args: argparse.Namespace) -> int:
 
     if paper:
         t0 = time.perf_counter()
-        groups = {None: paper_groups(trace, args)}
+        temps = sorted({r.temperature for r in trace.rollouts})
+        temp = temps[0] if args.temperature is None else args.temperature
+        groups = {temp: paper_groups(trace, args, temp)}
         max_new = args.paper_max_tokens
         print(f"paper-scale workload built in {time.perf_counter() - t0:.1f}s "
               f"({args.paper_problems} problems x {args.paper_samples} samples, max "
@@ -142,13 +144,13 @@ def check_inputs(args: argparse.Namespace):
             raise UserError(f"trace {args.trace}: its header has no 'max_new_tokens'; record "
                             "the trace again with `das-jax bench rollout`, or replay it with "
                             "--scale paper")
-        temps = sorted({r.temperature for r in trace.rollouts})
-        if args.temperature is not None and not any(
-                abs(t - args.temperature) < 1e-9 for t in temps):
-            raise UserError(f"--temperature {args.temperature:g}: trace {args.trace} holds no "
-                            "rollouts at that temperature; it holds "
-                            f"{', '.join(f'{t:g}' for t in temps)} (or leave --temperature "
-                            "out to replay all)")
+    temps = sorted({r.temperature for r in trace.rollouts})
+    if args.temperature is not None and not any(
+            abs(t - args.temperature) < 1e-9 for t in temps):
+        raise UserError(f"--temperature {args.temperature:g}: trace {args.trace} holds no "
+                        "rollouts at that temperature; it holds "
+                        f"{', '.join(f'{t:g}' for t in temps)} (or leave --temperature out: "
+                        + ("the lowest" if paper else "all") + ")")
     try:                                       # the engine settings the flags make
         engine_config(args, 1, widths, 1 << 20)
     except GenerateError as e:
@@ -213,10 +215,13 @@ def bound_table(pred: dict, bounds: list[dict], pool: int, coef: dict) -> str:
     return "\n".join(lines)
 
 
-def paper_groups(trace, args):
+def paper_groups(trace, args, temperature: float | None = None):
+    """The paper-scale workload of the flags, from the trace's rollouts at `temperature`
+    (None: its lowest)."""
     return rp.paper_workload(trace, problems=args.paper_problems, samples=args.paper_samples,
                              max_tokens=args.paper_max_tokens, epochs=args.paper_epochs,
-                             median_len=args.paper_median, sigma=args.paper_sigma)
+                             median_len=args.paper_median, sigma=args.paper_sigma,
+                             temperature=temperature)
 
 
 def table(pred: dict, temp, slots) -> str:

@@ -12,6 +12,7 @@ from typing import Sequence
 from das_jax.config.schema import (INFINITE_OK, Config, ConfigError, DataSection,
                                    DistributedSection, MeshSection)
 from das_jax.data.synthetic import ARITHMETIC_TEMPLATES
+from das_jax.json_values import is_int
 from das_jax.registry import REWARDS
 
 __all__ = ["validate"]
@@ -85,8 +86,7 @@ def validate(cfg: Config) -> Config:
     _check(r.max_cache_len > r.max_new_tokens,
            f"rollout.max_cache_len={r.max_cache_len} must exceed rollout.max_new_tokens="
            f"{r.max_new_tokens} (the cache holds prompt + completion)")
-    _check(all(not isinstance(w, bool) and isinstance(w, int) and w >= 1
-               for w in r.wide_row_buckets),
+    _check(all(is_int(w) and w >= 1 for w in r.wide_row_buckets),
            "rollout.wide_row_buckets must be a list of ints >= 1 ([] for one query block), got "
            f"{list(r.wide_row_buckets)}")
     _check(len(r.draft_widths) >= 1 and all(w >= 1 for w in r.draft_widths),

@@ -475,7 +475,10 @@ class _Run:
         if drafted:         # the accepted tokens are the winning branch's
             count = functools.partial(_count_acceptance, stats, n_draft_A, accepted_A, won_A,
                                       plan.drafts.source_A, second)
-            self.later.append(count) if self.overlap else count()
+            if self.overlap:
+                self.later.append(count)
+            else:
+                count()
         record = StepRecord(batch=B, active=len(live), width=plan.width, kv_len=kv_len,
                             drafted=drafted, accepted=accepted, emitted=int(committed_A.sum()),
                             seconds=out.seconds,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from das_jax.errors import UserError
+from das_jax.json_values import is_int, is_number
 from das_jax.rl.plots import common_steps
 from das_jax.rl.run_log import METRICS_FILE, read_metrics
 
@@ -44,14 +45,6 @@ def load_run(run_dir: str | Path, problems: list[str] | None = None) -> list[dic
     return records
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def check_record(r: dict, where: str) -> None:
     """Checks the fields of a step record that the table and the plot read: an integer 'step',
     numbers (or null) for the metrics, objects of counts for the per-source counts.
@@ -59,16 +52,16 @@ def check_record(r: dict, where: str) -> None:
     Raises:
       RunDirError: "<file>: record N: <key> ...; <fix>"."""
     fix = "is it a metrics.jsonl written by 'das-jax train'? fix or remove that line"
-    if not _is_int(r.get("step")):
+    if not is_int(r.get("step")):
         raise RunDirError(f"{where} has no integer 'step' (got {r.get('step')!r}); {fix}")
     for key in METRIC_KEYS:
         v = r.get(key)
-        if v is not None and not _is_number(v):
+        if v is not None and not is_number(v):
             raise RunDirError(f"{where}: {key!r} must be a number, got {v!r}; {fix}")
     for key in ("drafted_by_source", "accepted_by_source"):
         v = r.get(key)
         if v is not None and not (isinstance(v, dict) and all(
-                _is_number(n) for n in v.values())):
+                is_number(n) for n in v.values())):
             raise RunDirError(f"{where}: {key!r} must be an object of counts, got {v!r}; {fix}")
 
 

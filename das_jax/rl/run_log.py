@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from das_jax.engine import add_counts
+from das_jax.json_values import is_number
 from das_jax.rl.compile_watch import CompileWatch, describe_compiles
 from das_jax.rl.console_log import (Phase, fmt_seconds, phase,  # noqa: F401 - re-exported
                                     setup_console_logging)
@@ -270,8 +271,7 @@ class RunLogger:
     def _tb_scalars(self, record: dict, step: int) -> None:
         """Every finite number of `record` (except `step`) as a TensorBoard scalar at `step`."""
         for k, v in record.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" \
-                    and math.isfinite(v):
+            if is_number(v) and k != "step" and math.isfinite(v):
                 self._tb.add_scalar(k, v, step)
 
     def log_eval(self, record: dict[str, Any]) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import math
 
+from das_jax.json_values import is_number
+
 __all__ = ["COST_MODEL_FORMAT", "COST_KEYS", "save_cost_model", "load_cost_model",
-           "cost_coefficients", "is_number", "is_seconds"]
+           "cost_coefficients", "is_seconds"]
 
 COST_KEYS = ("c_base", "c_tok", "c_kv")
 
@@ -21,11 +23,6 @@ COST_MODEL_FORMAT = "das-jax-cost-model/1"
 
 Only format, c_base, c_tok and c_kv are read; the rest is free-form provenance (a derivation, or
 the measured shapes of a GPU check)."""
-
-
-def is_number(v) -> bool:
-    """A JSON/Python int or float that is not a bool."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def is_seconds(v) -> bool:
