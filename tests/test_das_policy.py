@@ -239,8 +239,9 @@ def test_per_depth_calibration_learns_where_drafts_break():
 def test_deferred_learning_learns_what_observe_learns_one_step_later():
     # observe(..., defer_learning=True) keeps the calibration update for learn_deferred (the
     # scheduler runs it while the device computes the next step): nothing is learned before
-    # it, and the same factors after it as learning at once; a checkpoint or fork taken in
-    # between carries the update.
+    # it, and the same factors after it as learning at once (run before the next choose, as
+    # here); a checkpoint taken in between carries the update, and an observe without
+    # deferral, of a step with drafts or without, runs what was kept.
     def make():
         return DASPolicy(config=DASConfig(short_threshold=0, long_threshold=0,
                                           acceptance_ema=0.3),
@@ -272,6 +273,17 @@ def test_deferred_learning_learns_what_observe_learns_one_step_later():
     from das_jax.speculation.das_policy import support_prior
     assert now.depth_scale[2:].max() < 0.9                 # both kinds of factors moved
     assert not np.allclose(now.support_scale, support_prior())
+    for pol in (now, later):
+        n, t = pol.choose(rows, [np.full(7, 0.9)] * 4, packed_step_shape(np.full(4, 64)),
+                          draft_support=support)
+        acc = tuple(int(min(k, 1)) for k in n)
+        pol.observe(StepRecord(batch=4, active=4, width=8, kv_len=64, drafted=int(n.sum()),
+                               accepted=sum(acc), emitted=4 + sum(acc), seconds=t,
+                               accepted_per_row=acc), defer_learning=pol is later)
+    pol.observe(StepRecord(batch=4, active=4, width=1, kv_len=64, drafted=0, accepted=0,
+                           emitted=4, seconds=t))               # no drafts: later's kept update
+    np.testing.assert_allclose(later.depth_scale, now.depth_scale)
+    assert not later._unlearned
 
 def _net_time(cm, n, lam, q, step_shape):
     """F(n) = t(step) - sum_b lambda_b * (1 + Q_b(n_b)), written out independently."""

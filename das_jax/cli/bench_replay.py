@@ -53,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
     if paper:
         t0 = time.perf_counter()
         temps = sorted({r.temperature for r in trace.rollouts})
-        temp = temps[0] if args.temperature is None else args.temperature
+        temp = temps[0] if args.temperature is None else next(       # checked: one matches
+            t for t in temps if abs(t - args.temperature) < 1e-9)
         groups = {temp: paper_groups(trace, args, temp)}
         max_new = args.paper_max_tokens
         print(f"paper-scale workload built in {time.perf_counter() - t0:.1f}s "

@@ -58,7 +58,7 @@ def _error(message: str) -> int:
 
 def trace_lengths(path: str, paper_scale: bool, max_tokens: int) -> tuple[list, list]:
     """(prompt lengths, completion lengths) of the rollouts of a trace (every rollout; with
-    `paper_scale` those of the first recorded temperature, every epoch), stretched to the paper's long tail up to `max_tokens` with
+    `paper_scale` those of the lowest recorded temperature, every epoch), stretched to the paper's long tail up to `max_tokens` with
     `paper_scale`.
 
     Raises:

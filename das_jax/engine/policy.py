@@ -204,7 +204,9 @@ class SpeculationPolicy(Protocol):
         run for that choice (`padded_step_shape`, `packed_step_shape`)."""
 
     def observe(self, record: StepRecord) -> None:
-        """Called after each step with what it measured."""
+        """Called after each step with what it measured. A policy that also has
+        `learn_deferred()` accepts `observe(record, defer_learning=True)`: the scheduler then
+        runs the update it kept while the device computes the next step (`DASPolicy`)."""
 
     def end(self, request_id: int, num_tokens: int) -> None:
         """A request finished with num_tokens generated."""

@@ -279,7 +279,10 @@ class DASPolicy:
         self._waiting = 0                  # requests of this generate call not yet in a slot
         self._step_classes = None          # (rows, class codes) of the step being planned
         self._planned_classes = None       # the same, of the step `choose` last planned
-        self._ages = None                  # (age_A, its age buckets): a step's, computed once
+        # (age_A, its age buckets) of the last steps' drafts: each computed once, for the
+        # step's choose and its calibration update (with deferred learning, after the next
+        # step's choose)
+        self._ages: list[tuple[np.ndarray, np.ndarray]] = []
         c = config                         # per class code: weight, draft token cap
         self._class_weights = np.array([c.weight_short, c.weight_medium, c.weight_long],
                                        np.float64)
@@ -466,10 +469,12 @@ class DASPolicy:
         age), or None with `age_calibration` off or a drafter that reports no ages."""
         if not self.config.age_calibration or db.age_A is None:
             return None
-        cached = self._ages
-        if cached is None or cached[0] is not db.age_A:   # a step's choose and _learn share it
-            cached = self._ages = (db.age_A, age_buckets_of(db.age_A, len(db)))
-        return cached[1]
+        for age_A, buckets in self._ages:
+            if age_A is db.age_A:
+                return buckets
+        buckets = age_buckets_of(db.age_A, len(db))
+        self._ages = self._ages[-2:] + [(db.age_A, buckets)]
+        return buckets
 
     def _adopt_new_ages(self, src: np.ndarray, ages: np.ndarray) -> None:
         """(source, age bucket) rows among the pairs (`src`, `ages`) with no trials yet take the
@@ -790,7 +795,10 @@ class DASPolicy:
 
         defer_learning: keep the calibration update for `learn_deferred` (the scheduler runs
         it while the device computes the next step, so the next step is planned with the
-        calibration up to the step before); the cost model still refits now."""
+        calibration up to the step before; where that step's choice first extends the
+        calibration, to a deeper draft position or a new history age, the new entries start
+        from the factors learned up to the step before too); the cost model still refits
+        now. Without it, the updates kept before are run too."""
         R2 = getattr(record, "branch_rows", 0)
         kw = {"branch_rows": R2} if R2 else {}   # duck-typed models may lack the keyword
         self.cost_model.observe_step(*record.step_shape(), record.seconds, width=record.width,
@@ -801,8 +809,13 @@ class DASPolicy:
             self.cost_model.observe_compile(record.compile_s)
         pending, self._pending = self._pending, None
         second, self._pending_second = self._pending_second, None
-        if not record.drafted:
-            return
+        if record.drafted:
+            self._keep_update(record, pending, second)
+        if not defer_learning:
+            self.learn_deferred()
+
+    def _keep_update(self, record: StepRecord, pending, second) -> None:
+        """The `_learn` arguments of a verified step with drafts, kept in `_unlearned`."""
         acc = (np.asarray(record.accepted_per_row, np.int64)
                if record.accepted_per_row is not None else None)
         won = getattr(record, "won_per_row", None)
@@ -815,8 +828,6 @@ class DASPolicy:
             acc = np.where(won, 0, acc)
         if pending is not None:
             self._unlearned.append((*pending, acc, record.accepted))
-        if not defer_learning:
-            self.learn_deferred()
 
     def learn_deferred(self) -> None:
         """Runs the calibration updates `observe(..., defer_learning=True)` kept, in order."""
