@@ -122,6 +122,16 @@ class Trace:
             out.setdefault(r.temperature, {}).setdefault(r.epoch, []).append(r)
         return {t: dict(sorted(e.items())) for t, e in sorted(out.items())}
 
+    def temperature(self, wanted: float | None = None) -> float:
+        """The recorded temperature equal to `wanted` (within 1e-9), or the lowest recorded
+        one for None. ValueError naming the ones it holds when none is equal."""
+        temps = sorted({r.temperature for r in self.rollouts})
+        found = temps[:1] if wanted is None else [t for t in temps if abs(t - wanted) < 1e-9]
+        if not found:
+            raise ValueError(f"the trace holds no rollouts at temperature {wanted:g}; it holds "
+                             f"{', '.join(f'{t:g}' for t in temps)}")
+        return found[0]
+
 
 def write_trace(path, header: dict, rollouts: Iterable[TraceRollout]) -> None:
     with open(path, "w", encoding="utf-8") as f:
@@ -697,13 +707,8 @@ def paper_workload(trace: Trace, problems: int = 128, samples: int = 16, max_tok
       across-epoch redundancy the drafters exploit (an approximation of real long rollouts).
     """
     rng = np.random.default_rng(seed)
-    groups = trace.groups()
-    temp = next(iter(groups)) if temperature is None else next(
-        (t for t in groups if abs(t - temperature) < 1e-9), None)
-    if temp is None:
-        raise ValueError(f"the trace holds no rollouts at temperature {temperature:g}; it holds "
-                         f"{', '.join(f'{t:g}' for t in groups)}")
-    by_epoch = groups[temp]
+    temp = trace.temperature(temperature)
+    by_epoch = trace.groups()[temp]
     epoch_ids = list(by_epoch)[: epochs or len(by_epoch)]
     src_pids = list(dict.fromkeys(r.problem_id for r in by_epoch[epoch_ids[0]]))
     factor = np.exp(rng.normal(np.log(median_len), sigma, size=problems))

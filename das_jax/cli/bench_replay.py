@@ -52,9 +52,7 @@ def main(args: argparse.Namespace) -> int:
 
     if paper:
         t0 = time.perf_counter()
-        temps = sorted({r.temperature for r in trace.rollouts})
-        temp = temps[0] if args.temperature is None else next(       # checked: one matches
-            t for t in temps if abs(t - args.temperature) < 1e-9)
+        temp = trace.temperature(args.temperature)      # checked by check_inputs
         groups = {temp: paper_groups(trace, args, temp)}
         max_new = args.paper_max_tokens
         print(f"paper-scale workload built in {time.perf_counter() - t0:.1f}s "
@@ -63,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         groups = trace.groups()
         if args.temperature is not None:
-            groups = {t: g for t, g in groups.items() if abs(t - args.temperature) < 1e-9}
+            groups = {t: groups[t] for t in [trace.temperature(args.temperature)]}
         max_new = int(h["max_new_tokens"])
     if getattr(args, "admit_longest_first", False):
         groups = {t: {e: sorted(rs, key=lambda r: -len(r.token_ids)) for e, rs in g.items()}
@@ -145,13 +143,13 @@ def check_inputs(args: argparse.Namespace):
             raise UserError(f"trace {args.trace}: its header has no 'max_new_tokens'; record "
                             "the trace again with `das-jax bench rollout`, or replay it with "
                             "--scale paper")
-    temps = sorted({r.temperature for r in trace.rollouts})
-    if args.temperature is not None and not any(
-            abs(t - args.temperature) < 1e-9 for t in temps):
-        raise UserError(f"--temperature {args.temperature:g}: trace {args.trace} holds no "
-                        "rollouts at that temperature; it holds "
-                        f"{', '.join(f'{t:g}' for t in temps)} (or leave --temperature out: "
-                        + ("the lowest" if paper else "all") + ")")
+    if args.temperature is not None:
+        try:
+            trace.temperature(args.temperature)
+        except ValueError as e:
+            raise UserError(f"--temperature {args.temperature:g}: trace {args.trace}: {e} (or "
+                            "leave --temperature out: " + ("the lowest" if paper else "all")
+                            + ")") from None
     try:                                       # the engine settings the flags make
         engine_config(args, 1, widths, 1 << 20)
     except GenerateError as e:
