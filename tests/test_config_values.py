@@ -74,6 +74,8 @@ def test_every_float_key_refuses_non_finite_values(key, is_list, bad):
     ("das.cost_model.compile_s=nan", "das.cost_model.compile_s must be a finite number"),
     ("grpo.reward_weights=[nan]", "grpo.reward_weights[0] must be a finite number, got nan"),
     ("das.global_below=nan", "das.global_below must be >= 0"),
+    ("das.request_below=nan", "das.request_below must be >= 0"),
+    ("das.request_below=-1", "das.request_below must be >= 0"),
     # no range check at all
     ("grpo.adam_beta1=2", "grpo.adam_beta1 must be in [0, 1)"),
     ("grpo.adam_beta1=-1", "grpo.adam_beta1 must be in [0, 1)"),
@@ -109,11 +111,13 @@ def test_bad_values_are_refused_naming_the_key(override, fragment):
 
 
 def test_documented_values_stay_accepted():
-    cfg = load_config(TINY, ["das.global_below=inf", "grpo.adam_beta1=0", "grpo.adam_beta2=0.95",
+    cfg = load_config(TINY, ["das.global_below=inf", "das.request_below=inf",
+                             "grpo.adam_beta1=0", "grpo.adam_beta2=0.95",
                              "train.device_memory_gb=80", "rollout.draft_widths=[1]",
                              "grpo.reward_funcs=[math_accuracy, format]",
                              "grpo.reward_weights=[1, -0.5]", "das.scopes=[problem]"])
     assert cfg.das.global_below == float("inf") and cfg.train.device_memory_gb == 80.0
+    assert cfg.das.request_below == float("inf")
     assert load_config(TINY, ["train.device_memory_gb=null"]).train.device_memory_gb is None
 
 

@@ -23,12 +23,13 @@ class RowDrafter:
     rollouts in one scope forest; the best-scoring draft wins, ties to the earlier scope."""
 
     def __init__(self, config, window, prompt_tail=None, max_problems=None,
-                 scopes=("problem",), global_rollouts=1024, global_below=2.0):
+                 scopes=("problem",), global_rollouts=1024, global_below=2.0,
+                 request_below=4.0):
         self.history = ProblemHistory(config, window, prompt_tail, max_problems)
         self.requests = {}       # rid -> [pid, handle, context, prompt_len, rroot, rsid]
         self.pending = []        # (rid, tokens) in the context, not yet in the history
         self.scopes, self.global_rollouts = tuple(scopes), global_rollouts
-        self.global_below = global_below
+        self.global_below, self.request_below = global_below, request_below
         self.scope = SuffixForest(config)
         self.groot = self.scope.new_tree() if "global" in self.scopes else -1
         self.gseqs, self.gpending = [], []
@@ -81,9 +82,10 @@ class RowDrafter:
     def propose(self, rid, k):
         pid, handle, ctx, _, rroot, rsid = self.requests[rid]
         best = self.history.propose(pid, ctx.array, k, handle)
-        for root, own in ((rroot, rsid), (self.groot if self.gseqs else -1, -1)):
-            if root == self.groot and best.score >= self.global_below:
-                continue            # the global trie: a fallback for low-scoring rows only
+        for root, own, below in ((rroot, rsid, self.request_below),
+                                 (self.groot if self.gseqs else -1, -1, self.global_below)):
+            if best.score >= below:
+                continue            # searched only for rows whose draft so far scores below
             if root >= 0:
                 x = self.scope.propose(root, ctx.array, k, own)
                 if len(x.draft) and x.score > best.score:
@@ -118,7 +120,8 @@ class RowDrafter:
                 "requests": [[rid, pid, h, ctx.array.copy(), rroot, rsid]
                              for rid, (pid, h, ctx, _, rroot, rsid) in self.requests.items()],
                 "scopes": list(self.scopes), "global_rollouts": self.global_rollouts,
-                "global_below": self.global_below, "scope_forest": self.scope.state_dict(), "global_root": self.groot,
+                "global_below": self.global_below, "request_below": self.request_below,
+                "scope_forest": self.scope.state_dict(), "global_root": self.groot,
                 "global_seqs": list(self.gseqs), "global_pending": list(self.gpending)}
 
     def load_state_dict(self, state):
@@ -170,7 +173,7 @@ def assert_batch_matches(batch, ref, ids, max_tokens_A):
 
 def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60, cfg=CFG,
               prompt_tail=None, deferred=False, scopes=("problem",), global_rollouts=1024,
-              global_below=2.0):
+              global_below=2.0, request_below=4.0):
     """Random begin / propose / append / end / advance_epoch traffic on a batched drafter and
     the per-row reference; every step's drafts and periodic states are compared. `deferred`:
     batched appends mostly index their tokens later (`index_later`, flushed at random points,
@@ -178,7 +181,8 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60,
     same way."""
     rng = np.random.default_rng(seed)
     vocab, problems = 5, 6
-    kw = dict(scopes=scopes, global_rollouts=global_rollouts, global_below=global_below)
+    kw = dict(scopes=scopes, global_rollouts=global_rollouts, global_below=global_below,
+              request_below=request_below)
     d = SuffixDrafter(cfg, window=window, prompt_tail=prompt_tail, max_problems=max_problems,
                       threads=threads, **kw)
     ref = RowDrafter(cfg, window, prompt_tail, max_problems=max_problems, **kw)
@@ -254,28 +258,34 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60,
     return stats
 
 
-SCOPE_CASES = [pytest.param(("problem",), 1024, 2.0, id="problem"),
-               pytest.param(SCOPES, 1024, 2.0, id="all-scopes"),
-               pytest.param(("problem", "global"), 3, float("inf"), id="global-3")]  # FIFO drops
+SCOPE_CASES = [pytest.param(("problem",), 1024, 2.0, 4.0, id="problem"),
+               pytest.param(SCOPES, 1024, 2.0, 4.0, id="all-scopes"),
+               pytest.param(SCOPES, 1024, 0.0, float("inf"), id="request-always"),
+               pytest.param(SCOPES, 1024, float("inf"), 0.5, id="request-below-0.5"),
+               pytest.param(("problem", "global"), 3, float("inf"), 4.0, id="global-3")]
+# (global-3: FIFO drops)
 
 
-@pytest.mark.parametrize("scopes,global_rollouts,global_below", SCOPE_CASES)
+@pytest.mark.parametrize("scopes,global_rollouts,global_below,request_below", SCOPE_CASES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed,window,max_problems", [(0, 1, None), (1, 0, None), (2, 2, 3)])
 def test_batch_equals_per_row_reference(monkeypatch, seed, threads, window, max_problems,
-                                        scopes, global_rollouts, global_below):
+                                        scopes, global_rollouts, global_below,
+                                        request_below):
     monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)   # split even small batches
     stats = _scenario(seed, threads, window, max_problems, scopes=scopes,
-                      global_rollouts=global_rollouts, global_below=global_below)
+                      global_rollouts=global_rollouts, global_below=global_below,
+                      request_below=request_below)
     assert stats["drafted"] > 500 and stats["unindexed"] > 50, stats
 
 
-@pytest.mark.parametrize("scopes,global_rollouts,global_below", SCOPE_CASES)
+@pytest.mark.parametrize("scopes,global_rollouts,global_below,request_below", SCOPE_CASES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed,window,max_problems", [(4, 1, None), (5, 2, 3)])
 def test_deferred_appends_draft_from_the_trie_one_flush_behind(monkeypatch, seed, threads,
                                                                window, max_problems, scopes,
-                                                               global_rollouts, global_below):
+                                                               global_rollouts, global_below,
+                                                               request_below):
     """`append_batch(..., index_later=True)`: contexts take the tokens at once, the trie at
     `flush_appends` (or at any call that needs it: `end` its request's, `append`,
     `advance_epoch`, `state_dict`; not a new problem's `begin`); drafts meanwhile equal the
@@ -283,7 +293,8 @@ def test_deferred_appends_draft_from_the_trie_one_flush_behind(monkeypatch, seed
     after each flush."""
     monkeypatch.setattr(suffix_drafter, "_MIN_ROWS_PER_THREAD", 2)
     stats = _scenario(seed, threads, window, max_problems, deferred=True, scopes=scopes,
-                      global_rollouts=global_rollouts, global_below=global_below)
+                      global_rollouts=global_rollouts, global_below=global_below,
+                      request_below=request_below)
     assert stats["drafted"] > 500 and stats["lagging"] > 50, stats
 
 

@@ -99,6 +99,36 @@ def test_best_score_wins_and_ties_go_to_the_problem_trie():
     assert SuffixDrafter(CFG, scopes=("problem",)).propose_batch([], []).lens_A.size == 0
 
 
+def test_request_below_searches_the_request_trie_only_for_low_scoring_rows():
+    """The problem trie drafts [7, 7] with score 4/3, the request trie [9, 9] with score 2:
+    with request_below above 4/3 the request's draft wins; at or below it the request trie is
+    not searched and the problem's draft stands (0: never searched)."""
+    def drafter(request_below):
+        d = SuffixDrafter(CFG, scopes=("problem", "request"), prompt_tail=0,
+                          request_below=request_below)
+        for rid, out in enumerate(([1, 2, 7, 7, 7], [1, 2, 7, 7, 7], [1, 2, 8, 8, 8])):
+            _finish(d, rid, "p", [], out)
+        d.begin(9, "p", [1, 2, 9, 9, 9, 5])
+        d.append(9, [1, 2])
+        return d
+
+    problem, request = DRAFT_SOURCES.index("problem"), DRAFT_SOURCES.index("request")
+    for request_below, want, source in ((float("inf"), [9, 9], request), (1.5, [9, 9], request),
+                                        (4 / 3, [7, 7], problem), (1.0, [7, 7], problem),
+                                        (0.0, [7, 7], problem)):
+        d = drafter(request_below)
+        assert d.propose(9, 3).tokens.tolist() == want, request_below
+        assert d.propose_batch([9], [3]).source_A.tolist() == [source], request_below
+        restored = SuffixDrafter(CFG, scopes=("problem", "request"))
+        restored.load_state_dict(d.state_dict())     # the setting travels with the state
+        assert restored.request_below == request_below
+        assert restored.propose(9, 3).tokens.tolist() == want, request_below
+    with pytest.raises(ValueError, match="request_below must be >= 0"):
+        SuffixDrafter(CFG, request_below=-0.5)
+    with pytest.raises(ValueError, match="request_below must be >= 0"):
+        SuffixDrafter(CFG, request_below=float("nan"))
+
+
 def test_global_rollouts_keeps_the_most_recent_finished_rollouts():
     d = SuffixDrafter(CFG, scopes=("problem", "global"), global_rollouts=2, global_below=1e9)
     for i, pid in enumerate("abc"):

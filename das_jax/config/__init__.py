@@ -7,7 +7,7 @@ Every YAML key is validated: a key given twice in one mapping is refused (PyYAML
 last silently), unknown keys are rejected with the list of valid keys (and a "did you
 mean"), values are type-checked against the field's annotation (ints are accepted for floats,
 lists become tuples, `null` only where the field is optional), floats must be finite (NaN never,
-infinity only for `das.global_below`: `schema.INFINITE_OK`), enum-like fields are checked
+infinity only for `das.global_below` and `das.request_below`: `schema.INFINITE_OK`), enum-like fields are checked
 against their choices (fixed, or read from a registry when first needed: `drafter` from the
 speculation registry, `data.kind` from the dataset registry), and cross-field constraints are
 checked once the whole config is built. This package does not import JAX (so `platform` can still

@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 # item when a config is validated: `validation._check_finite`), except the keys here, where
 # infinity is a documented setting (NaN never is):
 #   das.global_below: inf searches the global trie for every row (docs/results/rollouts.md).
-INFINITE_OK = frozenset({"das.global_below"})
+#   das.request_below: inf searches the request trie for every row (docs/results/host-loop.md).
+INFINITE_OK = frozenset({"das.global_below", "das.request_below"})
 
 
 def _choices(*values, default):

@@ -171,6 +171,8 @@ def validate(cfg: Config) -> Config:
            f"{das.global_rollouts}")
     _check(das.global_below >= 0, f"das.global_below must be >= 0 (0: never search the global "
            f"trie), got {das.global_below}")
+    _check(das.request_below >= 0, f"das.request_below must be >= 0 (0: never search the "
+           f"request trie), got {das.request_below}")
     _check(0 <= das.min_token_prob <= 1, f"das.min_token_prob must be in [0, 1], got "
            f"{das.min_token_prob}")
     _check(t.steps >= 0, f"train.steps must be >= 0, got {t.steps}")

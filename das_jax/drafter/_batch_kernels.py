@@ -34,7 +34,7 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
                  slot_lag, ctx_pool, ctx_start, ctx_len, min_prob, spec_factor, spec_offset,
                  min_match, lo, hi, tokens_AxK, probs_AxK, support_AxK, lens_A, source_A,
                  s_nodes, s_ht, s_seqs, s_toks, s_act, s_meta, slot_rroot, slot_rsid, g_nodes,
-                 g_ht, g_seqs, g_toks, g_act, g_meta, g_root, g_below):
+                 g_ht, g_seqs, g_toks, g_act, g_meta, g_root, g_below, r_below):
     """Drafts rows lo..hi-1: row b drafts up to max_tokens_A[b] tokens for the request in slot
     slots_A[b] from up to three tries, the best-scoring draft winning (ties: the earlier one):
 
@@ -43,7 +43,8 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
        trailing occurrences left out; slot_lag[s]: context tokens not yet indexed into its own
        sequences, `append_rows` mode CONTEXT);
     2. its request trie slot_rroot[s] (-1: none) in the request forest (s_nodes, ...), own
-       sequence slot_rsid[s] (the same lag);
+       sequence slot_rsid[s] (the same lag), only for rows whose problem draft scores below
+       r_below;
     3. the global trie g_root (-1: none) of the global forest (g_nodes, ...; it may be the
        request forest), no own sequence, only for rows whose best draft so far scores below
        g_below (a fallback).
@@ -84,7 +85,7 @@ def propose_rows(nodes, ht, seqs, toks, act, meta, slots_A, max_tokens_A, slot_r
                                    spec_offset, min_match, 0.0, match_nodes, out_t, out_p,
                                    out_c, tmp_t, tmp_p, tmp_c)
             src = 0
-        if slot_rroot[s] >= 0:
+        if slot_rroot[s] >= 0 and best < r_below:
             k2, sc = propose_tail(s_nodes, s_ht, s_seqs, s_toks, s_act, s_meta, slot_rroot[s],
                                   ctx, slot_rsid[s], slot_lag[s], kmax, min_prob, spec_factor,
                                   spec_offset, min_match, best, match_nodes, out_t, out_p,
