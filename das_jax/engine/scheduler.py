@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from das_jax.drafter.base import append_batch, flush_appends
+from das_jax.engine.gc_freeze import frozen_gc
 from das_jax.engine.outputs import GenerateStats, RequestOutput  # noqa: F401 - re-exported
 from das_jax.engine.policy import (FixedPolicy, RowBatch, SpeculationPolicy, StepRecord,
                                    plan_step)
@@ -98,7 +99,17 @@ def run_schedule(requests: Sequence[Any], executor: StepExecutor, engine_config,
 
     Returns:
       (outputs in request order, stats); wall_s / compile_s are the caller's to set.
+
+    The objects that exist when it starts are kept out of Python's garbage collections until it
+    returns (`gc_freeze.frozen_gc`): no full collection of the whole heap stalls a step.
     """
+    with frozen_gc():
+        return _run_schedule(requests, executor, engine_config, limits, drafter, policy,
+                             progress, keep_tokens, stats)
+
+
+def _run_schedule(requests, executor, engine_config, limits, drafter, policy, progress,
+                  keep_tokens, stats):
     t_start = time.perf_counter()
     draft_model_s0 = getattr(executor, "draft_model_s", 0.0)
     run = _Run(requests, _TimedExecutor(executor), engine_config, limits, drafter,
