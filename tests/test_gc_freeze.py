@@ -23,11 +23,17 @@ def _cycle():
     return a, weakref.ref(a)
 
 
+def _frozen(obj) -> bool:
+    """A tracked object is frozen when it is in none of the collector's generations."""
+    assert gc.is_tracked(obj)
+    return not any(o is obj for o in gc.get_objects())
+
+
 def test_cyclic_garbage_from_before_is_kept_inside_and_collected_after():
     base = gc.get_freeze_count()
     a, alive = _cycle()
     with frozen_gc():
-        assert gc.get_freeze_count() > base
+        assert _frozen(a)
         del a
         gc.collect()
         assert alive() is not None         # frozen: the collection skipped it
@@ -42,12 +48,14 @@ def test_cyclic_garbage_from_before_is_kept_inside_and_collected_after():
 
 def test_nested_and_concurrent_users_share_one_freeze_and_errors_unfreeze():
     base = gc.get_freeze_count()
+    before = []
     with frozen_gc():
-        frozen = gc.get_freeze_count()
+        assert _frozen(before)
+        inside = []
         with frozen_gc():
-            assert gc.get_freeze_count() == frozen     # not frozen again
-        assert gc.get_freeze_count() == frozen         # the outer one still holds it
-    assert gc.get_freeze_count() == base
+            assert not _frozen(inside)                 # not frozen again
+        assert _frozen(before) and not _frozen(inside)   # the outer one still holds it
+    assert not _frozen(before) and gc.get_freeze_count() == base
     entered, leave = threading.Event(), threading.Event()
 
     def other():
@@ -60,14 +68,15 @@ def test_nested_and_concurrent_users_share_one_freeze_and_errors_unfreeze():
     entered.wait(10)
     with frozen_gc():
         pass
-    assert gc.get_freeze_count() > base                # the other thread's freeze stays
+    assert _frozen(before)                             # the other thread's freeze stays
     leave.set()
     t.join()
-    assert gc.get_freeze_count() == base
+    assert not _frozen(before) and gc.get_freeze_count() == base
     with pytest.raises(RuntimeError):
         with frozen_gc():
+            assert _frozen(before)
             raise RuntimeError("step failed")
-    assert gc.get_freeze_count() == base
+    assert not _frozen(before) and gc.get_freeze_count() == base
 
 
 class _Executor:
