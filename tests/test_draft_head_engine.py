@@ -340,8 +340,11 @@ def test_rollout_from_config_attaches_the_head_and_refuses_bad_ones(tmp_path):
     save_head(str(other), dataclasses.replace(
         head, meta=policy_fingerprint("smollm2-135m-instruct",
                                       tiny_model_config(num_layers=5))))
+    # a fixed cost model where drafts pay (a calibrated one times this machine's steps, and
+    # under load may find that no draft pays: then nothing is drafted)
     raw = {"rollout": {"max_slots": 4, "max_cache_len": 64, "max_new_tokens": 8,
-                       "draft_widths": [1, 4]}, "draft_head": {"path": str(good), "steps": 6}}
+                       "draft_widths": [1, 4]}, "draft_head": {"path": str(good), "steps": 6},
+           "das": {"cost_model": {"c_base": 0.05, "c_tok": 1e-4, "calibrate": False}}}
     cfg = config_from_dict(raw)
     dev = jax.devices()[0]
     rollout = rollout_from_config(cfg, CFG, PARAMS, (1,), device=dev)

@@ -9,7 +9,8 @@ from das_jax.drafter import _batch_kernels, _kernels
 from das_jax.engine import Engine, EngineConfig, Request, SamplingParams
 from das_jax.rollout import Rollout
 from das_jax.rollout.warmup import exercise_kernels, warm_up
-from das_jax.speculation import CostModel, _budget_kernels, build_speculation
+from das_jax.speculation import (CostModel, CostModelConfig, DASSection, _budget_kernels,
+                                 build_speculation)
 from das_jax.testing import tiny_model_config, tiny_params
 
 
@@ -34,8 +35,11 @@ def test_a_rollout_after_the_warm_up_compiles_no_kernel(name):
     if name == "das":
         assert sum(policy.acceptance_by_age()["drafted"]) > 0   # the exercise drafted
     before = _compiled()
+    # a fixed cost model where drafts pay (a calibrated one times this machine's steps, and
+    # under load may find that no draft pays)
+    das = DASSection(cost_model=CostModelConfig(c_base=1e-3, c_tok=1e-5, calibrate=False))
     rollout = Rollout(Engine(cfg, tiny_params(cfg), eos_token_ids=(), engine_config=ec), name,
-                      warm_kernels=False)
+                      das, warm_kernels=False)
     reqs = [Request((1, 2, 3, 4), problem_id=f"p{i % 3}", sample_index=i) for i in range(6)]
     sampling = SamplingParams(temperature=0.0, max_new_tokens=20, seed=0)
     for version in range(2):
