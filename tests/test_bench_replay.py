@@ -281,12 +281,13 @@ def test_replay_cli_cost_model_flag(params, tmp_path, capsys):
     assert res2["none_memory_bound"] == res["none_memory_bound"]
     assert (res2["predicted"]["none"][0]["generated_tokens"]
             == res["predicted"]["none"][0]["generated_tokens"])
-    assert (res["overlap_host"], res["realtime"]) == (True, False)
+    assert (res["overlap_host"], res["realtime"], res["draft_ahead"]) == (True, False, True)
     # the flags reach the simulated engine: appends completed before each draft, steps slept
     assert replay_cli.main(p.parse_args([str(trace), "--drafters", "suffix", "--no-overlap",
-                                         "--realtime", "--json", str(out_json)])) == 0
+                                         "--realtime", "--no-draft-ahead",
+                                         "--json", str(out_json)])) == 0
     res = json.loads(out_json.read_text())["results"][0]
-    assert (res["overlap_host"], res["realtime"]) == (False, True)
+    assert (res["overlap_host"], res["realtime"], res["draft_ahead"]) == (False, True, False)
     assert res["predicted"]["suffix"][0]["overlapped_host_s"] == 0.0
 
 

@@ -206,8 +206,8 @@ def test_public_methods_are_the_kernels():
 @pytest.mark.parametrize("seed", range(4))
 def test_row_classes_equal_the_numpy_formulation(seed, jit):
     """`row_classes` (`DASPolicy.current_classes`): recorded classes, unrecorded and unknown
-    ids as medium, promotion by generated length (recorded in place), short only when the
-    thresholds differ."""
+    ids as medium, promotion by generated length (recorded in place, or with `record` false
+    not), short only when the thresholds differ."""
     rng = np.random.default_rng(seed)
     class_R = rng.integers(-1, 3, 30).astype(np.int8)
     ids = rng.integers(-2, 34, 25)
@@ -225,6 +225,12 @@ def test_row_classes_equal_the_numpy_formulation(seed, jit):
         ref_R[ids[up]] = cls[up]
     kernel = bk.row_classes if jit else bk.row_classes.py_func
     lo, hi = th if th is not None else (0.0, 0.0)
-    out = kernel(ids.astype(np.int64), gen.astype(np.int64), class_R, lo, hi, th is not None)
+    before = class_R.copy()
+    peek = kernel(ids.astype(np.int64), gen.astype(np.int64), class_R, lo, hi, th is not None,
+                  False)
+    np.testing.assert_array_equal(peek, cls)
+    np.testing.assert_array_equal(class_R, before)
+    out = kernel(ids.astype(np.int64), gen.astype(np.int64), class_R, lo, hi, th is not None,
+                 True)
     np.testing.assert_array_equal(out, cls)
     np.testing.assert_array_equal(class_R, ref_R)

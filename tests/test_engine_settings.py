@@ -118,14 +118,16 @@ def test_paged_attention_gather_reaches_the_cache(params):
     assert [o.token_ids for o in out["auto"]] == [o.token_ids for o in out["gather"]]
 
 
-def _das_epochs(params, drafter, overlap: bool, reqs, sampling) -> list:
+def _das_epochs(params, drafter, overlap: bool, reqs, sampling, policy=None, **ec) -> list:
     """Two epochs of `reqs` drafted by `drafter` (advanced after each) on a tiny exact engine
-    with `overlap_host`: [(outputs, stats)] per epoch."""
+    with `overlap_host` (and `ec`): [(outputs, stats)] per epoch; `policy` default
+    `FixedPolicy(max_draft=3)`."""
     from das_jax.engine.policy import FixedPolicy
-    eng = tiny_engine(params, exact=True, overlap_host=overlap)
+    eng = tiny_engine(params, exact=True, overlap_host=overlap, **ec)
     out = []
     for _ in range(2):
-        out.append(eng.generate(reqs, sampling, drafter=drafter, policy=FixedPolicy(max_draft=3)))
+        out.append(eng.generate(reqs, sampling, drafter=drafter,
+                                policy=policy or FixedPolicy(max_draft=3)))
         drafter.advance_epoch()
     return out
 
@@ -167,3 +169,31 @@ def test_overlapped_appends_change_no_token(params):
         assert [o.logprobs for o in a] == [o.logprobs for o in b]
         assert sa.overlap_s > 0 and sb.overlap_s == 0
     assert res[True][1][1].accepted_draft_tokens > 0
+
+
+def test_drafts_made_ahead_change_no_decision(params):
+    """`draft_ahead`: while the device computes a step, the DAS policy's rows whose proposal
+    goes on past the chosen draft get their next draft made (`SuffixDrafter.propose_ahead`);
+    the next propose takes it where the step did as assumed. Every step's drafts, so every
+    decision, token and log-prob, equal a run without it (a frozen cost model: the plans
+    depend on nothing measured); some drafts were taken."""
+    from das_jax.bench.replay import FrozenCostModel
+    from das_jax.drafter import SuffixDrafter, SuffixTreeConfig
+    from das_jax.speculation import DASConfig, DASPolicy
+    from das_jax.testing import random_requests
+    reqs = random_requests(problems=2, samples=4, seed=3)
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=40, seed=5)
+    res, drafters = {}, {}
+    for ahead in (True, False):
+        d = drafters[ahead] = SuffixDrafter(SuffixTreeConfig(max_depth=8), window=2)
+        pol = DASPolicy(d.lengths, DASConfig(), FrozenCostModel(c_base=0.01, c_tok=2e-3))
+        res[ahead] = _das_epochs(params, d, True, reqs, sampling, policy=pol,
+                                 draft_ahead=ahead, max_slots=8)
+    for (a, sa), (b, sb) in zip(res[True], res[False]):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [o.logprobs for o in a] == [o.logprobs for o in b]
+        assert [(r.drafted, r.accepted, r.accepted_per_row) for r in sa.steps] == \
+            [(r.drafted, r.accepted, r.accepted_per_row) for r in sb.steps]
+    made, used = drafters[True].drafted_ahead
+    assert drafters[False].drafted_ahead == (0, 0)
+    assert used > 0 and made >= used, (made, used)

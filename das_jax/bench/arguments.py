@@ -125,6 +125,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="complete the drafter's appends before every draft (rollout.overlap_host:"
                         " false); default: index them while the device computes the next step")
+    p.add_argument("--no-draft-ahead", action="store_true",
+                   help="draft every row between two steps (rollout.draft_ahead: false); "
+                        "default: the rows whose draft would go on are drafted while the "
+                        "device computes, for the step's likely outcome")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
 
 

@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--trace", default="docs/traces/gsm8k-smollm2-135m.jsonl.gz")
     p.add_argument("--no-overlap", action="store_true",
                    help="complete every append before the next draft (overlap_host: false)")
+    p.add_argument("--no-draft-ahead", action="store_true",
+                   help="draft every row between the steps (draft_ahead: false)")
     args = p.parse_args(argv)
     spent = [0.0]
     for name in ("verify", "prefill", "compact", "start", "decode"):
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
     epochs = rp.paper_workload(trace, problems=args.problems, samples=16,
                                max_tokens=args.max_tokens, epochs=2, median_len=args.median)
     ec = EngineConfig(max_slots=args.slots, max_cache_len=2 * args.max_tokens,
-                      draft_widths=(1, 4, 8, 16), overlap_host=not args.no_overlap)
+                      draft_widths=(1, 4, 8, 16), overlap_host=not args.no_overlap,
+                      draft_ahead=not args.no_draft_ahead)
     cm = rp.FrozenCostModel.of(resolve_cost_model(args.cost_model))
     drafter, policy = build_speculation(args.drafter, rp.das_from_header(trace.header), cm)
     first, second = list(epochs)[:2]
@@ -65,9 +68,11 @@ def main(argv=None) -> int:
     if drafter is not None:
         drafter.advance_epoch()
     spent[0] = 0.0
+    before = getattr(drafter, "drafted_ahead", (0, 0))
     t0 = time.perf_counter()
     st = rp.simulate(epochs[second], ec, args.max_tokens, cm, drafter, policy)
     wall = time.perf_counter() - t0
+    ahead = [a - b for a, b in zip(getattr(drafter, "drafted_ahead", (0, 0)), before)]
     rows = max(sum(s.active for s in st.steps), 1)
     for warm in (True, False):      # the first pass imports the fit's solver (scipy)
         live = CostModel(**resolve_cost_model(args.cost_model))
@@ -85,6 +90,8 @@ def main(argv=None) -> int:
                       "draft_us_per_row": 1e6 * st.draft_s / rows,
                       "policy_us_per_row": 1e6 * st.policy_s / rows,
                       "refit_us_per_step": 1e6 * refit_s / max(len(st.steps), 1),
+                      "drafted_ahead_rows": ahead[0],
+                      "drafted_ahead_used": ahead[1],
                       "forward_passes": st.forward_passes,
                       "accepted_draft_tokens": st.accepted_draft_tokens,
                       "mean_live_rows": rows / max(st.forward_passes, 1)}))

@@ -91,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
             results.append({"temperature": temp, "max_slots": ms, "widths": list(widths),
                             "kv_cache": ec.kv_cache, "kv_pages": ec.kv_pages,
                             "page_size": ec.page_size, "overlap_host": ec.overlap_host,
+                            "draft_ahead": ec.draft_ahead,
                             "realtime": bool(getattr(args, "realtime", False)),
                             "cost_model": coef, "predicted": pred, "sim_s": sim_s,
                             "pool_positions": pool, "none_memory_bound": bounds})
@@ -176,14 +177,15 @@ def engine_config(args, max_slots: int, widths, max_cache_len: int) -> EngineCon
     pool of `--page-size` pages with the memory of `--kv-rows` dense rows (default: one per
     slot, which never runs short)."""
     overlap = not getattr(args, "no_overlap", False)
+    ahead = not getattr(args, "no_draft_ahead", False)
     if args.kv_cache != "paged":
         return EngineConfig(max_slots=max_slots, max_cache_len=max_cache_len,
-                            draft_widths=widths, overlap_host=overlap)
+                            draft_widths=widths, overlap_host=overlap, draft_ahead=ahead)
     per_row = -(-max_cache_len // args.page_size)
     return EngineConfig(max_slots=max_slots, max_cache_len=max_cache_len, draft_widths=widths,
                         kv_cache="paged", page_size=args.page_size,
                         kv_pages=None if args.kv_rows is None else args.kv_rows * per_row,
-                        overlap_host=overlap)
+                        overlap_host=overlap, draft_ahead=ahead)
 
 
 def pool_positions(ec: EngineConfig) -> int:

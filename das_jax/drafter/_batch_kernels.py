@@ -270,3 +270,38 @@ def append_rows(nodes, ht, seqs, toks, act, meta, slots_A, tokens_AxW, n_A, slot
         ctx_len[s] += n
         out_len[s] += n
     return A, 0, RC_DONE
+
+
+@_jit
+def take_ahead(slots_A, max_tokens_A, ok, a_ctx_len, a_lag, a_max, a_n, a_assumed, a_tokens,
+               a_probs, a_support, a_lens, a_source, ctx_len, lag, ctx_start, pool, tokens_AxK,
+               probs_AxK, support_AxK, lens_A, source_A, hit_A):
+    """`ahead.AheadDrafts.take`'s loop: row b takes the draft held for slot s = slots_A[b]
+    (a_*[s]) where one is held (ok[s]) for the slot's context now (ctx_len[s], lag[s], its
+    last a_n[s] tokens in pool equal to a_assumed[s]) and budget max_tokens_A[b], writing it
+    into row b of the outputs and hit_A[b] = True; every ok[s] of the rows is cleared.
+    Returns the rows taken."""
+    K = min(tokens_AxK.shape[1], a_tokens.shape[1])
+    used = 0
+    for b in range(slots_A.shape[0]):
+        s = slots_A[b]
+        h = (ok[s] and a_ctx_len[s] == ctx_len[s] and a_lag[s] == lag[s]
+             and a_max[s] == max_tokens_A[b])
+        if h:
+            n = a_n[s]
+            base = ctx_start[s] + ctx_len[s] - n
+            for j in range(n):
+                if pool[base + j] != a_assumed[s, j]:
+                    h = False
+                    break
+        ok[s] = False
+        hit_A[b] = h
+        if h:
+            for i in range(K):
+                tokens_AxK[b, i] = a_tokens[s, i]
+                probs_AxK[b, i] = a_probs[s, i]
+                support_AxK[b, i] = a_support[s, i]
+            lens_A[b] = a_lens[s]
+            source_A[b] = a_source[s]
+            used += 1
+    return used

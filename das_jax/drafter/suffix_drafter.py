@@ -20,6 +20,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from . import _batch_kernels as BK
+from .ahead import AheadDrafts
 from .base import Draft, DraftBatch, RequestContext
 from .history import ProblemHistory, ShardedHistory
 from .slots import RequestSlots
@@ -125,6 +126,7 @@ class SuffixDrafter:
         self.threads = int(threads)
         self._requests: dict[int, _Active] = {}
         self._slots = RequestSlots()
+        self._ahead = AheadDrafts()       # drafts made while the device computes a step
         self._executor = None
         # appends whose indexing into the trie waits for `flush_appends` (append_batch with
         # index_later): (slots int64 [A], tokens int32 [A, W], n int32 [A]) in order
@@ -169,6 +171,7 @@ class SuffixDrafter:
         # the problem's mean version now counts this rollout, for its live siblings too
         same = sl.live & (sl.root == sl.root[s]) & (sl.shard == sl.shard[s])
         sl.mean_version[same] = self.history.mean_version(problem_id)
+        self._ahead.void(same)      # their problem's trie took this prompt's tail
 
     def propose(self, request_id: int, max_tokens: int) -> Draft:
         s = self._requests[request_id].slot
@@ -248,11 +251,75 @@ class SuffixDrafter:
             self._deferred.append((slots[keep], tokens_AxW[keep], n_A[keep]))
             np.add.at(self._slots.lag, slots[keep], n_A[keep].astype(np.int64))
 
+    def propose_ahead(self, request_ids: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
+                      max_tokens_A: np.ndarray) -> int:
+        """Drafts now, for each row b, what `propose_batch` will return for request
+        request_ids[b] with budget max_tokens_A[b] once tokens_AxW[b, :n_A[b]] are appended to
+        it (`append_batch(..., index_later=True)`) and nothing else has changed the tries it
+        drafts from. The scheduler calls it while the device computes a step, assuming the
+        step accepts a row's draft and samples the token the drafter would draft next; a
+        propose takes a draft made ahead only for exactly that context, lag and budget (so its
+        drafts are the same with or without this call), else drafts the row itself.
+        `begin`, `end` and `flush_appends` void the drafts of the rows whose tries they
+        change. Rows with n_A[b] <= 0 or max_tokens_A[b] <= 0 are skipped. Returns the rows
+        drafted.
+
+        Args:
+          request_ids: int64 [A] active request ids (KeyError for an unknown one).
+          tokens_AxW: int32 [A, W]. n_A: int32 [A], each <= W. max_tokens_A: int32 [A].
+        """
+        ids = np.asarray(request_ids, np.int64).reshape(-1)
+        tokens_AxW = np.asarray(tokens_AxW, np.int32)
+        n_A = np.asarray(n_A, np.int32).reshape(-1)
+        max_A = np.asarray(max_tokens_A, np.int32).reshape(-1)
+        if (tokens_AxW.ndim != 2 or tokens_AxW.shape[0] != ids.shape[0]
+                or n_A.shape != ids.shape or max_A.shape != ids.shape):
+            raise ValueError(f"need tokens_AxW [A, W], n_A [A] and max_tokens_A [A] for A = "
+                             f"{ids.shape[0]} rows, got {tokens_AxW.shape}, {n_A.shape} and "
+                             f"{max_A.shape}")
+        if ids.shape[0] and n_A.max() > tokens_AxW.shape[1]:
+            raise ValueError(f"n_A exceeds W = {tokens_AxW.shape[1]}")
+        sl = self._slots
+        slots = sl.lookup(ids)
+        # rows whose context has room for the assumed tokens (the next commit writes there)
+        keep = (n_A > 0) & (max_A > 0) & (sl.ctx_len[slots] + n_A <= sl.ctx_cap[slots])
+        if not keep.any():
+            return 0
+        slots, tokens_AxW, n_A, max_A = slots[keep], tokens_AxW[keep], n_A[keep], max_A[keep]
+        A, W = tokens_AxW.shape
+        held_AxW = np.arange(W)[None, :] < n_A[:, None]
+        at_AxW = (sl.ctx_start[slots] + sl.ctx_len[slots])[:, None] + np.arange(W)[None, :]
+        sl.pool[at_AxW[held_AxW]] = tokens_AxW[held_AxW]
+        ctx_len, lag = sl.ctx_len.copy(), sl.lag.copy()
+        ctx_len[slots] += n_A
+        # as `append_batch(..., index_later=True)` counts them: rows with a sequence to index
+        lag[slots] += np.where((sl.sid[slots] >= 0) | (sl.rsid[slots] >= 0), n_A, 0)
+        out = DraftBatch.empty(A, int(max_A.max()))
+        source_A = np.full(A, -1, np.int8)
+        self._draft_rows(slots, max_A, (out.tokens_AxK, out.probs_AxK, out.support_AxK,
+                                        out.lens_A, source_A), ctx_len, lag)
+        self._ahead.store(slots, ctx_len[slots], lag[slots], max_A,
+                          np.where(held_AxW, tokens_AxW, 0), n_A, out.tokens_AxK,
+                          out.probs_AxK, out.support_AxK, out.lens_A, source_A)
+        return A
+
+    @property
+    def drafted_ahead(self) -> tuple[int, int]:
+        """(rows drafted by `propose_ahead`, rows of them a propose took) since the drafter was
+        made or loaded."""
+        return self._ahead.made, self._ahead.used
+
     def flush_appends(self, slot: int | None = None, *, request_trie: bool = True) -> None:
         """Indexes the deferred appends (`append_batch(..., index_later=True)`) into the trie,
         in their order: all of them (then also the finished rollouts waiting for the global
         trie, and the ended requests' tries are removed), or only slot `slot`'s (with
-        `request_trie` false, not into its request trie: `end`, which drops it)."""
+        `request_trie` false, not into its request trie: `end`, which drops it). Drafts made
+        ahead (`propose_ahead`) for the tries it changes are void."""
+        sl = self._slots
+        if slot is None:
+            self._ahead.void()
+        else:
+            self._ahead.void(sl.live & (sl.root == sl.root[slot]) & (sl.shard == sl.shard[slot]))
         if slot is None and self._ended_tries:
             for k, sid, root in self._ended_tries:
                 self.request_forests[k].remove(sid)
@@ -262,7 +329,6 @@ class SuffixDrafter:
             self._index_global()
         if not self._deferred:
             return
-        sl = self._slots
         if slot is None:
             for slots, tokens_AxW, n_A in self._deferred:
                 self._append_slots(slots, tokens_AxW, n_A, BK.INDEX)
@@ -281,6 +347,9 @@ class SuffixDrafter:
         self.flush_appends(self._requests[request_id].slot, request_trie=False)
         req = self._requests.pop(request_id)
         sl, s = self._slots, req.slot
+        # its problem's trie takes its last tokens and may drop old rollouts: the siblings'
+        # drafts made ahead are void
+        self._ahead.void(sl.live & (sl.root == sl.root[s]) & (sl.shard == sl.shard[s]))
         out_len = int(sl.out_len[s])
         self.history.rollout(req.handle).out_len = out_len
         self.history.finish_rollout(req.handle)
@@ -296,6 +365,7 @@ class SuffixDrafter:
         self.flush_appends()
         self.history.advance_epoch()
         self._sync_slots()
+        self._ahead.void()
 
     def lengths(self, problem_id: Hashable) -> list[int]:
         """Output lengths of the problem's finished rollouts in the window (oldest first)."""
@@ -372,9 +442,33 @@ class SuffixDrafter:
         out = DraftBatch.empty(A, max(0, int(max_tokens_A.max(initial=0))))
         if out.width == 0:
             return out
-        cfg, sl, forests = self.config, self._slots, self._forests()
+        sl = self._slots
         source_A = np.full(A, -1, np.int8)
         outs = (out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A, source_A)
+        held = (self._ahead.take(slots, max_tokens_A, sl, *outs) if self._ahead.any()
+                else None)
+        if held is None or not held.any():
+            self._draft_rows(slots, max_tokens_A, outs, sl.ctx_len, sl.lag)
+        elif not held.all():          # the rows without a draft made ahead
+            miss = np.flatnonzero(~held)
+            part = DraftBatch.empty(miss.shape[0], out.width)
+            parts = (part.tokens_AxK, part.probs_AxK, part.support_AxK, part.lens_A,
+                     np.full(miss.shape[0], -1, np.int8))
+            self._draft_rows(slots[miss], max_tokens_A[miss], parts, sl.ctx_len, sl.lag)
+            for o, p in zip(outs, parts):
+                o[miss] = p
+        np.greater(out.lens_A, 0, out=out.has_support_A)
+        age_A = (self.history.policy_version - sl.mean_version[slots]).astype(np.float32)
+        return DraftBatch(out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A,
+                          out.has_support_A, age_A, source_A)
+
+    def _draft_rows(self, slots: np.ndarray, max_tokens_A: np.ndarray, outs: tuple,
+                    ctx_len: np.ndarray, lag: np.ndarray) -> None:
+        """Row b's draft for slot slots[b] (budget max_tokens_A[b]) into outs (tokens_AxK,
+        probs_AxK, support_AxK, lens_A, source_A), each slot's context of ctx_len[s] tokens,
+        lag[s] of them not yet indexed (int64 arrays over the slots)."""
+        A = slots.shape[0]
+        cfg, sl, forests = self.config, self._slots, self._forests()
         gf, rfs = self.scope_forest, self.request_forests
         g_root = self._global_root if self._global_seqs else -1
 
@@ -383,7 +477,7 @@ class SuffixDrafter:
             tries in request forest key % len(rfs)."""
             f, rf = forests[key // len(rfs)], rfs[key % len(rfs)]
             BK.propose_rows(f.nodes, f.ht, f.seqs, f.toks, f.act, f.meta, rows_slots, rows_max,
-                            sl.root, sl.sid, sl.lag, sl.pool, sl.ctx_start, sl.ctx_len,
+                            sl.root, sl.sid, lag, sl.pool, sl.ctx_start, ctx_len,
                             float(cfg.min_token_prob), float(cfg.max_spec_factor),
                             float(cfg.max_spec_offset), int(cfg.min_match_len), lo, hi, *outs,
                             rf.nodes, rf.ht, rf.seqs, rf.toks, rf.act, rf.meta, sl.rroot,
@@ -391,27 +485,23 @@ class SuffixDrafter:
                             float(self.global_below), float(self.request_below))
         if len(forests) == 1 and len(rfs) == 1:
             run(0, slots, max_tokens_A, 0, A, outs)
-        else:
-            # Rows sorted by their forests, then cut into `threads` runs of equal size, one per
-            # thread: the propose only reads the forests, so a thread may draft rows of any
-            # shard (each maximal run of rows with the same forests in one kernel call).
-            key_A = sl.shard[slots] * len(rfs) + sl.rshard[slots]
-            order = np.argsort(key_A, kind="stable")
-            parts = self.threads if A // self.threads >= _MIN_ROWS_PER_THREAD else 1
-            tmp = DraftBatch.empty(A, out.width)
-            touts = (tmp.tokens_AxK, tmp.probs_AxK, tmp.support_AxK, tmp.lens_A,
-                     np.full(A, -1, np.int8))
-            s_sorted, m_sorted, k_sorted = slots[order], max_tokens_A[order], key_A[order]
-            cuts = [A * i // parts for i in range(parts + 1)]
-            self._run_groups([functools.partial(self._propose_runs, run, s_sorted, m_sorted,
-                                                k_sorted, lo, hi, touts)
-                              for lo, hi in zip(cuts[:-1], cuts[1:])])
-            for o, t in zip(outs, touts):
-                o[order] = t
-        np.greater(out.lens_A, 0, out=out.has_support_A)
-        age_A = (self.history.policy_version - sl.mean_version[slots]).astype(np.float32)
-        return DraftBatch(out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A,
-                          out.has_support_A, age_A, source_A)
+            return
+        # Rows sorted by their forests, then cut into `threads` runs of equal size, one per
+        # thread: the propose only reads the forests, so a thread may draft rows of any shard
+        # (each maximal run of rows with the same forests in one kernel call).
+        key_A = sl.shard[slots] * len(rfs) + sl.rshard[slots]
+        order = np.argsort(key_A, kind="stable")
+        parts = self.threads if A // self.threads >= _MIN_ROWS_PER_THREAD else 1
+        tmp = DraftBatch.empty(A, outs[0].shape[1])
+        touts = (tmp.tokens_AxK, tmp.probs_AxK, tmp.support_AxK, tmp.lens_A,
+                 np.full(A, -1, np.int8))
+        s_sorted, m_sorted, k_sorted = slots[order], max_tokens_A[order], key_A[order]
+        cuts = [A * i // parts for i in range(parts + 1)]
+        self._run_groups([functools.partial(self._propose_runs, run, s_sorted, m_sorted,
+                                            k_sorted, lo, hi, touts)
+                          for lo, hi in zip(cuts[:-1], cuts[1:])])
+        for o, t in zip(outs, touts):
+            o[order] = t
 
     @staticmethod
     def _propose_runs(run, slots, max_tokens, key, lo, hi, outs) -> None:
@@ -496,6 +586,7 @@ class SuffixDrafter:
             sl.sid[req.slot] = self.history.rollout(req.handle).sid
             sl.shard[req.slot] = self._shard(req.problem_id)
             sl.mean_version[req.slot] = self.history.mean_version(req.problem_id)
+        self._ahead.void()
 
     def __getstate__(self):
         self.flush_appends()
@@ -508,6 +599,7 @@ class SuffixDrafter:
         self.__dict__.setdefault("_deferred", [])
         self.__dict__.setdefault("_ended_tries", [])
         self.__dict__.setdefault("request_below", 4.0)    # pickled before it existed
+        self.__dict__.setdefault("_ahead", AheadDrafts())
         if "scope_forest" not in state:     # pickled before scopes: the problem scope only
             self.scopes, self.global_rollouts, self.global_below = ("problem",), 1024, 2.0
             self._init_scopes()
@@ -549,6 +641,7 @@ class SuffixDrafter:
         self.history.load_state_dict(hs)
         self.config = self.history.config
         self._requests, self._slots, self._deferred = {}, RequestSlots(), []
+        self._ahead = AheadDrafts()
         # the state's scopes (one saved before scopes existed: the problem scope only)
         self.scopes = tuple(state.get("scopes", ("problem",)))
         self.global_rollouts = int(state.get("global_rollouts", self.global_rollouts))

@@ -106,6 +106,12 @@ class EngineConfig:
       policy's calibration update (`DASPolicy.observe(..., defer_learning=True)`) run there
       too: a step is planned with the calibration up to the step before. False: every
       append and update completes before the next draft.
+    draft_ahead: with `overlap_host` and a drafter that can (`SuffixDrafter.propose_ahead`,
+      no draft head), the next step's drafts are made there too, after the appends, for the
+      rows whose proposed draft goes on past the chosen one: assuming the step accepts the
+      chosen draft and samples the drafter's next token. Where it does, the next propose
+      takes that draft instead of drafting the row (the same draft; only less host work
+      between the steps).
     max_prefill_tokens: the block slots (distinct prompts' batch bucket x longest prompt's
       bucket) of one prefill call: an admission of more is split into several calls
       (`schedule.prefill_chunks`), so the prefill's activations stay a small share of the KV
@@ -150,6 +156,7 @@ class EngineConfig:
     max_prefill_tokens: int | None = 4096
     paged_attention: str = "auto"
     overlap_host: bool = True
+    draft_ahead: bool = True
     layer_loop: str = "scan"
     wide_row_buckets: tuple[int, ...] = (2, 4, 8)
 

@@ -190,8 +190,11 @@ class SpeculationPolicy(Protocol):
     def begin(self, request_id: int, problem_id: Hashable, prompt_len: int) -> None:
         """A request entered a slot."""
 
-    def draft_budgets(self, rows: RowBatch, batch: int, max_width: int) -> np.ndarray:
-        """int32 `[A]`: draft tokens to request per row (0 = do not draft for it)."""
+    def draft_budgets(self, rows: RowBatch, batch: int, max_width: int, record: bool = True
+                      ) -> np.ndarray:
+        """int32 `[A]`: draft tokens to request per row (0 = do not draft for it). With
+        `record` false nothing of the rows is kept (the scheduler asks so for the rows as
+        they will be after the running step, `ahead_inputs`)."""
 
     def choose(self, rows: RowBatch, drafts: DraftBatch, step_shape: ShapeFn
                ) -> tuple[np.ndarray, float | None]:
@@ -255,7 +258,7 @@ class FixedPolicy:
     def begin(self, request_id, problem_id, prompt_len):
         pass
 
-    def draft_budgets(self, rows, batch, max_width):
+    def draft_budgets(self, rows, batch, max_width, record=True):
         rows = RowBatch.of(rows)
         k = max_width - 1 if self.max_draft is None else min(self.max_draft, max_width - 1)
         return np.clip(rows.remaining - 1, 0, k).astype(np.int32)
@@ -282,7 +285,9 @@ class DraftPlan:
     <= W - 1 tokens, in the order of the live rows), the policy's predicted step seconds, and
     host time spent (seconds); `second`: each row's second draft, verified beside the first as
     a two-branch token tree (`step.verify_packed`; a row's two drafts together <= the widest
-    width - 1 tokens), or None."""
+    width - 1 tokens), or None; `proposed`: the drafter's drafts before the policy cut them
+    (each chosen draft is a prefix of its row's), or None where a row's chosen draft may come
+    from elsewhere (a second source)."""
 
     width: int
     drafts: DraftBatch
@@ -290,6 +295,55 @@ class DraftPlan:
     draft_s: float = 0.0
     policy_s: float = 0.0
     second: DraftBatch | None = None
+    proposed: DraftBatch | None = None
+
+
+def step_budgets(policy: "SpeculationPolicy", rows: RowBatch, batch: int,
+                 widths: Sequence[int], record: bool = True) -> np.ndarray:
+    """int32 `[A]`: the draft tokens `plan_step` asks the drafter for per row: the policy's
+    budgets (`draft_budgets`; `record`: as there), within the row's remaining tokens less one
+    and the widest width less one."""
+    w = max(int(x) for x in widths)
+    budgets = (policy.draft_budgets(rows, batch, w) if record
+               else policy.draft_budgets(rows, batch, w, record=False))
+    return np.clip(np.minimum(budgets, rows.remaining - 1), 0, w - 1).astype(np.int32)
+
+
+def ahead_inputs(plan: DraftPlan, rows: RowBatch, policy: "SpeculationPolicy", batch: int,
+                 widths: Sequence[int], stop_ids: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """What the drafter may draft ahead while the device verifies `plan` (the scheduler calls
+    `SuffixDrafter.propose_ahead` with it): for each row whose proposed draft goes on past its
+    chosen one, the step that accepts the chosen draft and samples the proposal's next token,
+    the row's committed tokens then, and its next budget (`step_budgets` of the rows as they
+    would be, nothing recorded). Rows that would end there (a stop token in `stop_ids`, int64,
+    or no tokens left) are left out. Returns (request_ids int64 [A'], tokens_AxW int32, n_A
+    int32 [A'], budgets int32 [A']) or None (no row, or `plan` has no `proposed` drafts or
+    has a second branch)."""
+    prop = plan.proposed
+    if prop is None or plan.second is not None or not len(rows):
+        return None
+    n_A = plan.drafts.lens_A.astype(np.int64)
+    go = prop.lens_A > n_A
+    if not go.any():
+        return None
+    rows_A = np.flatnonzero(go)
+    commit_A = n_A[rows_A] + 1
+    W = int(commit_A.max())
+    tok_AxW = prop.tokens_AxK[rows_A, :W]
+    tok_AxW = np.where(np.arange(W)[None, :] < commit_A[:, None], tok_AxW, 0).astype(np.int32)
+    remaining_A = rows.remaining[rows_A] - commit_A
+    keep = remaining_A > 0
+    if stop_ids.size:
+        keep &= ~(np.isin(tok_AxW, stop_ids)
+                  & (np.arange(W)[None, :] < commit_A[:, None])).any(axis=1)
+    if not keep.any():
+        return None
+    rows_A, commit_A, tok_AxW = rows_A[keep], commit_A[keep], tok_AxW[keep]
+    after = RowBatch(rows.request_ids[rows_A], rows.generated[rows_A] + commit_A,
+                     remaining_A[keep])
+    budgets = step_budgets(policy, after, batch, widths, record=False)
+    return after.request_ids, tok_AxW, commit_A.astype(np.int32), budgets
 
 
 def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[RowView]",
@@ -315,11 +369,11 @@ def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[R
         return DraftPlan(1, DraftBatch.empty(len(rows)), None)
     ws = sorted(int(w) for w in widths)
     t0 = time.perf_counter()
-    budgets = policy.draft_budgets(rows, batch, ws[-1])
-    budgets = np.clip(np.minimum(budgets, rows.remaining - 1), 0, ws[-1] - 1).astype(np.int32)
+    budgets = step_budgets(policy, rows, batch, ws)
     t1 = time.perf_counter()
     drafts = propose_batch(drafter, rows.request_ids, budgets)
     drafts = drafts.cut(budgets)
+    proposed = drafts if drafts.alternative is None else None
     t2 = time.perf_counter()
     shape = step_shape or padded_step_shape(batch, ws, kv_len)
     other = None
@@ -348,4 +402,4 @@ def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[R
     width = width_for(drafts.lens_A if second is None
                       else np.maximum(drafts.lens_A, second.lens_A), ws)
     return DraftPlan(width, drafts, predicted, draft_s=t2 - t1, policy_s=(t1 - t0) + (t3 - t2),
-                     second=second)
+                     second=second, proposed=proposed)

@@ -31,8 +31,8 @@ import numpy as np
 from das_jax.drafter.base import append_batch, flush_appends
 from das_jax.engine.gc_freeze import frozen_gc
 from das_jax.engine.outputs import GenerateStats, RequestOutput  # noqa: F401 - re-exported
-from das_jax.engine.policy import (FixedPolicy, RowBatch, SpeculationPolicy, StepRecord,
-                                   plan_step)
+from das_jax.engine.policy import (DraftPlan, FixedPolicy, RowBatch, SpeculationPolicy,
+                                   StepRecord, ahead_inputs, plan_step)
 from das_jax.engine.schedule import (bucket, cache_len_for, compact_rows, kv_len_bucket,
                                      pages_read_kv, prompt_bucket, step_shape_fn, tail_bucket,
                                      token_buckets)
@@ -187,6 +187,9 @@ class _Run:
         # a draft model on the device (a draft head): its drafts go to the drafter each step
         self.model_drafts = (drafter is not None and
                              getattr(executor.executor, "draft_model", None) is not None)
+        # the next step's drafts made there too, after the appends (`SuffixDrafter.propose_ahead`)
+        self.ahead = (self.overlap and bool(getattr(ec, "draft_ahead", False))
+                      and hasattr(drafter, "propose_ahead") and not self.model_drafts)
         self.max_new = limits.max_new_tokens
         n = len(requests)
         self.outputs = [RequestOutput(r, [], [], "") for r in requests]
@@ -263,6 +266,19 @@ class _Run:
         seconds = time.perf_counter() - t0
         self.stats.overlap_s += seconds
         return seconds
+
+    def overlapped(self, plan: DraftPlan, rows: RowBatch) -> float:
+        """The host work while the device verifies `plan` (`StepInput.overlap`): the deferred
+        appends (`flush`), then the next step's drafts made ahead (`ahead_inputs`,
+        `SuffixDrafter.propose_ahead`); returns its seconds."""
+        seconds = 0.0 if self.flushed else self.flush()
+        t0 = time.perf_counter()
+        args = ahead_inputs(plan, rows, self.policy, self.B, self.widths, self.stop_ids)
+        if args is not None:
+            self.drafter.propose_ahead(*args)
+        ahead = time.perf_counter() - t0
+        self.stats.overlap_s += ahead
+        return seconds + ahead
 
     def catch_up(self) -> None:
         """Runs the bookkeeping deferred to the device's next step (`later`, the policy's
@@ -461,7 +477,9 @@ class _Run:
             cache_len_B=self.cache_len, kv_len=kv_len, width=plan.width,
             drafts_AxK=plan.drafts.tokens_AxK, n_draft_B=n_draft_B, num_tokens=num_tokens,
             attended_kv=attended_kv, predicted_seconds=plan.predicted_seconds,
-            read_kv=read_kv, overlap=None if self.flushed else self.flush,
+            read_kv=read_kv,
+            overlap=(functools.partial(self.overlapped, plan, rows) if self.ahead
+                     else None if self.flushed else self.flush),
             wide_rows=shape.wide_rows, alt_AxK=alt_AxK, n_alt_B=n_alt_B,
             branch_rows=getattr(shape, "branch_rows", 0)))
         if not self.flushed:            # an executor that does not overlap

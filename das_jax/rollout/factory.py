@@ -68,6 +68,7 @@ def rollout_from_config(config, model_config, params, eos_token_ids: Sequence[in
                                                paged_attention=r.paged_attention,
                                                max_prefill_tokens=r.max_prefill_tokens,
                                                overlap_host=r.overlap_host,
+                                               draft_ahead=r.draft_ahead,
                                                layer_loop=r.layer_loop,
                                                wide_row_buckets=tuple(r.wide_row_buckets)))
     sampling = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,

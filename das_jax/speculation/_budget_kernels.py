@@ -280,12 +280,12 @@ def depth_trials(n_A, accepted_A, probs_AxK, D):
 
 
 @_jit
-def row_classes(ids_A, generated_A, class_R, lo, hi, with_thresholds):
+def row_classes(ids_A, generated_A, class_R, lo, hi, with_thresholds, record):
     """int8 `[A]` (`DASPolicy.current_classes`): each row's class code, class_R[id] for a
     request id in range (unrecorded, -1, and out of range: medium, 1); with thresholds
     (lo, hi: tokens), a row whose generated length classes higher (long above hi, short at or
-    below lo when lo < hi, else medium) is promoted, and a recorded one's class_R entry with
-    it (in place)."""
+    below lo when lo < hi, else medium) is promoted, and with `record` a recorded one's
+    class_R entry with it (in place)."""
     A = ids_A.shape[0]
     out = np.empty(A, np.int8)
     up = np.zeros(A, np.bool_)
@@ -303,7 +303,8 @@ def row_classes(ids_A, generated_A, class_R, lo, hi, with_thresholds):
                 c = grown
                 up[b] = True
         out[b] = c
-    for b in range(A):
-        if up[b]:
-            class_R[ids_A[b]] = out[b]
+    if record:
+        for b in range(A):
+            if up[b]:
+                class_R[ids_A[b]] = out[b]
     return out

@@ -371,24 +371,27 @@ class DASPolicy:
         self._step_classes = (rows, cls)
         return cls
 
-    def current_classes(self, rows: RowBatch, th) -> np.ndarray:
-        """int8 `[A]` each row's class code, promoting (and recording) rows whose generated
-        length outgrew their class."""
+    def current_classes(self, rows: RowBatch, th, record: bool = True) -> np.ndarray:
+        """int8 `[A]` each row's class code, promoting rows whose generated length outgrew
+        their class (and with `record`, recording the promotion)."""
         from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
         lo, hi = th if th is not None else (0.0, 0.0)
         return _bk.row_classes(np.asarray(rows.request_ids, np.int64),
                                np.asarray(rows.generated, np.int64), self._class_R, float(lo),
-                               float(hi), th is not None)
+                               float(hi), th is not None, bool(record))
 
     def row_weights(self, rows) -> np.ndarray:
         """float64 `[A]`: each row's class weight (promoting rows that outgrew it)."""
         return self._class_weights[self._classes_of(RowBatch.of(rows))]
 
-    def draft_budgets(self, rows, batch: int, max_width: int) -> np.ndarray:
+    def draft_budgets(self, rows, batch: int, max_width: int, record: bool = True
+                      ) -> np.ndarray:
         rows = RowBatch.of(rows)
         k = np.minimum(np.maximum(rows.remaining - 1, 0), max_width - 1)
         if not self.config.unlimited:
-            k = np.minimum(k, self._class_caps[self._classes_of(rows)])
+            cls = (self._classes_of(rows) if record
+                   else self.current_classes(rows, self.thresholds(), record=False))
+            k = np.minimum(k, self._class_caps[cls])
         return k.astype(np.int32)
 
     def calibrated(self, drafts, draft_support=None) -> np.ndarray:
