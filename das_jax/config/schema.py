@@ -139,7 +139,8 @@ class RolloutSection:
     # With overlap_host, the next step's drafts are also made while the device computes, for
     # the rows whose draft would go on past the chosen one (assuming the step accepts it and
     # samples the drafter's next token); the next step takes them where that happened. Same
-    # drafts and tokens; less host work between two steps. No effect with a draft head.
+    # drafts and tokens; less host work between two steps. No effect with a draft head or with
+    # in-process replicas (rollout.replicas > 1: they share one drafter).
     draft_ahead: bool = True
     # A verify step where at most R of its B rows draft (R the smallest of these holding them)
     # runs attention as a [B, 1] block plus an [R, W] block of the drafting rows, when that is

@@ -106,8 +106,9 @@ class EngineConfig:
       policy's calibration update (`DASPolicy.observe(..., defer_learning=True)`) run there
       too: a step is planned with the calibration up to the step before. False: every
       append and update completes before the next draft.
-    draft_ahead: with `overlap_host` and a drafter that can (`SuffixDrafter.propose_ahead`,
-      no draft head), the next step's drafts are made there too, after the appends, for the
+    draft_ahead: with `overlap_host` and a drafter that can (`SuffixDrafter.propose_ahead`;
+      not with a draft head, nor through the drafter in-process replicas share,
+      `LockedDrafter`), the next step's drafts are made there too, after the appends, for the
       rows whose proposed draft goes on past the chosen one: assuming the step accepts the
       chosen draft and samples the drafter's next token. Where it does, the next propose
       takes that draft instead of drafting the row (the same draft; only less host work
