@@ -137,8 +137,8 @@ class RolloutSection:
     # with the calibration up to the step before); false: all of it before the next draft.
     overlap_host: bool = True
     # With overlap_host, the next step's drafts are also made while the device computes, for
-    # the rows whose draft would go on past the chosen one (assuming the step accepts it and
-    # samples the drafter's next token); the next step takes them where that happened. Same
+    # the rows with a draft (assuming the step accepts the chosen draft and samples the
+    # drafter's next token); the next step takes them where that happened. Same
     # drafts and tokens; less host work between two steps. No effect with a draft head or with
     # in-process replicas (rollout.replicas > 1: they share one drafter).
     draft_ahead: bool = True

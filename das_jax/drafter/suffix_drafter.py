@@ -252,7 +252,7 @@ class SuffixDrafter:
             np.add.at(self._slots.lag, slots[keep], n_A[keep].astype(np.int64))
 
     def propose_ahead(self, request_ids: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
-                      max_tokens_A: np.ndarray) -> int:
+                      max_tokens_A: np.ndarray, guess_A: np.ndarray | None = None) -> int:
         """Drafts now, for each row b, what `propose_batch` will return for request
         request_ids[b] with budget max_tokens_A[b] once tokens_AxW[b, :n_A[b]] are appended to
         it (`append_batch(..., index_later=True)`) and nothing else has changed the tries it
@@ -267,16 +267,22 @@ class SuffixDrafter:
         Args:
           request_ids: int64 [A] active request ids (KeyError for an unknown one).
           tokens_AxW: int32 [A, W]. n_A: int32 [A], each <= W. max_tokens_A: int32 [A].
+          guess_A: bool [A] or None: rows whose last assumed token, tokens_AxW[b, n_A[b] - 1],
+            is a placeholder for the drafter to guess: the first token of its draft for the
+            context ending in the other n_A[b] - 1 (a row with no such draft is skipped).
         """
         ids = np.asarray(request_ids, np.int64).reshape(-1)
-        tokens_AxW = np.asarray(tokens_AxW, np.int32)
+        tokens_AxW = np.array(tokens_AxW, np.int32)
         n_A = np.asarray(n_A, np.int32).reshape(-1)
         max_A = np.asarray(max_tokens_A, np.int32).reshape(-1)
+        guess_A = (np.zeros(ids.shape, bool) if guess_A is None
+                   else np.asarray(guess_A, bool).reshape(-1))
         if (tokens_AxW.ndim != 2 or tokens_AxW.shape[0] != ids.shape[0]
-                or n_A.shape != ids.shape or max_A.shape != ids.shape):
-            raise ValueError(f"need tokens_AxW [A, W], n_A [A] and max_tokens_A [A] for A = "
-                             f"{ids.shape[0]} rows, got {tokens_AxW.shape}, {n_A.shape} and "
-                             f"{max_A.shape}")
+                or n_A.shape != ids.shape or max_A.shape != ids.shape
+                or guess_A.shape != ids.shape):
+            raise ValueError(f"need tokens_AxW [A, W], n_A [A], max_tokens_A [A] and guess_A "
+                             f"[A] for A = {ids.shape[0]} rows, got {tokens_AxW.shape}, "
+                             f"{n_A.shape}, {max_A.shape} and {guess_A.shape}")
         if ids.shape[0] and n_A.max() > tokens_AxW.shape[1]:
             raise ValueError(f"n_A exceeds W = {tokens_AxW.shape[1]}")
         sl = self._slots
@@ -286,6 +292,32 @@ class SuffixDrafter:
         if not keep.any():
             return 0
         slots, tokens_AxW, n_A, max_A = slots[keep], tokens_AxW[keep], n_A[keep], max_A[keep]
+        guess_A = guess_A[keep]
+        if guess_A.any():
+            g = np.flatnonzero(guess_A)
+            first = self._draft_assumed(slots[g], tokens_AxW[g], n_A[g] - 1,
+                                        np.ones(g.shape[0], np.int32))[0]
+            tokens_AxW[g, n_A[g] - 1] = first.tokens_AxK[:, 0] if first.width else 0
+            ok = np.ones(slots.shape[0], bool)
+            ok[g] = first.lens_A > 0
+            slots, tokens_AxW, n_A, max_A = slots[ok], tokens_AxW[ok], n_A[ok], max_A[ok]
+            if not slots.shape[0]:
+                return 0
+        out, source_A, ctx_len, lag = self._draft_assumed(slots, tokens_AxW, n_A, max_A)
+        W = tokens_AxW.shape[1]
+        self._ahead.store(slots, ctx_len[slots], lag[slots], max_A,
+                          np.where(np.arange(W)[None, :] < n_A[:, None], tokens_AxW, 0), n_A,
+                          out.tokens_AxK, out.probs_AxK, out.support_AxK, out.lens_A, source_A)
+        return slots.shape[0]
+
+    def _draft_assumed(self, slots: np.ndarray, tokens_AxW: np.ndarray, n_A: np.ndarray,
+                       max_A: np.ndarray) -> tuple[DraftBatch, np.ndarray, np.ndarray,
+                                                   np.ndarray]:
+        """Row b's draft (budget max_A[b]) for slot slots[b] with tokens_AxW[b, :n_A[b]]
+        assumed appended (written past its context in the pool, which the next commit
+        overwrites; counted as unindexed where the slot has a sequence to index). Returns
+        (drafts, int8 source_A, the slots' ctx_len and lag as assumed: int64 [S])."""
+        sl = self._slots
         A, W = tokens_AxW.shape
         held_AxW = np.arange(W)[None, :] < n_A[:, None]
         at_AxW = (sl.ctx_start[slots] + sl.ctx_len[slots])[:, None] + np.arange(W)[None, :]
@@ -294,14 +326,12 @@ class SuffixDrafter:
         ctx_len[slots] += n_A
         # as `append_batch(..., index_later=True)` counts them: rows with a sequence to index
         lag[slots] += np.where((sl.sid[slots] >= 0) | (sl.rsid[slots] >= 0), n_A, 0)
-        out = DraftBatch.empty(A, int(max_A.max()))
+        out = DraftBatch.empty(A, int(max_A.max(initial=0)))
         source_A = np.full(A, -1, np.int8)
-        self._draft_rows(slots, max_A, (out.tokens_AxK, out.probs_AxK, out.support_AxK,
-                                        out.lens_A, source_A), ctx_len, lag)
-        self._ahead.store(slots, ctx_len[slots], lag[slots], max_A,
-                          np.where(held_AxW, tokens_AxW, 0), n_A, out.tokens_AxK,
-                          out.probs_AxK, out.support_AxK, out.lens_A, source_A)
-        return A
+        if out.width:
+            self._draft_rows(slots, max_A, (out.tokens_AxK, out.probs_AxK, out.support_AxK,
+                                            out.lens_A, source_A), ctx_len, lag)
+        return out, source_A, ctx_len, lag
 
     @property
     def drafted_ahead(self) -> tuple[int, int]:

@@ -109,10 +109,11 @@ class EngineConfig:
     draft_ahead: with `overlap_host` and a drafter that can (`SuffixDrafter.propose_ahead`;
       not with a draft head, nor through the drafter in-process replicas share,
       `LockedDrafter`), the next step's drafts are made there too, after the appends, for the
-      rows whose proposed draft goes on past the chosen one: assuming the step accepts the
-      chosen draft and samples the drafter's next token. Where it does, the next propose
-      takes that draft instead of drafting the row (the same draft; only less host work
-      between the steps).
+      rows with a proposed draft: assuming the step accepts the chosen draft and samples the
+      drafter's next token (the proposal's next one, or where the whole proposal was chosen,
+      the first token the drafter drafts after it). Where it does, the next propose takes
+      that draft instead of drafting the row (the same draft; only less host work between
+      the steps).
     max_prefill_tokens: the block slots (distinct prompts' batch bucket x longest prompt's
       bucket) of one prefill call: an admission of more is split into several calls
       (`schedule.prefill_chunks`), so the prefill's activations stay a small share of the KV

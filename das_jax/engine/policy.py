@@ -311,39 +311,44 @@ def step_budgets(policy: "SpeculationPolicy", rows: RowBatch, batch: int,
 
 def ahead_inputs(plan: DraftPlan, rows: RowBatch, policy: "SpeculationPolicy", batch: int,
                  widths: Sequence[int], stop_ids: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """What the drafter may draft ahead while the device verifies `plan` (the scheduler calls
-    `SuffixDrafter.propose_ahead` with it): for each row whose proposed draft goes on past its
-    chosen one, the step that accepts the chosen draft and samples the proposal's next token,
-    the row's committed tokens then, and its next budget (`step_budgets` of the rows as they
-    would be, nothing recorded). Rows that would end there (a stop token in `stop_ids`, int64,
-    or no tokens left) are left out. Returns (request_ids int64 [A'], tokens_AxW int32, n_A
-    int32 [A'], budgets int32 [A']) or None (no row, or `plan` has no `proposed` drafts or
-    has a second branch)."""
+    `SuffixDrafter.propose_ahead` with it): for each row with a proposed draft, the step
+    that accepts the chosen draft (a prefix of it) and samples the next token, the row's committed
+    tokens then, and its next budget (`step_budgets` of the rows as they would be, nothing
+    recorded). The next token is the proposal's where it goes on past the chosen draft;
+    where the chosen draft is the whole proposal, the drafter guesses it (`guess_A`: the
+    last assumed token is a placeholder). Rows that would end there (a known assumed token in
+    `stop_ids`, int64, or no tokens left) are left out. Returns (request_ids int64 [A'],
+    tokens_AxW int32, n_A int32 [A'], budgets int32 [A'], guess_A bool [A']) or None (no
+    row, or `plan` has no `proposed` drafts or has a second branch)."""
     prop = plan.proposed
     if prop is None or plan.second is not None or not len(rows):
         return None
     n_A = plan.drafts.lens_A.astype(np.int64)
-    go = prop.lens_A > n_A
+    go = prop.lens_A > 0
     if not go.any():
         return None
     rows_A = np.flatnonzero(go)
     commit_A = n_A[rows_A] + 1
+    guess_A = prop.lens_A[rows_A] == n_A[rows_A]
     W = int(commit_A.max())
-    tok_AxW = prop.tokens_AxK[rows_A, :W]
-    tok_AxW = np.where(np.arange(W)[None, :] < commit_A[:, None], tok_AxW, 0).astype(np.int32)
+    tok_AxW = np.zeros((len(rows_A), W), np.int32)
+    K = min(W, prop.tokens_AxK.shape[1])
+    tok_AxW[:, :K] = prop.tokens_AxK[rows_A, :K]
+    known_AxW = np.arange(W)[None, :] < (commit_A - guess_A)[:, None]
+    tok_AxW = np.where(known_AxW, tok_AxW, 0).astype(np.int32)
     remaining_A = rows.remaining[rows_A] - commit_A
     keep = remaining_A > 0
     if stop_ids.size:
-        keep &= ~(np.isin(tok_AxW, stop_ids)
-                  & (np.arange(W)[None, :] < commit_A[:, None])).any(axis=1)
+        keep &= ~(np.isin(tok_AxW, stop_ids) & known_AxW).any(axis=1)
     if not keep.any():
         return None
     rows_A, commit_A, tok_AxW = rows_A[keep], commit_A[keep], tok_AxW[keep]
     after = RowBatch(rows.request_ids[rows_A], rows.generated[rows_A] + commit_A,
                      remaining_A[keep])
     budgets = step_budgets(policy, after, batch, widths, record=False)
-    return after.request_ids, tok_AxW, commit_A.astype(np.int32), budgets
+    return after.request_ids, tok_AxW, commit_A.astype(np.int32), budgets, guess_A[keep]
 
 
 def plan_step(drafter, policy: "SpeculationPolicy", rows: "RowBatch | Sequence[RowView]",
