@@ -1,7 +1,7 @@
 """The DAS policy's compiled per-step kernels (`das_jax.speculation._budget_kernels`) against the
 numpy formulation of the same arithmetic, written out here, on random drafts: calibration,
-token values, candidates, savings and the calibration updates, compiled and as plain Python
-(`py_func`)."""
+token values, candidates, savings, the one-pass `choice_table` and the calibration updates,
+compiled and as plain Python (`py_func`)."""
 from __future__ import annotations
 
 import numpy as np
@@ -140,6 +140,32 @@ def test_kernels_equal_the_numpy_formulation(seed, jit):
     inv_ref = [index.setdefault(tuple(c), len(index)) for c in cols.T.tolist()]
     np.testing.assert_array_equal(inv, inv_ref)
     np.testing.assert_array_equal(cols[:, first].T, np.array(list(index)))
+
+    # the policy's one-pass kernel: the same values, plus each choice's step shape (the packed
+    # step's, `PackedStepShape.many`) and the distinct shapes among them; without shape
+    # arguments, no shapes
+    from das_jax.engine import step_shape_fn
+    step_shape = step_shape_fn(64, 512, (1, 4, 8, 16), wide_buckets=(2, 4, 8, 16))
+    args = (probs.astype(np.float64), lens.astype(np.int64), support.astype(np.int64), has,
+            depth_RxK, depth_rows, scale_JxS, np.maximum(age_buckets, 0), f, 3e-5,
+            MAX_VALUE_CUTS)
+    none = (np.zeros(0, np.int64),) * 3 + (0, 0)
+    for shape_args in (step_shape.kernel_args(), none):
+        q2, cum2, lam2, n2, saved2, sums2, cols2, first2, inv2 = call(bk.choice_table)(
+            *args, *shape_args)
+        for a, b in ((q2, q), (cum2, cum), (lam2, lam), (n2, n_CxA), (saved2, saved),
+                     (sums2, sums)):
+            np.testing.assert_array_equal(a, b)
+        if shape_args is none:
+            assert cols2.shape == (4, 0) and first2.size == inv2.size == 0
+            continue
+        np.testing.assert_array_equal(cols2, np.stack(step_shape.many(n_CxA)))
+        for c, n_A in enumerate(n_CxA):         # equal to the shape function of each choice
+            one = step_shape(n_A)
+            assert (one[0], one[1], one.width, one.wide_rows) == tuple(cols2[:, c])
+        f_ref, i_ref = bk.distinct_rows(cols2)
+        np.testing.assert_array_equal(first2, f_ref)
+        np.testing.assert_array_equal(inv2, i_ref)
 
 
 @pytest.mark.parametrize("seed", range(6))

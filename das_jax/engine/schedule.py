@@ -430,20 +430,15 @@ class PackedStepShape:
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`many` of C choices of `rows` live rows given by what their shapes follow from,
         int64 `[C]` each: the draft tokens, the longest draft and the rows that draft."""
-        drafted_C, longest_C = np.asarray(drafted_C, np.int64), np.asarray(longest_C, np.int64)
-        C = len(drafted_C)
-        slots = np.maximum(rows + drafted_C, 1)
-        i = np.minimum(np.searchsorted(self.buckets, slots), len(self.buckets) - 1)
-        need = 1 + longest_C
-        w = self.widths[np.minimum(np.searchsorted(self.widths, need), len(self.widths) - 1)]
-        R = np.zeros(C, np.int64)
-        if len(self.wide_buckets):
-            j = np.searchsorted(self.wide_buckets, np.asarray(drafting_C, np.int64))
-            r = self.wide_buckets[np.minimum(j, len(self.wide_buckets) - 1)]
-            ok = (j < len(self.wide_buckets)) & (w > 1) & (2 * (self.batch + r * w)
-                                                           < self.batch * w)
-            R = np.where(ok, r, 0)
-        return self.buckets[i], np.full(C, self.attended, np.int64), w, R
+        from das_jax.engine import _shape_kernels as _sk    # deferred import: numba
+        return tuple(_sk.shape_columns(int(rows), np.asarray(drafted_C, np.int64),
+                                       np.asarray(longest_C, np.int64),
+                                       np.asarray(drafting_C, np.int64), *self.kernel_args()))
+
+    def kernel_args(self) -> tuple:
+        """(buckets, widths, wide_buckets: int64 ascending; batch, attended_kv) as
+        `_shape_kernels.shape_columns` takes them after the per-choice columns."""
+        return self.buckets, self.widths, self.wide_buckets, self.batch, int(self.attended)
 
 
 def step_shape_fn(batch: int, kv_len: int, widths: Sequence[int],

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from das_jax.engine._shape_kernels import shape_columns
+
 _jit = njit(cache=True, nogil=True)
 
 
@@ -231,6 +233,40 @@ def distinct_rows(cols_KxC):
             n += 1
         inv[i] = j
     return first[:n], inv
+
+
+@_jit
+def choice_table(probs_AxK, lens_A, support_AxK, has_support_A, depth_RxD, depth_row_A,
+                 scale_JxS, age_bucket_A, f_A, c_tok, max_cuts, buckets, widths, wide_buckets,
+                 batch, attended):
+    """`DASPolicy.choose`'s arrays in one compiled pass: `calibrate` (the first eight
+    arguments), `prefix_sums`, `token_values` (f_A float64 `[A]`, c_tok), `candidates` of the
+    values lambda_b * q_b,d (with each row's best length, up to max_cuts cut-offs),
+    `expected_savings` and, with buckets (`schedule.PackedStepShape.kernel_args`, the last
+    five arguments; empty buckets: skipped), each choice's step shape
+    (`_shape_kernels.shape_columns`) and the distinct ones (`distinct_rows`). Returns
+    (q float64 `[A, D]`, cum float64 `[A, D + 1]`, lambda float64 `[A]`, n_CxA int32,
+    saved_C float64, drafted_C int64, cols int64 `[4, C]` (`[4, 0]` without buckets), first
+    int64 `[U]`, inv int64 `[C]`)."""
+    q = calibrate(probs_AxK, lens_A, support_AxK, has_support_A, depth_RxD, depth_row_A,
+                  scale_JxS, age_bucket_A)
+    cum = prefix_sums(q)
+    lam, n_opt = token_values(f_A, c_tok, cum, lens_A)
+    A, D = q.shape
+    value = np.empty((A, D))
+    for b in range(A):
+        for d in range(D):
+            value[b, d] = lam[b] * q[b, d]
+    n_CxA = candidates(lens_A, value, n_opt, max_cuts, True)
+    saved, drafted, longest, drafting = expected_savings(n_CxA, lam, cum)
+    if buckets.shape[0] == 0:
+        cols = np.zeros((4, 0), np.int64)
+        return q, cum, lam, n_CxA, saved, drafted, cols, np.zeros(0, np.int64), \
+            np.zeros(0, np.int64)
+    cols = shape_columns(A, drafted, longest, drafting, buckets, widths, wide_buckets, batch,
+                         attended)
+    first, inv = distinct_rows(cols)
+    return q, cum, lam, n_CxA, saved, drafted, cols, first, inv
 
 
 @_jit

@@ -110,6 +110,17 @@ def calibrated_paths(probs_AxK: np.ndarray, lens_A: np.ndarray, support_AxK: np.
     and age); age_bucket_A: int64 `[A]` each row's table row (`age_bucket`; None or -1: row 0).
     One compiled pass over the rows (`_budget_kernels.calibrate`)."""
     from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
+    return _bk.calibrate(*calibration_args(probs_AxK, lens_A, support_AxK, has_support_A,
+                                           depth_scale, support_scale, age_bucket_A,
+                                           depth_row_A))
+
+
+def calibration_args(probs_AxK: np.ndarray, lens_A: np.ndarray, support_AxK: np.ndarray,
+                     has_support_A: np.ndarray, depth_scale, support_scale: np.ndarray,
+                     age_bucket_A: np.ndarray | None = None,
+                     depth_row_A: np.ndarray | None = None) -> tuple:
+    """`calibrated_paths`'s arguments as its kernel takes them (`_budget_kernels.calibrate`,
+    and the policy's compiled choice, `_budget_kernels.choice_table`, which starts with it)."""
     lens_A = np.asarray(lens_A, np.int64)
     table = _as_table(support_scale)
     D = max(int(lens_A.max(initial=0)), 1)
@@ -117,10 +128,9 @@ def calibrated_paths(probs_AxK: np.ndarray, lens_A: np.ndarray, support_AxK: np.
         depth_scale, depth_row_A = [depth_scale], np.zeros(lens_A.shape[0], np.int64)
     depth_RxD = np.stack([grow_depth_scale(np.asarray(d, np.float64), D)[:D]
                           for d in depth_scale])
-    return _bk.calibrate(np.asarray(probs_AxK, np.float64), lens_A,
-                         np.asarray(support_AxK, np.int64), np.asarray(has_support_A, bool),
-                         depth_RxD, np.asarray(depth_row_A, np.int64),
-                         table, _age_rows(age_bucket_A, lens_A.shape[0], table))
+    return (np.asarray(probs_AxK, np.float64), lens_A, np.asarray(support_AxK, np.int64),
+            np.asarray(has_support_A, bool), depth_RxD, np.asarray(depth_row_A, np.int64),
+            table, _age_rows(age_bucket_A, lens_A.shape[0], table))
 
 
 def update_support_scale(support_scale: np.ndarray, n_A: np.ndarray, accepted_A: np.ndarray,

@@ -108,7 +108,7 @@ from das_jax.drafter.base import DRAFT_SOURCES, OTHER_SOURCE, DraftBatch, pick_r
 from das_jax.engine import StepRecord, shape_key
 from das_jax.engine.policy import RowBatch, as_draft_batch
 from das_jax.speculation.acceptance import (AGE_BUCKET_LABELS, AGE_BUCKETS, SUPPORT_BUCKETS, age_buckets_of,
-                                            calibrated_paths, grow_depth_scale, step_ratios,
+                                            calibration_args, grow_depth_scale, step_ratios,
                                             support_bucket, support_prior, update_depth_scale,
                                             update_support_scale)
 from das_jax.speculation.cost_model import CostModel
@@ -399,7 +399,14 @@ class DASPolicy:
         draft tokens are accepted (`acceptance.calibrated_paths`; drafts: a `DraftBatch`, or
         per-row path probabilities with optional `draft_support`, see
         `engine.policy.as_draft_batch`)."""
-        db = as_draft_batch(drafts, draft_support)
+        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
+        return _bk.calibrate(*self._calibration_args(as_draft_batch(drafts, draft_support)))
+
+    def _calibration_args(self, db: DraftBatch) -> tuple:
+        """The arguments of the calibration kernel (`acceptance.calibration_args`) for the
+        drafts `db`: each row's per-depth factors (its source's, grown to the longest draft)
+        and support-table row (source and age bucket; a (source, age) row seen for the first
+        time takes its neighbour's factors, `_adopt_new_ages`)."""
         D = int(db.lens_A.max(initial=0))
         src = self._sources(db)
         # the per-depth factors of the sources whose drafts have no support, only those
@@ -413,7 +420,7 @@ class DASPolicy:
                      else np.zeros(len(src), np.int64))
         age0 = self._table_ages(db)
         self._adopt_new_ages(src[db.has_support_A], age0[db.has_support_A])
-        return calibrated_paths(db.probs_AxK, db.lens_A, db.support_AxK, db.has_support_A,
+        return calibration_args(db.probs_AxK, db.lens_A, db.support_AxK, db.has_support_A,
                                 depth, self._support_table(), src * AGE_BUCKETS + age0,
                                 depth_row)
 
@@ -516,33 +523,36 @@ class DASPolicy:
                               else np.asarray(n_opt, np.int32), MAX_VALUE_CUTS,
                               n_opt is not None)
 
-    def _shapes(self, step_shape, n_CxA: np.ndarray, cols_4xC: np.ndarray | None = None
+    def _shapes(self, step_shape, n_CxA: np.ndarray, distinct: tuple | None = None
                 ) -> tuple[list[tuple], np.ndarray]:
         """(the distinct shape keys of the choices `n_CxA`, int64 `[C]` each choice's index
         among them); a key is `schedule.shape_key`'s (num_tokens, attended_kv, width or None,
-        and R of a split query block). From `cols_4xC` (int64: those four per choice) when
-        given, else through `step_shape.many` when the shape function has it, else one call
-        per choice."""
+        and R of a split query block). From `distinct` when given (int64 `[4, C]` those four
+        per choice, the first choice of each distinct shape and each choice's index among them,
+        as `_budget_kernels.choice_table` returns them), else through `step_shape.many` when the
+        shape function has it, else one call per choice."""
         many = getattr(step_shape, "many", None)
-        if cols_4xC is None and many is None:
+        if distinct is None and many is None:
             keys = [self._shape_key(step_shape(n)) for n in n_CxA]
             index: dict = {}
             inv = np.array([index.setdefault(k, len(index)) for k in keys], np.int64)
             return list(index), inv
         from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
-        if cols_4xC is None:
-            cols_4xC = np.stack(many(n_CxA))
-        first, inv = _bk.distinct_rows(np.ascontiguousarray(cols_4xC, np.int64))
+        if distinct is None:
+            cols_4xC = np.ascontiguousarray(np.stack(many(n_CxA)), np.int64)
+            first, inv = _bk.distinct_rows(cols_4xC)
+        else:
+            cols_4xC, first, inv = distinct
         return ([k[:3] if not k[3] else k for k in map(tuple, cols_4xC[:, first].T.tolist())],
                 inv)
 
     def _price_choices(self, step_shape, n_CxA: np.ndarray, read_kv: int | None,
-                       cols_4xC: np.ndarray | None = None
+                       distinct: tuple | None = None
                        ) -> tuple[np.ndarray, np.ndarray, list[tuple]]:
         """(float64 `[C]` predicted seconds, bool `[C]` whether the shape has run
         (`_seen_key`), the C shape keys) of the choices `n_CxA` of a step reading `read_kv`
-        cached positions (`cols_4xC`: as in `_shapes`); each distinct shape is priced once."""
-        keys, inv = self._shapes(step_shape, n_CxA, cols_4xC)
+        cached positions (`distinct`: as in `_shapes`); each distinct shape is priced once."""
+        keys, inv = self._shapes(step_shape, n_CxA, distinct)
         t = np.array([self._predict_key(k, read_kv) for k in keys], np.float64)
         seen = np.array([self._seen_key(k) for k in keys], bool)
         return t[inv], seen[inv], [keys[i] for i in inv.tolist()]
@@ -746,21 +756,19 @@ class DASPolicy:
         if self.config.unlimited or lens.max(initial=0) == 0:
             return lens, self._predict(step_shape(lens))
         from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
-        q_BxD = self.calibrated(db)
-        cum = _bk.prefix_sums(q_BxD)
         read_kv, kv = _attended(step_shape, lens)
         f = self.row_fixed_costs(rows, self.row_weights(rows), kv)
         self._planned_classes, self._step_classes = self._step_classes, None
         c_tok = max(self.cost_model.c_tok, 0.0)
-        lens64 = lens.astype(np.int64)
-        lam, n_opt = _bk.token_values(np.asarray(f, np.float64), c_tok, cum, lens64)
-        n_CxA = _bk.candidates(lens64, lam[:, None] * q_BxD, n_opt, MAX_VALUE_CUTS, True)
-        # the decoding time each choice's expected emitted tokens save (`objective`)
-        saved_C, sums_C, longest_C, drafting_C = _bk.expected_savings(n_CxA, lam, cum)
-        of_totals = getattr(step_shape, "of_totals", None)
-        cols = (None if of_totals is None else
-                np.stack(of_totals(len(lens), sums_C, longest_C, drafting_C)))
-        t_C, seen_C, shapes = self._price_choices(step_shape, n_CxA, read_kv, cols)
+        # calibration, token values, candidates, their savings and step shapes: one kernel
+        kernel_args = getattr(step_shape, "kernel_args", None)
+        shape_args = (kernel_args() if kernel_args is not None
+                      else (np.zeros(0, np.int64),) * 3 + (0, 0))
+        _, _, _, n_CxA, saved_C, sums_C, cols, first, inv = _bk.choice_table(
+            *self._calibration_args(db), np.asarray(f, np.float64), c_tok, MAX_VALUE_CUTS,
+            *shape_args)
+        t_C, seen_C, shapes = self._price_choices(
+            step_shape, n_CxA, read_kv, None if kernel_args is None else (cols, first, inv))
         sc = _Scored(t_C - saved_C, t_C, sums_C, (sums_C == 0) | seen_C, shapes)
         # Shapes already measured (compiled) are priced by their own times. A shape never run is
         # priced by the linear fit and costs a compile (`CostModel.compile_s`; ~1.5-2.5 s for
