@@ -306,7 +306,9 @@ def step_budgets(policy: "SpeculationPolicy", rows: RowBatch, batch: int,
     w = max(int(x) for x in widths)
     budgets = (policy.draft_budgets(rows, batch, w) if record
                else policy.draft_budgets(rows, batch, w, record=False))
-    return np.clip(np.minimum(budgets, rows.remaining - 1), 0, w - 1).astype(np.int32)
+    # np.minimum / np.maximum: np.clip costs twice as much on a step's few hundred rows
+    return np.maximum(np.minimum(np.minimum(budgets, rows.remaining - 1), w - 1), 0
+                      ).astype(np.int32)
 
 
 def ahead_inputs(plan: DraftPlan, rows: RowBatch, policy: "SpeculationPolicy", batch: int,
