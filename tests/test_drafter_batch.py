@@ -10,7 +10,7 @@ from das_jax.drafter import (DraftBatch, NgramDrafter, ProblemHistory, RequestCo
                              ShardedHistory, SuffixDrafter, SuffixTreeConfig, append_batch,
                              propose_batch)
 from das_jax.drafter import suffix_drafter
-from das_jax.drafter.suffix_drafter import SCOPES
+from das_jax.drafter.suffix_drafter import GLOBAL_INDEX_RATE, SCOPES
 from das_jax.drafter.suffix_tree import SuffixForest
 from das_jax.rollout.multi_device import LockedDrafter
 
@@ -33,12 +33,15 @@ class RowDrafter:
         self.scope = SuffixForest(config)
         self.groot = self.scope.new_tree() if "global" in self.scopes else -1
         self.gseqs, self.gpending = [], []
+        self.ghead = 0           # tokens of gpending[0] in the global trie (its sid: gseqs[-1])
+        self.appended = 0        # tokens appended since the last full flush
         self.ended = []          # (rsid, rroot) of ended requests, removed at the next full flush
 
     def append_context(self, rid, toks):
         """`append_batch(..., index_later=True)`: the context now, the history at `flush`."""
         self.requests[rid][2].extend(np.asarray(toks, np.int32))
         self.pending.append((rid, np.asarray(toks, np.int32)))
+        self.appended += len(toks)
 
     def _index(self, rid, toks, request_trie=True):
         req = self.requests[rid]
@@ -46,20 +49,35 @@ class RowDrafter:
         if req[5] >= 0 and request_trie:
             self.scope.append(req[5], toks)
 
+    def index_global(self, budget=None):
+        """Finished rollouts into the global trie, token by token in order, up to `budget`
+        tokens (None: all)."""
+        while self.gpending and (budget is None or budget > 0):
+            toks = self.gpending[0]
+            if self.ghead == 0:
+                self.gseqs.append(self.scope.new_seq(self.groot))
+            take = len(toks) - self.ghead if budget is None else min(len(toks) - self.ghead,
+                                                                     budget)
+            self.scope.append(self.gseqs[-1], toks[self.ghead:self.ghead + take])
+            self.ghead += take
+            budget = None if budget is None else budget - take
+            if self.ghead == len(toks):
+                self.scope.freeze(self.gseqs[-1])
+                self.gpending.pop(0)
+                self.ghead = 0
+        while len(self.gseqs) > self.global_rollouts:
+            self.scope.remove(self.gseqs.pop(0))
+
     def flush(self, rid=None, request_trie=True):
         if rid is None:
             for rsid, rroot in self.ended:
                 self.scope.remove(rsid)
                 self.scope.drop_tree(rroot)
             self.ended = []
-            for toks in self.gpending:
-                sid = self.scope.new_seq(self.groot)
-                self.scope.append(sid, toks)
-                self.scope.freeze(sid)
-                self.gseqs.append(sid)
-            self.gpending = []
-            while len(self.gseqs) > self.global_rollouts:
-                self.scope.remove(self.gseqs.pop(0))
+            # at most GLOBAL_INDEX_RATE x the tokens appended since the last full flush
+            if self.gpending:
+                self.index_global(GLOBAL_INDEX_RATE * self.appended)
+            self.appended = 0
         keep = []
         for r, toks in self.pending:
             if rid is None or r == rid:
@@ -92,12 +110,17 @@ class RowDrafter:
                     best = x
         return best.draft
 
-    def append(self, rid, toks):
-        self.flush()
-        ctx = self.requests[rid][2]
+    def append(self, rid, toks, flush=True):
+        """`SuffixDrafter.append` (a full flush first; `flush` False: one row of a batched
+        `append_batch`, which flushes once before its rows)."""
+        if flush:
+            self.flush()
         arr = np.asarray(toks, np.int32)
-        ctx.extend(arr)
+        if not len(arr):
+            return
+        self.requests[rid][2].extend(arr)
         self._index(rid, arr)
+        self.appended += len(arr)
 
     def end(self, rid):
         self.flush(rid, request_trie=False)     # its request trie is dropped: not indexed
@@ -112,10 +135,12 @@ class RowDrafter:
 
     def advance_epoch(self):
         self.flush()
+        self.index_global()
         self.history.advance_epoch()
 
     def state_dict(self):
         self.flush()
+        self.index_global()
         return {"kind": "suffix", "history": self.history.state_dict(),
                 "requests": [[rid, pid, h, ctx.array.copy(), rroot, rsid]
                              for rid, (pid, h, ctx, _, rroot, rsid) in self.requests.items()],
@@ -133,6 +158,7 @@ class RowDrafter:
         self.scope.load_state_dict(state["scope_forest"])
         self.groot, self.gseqs = state["global_root"], list(state["global_seqs"])
         self.gpending = list(state["global_pending"])
+        self.ghead = self.appended = 0
 
 
 def assert_same_state(a, b, where="state"):
@@ -226,16 +252,15 @@ def _scenario(seed, threads, window, max_problems=None, steps=120, reload_at=60,
                 for rid, row, n in zip(ids, toks, n_A):
                     if n:
                         ref.append_context(int(rid), row[:n])
-            else:
-                if rng.random() < 0.8:
-                    d.append_batch(ids, toks, n_A)
-                else:
-                    for rid, row, n in zip(ids, toks, n_A):
-                        d.append(int(rid), row[:n])
+            elif rng.random() < 0.8:
+                d.append_batch(ids, toks, n_A)
                 ref.flush()
                 for rid, row, n in zip(ids, toks, n_A):
-                    if n:
-                        ref.append(int(rid), row[:n])
+                    ref.append(int(rid), row[:n], flush=False)
+            else:
+                for rid, row, n in zip(ids, toks, n_A):
+                    d.append(int(rid), row[:n])
+                    ref.append(int(rid), row[:n])
         for rid in list(live):
             if rng.random() < 0.08:
                 d.end(rid)

@@ -129,6 +129,49 @@ def test_request_below_searches_the_request_trie_only_for_low_scoring_rows():
         SuffixDrafter(CFG, request_below=float("nan"))
 
 
+def test_finished_rollouts_enter_the_global_trie_at_a_bounded_rate():
+    """A full flush indexes finished rollouts into the global trie up to GLOBAL_INDEX_RATE (4)
+    times the tokens appended since the previous full flush, oldest first; a rollout cut there
+    goes on at the next flush (the part indexed drafts meanwhile); `advance_epoch` and
+    `state_dict` index all of them."""
+    from das_jax.drafter.suffix_drafter import GLOBAL_INDEX_RATE
+    assert GLOBAL_INDEX_RATE == 4
+    a, b = list(range(100, 140)), list(range(200, 240))
+    d = SuffixDrafter(CFG, scopes=("problem", "global"), global_below=1e9)
+    for rid in (0, 1, 2):
+        d.begin(rid, "pq"[rid // 2], [])
+    d.append_batch([0, 1], np.array([a, b], np.int32), [40, 40], index_later=True)
+    d.flush_appends()                    # nothing finished yet: the 80 tokens buy nothing
+    d.end(0)
+    d.end(1)
+
+    def indexed():
+        f = d.scope_forest
+        return [f.seq_len(s) for s in d._global_seqs], len(d._global_pending)
+
+    d.append_batch([2], np.array([[11, 12, 13]], np.int32), [3], index_later=True)
+    d.flush_appends()
+    assert indexed() == ([12], 2)        # 4 x 3 tokens of the first rollout
+    assert d.propose(2, 3).tokens.tolist() == []     # 13 is in no rollout
+    d.begin(3, "z", [])
+    d.append(3, [104, 105])              # a full flush first: nothing appended since the last
+    assert indexed() == ([12], 2)
+    assert d.propose(3, 4).tokens.tolist() == [106, 107]    # CFG: no longer than the match
+    d.append_batch([2, 3], np.array([[1] * 10, [106] * 10], np.int32), [10, 1],
+                   index_later=True)
+    d.flush_appends()                    # 4 x (2 + 11): the first rollout's last 28, 24 more
+    assert indexed() == ([40, 24], 1)
+    state = d.state_dict()               # indexes the rest
+    assert indexed() == ([40, 40], 0) and state["global_pending"] == []
+    d2 = SuffixDrafter(CFG, scopes=("problem", "global"), global_below=1e9)
+    d2.load_state_dict(pickle.loads(pickle.dumps(state)))
+    d2.append(3, [236, 237])
+    assert d2.propose(3, 2).tokens.tolist() == [238, 239]
+    d.end(2)
+    d.advance_epoch()                    # every finished rollout
+    assert indexed()[1] == 0 and len(indexed()[0]) == 3
+
+
 def test_global_rollouts_keeps_the_most_recent_finished_rollouts():
     d = SuffixDrafter(CFG, scopes=("problem", "global"), global_rollouts=2, global_below=1e9)
     for i, pid in enumerate("abc"):

@@ -49,6 +49,11 @@ class _Request:
 # of the work saves.
 _MIN_ROWS_PER_THREAD = 32
 _MIN_APPEND_ROWS_PER_THREAD = 16
+# A full flush indexes finished rollouts into the global trie up to this many times the tokens
+# appended since the previous full flush (the rest at the next ones, and all of them at
+# `advance_epoch` and `state_dict`): a step where several long rollouts finish at once then
+# costs no more than the steps around it, while the trie keeps up with the rollouts finishing.
+GLOBAL_INDEX_RATE = 4
 
 SCOPES = ("problem", "request", "global")
 
@@ -80,8 +85,10 @@ class SuffixDrafter:
         global trie lives in its own forest (`scope_forest`), and so do the request tries
         with one thread; sharded, a request's trie is in its shard's request forest
         (`request_forests`), so that each thread's appends touch their own arrays. A
-        finished rollout is indexed into the global trie at the next `flush_appends` (off
-        the step's critical path in the engine).
+        finished rollout is indexed into the global trie by the next full `flush_appends`
+        (off the step's critical path in the engine), each indexing at most
+        `GLOBAL_INDEX_RATE` times the tokens appended since the one before (all at
+        `advance_epoch` and `state_dict`).
       global_rollouts: finished rollouts the global trie keeps (oldest dropped first), >= 1.
       global_below: the global trie is searched only for rows whose problem / request draft
         scores below this (expected accepted tokens, >= 0; 0: never, inf: always). On the
@@ -147,6 +154,9 @@ class SuffixDrafter:
                                 [SuffixForest(self.config) for _ in range(n)])
         self._global_seqs: collections.deque = collections.deque()   # indexed sids, oldest first
         self._global_pending: list[np.ndarray] = []      # finished rollouts not yet indexed
+        # tokens of _global_pending[0] indexed so far (its sequence: the newest of _global_seqs)
+        self._global_head = 0
+        self._appended = 0             # tokens appended since the last full flush
         # (request forest, sid, root) of ended requests' tries
         self._ended_tries: list[tuple[int, int, int]] = []
 
@@ -189,6 +199,7 @@ class SuffixDrafter:
         n = arr.size
         if n == 0:
             return
+        self._appended += n
         if sl.sid[s] >= 0:
             self._forests()[sl.shard[s]].append(int(sl.sid[s]), arr)
         if sl.rsid[s] >= 0:
@@ -243,7 +254,9 @@ class SuffixDrafter:
         if not index_later:
             self.flush_appends()
             self._append_slots(slots, tokens_AxW, n_A)
+            self._appended += int(n_A.sum())
             return
+        self._appended += int(n_A.sum())
         self._append_slots(slots, tokens_AxW, n_A, BK.CONTEXT)
         indexed = (self._slots.sid[slots] >= 0) | (self._slots.rsid[slots] >= 0)
         if indexed.any():
@@ -342,7 +355,8 @@ class SuffixDrafter:
     def flush_appends(self, slot: int | None = None, *, request_trie: bool = True) -> None:
         """Indexes the deferred appends (`append_batch(..., index_later=True)`) into the trie,
         in their order: all of them (then also the finished rollouts waiting for the global
-        trie, and the ended requests' tries are removed), or only slot `slot`'s (with
+        trie, up to `GLOBAL_INDEX_RATE` x the tokens appended since the last full flush, and
+        the ended requests' tries are removed), or only slot `slot`'s (with
         `request_trie` false, not into its request trie: `end`, which drops it). Drafts made
         ahead (`propose_ahead`) for the tries it changes are void."""
         sl = self._slots
@@ -355,8 +369,10 @@ class SuffixDrafter:
                 self.request_forests[k].remove(sid)
                 self.request_forests[k].drop_tree(root)
             self._ended_tries = []
-        if slot is None and self._global_pending:
-            self._index_global()
+        if slot is None:
+            if self._global_pending:
+                self._index_global(GLOBAL_INDEX_RATE * self._appended)
+            self._appended = 0
         if not self._deferred:
             return
         if slot is None:
@@ -393,6 +409,7 @@ class SuffixDrafter:
 
     def advance_epoch(self) -> None:
         self.flush_appends()
+        self._index_global()
         self.history.advance_epoch()
         self._sync_slots()
         self._ahead.void()
@@ -423,16 +440,26 @@ class SuffixDrafter:
         f.append(sid, np.asarray(tokens, np.int32).reshape(-1))
         sl.rroot[s], sl.rsid[s], sl.rshard[s] = root, sid, k
 
-    def _index_global(self) -> None:
-        """Indexes the finished rollouts waiting for the global trie, dropping the oldest beyond
-        `global_rollouts`."""
+    def _index_global(self, budget: int | None = None) -> None:
+        """Indexes the finished rollouts waiting for the global trie, oldest first, up to
+        `budget` tokens (None: all; a rollout cut there goes on from that token next time, a
+        live sequence of the trie meanwhile), dropping the oldest beyond `global_rollouts`."""
         f = self.scope_forest
-        for tokens in self._global_pending:
-            sid = f.new_seq(self._global_root)
-            f.append(sid, tokens)
-            f.freeze(sid)
-            self._global_seqs.append(sid)
-        self._global_pending = []
+        left = None if budget is None else int(budget)
+        while self._global_pending and (left is None or left > 0):
+            tokens = self._global_pending[0]
+            if self._global_head == 0:
+                self._global_seqs.append(f.new_seq(self._global_root))
+            sid = self._global_seqs[-1]
+            end = len(tokens) if left is None else min(len(tokens), self._global_head + left)
+            f.append(sid, tokens[self._global_head:end])
+            if left is not None:
+                left -= end - self._global_head
+            self._global_head = end
+            if end == len(tokens):
+                f.freeze(sid)
+                self._global_pending.pop(0)
+                self._global_head = 0
         while len(self._global_seqs) > self.global_rollouts:
             f.remove(self._global_seqs.popleft())
 
@@ -641,6 +668,7 @@ class SuffixDrafter:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         self.flush_appends()
+        self._index_global()
         for req in self._requests.values():        # live output lengths back to the history
             self.history.rollout(req.handle).out_len = int(self._slots.out_len[req.slot])
         sl = self._slots
@@ -683,6 +711,7 @@ class SuffixDrafter:
             self._global_root = int(state["global_root"])
             self._global_seqs = collections.deque(int(x) for x in state["global_seqs"])
             self._global_pending = [np.asarray(t, np.int32) for t in state["global_pending"]]
+            self._global_head = 0
             self.request_forests = [self.scope_forest]
             if "request_forests" in state:
                 self.request_forests = [SuffixForest(self.config)
