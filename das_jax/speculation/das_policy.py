@@ -529,20 +529,14 @@ class DASPolicy:
         among them); a key is `schedule.shape_key`'s (num_tokens, attended_kv, width or None,
         and R of a split query block). From `distinct` when given (int64 `[4, C]` those four
         per choice, the first choice of each distinct shape and each choice's index among them,
-        as `_budget_kernels.choice_table` returns them), else through `step_shape.many` when the
-        shape function has it, else one call per choice."""
-        many = getattr(step_shape, "many", None)
-        if distinct is None and many is None:
+        as `_budget_kernels.choice_table` returns them for a shape function with
+        `kernel_args`), else one call of the shape function per choice."""
+        if distinct is None:
             keys = [self._shape_key(step_shape(n)) for n in n_CxA]
             index: dict = {}
             inv = np.array([index.setdefault(k, len(index)) for k in keys], np.int64)
             return list(index), inv
-        from das_jax.speculation import _budget_kernels as _bk   # deferred import: numba
-        if distinct is None:
-            cols_4xC = np.ascontiguousarray(np.stack(many(n_CxA)), np.int64)
-            first, inv = _bk.distinct_rows(cols_4xC)
-        else:
-            cols_4xC, first, inv = distinct
+        cols_4xC, first, inv = distinct
         return ([k[:3] if not k[3] else k for k in map(tuple, cols_4xC[:, first].T.tolist())],
                 inv)
 
